@@ -1,0 +1,1 @@
+"""Checkpoint conversion between backends and layouts (Linen, NNX, scanned, Hugging Face, MaxText)."""

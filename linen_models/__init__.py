@@ -1,0 +1,1 @@
+"""Flax Linen decoder families. Mirrors nnx_models/ file for file."""

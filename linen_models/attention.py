@@ -1,0 +1,38 @@
+"""Llama self-attention: q/k/v projections, RoPE, grouped-query attention, output."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from linen_models.linears import DenseGeneral
+from maxbridge import initializers
+from maxbridge.config import Config
+from maxbridge.ops import attention, rotary
+
+
+class Attention(nn.Module):
+  config: Config
+
+  @nn.compact
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    cfg = self.config
+    dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype))
+    heads, kv_heads, head_dim = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
+    query = DenseGeneral(
+        (cfg.emb_dim,), (heads, head_dim), ("embed", "q_heads", "kv"),
+        initializers.query_kernel(), name="query", **dtypes,
+    )(x)
+    key = DenseGeneral(
+        (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"),
+        name="key", **dtypes,
+    )(x)
+    value = DenseGeneral(
+        (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"),
+        name="value", **dtypes,
+    )(x)
+    query = rotary.apply_rotary(query, positions, max_timescale=cfg.rope_max_timescale)
+    key = rotary.apply_rotary(key, positions, max_timescale=cfg.rope_max_timescale)
+    out = attention.dot_product_attention(query, key, value, segment_ids)
+    return DenseGeneral(
+        (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"),
+        initializers.kernel(in_ndim=2), name="out", **dtypes,
+    )(out)

@@ -1,0 +1,26 @@
+"""DenseGeneral: a kernel of shape in_features + out_features with logical axes."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from maxbridge import initializers
+from maxbridge.ops import linear
+
+
+class DenseGeneral(nn.Module):
+  in_features: tuple[int, ...]
+  out_features: tuple[int, ...]
+  logical_axes: tuple[str, ...]
+  kernel_init: initializers.Initializer = initializers.kernel()
+  dtype: jnp.dtype = jnp.float32
+  weight_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    kernel = self.param(
+        "kernel",
+        nn.with_logical_partitioning(self.kernel_init, self.logical_axes),
+        self.in_features + self.out_features,
+        self.weight_dtype,
+    )
+    return linear.dense_general(x, kernel, in_ndim=len(self.in_features), dtype=self.dtype)

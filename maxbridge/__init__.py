@@ -1,0 +1,6 @@
+"""maxbridge: one decoder-only transformer in Flax Linen and Flax NNX, behind three flags."""
+from maxbridge.config import Config, ConfigError, load_config
+from maxbridge.dispatch import create_model
+from maxbridge.model import Model
+
+__all__ = ["Config", "ConfigError", "Model", "create_model", "load_config"]

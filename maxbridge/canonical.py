@@ -1,0 +1,120 @@
+"""The canonical parameter tree: flat paths, layer stacking, and checked loading.
+
+Both backends declare the same nested dict of arrays (see DESIGN.md). This
+module is the one place that knows how scanned layers (`decoder/layers`,
+stacked on `param_scan_axis`) relate to unscanned ones (`decoder/layers_i`).
+"""
+import re
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_LAYER = re.compile(r"^(.*/)?layers_(\d+)(/.*)$")
+_STACKED = re.compile(r"^(.*/)?layers(/.*)$")
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  """Nested dict -> {"a/b/c": leaf}. Non-dict values are leaves."""
+  flat = {}
+  for key, value in tree.items():
+    path = f"{prefix}{key}"
+    if isinstance(value, Mapping):
+      flat.update(flatten(value, path + "/"))
+    else:
+      flat[path] = value
+  return flat
+
+
+def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+  tree: dict[str, Any] = {}
+  for path, value in flat.items():
+    *parents, leaf = path.split("/")
+    node = tree
+    for name in parents:
+      node = node.setdefault(name, {})
+    node[leaf] = value
+  return tree
+
+
+def is_scanned(tree: Mapping[str, Any]) -> bool:
+  return any(_STACKED.match(p) for p in flatten(tree))
+
+
+def stack_layers(tree: Mapping[str, Any], axis: int) -> dict[str, Any]:
+  """`layers_0 … layers_{L-1}` -> `layers`, each leaf stacked on `axis`."""
+  groups: dict[str, dict[int, Any]] = {}
+  flat = {}
+  for path, leaf in flatten(tree).items():
+    match = _LAYER.match(path)
+    if match:
+      prefix, index, rest = match.groups()
+      groups.setdefault(f"{prefix or ''}layers{rest}", {})[int(index)] = leaf
+    else:
+      flat[path] = leaf
+  for path, by_index in groups.items():
+    if sorted(by_index) != list(range(len(by_index))):
+      raise ValueError(f"cannot stack {path}: layer indices {sorted(by_index)} are not 0..L-1")
+    flat[path] = _stack([by_index[i] for i in range(len(by_index))], axis)
+  return unflatten(flat)
+
+
+def unstack_layers(tree: Mapping[str, Any], axis: int) -> dict[str, Any]:
+  """`layers` stacked on `axis` -> `layers_0 … layers_{L-1}`."""
+  flat = {}
+  for path, leaf in flatten(tree).items():
+    match = _STACKED.match(path)
+    if not match:
+      flat[path] = leaf
+      continue
+    prefix, rest = match.groups()
+    for i in range(leaf.shape[axis]):
+      flat[f"{prefix or ''}layers_{i}{rest}"] = _take(leaf, i, axis)
+  return unflatten(flat)
+
+
+def _stack(leaves: list, axis: int):
+  if isinstance(leaves[0], jax.ShapeDtypeStruct):
+    shape = list(leaves[0].shape)
+    shape.insert(axis, len(leaves))
+    return jax.ShapeDtypeStruct(tuple(shape), leaves[0].dtype)
+  if isinstance(leaves[0], np.ndarray):
+    return np.stack(leaves, axis=axis)
+  return jnp.stack(leaves, axis=axis)
+
+
+def _take(leaf, index: int, axis: int):
+  if isinstance(leaf, jax.ShapeDtypeStruct):
+    shape = list(leaf.shape)
+    del shape[axis]
+    return jax.ShapeDtypeStruct(tuple(shape), leaf.dtype)
+  return leaf[(slice(None),) * axis + (index,)]
+
+
+def conform(tree: Mapping[str, Any], abstract: Mapping[str, Any], axis: int) -> dict[str, Any]:
+  """Returns `tree` in the scanned/unscanned form of `abstract`, checked leaf by leaf.
+
+  A missing, extra or mis-shaped leaf raises ValueError naming its path.
+  """
+  if not isinstance(tree, Mapping):
+    raise TypeError(f"parameters must be a nested dict of arrays, got {type(tree).__name__}")
+  want_scanned, have_scanned = is_scanned(abstract), is_scanned(tree)
+  if want_scanned and not have_scanned:
+    tree = stack_layers(tree, axis)
+  elif have_scanned and not want_scanned:
+    tree = unstack_layers(tree, axis)
+  got, want = flatten(tree), flatten(abstract)
+  missing = sorted(set(want) - set(got))
+  extra = sorted(set(got) - set(want))
+  if missing or extra:
+    lines = [f"  missing: {p} {tuple(want[p].shape)}" for p in missing]
+    lines += [f"  unexpected: {p}" for p in extra]
+    raise ValueError("parameter tree does not match the model:\n" + "\n".join(lines))
+  for path, leaf in got.items():
+    if tuple(np.shape(leaf)) != tuple(want[path].shape):
+      raise ValueError(
+          f"parameter {path} has shape {tuple(np.shape(leaf))}, the model expects "
+          f"{tuple(want[path].shape)}"
+      )
+  return unflatten({p: jnp.asarray(got[p], want[p].dtype) for p in want})

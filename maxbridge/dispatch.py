@@ -1,0 +1,86 @@
+"""The one place that reads `pure_nnx`, `enable_nnx` and `pure_nnx_decoder`.
+
+    pure_nnx          the train state and step (and so the top-level module): NNX vs Linen
+    enable_nnx        the top-level model (embedder, wiring): NNX vs Linen
+    pure_nnx_decoder  the decoder stack: NNX vs Linen
+
+A Linen part inside an NNX part is wrapped with `bridge.ToNNX`, an NNX part
+inside a Linen part with `bridge.ToLinen`. Every combination declares the same
+canonical parameter tree.
+"""
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.core import FrozenDict
+
+from linen_models import decoders as linen_decoders
+from linen_models import models as linen_models
+from maxbridge import bridge, initializers
+from maxbridge.config import Config
+from maxbridge.model import LinenModel, Model, NNXModel
+from nnx_models import decoders as nnx_decoders
+from nnx_models import models as nnx_models
+
+
+def sample_inputs(config: Config) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Smallest (tokens, positions, segment_ids) that initialise a Transformer."""
+  ones = jnp.ones((1, 1), jnp.int32)
+  return ones, ones - 1, ones
+
+
+def _decoder_sample_inputs(config: Config) -> tuple:
+  x = jnp.zeros((1, 1, config.emb_dim), jnp.dtype(config.dtype))
+  table = jnp.zeros((config.vocab_size, config.emb_dim), jnp.dtype(config.weight_dtype))
+  _, positions, segment_ids = sample_inputs(config)
+  return x, positions, segment_ids, table if config.logits_via_embedding else None
+
+
+def linen_decoder(config: Config) -> nn.Module:
+  if config.pure_nnx_decoder:
+    return bridge.ToLinen(nnx_decoders.Decoder, kwargs=FrozenDict(config=config))
+  return linen_decoders.Decoder(config)
+
+
+def nnx_decoder(config: Config, rngs: nnx.Rngs) -> nnx.Module:
+  if config.pure_nnx_decoder:
+    return nnx_decoders.Decoder(config, rngs=rngs)
+  return bridge.ToNNX(linen_decoders.Decoder(config), rngs=rngs).lazy_init(
+      *_decoder_sample_inputs(config)
+  )
+
+
+def linen_transformer(config: Config) -> nn.Module:
+  if config.enable_nnx:
+    factory = functools.partial(nnx_decoder, config)
+    return bridge.ToLinen(
+        nnx_models.Transformer, kwargs=FrozenDict(config=config, decoder_factory=factory)
+    )
+  return linen_models.Transformer(config, decoder=linen_decoder(config))
+
+
+def nnx_transformer(config: Config, rngs: nnx.Rngs) -> nnx.Module:
+  if config.enable_nnx:
+    return nnx_models.Transformer(config, functools.partial(nnx_decoder, config), rngs=rngs)
+  return bridge.ToNNX(linen_transformer(config), rngs=rngs).lazy_init(*sample_inputs(config))
+
+
+def create_model(config: Config, seed: int | None = None) -> Model:
+  """The model for `config`'s flags, with canonical initial parameters for `seed`.
+
+  Parameters come from `initializers.init_params` (seed + canonical path), not
+  from either backend's RNG streams, so every flag combination starts equal.
+  """
+  if config.pure_nnx:
+    # Abstract: the real values are written once, by load_params below.
+    module = nnx.eval_shape(lambda: nnx_transformer(config, nnx.Rngs(params=0)))
+    model: Model = NNXModel(config, module)
+  else:
+    model = LinenModel(config, linen_transformer(config), sample_inputs(config))
+  seed = config.seed if seed is None else seed
+  abstract = model.abstract_params()
+  params = jax.jit(lambda s: initializers.init_params(abstract, s, config.param_scan_axis))(seed)
+  model.load_params(params)
+  return model

@@ -1,0 +1,156 @@
+"""`mb.Model`: one interface over a Linen or an NNX top-level module.
+
+Parameters cross this interface only as the canonical tree (a nested dict of
+arrays, see DESIGN.md), so code written against `Model` never knows which
+backend it drives.
+"""
+import abc
+import functools
+from typing import Any, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxbridge import canonical
+from maxbridge.config import Config
+
+Params = dict[str, Any]
+
+
+def default_inputs(tokens, positions=None, segment_ids=None):
+  """Fills positions 0..T-1 and a single segment when not given."""
+  tokens = jnp.asarray(tokens)
+  if tokens.ndim != 2:
+    raise ValueError(f"tokens must be int [batch, length], got shape {tokens.shape}")
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  if segment_ids is None:
+    segment_ids = jnp.ones(tokens.shape, jnp.int32)
+  return tokens, jnp.asarray(positions), jnp.asarray(segment_ids)
+
+
+class Model(abc.ABC):
+  """The same methods on both backends; see `LinenModel` and `NNXModel`."""
+
+  def __init__(self, config: Config, module: Any):
+    self.config = config
+    self.module = module
+
+  @abc.abstractmethod
+  def abstract_params(self) -> Params:
+    """Canonical tree of `jax.ShapeDtypeStruct`s."""
+
+  @abc.abstractmethod
+  def logical_axes(self) -> dict[str, Any]:
+    """Canonical tree of logical axis-name tuples, one per parameter."""
+
+  @abc.abstractmethod
+  def params(self) -> Params:
+    """The current parameters as a canonical pure dict of arrays."""
+
+  @abc.abstractmethod
+  def _set_params(self, params: Params) -> None:
+    ...
+
+  @abc.abstractmethod
+  def _forward(self, params, tokens, positions, segment_ids):
+    """(logits, flat intermediates) as a pure function of canonical params."""
+
+  def load_params(self, tree: Mapping[str, Any]) -> None:
+    """Loads a canonical tree, scanned or unscanned; errors name any bad path."""
+    self._set_params(
+        canonical.conform(tree, self.abstract_params(), self.config.param_scan_axis)
+    )
+
+  def apply(self, params: Params, tokens, positions=None, segment_ids=None) -> jax.Array:
+    """Logits as a pure, differentiable function of canonical `params`."""
+    return self._forward(params, *default_inputs(tokens, positions, segment_ids))[0]
+
+  def apply_with_intermediates(self, params: Params, tokens, positions=None, segment_ids=None):
+    """(logits, {"decoder/hidden_states": final normed hidden states [B, T, D]})."""
+    return self._forward(params, *default_inputs(tokens, positions, segment_ids))
+
+  def logits(self, tokens, positions=None, segment_ids=None) -> jax.Array:
+    """int32 [B, T] -> float32 [B, T, V] with the current parameters."""
+    return _jitted_apply(self)(self.params(), *default_inputs(tokens, positions, segment_ids))
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted_apply(model: Model):
+  return jax.jit(model.apply)
+
+
+def _flat_intermediates(tree: Mapping[str, Any]) -> dict[str, jax.Array]:
+  """Sown values are tuples (one entry per call); keep the last, keyed by path."""
+  flat = {}
+  for path, value in canonical.flatten(tree).items():
+    path = path.removesuffix("/0")  # NNX flattens the sown tuple into a "0" key
+    flat[path] = value[-1] if isinstance(value, tuple) else value
+  return flat
+
+
+class LinenModel(Model):
+  """A Linen top-level module and its parameters (held here: Linen modules hold none)."""
+
+  def __init__(self, config: Config, module: nn.Module, sample_inputs: tuple):
+    super().__init__(config, module)
+    variables = jax.eval_shape(module.init, jax.random.key(0), *sample_inputs)
+    self._boxed = variables["params"]
+    self._params: Params | None = None
+
+  def abstract_params(self) -> Params:
+    return canonical.unflatten(canonical.flatten(nn.unbox(self._boxed)))
+
+  def logical_axes(self) -> dict[str, Any]:
+    specs = nn.get_partition_spec(self._boxed)
+    return canonical.unflatten(
+        {p: tuple(s) for p, s in canonical.flatten(specs).items()}
+    )
+
+  def params(self) -> Params:
+    return self._params
+
+  def _set_params(self, params: Params) -> None:
+    self._params = params
+
+  def _forward(self, params, tokens, positions, segment_ids):
+    logits, state = self.module.apply(
+        {"params": params}, tokens, positions, segment_ids, mutable=["intermediates"]
+    )
+    return logits, _flat_intermediates(state.get("intermediates", {}))
+
+
+class NNXModel(Model):
+  """An NNX top-level module; it holds its own parameters."""
+
+  def abstract_params(self) -> Params:
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self._pure_params()
+    )
+
+  def logical_axes(self) -> dict[str, Any]:
+    flat = {
+        "/".join(map(str, path)): tuple(var.get_metadata().get("out_sharding") or ())
+        for path, var in nnx.to_flat_state(nnx.state(self.module, nnx.Param))
+    }
+    return canonical.unflatten(flat)
+
+  def params(self) -> Params:
+    return self._pure_params()
+
+  def _pure_params(self) -> Params:
+    pure = nnx.to_pure_dict(nnx.state(self.module, nnx.Param))
+    return canonical.unflatten(canonical.flatten(pure))
+
+  def _set_params(self, params: Params) -> None:
+    nnx.update(self.module, params)
+
+  def _forward(self, params, tokens, positions, segment_ids):
+    graphdef, state = nnx.split(self.module, nnx.Param)
+    nnx.replace_by_pure_dict(state, params)
+    module = nnx.merge(graphdef, state)
+    logits = module(tokens, positions, segment_ids)
+    intermediates = nnx.to_pure_dict(nnx.state(module, nnx.Intermediate))
+    return logits, _flat_intermediates(intermediates)

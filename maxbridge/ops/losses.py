@@ -1,0 +1,25 @@
+"""Token-level losses."""
+import jax
+import jax.numpy as jnp
+
+
+def cross_entropy_with_z_loss(
+    logits: jax.Array, targets: jax.Array, *, z_loss_multiplier: float = 0.0
+) -> tuple[jax.Array, jax.Array]:
+  """Per-token cross-entropy plus z-loss, and the z-loss alone: [B, T, V], [B, T] -> [B, T] each.
+
+  The z-loss, z * logsumexp(logits)^2, keeps the softmax normaliser near 1
+  (PaLM); it is added to the returned loss so that one gradient covers both.
+  """
+  with jax.named_scope("cross_entropy"):
+    logits = logits.astype(jnp.float32)
+    log_normalizer = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    z_loss = z_loss_multiplier * jnp.square(log_normalizer)
+    return log_normalizer - target_logit + z_loss, z_loss
+
+
+def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
+  """Mean over the positions where mask is true (0 when none are)."""
+  mask = mask.astype(values.dtype)
+  return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)

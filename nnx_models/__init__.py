@@ -1,0 +1,1 @@
+"""Flax NNX decoder families. Mirrors linen_models/ file for file."""

@@ -1,0 +1,28 @@
+"""Token embedding table [vocab, embed]."""
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxbridge import initializers
+from maxbridge.ops import embedding as embedding_ops
+
+
+class Embed(nnx.Module):
+
+  def __init__(
+      self,
+      num_embeddings: int,
+      features: int,
+      dtype: jnp.dtype = jnp.float32,
+      weight_dtype: jnp.dtype = jnp.float32,
+      *,
+      rngs: nnx.Rngs,
+  ):
+    self.embedding = nnx.Param(
+        initializers.embedding()(rngs.params(), (num_embeddings, features), weight_dtype),
+        out_sharding=("vocab", "embed"),
+    )
+    self.dtype = dtype
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    return embedding_ops.embed(tokens, self.embedding[...], dtype=self.dtype)

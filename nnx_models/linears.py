@@ -1,0 +1,31 @@
+"""DenseGeneral: a kernel of shape in_features + out_features with logical axes."""
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxbridge import initializers
+from maxbridge.ops import linear
+
+
+class DenseGeneral(nnx.Module):
+
+  def __init__(
+      self,
+      in_features: tuple[int, ...],
+      out_features: tuple[int, ...],
+      logical_axes: tuple[str, ...],
+      kernel_init: initializers.Initializer = initializers.kernel(),
+      dtype: jnp.dtype = jnp.float32,
+      weight_dtype: jnp.dtype = jnp.float32,
+      *,
+      rngs: nnx.Rngs,
+  ):
+    shape = tuple(in_features) + tuple(out_features)
+    self.kernel = nnx.Param(
+        kernel_init(rngs.params(), shape, weight_dtype), out_sharding=tuple(logical_axes)
+    )
+    self.in_ndim = len(in_features)
+    self.dtype = dtype
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return linear.dense_general(x, self.kernel[...], in_ndim=self.in_ndim, dtype=self.dtype)
