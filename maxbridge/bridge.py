@@ -1,7 +1,10 @@
 """Linen <-> NNX wrappers: `flax.nnx.bridge`, plus what it lacks for a whole model.
 
-flax's wrappers do the real work; these subclasses change three behaviours:
+flax's wrappers do the real work; these subclasses change four behaviours:
 
+- `ToNNX` keeps what the Linen module sows. An NNX module's own `sow` always
+  records; flax's ToNNX drops Linen intermediates unless a Linen scope above
+  it asks for them, so behind a ToNNX they would silently vanish.
 - `ToNNX` forgets its `Rngs` after `lazy_init`. flax's draws a key from every
   stream on every call, which mutates an RngCount; under raw `jax.grad` over
   split state that fails ("Cannot mutate RngCount from a different trace
@@ -16,12 +19,14 @@ flax's wrappers do the real work; these subclasses change three behaviours:
   builds the NNX module abstractly (`nnx.eval_shape`) on apply, so the
   throw-away initial values are never computed.
 """
+import warnings
 from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 from flax import nnx
 from flax.nnx import bridge as flax_bridge
+from flax.nnx.bridge import module as bridge_module
 from flax.nnx.bridge import variables as bridge_variables
 from flax.nnx.bridge import wrappers as bridge_wrappers
 
@@ -32,6 +37,13 @@ from maxbridge import canonical
 # whenever any Variable with logical names is made, including the ones the
 # bridge makes from Linen boxes, so it is off for the whole process.
 nnx.use_eager_sharding(False)
+# flax 0.12 deprecates sow() outside nnx.capture(), but its own bridge carries
+# intermediates as module attributes (ToNNX sets them, ToLinen maps them to the
+# "intermediates" collection); capture() would miss any sown behind a ToNNX.
+# We keep attribute-style sow so intermediates cross the bridge both ways.
+warnings.filterwarnings(
+    "ignore", message=r"Using 'Module.sow\(\)' outside of 'nnx.capture\(\)'", category=DeprecationWarning
+)
 
 
 class ToNNX(flax_bridge.ToNNX):
@@ -41,6 +53,14 @@ class ToNNX(flax_bridge.ToNNX):
     flax_bridge.lazy_init(self, *args, **kwargs)
     self.to_nnx__rngs = None
     return self
+
+  def __call__(self, *args, mutable: Any = None, **kwargs):
+    outside_linen = (
+        bridge_wrappers.current_linen_module() is None and bridge_module.current_module() is None
+    )
+    if mutable is None and outside_linen:
+      mutable = ["intermediates"]
+    return super().__call__(*args, mutable=mutable, **kwargs)
 
 
 def to_linen_var(variable: nnx.Variable) -> Any:

@@ -18,7 +18,7 @@ from flax.core import FrozenDict
 
 from linen_models import decoders as linen_decoders
 from linen_models import models as linen_models
-from maxbridge import bridge, initializers
+from maxbridge import bridge, canonical, initializers
 from maxbridge.config import Config
 from maxbridge.model import LinenModel, Model, NNXModel
 from nnx_models import decoders as nnx_decoders
@@ -79,8 +79,19 @@ def create_model(config: Config, seed: int | None = None) -> Model:
     model: Model = NNXModel(config, module)
   else:
     model = LinenModel(config, linen_transformer(config), sample_inputs(config))
-  seed = config.seed if seed is None else seed
-  abstract = model.abstract_params()
-  params = jax.jit(lambda s: initializers.init_params(abstract, s, config.param_scan_axis))(seed)
-  model.load_params(params)
+  spec = tuple(
+      (path, leaf.shape, leaf.dtype.name)
+      for path, leaf in canonical.flatten(model.abstract_params()).items()
+  )
+  init = _jitted_init(spec, config.param_scan_axis)
+  model.load_params(init(config.seed if seed is None else seed))
   return model
+
+
+@functools.lru_cache(maxsize=16)
+def _jitted_init(spec: tuple, param_scan_axis: int):
+  """One compiled initialiser per parameter tree, shared by every flag combination."""
+  abstract = canonical.unflatten(
+      {path: jax.ShapeDtypeStruct(shape, dtype) for path, shape, dtype in spec}
+  )
+  return jax.jit(lambda seed: initializers.init_params(abstract, seed, param_scan_axis))

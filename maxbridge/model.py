@@ -110,7 +110,8 @@ class LinenModel(Model):
     )
 
   def params(self) -> Params:
-    return self._params
+    # A fresh tree: a caller editing it must not edit the model.
+    return canonical.unflatten(canonical.flatten(self._params))
 
   def _set_params(self, params: Params) -> None:
     self._params = params
