@@ -16,9 +16,22 @@ NOT_YET = 2
 
 
 def _train(args: argparse.Namespace) -> int:
-    # Load the config now so a bad preset or key fails today, not after training lands.
-    load_config(args.preset, *args.overrides)
-    print("training arrives in the next issue", file=sys.stderr)
+    from maxbridge import checkpointing, train  # jax is imported only by verbs that need it
+
+    config = load_config(args.preset, *args.overrides)
+    try:
+        records = train.train(config)
+    except train.TrainingDiverged as e:
+        print(f"maxbridge train: {e}", file=sys.stderr)
+        return 1
+    except checkpointing.CheckpointError as e:
+        print(f"maxbridge train: {e}", file=sys.stderr)
+        return 2
+    run_dir = train.run_directory(config)
+    if records:
+        print(f"{run_dir}: step {records[-1]['step']} loss {records[-1]['loss']:.4f}")
+    else:
+        print(f"{run_dir}: already trained to step {config.steps}; nothing to do")
     return 0
 
 

@@ -21,6 +21,7 @@ from linen_models import models as linen_models
 from maxbridge import bridge, canonical, initializers
 from maxbridge.config import Config
 from maxbridge.model import LinenModel, Model, NNXModel
+from maxbridge.state import LinenTrainer, NNXTrainer, Trainer
 from nnx_models import decoders as nnx_decoders
 from nnx_models import models as nnx_models
 
@@ -95,3 +96,10 @@ def _jitted_init(spec: tuple, param_scan_axis: int):
       {path: jax.ShapeDtypeStruct(shape, dtype) for path, shape, dtype in spec}
   )
   return jax.jit(lambda seed: initializers.init_params(abstract, seed, param_scan_axis))
+
+
+def create_trainer(config: Config) -> Trainer:
+  """The train state backend for `pure_nnx`, around the model the other two flags pick."""
+  if config.pure_nnx:
+    return NNXTrainer(config, functools.partial(nnx_transformer, config))
+  return LinenTrainer(config, LinenModel(config, linen_transformer(config), sample_inputs(config)))

@@ -1,0 +1,100 @@
+"""Orbax checkpoints in MaxText's layout: `<dir>/<step>/items/` holding the on-disk tree.
+
+Both backends save and restore the same tree (see `maxbridge.state`). Orbax
+writes each step into a temporary folder and renames it when complete, so a
+save killed midway leaves no step that restores half-written.
+"""
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+# Subtrees a loader may ignore: MaxText's NNX path saves its RNG state here.
+IGNORED_SUBTREES = ("nnx_aux",)
+
+
+class CheckpointError(ValueError):
+  pass
+
+
+def _paths(tree: Any) -> dict[str, Any]:
+  leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {"/".join(_key_name(k) for k in path): leaf for path, leaf in leaves}
+
+
+def _key_name(key) -> str:
+  for attr in ("key", "idx", "name"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+class Checkpointer:
+  """A CheckpointManager over `directory`, with checked restores."""
+
+  def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = None):
+    self.directory = os.fspath(directory)
+    self.manager = ocp.CheckpointManager(
+        os.path.abspath(self.directory),
+        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+        # Named up front so metadata can be read before any save or restore.
+        item_handlers={"items": ocp.PyTreeCheckpointHandler()},
+    )
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return list(self.manager.all_steps())
+
+  def save(self, step: int, tree: dict) -> None:
+    """Starts an asynchronous save; arrays are copied off the live state before it returns."""
+    self.manager.save(step, args=ocp.args.Composite(items=ocp.args.PyTreeSave(tree)))
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.close()
+
+  def restore(self, step: int, target: dict) -> dict:
+    """Restores `step` into the abstract `target` tree, after checking every path and shape."""
+    if step not in self.manager.all_steps():
+      raise CheckpointError(
+          f"no checkpoint for step {step} in {self.directory}; available: {self.all_steps()}"
+      )
+    stored = _paths(self.manager.item_metadata(step)["items"].tree)
+    wanted = _paths(target)
+    where = f"checkpoint {os.path.join(self.directory, str(step))}"
+    missing = sorted(set(wanted) - set(stored))
+    unknown = sorted(
+        p for p in set(stored) - set(wanted) if p.split("/")[0] not in IGNORED_SUBTREES
+    )
+    if missing or unknown:
+      lines = [f"  missing: {p} {tuple(wanted[p].shape)}" for p in missing[:20]]
+      lines += [f"  unexpected: {p}" for p in unknown[:20]]
+      raise CheckpointError(f"{where} does not match the model:\n" + "\n".join(lines))
+    for path, want in wanted.items():
+      if tuple(stored[path].shape) != tuple(want.shape):
+        raise CheckpointError(
+            f"{where}: {path} has shape {tuple(stored[path].shape)}, the model expects "
+            f"{tuple(want.shape)}"
+        )
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None) or device),
+        target,
+    )
+    restored = self.manager.restore(
+        step,
+        args=ocp.args.Composite(
+            items=ocp.args.PyTreeRestore(
+                target,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                # Only the ignored subtrees can be left behind: checked above.
+                partial_restore=True,
+            )
+        ),
+    )
+    return restored["items"]

@@ -1,0 +1,330 @@
+"""Train state and train step for both backends, behind one interface.
+
+Linen: flax's `TrainState`, its params under a {"params": ...} collection level
+as MaxText keeps them. NNX: `TrainStateNNX(model, optimizer)`; the step lives
+in the `nnx.Optimizer`. Both speak the same on-disk layout (MaxText's):
+
+    {"params": {"params": <canonical tree>},
+     "opt_state": [{"count", "mu": {"params": ...}, "nu": {"params": ...}}, None, {"count"}],
+     "step": int32}
+
+`maxbridge.dispatch.create_trainer` picks the backend; nothing else here reads
+a flag.
+"""
+import abc
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from flax.training import train_state
+
+from maxbridge import canonical, initializers, optimizers
+from maxbridge.config import Config
+from maxbridge.model import LinenModel
+from maxbridge.ops import losses
+
+Batch = Mapping[str, jax.Array]
+
+
+class TrainStateNNX(nnx.Module):
+  """The NNX train state: the model and its optimizer (which holds the step)."""
+
+  def __init__(self, model: nnx.Module, optimizer: nnx.Optimizer):
+    self.model = model
+    self.optimizer = optimizer
+
+
+def loss_terms(logits: jax.Array, batch: Batch, config: Config):
+  """(sum of per-token losses, {"tokens", "z_loss"}) over the non-padding targets.
+
+  Sums, not means: gradient accumulation adds these up and divides once by
+  the total token count, which makes it the same update as the full batch.
+  """
+  per_token, z_loss = losses.cross_entropy_with_z_loss(
+      logits, batch["targets"], z_loss_multiplier=config.z_loss_multiplier
+  )
+  mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
+  return jnp.sum(per_token * mask), {"tokens": jnp.sum(mask), "z_loss": jnp.sum(z_loss * mask)}
+
+
+def accumulate_gradients(value_and_grad: Callable, params: Any, batch: Batch, num_micro: int):
+  """Mean loss and gradient over all tokens of `batch`, in `num_micro` sequential micro-batches."""
+  if num_micro == 1:
+    (loss_sum, aux), grads = value_and_grad(params, batch)
+  else:
+    micro = jax.tree.map(lambda x: x.reshape(num_micro, x.shape[0] // num_micro, *x.shape[1:]), batch)
+
+    def add(total, micro_batch):
+      return jax.tree.map(jnp.add, total, value_and_grad(params, micro_batch)), None
+
+    zeros = jax.tree.map(
+        jnp.zeros_like, jax.eval_shape(value_and_grad, params, jax.tree.map(lambda x: x[0], micro))
+    )
+    ((loss_sum, aux), grads), _ = jax.lax.scan(add, zeros, micro)
+  tokens = jnp.maximum(aux["tokens"], 1.0)
+  grads = jax.tree.map(lambda g: g / tokens, grads)
+  return grads, {"loss": loss_sum / tokens, "z_loss": aux["z_loss"] / tokens, "tokens": aux["tokens"]}
+
+
+def clip_gradients(grads: Any, threshold: float):
+  """Global-norm clipping outside the optimizer (MaxText's way), and the raw norm."""
+  norm = optax.global_norm(grads)
+  if threshold > 0:
+    grads, _ = optax.clip_by_global_norm(threshold).update(grads, optax.EmptyState())
+  return grads, norm
+
+
+class Trainer(abc.ABC):
+  """Backend-specific state handling; `train.py` drives either one the same way."""
+
+  def __init__(self, config: Config, abstract_params: dict):
+    self.config = config
+    self.tx = optimizers.adamw(config)
+    self.schedule = optimizers.learning_rate_schedule(config)
+    self.abstract_params = abstract_params
+    self.train_step = jax.jit(self._train_step, donate_argnums=0)
+    self.eval_step = jax.jit(self._eval_step)
+
+  def _initial_params(self, seed) -> dict:
+    return initializers.init_params(self.abstract_params, seed, self.config.param_scan_axis)
+
+  def checkpoint_target(self) -> dict:
+    """The on-disk tree, abstract (shapes and dtypes): the same for both backends."""
+    params = {"params": self.abstract_params}
+    return {
+        "params": params,
+        "opt_state": optax_to_tree(jax.eval_shape(self.tx.init, params)),
+        "step": jax.ShapeDtypeStruct((), jnp.int32),
+    }
+
+  def _step_metrics(self, step, grads_metrics, grad_norm) -> dict:
+    return {**grads_metrics, "grad_norm": grad_norm, "lr": self.schedule(step)}
+
+  @abc.abstractmethod
+  def abstract_state(self) -> Any: ...
+
+  @abc.abstractmethod
+  def init_state(self, seed: int) -> Any: ...
+
+  @abc.abstractmethod
+  def params(self, state) -> dict:
+    """Canonical parameters of a state."""
+
+  @abc.abstractmethod
+  def step(self, state) -> int: ...
+
+  @abc.abstractmethod
+  def to_checkpoint(self, state) -> dict: ...
+
+  @abc.abstractmethod
+  def from_checkpoint(self, tree: dict) -> Any: ...
+
+  @abc.abstractmethod
+  def _train_step(self, state, batch: Batch): ...
+
+  @abc.abstractmethod
+  def _eval_step(self, state, batch: Batch): ...
+
+
+class LinenTrainer(Trainer):
+
+  def __init__(self, config: Config, model: LinenModel):
+    self.model = model
+    super().__init__(config, model.abstract_params())
+
+  def _create(self, params: dict) -> train_state.TrainState:
+    return train_state.TrainState.create(
+        apply_fn=self.model.apply, params={"params": params}, tx=self.tx
+    )
+
+  def abstract_state(self):
+    return jax.eval_shape(self._create, self.abstract_params)
+
+  def init_state(self, seed: int):
+    return jax.jit(lambda s: self._create(self._initial_params(s)))(seed)
+
+  def params(self, state) -> dict:
+    return canonical.unflatten(canonical.flatten(state.params["params"]))
+
+  def step(self, state) -> int:
+    return int(state.step)
+
+  def to_checkpoint(self, state) -> dict:
+    return {"params": state.params, "opt_state": optax_to_tree(state.opt_state), "step": state.step}
+
+  def from_checkpoint(self, tree: dict):
+    template = self.abstract_state()
+    return template.replace(
+        params=tree["params"],
+        opt_state=optax_from_tree(template.opt_state, tree["opt_state"]),
+        step=jnp.asarray(tree["step"], jnp.int32),
+    )
+
+  def _loss(self, params, batch):
+    logits = self.model.apply(
+        params["params"], batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"]
+    )
+    return loss_terms(logits, batch, self.config)
+
+  def _train_step(self, state, batch):
+    value_and_grad = jax.value_and_grad(self._loss, has_aux=True)
+    grads, metrics = accumulate_gradients(
+        value_and_grad, state.params, batch, self.config.gradient_accumulation_steps
+    )
+    grads, grad_norm = clip_gradients(grads, self.config.gradient_clipping_threshold)
+    metrics = self._step_metrics(state.step, metrics, grad_norm)
+    return state.apply_gradients(grads=grads), metrics
+
+  def _eval_step(self, state, batch):
+    loss_sum, aux = self._loss(state.params, batch)
+    return {"loss": loss_sum / jnp.maximum(aux["tokens"], 1.0), "tokens": aux["tokens"]}
+
+
+class NNXTrainer(Trainer):
+  """NNX train state, stepped by `jax.jit` over split state with the graph definition static.
+
+  `nnx.jit` would re-traverse the object graph on every call, which costs
+  several times the step itself on small models; a static GraphDef does not.
+  """
+
+  def __init__(self, config: Config, build_model: Callable[[nnx.Rngs], nnx.Module]):
+    self.build_model = build_model
+    abstract_model = nnx.eval_shape(lambda: build_model(nnx.Rngs(params=0)))
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+        nnx.to_pure_dict(nnx.state(abstract_model, nnx.Param)),
+    )
+    super().__init__(config, canonical.unflatten(canonical.flatten(abstract)))
+    self.graphdef, self._abstract_state = nnx.split(nnx.eval_shape(lambda: self._create(0)))
+
+  def _create(self, seed) -> TrainStateNNX:
+    # Built inside jit or eval_shape only: the module's own random initial
+    # values are dead code once the canonical ones are written over them.
+    model = self.build_model(nnx.Rngs(params=0))
+    nnx.update(model, self._initial_params(seed))
+    return TrainStateNNX(model, nnx.Optimizer(model, self.tx, wrt=nnx.Param))
+
+  def abstract_state(self):
+    return self._abstract_state
+
+  def init_state(self, seed: int):
+    return jax.jit(lambda s: nnx.state(self._create(s)))(seed)
+
+  def params(self, state) -> dict:
+    pure = nnx.to_pure_dict(state)["model"]
+    return canonical.unflatten(canonical.flatten(pure))
+
+  def step(self, state) -> int:
+    return int(nnx.to_pure_dict(state)["optimizer"]["step"])
+
+  def to_checkpoint(self, state) -> dict:
+    pure = nnx.to_pure_dict(state)
+    template = self.checkpoint_target()
+    return {
+        "params": {"params": pure["model"]},
+        "opt_state": _nnx_opt_to_disk(template["opt_state"], pure["optimizer"]["opt_state"]),
+        "step": pure["optimizer"]["step"].astype(jnp.int32),
+    }
+
+  def from_checkpoint(self, tree: dict):
+    template = self.checkpoint_target()
+    pure = {
+        "model": tree["params"]["params"],
+        "optimizer": {
+            "opt_state": _nnx_opt_from_disk(template["opt_state"], tree["opt_state"]),
+            "step": jnp.asarray(tree["step"], jnp.uint32),
+        },
+    }
+    state = jax.tree.map(lambda x: x, self._abstract_state)  # a fresh State to fill
+    nnx.replace_by_pure_dict(state, pure)
+    return state
+
+  def _split_model(self, state):
+    train_state = nnx.merge(self.graphdef, state)
+    graphdef, params, rest = nnx.split(train_state.model, nnx.Param, ...)
+    return train_state, graphdef, params, rest
+
+  def _loss_fn(self, graphdef, rest):
+    def loss(params, batch):
+      model = nnx.merge(graphdef, params, rest)
+      logits = model(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+      return loss_terms(logits, batch, self.config)
+
+    return loss
+
+  def _train_step(self, state, batch):
+    train_state, graphdef, params, rest = self._split_model(state)
+    value_and_grad = jax.value_and_grad(self._loss_fn(graphdef, rest), has_aux=True)
+    grads, metrics = accumulate_gradients(
+        value_and_grad, params, batch, self.config.gradient_accumulation_steps
+    )
+    grads, grad_norm = clip_gradients(grads, self.config.gradient_clipping_threshold)
+    metrics = self._step_metrics(train_state.optimizer.step[...], metrics, grad_norm)
+    train_state.optimizer.update(train_state.model, grads)
+    # Sown intermediates would make the output tree differ from the input
+    # (and break donation); they are never state.
+    return nnx.state(train_state, nnx.Not(nnx.Intermediate)), metrics
+
+  def _eval_step(self, state, batch):
+    _, graphdef, params, rest = self._split_model(state)
+    loss_sum, aux = self._loss_fn(graphdef, rest)(params, batch)
+    return {"loss": loss_sum / jnp.maximum(aux["tokens"], 1.0), "tokens": aux["tokens"]}
+
+
+# --- optax state <-> MaxText's on-disk form -------------------------------
+
+
+def optax_to_tree(node: Any) -> Any:
+  """Tuples become lists, NamedTuples dicts of their fields, empty states None."""
+  if isinstance(node, nnx.Variable):
+    return node.get_value()
+  if hasattr(node, "_fields"):
+    return {f: optax_to_tree(getattr(node, f)) for f in node._fields} if node._fields else None
+  if isinstance(node, (tuple, list)):
+    return [optax_to_tree(x) for x in node]
+  if isinstance(node, Mapping):
+    return {k: optax_to_tree(v) for k, v in node.items()}
+  return node
+
+
+def optax_from_tree(template: Any, tree: Any) -> Any:
+  """The inverse of `optax_to_tree`, rebuilding `template`'s optax types."""
+  if hasattr(template, "_fields"):
+    if not template._fields:
+      return template
+    return type(template)(*(optax_from_tree(getattr(template, f), tree[f]) for f in template._fields))
+  if isinstance(template, (tuple, list)):
+    return type(template)(optax_from_tree(t, x) for t, x in zip(template, tree))
+  if isinstance(template, Mapping):
+    return {k: optax_from_tree(template[k], tree[k]) for k in template}
+  return tree
+
+
+def _is_params_level(node: Any) -> bool:
+  # Linen trees carry a {"params": ...} collection level; NNX trees do not.
+  return isinstance(node, Mapping) and set(node) == {"params"}
+
+
+def _nnx_opt_to_disk(template: Any, node: Any) -> Any:
+  """nnx.Optimizer's pure opt_state (int-keyed, empty states absent) -> the on-disk lists."""
+  if template is None:
+    return None
+  if _is_params_level(template):
+    return {"params": node}
+  if isinstance(template, list):
+    return [_nnx_opt_to_disk(t, node.get(i)) for i, t in enumerate(template)]
+  if isinstance(template, Mapping):
+    return {k: _nnx_opt_to_disk(template[k], node[k]) for k in template}
+  return node
+
+
+def _nnx_opt_from_disk(template: Any, tree: Any) -> Any:
+  if _is_params_level(template):
+    return tree["params"]
+  if isinstance(template, list):
+    return {i: _nnx_opt_from_disk(t, x) for i, (t, x) in enumerate(zip(template, tree)) if t is not None}
+  if isinstance(template, Mapping):
+    return {k: _nnx_opt_from_disk(template[k], tree[k]) for k in template}
+  return tree

@@ -1,0 +1,129 @@
+"""The training loop: one loop for every flag combination.
+
+A run directory `<base_output_directory>/<run_name>/` holds `config.yml`,
+`metrics.jsonl` (one JSON object per step) and `checkpoints/<step>/`. Running
+again with the same directory resumes from the latest checkpoint, whatever the
+flags: both backends read and write the same checkpoint layout.
+"""
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import jax
+from absl import logging
+from tqdm import tqdm
+
+from maxbridge import checkpointing, data, dispatch
+from maxbridge.config import Config
+
+
+class TrainingDiverged(FloatingPointError):
+  pass
+
+
+def run_directory(config: Config) -> Path:
+  return Path(config.base_output_directory) / (config.run_name or config.model_name)
+
+
+def global_batch_size(config: Config) -> int:
+  """Rows per step: per device, times devices, times micro-batches (as MaxText)."""
+  return config.per_device_batch_size * jax.device_count() * config.gradient_accumulation_steps
+
+
+class MetricsLog:
+  """metrics.jsonl, one object per step; on resume, lines past the checkpoint are dropped."""
+
+  def __init__(self, path: Path, resume_step: int):
+    self.path = path
+    kept = []
+    if path.exists():
+      kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] < resume_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+  def append(self, record: dict) -> None:
+    with self.path.open("a") as f:
+      f.write(json.dumps(record) + "\n")
+
+
+def train(config: Config, *, until_step: int | None = None, progress: bool = True) -> list[dict]:
+  """Trains `config` in its run directory (resuming if it holds checkpoints); returns this call's metrics.
+
+  `until_step` stops this call early (with a checkpoint) without changing the
+  run: the schedule still spans `config.steps`, so a later call continues it.
+  """
+  end = config.steps if until_step is None else min(until_step, config.steps)
+  run_dir = run_directory(config)
+  run_dir.mkdir(parents=True, exist_ok=True)
+  config.to_yaml(run_dir / "config.yml")
+  trainer = dispatch.create_trainer(config)
+  train_data = data.make_dataset(config, "train", global_batch_size(config))
+  eval_data = (
+      data.make_dataset(config, "eval", global_batch_size(config)) if config.eval_interval else None
+  )
+  ckpt = (
+      checkpointing.Checkpointer(run_dir / "checkpoints", max_to_keep=config.max_to_keep)
+      if config.enable_checkpointing
+      else None
+  )
+  start = (ckpt.latest_step() if ckpt else None) or 0
+  if start:
+    state = trainer.from_checkpoint(ckpt.restore(start, trainer.checkpoint_target()))
+    logging.info("resumed %s from step %d", run_dir, start)
+  else:
+    state = trainer.init_state(config.seed)
+  log = MetricsLog(run_dir / "metrics.jsonl", resume_step=start)
+  last_saved = start if start else None
+  records = []
+  bar = tqdm(
+      range(start, end), initial=start, total=config.steps, disable=not progress,
+      desc=run_dir.name, unit="step",
+  )
+  try:
+    for step in bar:
+      batch = train_data.batch(step)
+      began = time.perf_counter()
+      state, metrics = trainer.train_step(state, batch)
+      metrics = jax.device_get(metrics)  # also waits for the step: the timing below is real
+      seconds = time.perf_counter() - began
+      loss = float(metrics["loss"])
+      if not math.isfinite(loss):
+        where = f"step {last_saved} in {ckpt.directory}" if last_saved else "none was saved"
+        raise TrainingDiverged(
+            f"loss is {loss} at step {step}; training stopped. The last good checkpoint: {where}"
+        )
+      record = {
+          "step": step,
+          "loss": loss,
+          "lr": float(metrics["lr"]),
+          "grad_norm": float(metrics["grad_norm"]),
+          "tokens_per_s": float(metrics["tokens"]) / seconds,
+      }
+      done = step + 1
+      if eval_data is not None and (done % config.eval_interval == 0 or done == config.steps):
+        record["eval_loss"] = evaluate(trainer, state, eval_data, config.eval_steps)
+      log.append(record)
+      records.append(record)
+      bar.set_postfix(loss=f"{loss:.3f}")
+      if ckpt and (done % config.checkpoint_period == 0 or done == end):
+        ckpt.save(done, trainer.to_checkpoint(state))
+        last_saved = done
+  finally:
+    bar.close()
+    if ckpt:
+      ckpt.wait()
+      ckpt.close()
+  return records
+
+
+def evaluate(trainer, state, eval_data: data.Dataset, steps: int) -> float:
+  """Token-weighted mean loss over the first `steps` eval batches."""
+  total = tokens = 0.0
+  for step in range(steps):
+    metrics = jax.device_get(trainer.eval_step(state, eval_data.batch(step)))
+    total += float(metrics["loss"]) * float(metrics["tokens"])
+    tokens += float(metrics["tokens"])
+  return total / max(tokens, 1.0)
