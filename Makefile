@@ -16,7 +16,7 @@ $(STAMP): setup.py $(wildcard */__init__.py) | $(PYTHON)
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/maxbridge train llama-tiny
+	$(PYTHON) examples/linen_to_nnx_flip.py
 
 test: $(STAMP)
 	$(PYTHON) -m pytest -q -n 2 tests

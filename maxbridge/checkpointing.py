@@ -30,6 +30,12 @@ def _key_name(key) -> str:
   return str(key)
 
 
+def _params_first(item) -> tuple[bool, str]:
+  # Parameters before their optimizer-state echoes: the first line is the one to read.
+  path = item[0] if isinstance(item, tuple) else item
+  return (not path.startswith("params/"), path)
+
+
 class Checkpointer:
   """A CheckpointManager over `directory`, with checked restores."""
 
@@ -67,20 +73,23 @@ class Checkpointer:
     stored = _paths(self.manager.item_metadata(step)["items"].tree)
     wanted = _paths(target)
     where = f"checkpoint {os.path.join(self.directory, str(step))}"
-    missing = sorted(set(wanted) - set(stored))
+    missing = sorted(set(wanted) - set(stored), key=_params_first)
     unknown = sorted(
-        p for p in set(stored) - set(wanted) if p.split("/")[0] not in IGNORED_SUBTREES
+        (p for p in set(stored) - set(wanted) if p.split("/")[0] not in IGNORED_SUBTREES),
+        key=_params_first,
     )
     if missing or unknown:
       lines = [f"  missing: {p} {tuple(wanted[p].shape)}" for p in missing[:20]]
       lines += [f"  unexpected: {p}" for p in unknown[:20]]
       raise CheckpointError(f"{where} does not match the model:\n" + "\n".join(lines))
-    for path, want in wanted.items():
-      if tuple(stored[path].shape) != tuple(want.shape):
-        raise CheckpointError(
-            f"{where}: {path} has shape {tuple(stored[path].shape)}, the model expects "
-            f"{tuple(want.shape)}"
-        )
+    misshaped = [
+        f"  {path} has shape {tuple(stored[path].shape)}, the model expects {tuple(want.shape)}"
+        for path, want in sorted(wanted.items(), key=_params_first)
+        if tuple(stored[path].shape) != tuple(want.shape)
+    ]
+    if misshaped:
+      more = f"\n  ... and {len(misshaped) - 20} more" if len(misshaped) > 20 else ""
+      raise CheckpointError(f"{where} does not match the model:\n" + "\n".join(misshaped[:20]) + more)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None) or device),

@@ -16,18 +16,21 @@ NOT_YET = 2
 
 
 def _train(args: argparse.Namespace) -> int:
-    from maxbridge import checkpointing, train  # jax is imported only by verbs that need it
+    # Imported here: jax loads only for the verbs that need it. (maxbridge.train
+    # the function shadows the module of that name on the package.)
+    from maxbridge.checkpointing import CheckpointError
+    from maxbridge.train import TrainingDiverged, run_directory, train
 
     config = load_config(args.preset, *args.overrides)
     try:
-        records = train.train(config)
-    except train.TrainingDiverged as e:
+        records = train(config)
+    except TrainingDiverged as e:
         print(f"maxbridge train: {e}", file=sys.stderr)
         return 1
-    except checkpointing.CheckpointError as e:
+    except CheckpointError as e:
         print(f"maxbridge train: {e}", file=sys.stderr)
         return 2
-    run_dir = train.run_directory(config)
+    run_dir = run_directory(config)
     if records:
         print(f"{run_dir}: step {records[-1]['step']} loss {records[-1]['loss']:.4f}")
     else:

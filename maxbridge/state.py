@@ -70,7 +70,7 @@ def accumulate_gradients(value_and_grad: Callable, params: Any, batch: Batch, nu
 
 def clip_gradients(grads: Any, threshold: float):
   """Global-norm clipping outside the optimizer (MaxText's way), and the raw norm."""
-  norm = optax.global_norm(grads)
+  norm = optax.tree.norm(grads)
   if threshold > 0:
     grads, _ = optax.clip_by_global_norm(threshold).update(grads, optax.EmptyState())
   return grads, norm

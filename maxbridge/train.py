@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 from absl import logging
 from tqdm import tqdm
 
@@ -109,7 +110,15 @@ def train(config: Config, *, until_step: int | None = None, progress: bool = Tru
       records.append(record)
       bar.set_postfix(loss=f"{loss:.3f}")
       if ckpt and (done % config.checkpoint_period == 0 or done == end):
-        ckpt.save(done, trainer.to_checkpoint(state))
+        tree = trainer.to_checkpoint(state)
+        # A finite loss at this step says nothing of the update it made: check
+        # the state itself, so the last checkpoint is always a good one.
+        if not _all_finite(tree):
+          raise TrainingDiverged(
+              f"the state became non-finite at step {step}; training stopped. The last good "
+              f"checkpoint: step {last_saved} in {ckpt.directory}"
+          )
+        ckpt.save(done, tree)
         last_saved = done
   finally:
     bar.close()
@@ -117,6 +126,12 @@ def train(config: Config, *, until_step: int | None = None, progress: bool = Tru
       ckpt.wait()
       ckpt.close()
   return records
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
 def evaluate(trainer, state, eval_data: data.Dataset, steps: int) -> float:

@@ -1,0 +1,202 @@
+"""One training loop for both backends: same losses, exact resume, flag flips, accumulation, guards."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import maxbridge as mb
+from maxbridge import checkpointing, data, dispatch
+from maxbridge.train import TrainingDiverged
+from conftest import tiny_config
+
+LINEN = (False, False, False)
+NNX = (True, True, True)
+STEPS = dict(steps=6, per_device_batch_size=4, checkpoint_period=3, eval_interval=3, eval_steps=2)
+
+
+def run(tmp_path, name, flags=LINEN, until_step=None, **overrides):
+  config = tiny_config(flags, base_output_directory=str(tmp_path), run_name=name, **{**STEPS, **overrides})
+  return [r["loss"] for r in mb.train(config, until_step=until_step, progress=False)]
+
+
+@pytest.fixture(scope="module")
+def linen_losses(tmp_path_factory):
+  return run(tmp_path_factory.mktemp("ref"), "linen")
+
+
+def test_linen_and_nnx_from_scratch_log_the_same_losses(tmp_path, linen_losses):
+  nnx_losses = run(tmp_path, "nnx", NNX)
+  np.testing.assert_allclose(nnx_losses, linen_losses, rtol=1e-5)
+  assert linen_losses[-1] < linen_losses[0] - 0.5, "the model should learn"
+
+
+def test_mixed_flags_log_the_same_losses(tmp_path, linen_losses):
+  np.testing.assert_allclose(run(tmp_path, "mixed", (True, False, True)), linen_losses, rtol=1e-5)
+
+
+@pytest.mark.parametrize("first,second", [(LINEN, LINEN), (LINEN, NNX), (NNX, LINEN)], ids=["resume", "linen-to-nnx", "nnx-to-linen"])
+def test_stopped_and_resumed_run_continues_the_curve(tmp_path, linen_losses, first, second):
+  head = run(tmp_path, "split", first, until_step=3)
+  tail = run(tmp_path, "split", second)
+  assert len(head) == 3 and len(tail) == 3
+  np.testing.assert_allclose(head + tail, linen_losses, rtol=1e-5)
+  records = [json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records] == list(range(6))
+  assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(records[0])
+  assert "eval_loss" in records[2] and "eval_loss" in records[5]
+
+
+def test_resume_drops_metrics_past_the_checkpoint(tmp_path):
+  run(tmp_path, "r", until_step=3)
+  log = tmp_path / "r" / "metrics.jsonl"
+  # A crash after step 4 was logged but before its checkpoint: those lines go.
+  log.write_text(log.read_text() + json.dumps({"step": 3, "loss": 0.0}) + "\n")
+  run(tmp_path, "r")
+  assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == list(range(6))
+
+
+def test_a_finished_run_does_nothing_when_run_again(tmp_path):
+  run(tmp_path, "done")
+  assert run(tmp_path, "done") == []
+
+
+@pytest.mark.parametrize("flags", [LINEN, NNX], ids=["linen", "nnx"])
+def test_gradient_accumulation_equals_the_full_batch(flags):
+  """Same batch of 8 rows: one step of 8 vs 4 micro-batches of 2; grads and update agree."""
+  batch = data.make_dataset(tiny_config(), "train", 8).batch(0)
+  results = []
+  for micro in (1, 4):
+    trainer = dispatch.create_trainer(tiny_config(flags, gradient_accumulation_steps=micro))
+    state, metrics = trainer.train_step(trainer.init_state(0), batch)
+    results.append((trainer.params(state), metrics))
+  (full_params, full), (acc_params, acc) = results
+  np.testing.assert_allclose(acc["grad_norm"], full["grad_norm"], rtol=1e-6)
+  np.testing.assert_allclose(acc["loss"], full["loss"], rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(acc_params), jax.tree.leaves(full_params)):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_gradient_accumulation_grads_match_within_1e6():
+  from maxbridge import state as state_lib
+
+  config = tiny_config()
+  trainer = dispatch.create_trainer(config)
+  params = trainer.params(trainer.init_state(0))
+  batch = {k: jnp.asarray(v) for k, v in data.make_dataset(config, "train", 8).batch(0).items()}
+  value_and_grad = jax.value_and_grad(
+      lambda p, b: state_lib.loss_terms(
+          trainer.model.apply(p, b["inputs"], b["inputs_position"], b["inputs_segmentation"]), b, config
+      ),
+      has_aux=True,
+  )
+  full, _ = state_lib.accumulate_gradients(value_and_grad, params, batch, 1)
+  accumulated, _ = jax.jit(
+      lambda p, b: state_lib.accumulate_gradients(value_and_grad, p, b, 4)
+  )(params, batch)
+  for a, b in zip(jax.tree.leaves(accumulated), jax.tree.leaves(full)):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
+  with pytest.raises(TrainingDiverged, match=r"(loss is (nan|inf|-inf)|the state became non-finite) at step \d+.*last good checkpoint: step \d+"):
+    run(tmp_path, "nan", learning_rate=1e30, gradient_clipping_threshold=0.0, checkpoint_period=1, steps=20, eval_interval=0)
+  steps = checkpointing.Checkpointer(tmp_path / "nan" / "checkpoints").all_steps()
+  assert steps, "the good steps before the divergence were checkpointed"
+  trainer = dispatch.create_trainer(tiny_config())
+  restored = trainer.from_checkpoint(
+      checkpointing.Checkpointer(tmp_path / "nan" / "checkpoints").restore(max(steps), trainer.checkpoint_target())
+  )
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(trainer.params(restored)))
+
+
+def test_restoring_into_a_different_shape_names_the_path(tmp_path):
+  run(tmp_path, "shape", until_step=3)
+  with pytest.raises(
+      checkpointing.CheckpointError,
+      match=r"params/params/decoder/decoder_norm/scale has shape \(64,\), the model expects \(32,\)",
+  ):
+    run(tmp_path, "shape", base_emb_dim=32)
+
+
+def test_restoring_with_a_missing_leaf_names_the_path(tmp_path):
+  run(tmp_path, "tied", until_step=3, logits_via_embedding=True)
+  with pytest.raises(checkpointing.CheckpointError, match=r"missing: params/params/decoder/logits_dense/kernel"):
+    run(tmp_path, "tied")
+
+
+def test_checkpoint_has_maxtext_layout(tmp_path):
+  run(tmp_path, "layout", until_step=3)
+  ckpt = checkpointing.Checkpointer(tmp_path / "layout" / "checkpoints")
+  assert (tmp_path / "layout" / "checkpoints" / "3" / "items").is_dir()
+  tree = ckpt.manager.item_metadata(3)["items"].tree
+  assert set(tree) == {"params", "opt_state", "step"}
+  assert tree["step"].dtype == np.int32
+  adam, empty, schedule = tree["opt_state"]
+  assert empty is None and set(schedule) == {"count"} and set(adam) == {"count", "mu", "nu"}
+  assert adam["mu"]["params"]["decoder"]["layers"]["mlp"]["wi_0"]["kernel"].shape == (64, 2, 128)
+  assert tree["params"]["params"]["token_embedder"]["embedding"].shape == (256, 64)
+
+
+def test_nnx_aux_in_a_checkpoint_is_ignored(tmp_path):
+  """MaxText's NNX path adds an `nnx_aux` subtree (RNG state); a loader may ignore it."""
+  trainer = dispatch.create_trainer(tiny_config(NNX))
+  state = trainer.init_state(0)
+  tree = trainer.to_checkpoint(state)
+  tree["nnx_aux"] = {"rngs": {"params": {"key": jnp.zeros((2,), jnp.uint32)}}}
+  ckpt = checkpointing.Checkpointer(tmp_path / "aux")
+  ckpt.save(1, tree)
+  ckpt.wait()
+  restored = trainer.from_checkpoint(ckpt.restore(1, trainer.checkpoint_target()))
+  for a, b in zip(jax.tree.leaves(trainer.params(restored)), jax.tree.leaves(trainer.params(state))):
+    np.testing.assert_array_equal(a, b)
+
+
+KILL_MID_SAVE = textwrap.dedent(
+    """
+    import os, signal, sys
+    from maxbridge import checkpointing, dispatch
+    import maxbridge as mb
+    config = mb.load_config("llama-tiny", base_emb_dim=512, base_mlp_dim=2048, base_num_decoder_layers=4)
+    trainer = dispatch.create_trainer(config)
+    state = trainer.init_state(0)
+    ckpt = checkpointing.Checkpointer(sys.argv[1])
+    ckpt.save(1, trainer.to_checkpoint(state))
+    ckpt.wait()
+    ckpt.save(2, trainer.to_checkpoint(state))
+    os.kill(os.getpid(), signal.SIGKILL)  # while step 2 is still being written
+    """
+)
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
+  directory = tmp_path / "ckpt"
+  proc = subprocess.run([sys.executable, "-c", KILL_MID_SAVE, str(directory)], capture_output=True)
+  assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+  assert any(name.startswith("2") and name != "2" for name in os.listdir(directory)) or not (
+      directory / "2" / "commit_success.txt"
+  ).exists(), "step 2 should not have finished"
+  ckpt = checkpointing.Checkpointer(directory)
+  assert ckpt.all_steps() == [1]
+  config = mb.load_config("llama-tiny", base_emb_dim=512, base_mlp_dim=2048, base_num_decoder_layers=4)
+  trainer = dispatch.create_trainer(config)
+  restored = trainer.from_checkpoint(ckpt.restore(1, trainer.checkpoint_target()))
+  for a, b in zip(jax.tree.leaves(trainer.params(restored)), jax.tree.leaves(trainer.params(trainer.init_state(0)))):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_cli_train_writes_the_run_directory(tmp_path, capsys):
+  from maxbridge import cli
+
+  code = cli.main(["train", "llama-tiny", f"base_output_directory={tmp_path}", "run_name=cli", "steps=2", "per_device_batch_size=2", "eval_interval=0"])
+  assert code == 0
+  assert "step 1 loss" in capsys.readouterr().out
+  run_dir = tmp_path / "cli"
+  assert (run_dir / "config.yml").exists() and (run_dir / "checkpoints" / "2" / "items").is_dir()
+  assert mb.load_config(str(run_dir / "config.yml")).steps == 2
