@@ -20,6 +20,12 @@ import yaml
 CONFIG_DIR = Path(__file__).parent / "configs"
 BASE_CONFIG = CONFIG_DIR / "base.yml"
 PRESET_DIR = CONFIG_DIR / "models"
+MESH_AXES = ("data", "fsdp", "tensor")  # maxbridge.sharding builds the mesh with these names
+
+
+# Decoder families, by MaxText's names: llama2 (also Mistral and Qwen3 through
+# sliding_window_size / use_qk_norm), gpt3 (GPT-2/3), mixtral (MoE), deepseek (MLA + MoE).
+DECODER_BLOCKS = ("llama2", "mistral", "qwen3", "gpt3", "mixtral", "deepseek")
 
 
 class ConfigError(ValueError):
@@ -53,6 +59,27 @@ class Config:
     enable_nnx: bool
     pure_nnx_decoder: bool
     seed: int
+    # model families (MaxText names; see configs/base.yml)
+    sliding_window_size: int
+    use_qk_norm: bool
+    trainable_position_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_mlp_dim: int
+    sparse_matmul: bool
+    load_balance_loss_weight: float
+    shared_experts: int
+    routed_score_func: str
+    routed_bias: bool
+    routed_scaling_factor: float
+    n_routing_groups: int
+    topk_routing_group: int
+    first_num_dense_layers: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
     # training
     run_name: str
     base_output_directory: str
@@ -76,6 +103,15 @@ class Config:
     checkpoint_period: int
     max_to_keep: int
     log_period: int
+    # sharding
+    ici_data_parallelism: int
+    ici_fsdp_parallelism: int
+    ici_tensor_parallelism: int
+    logical_axis_rules: tuple
+    # multi-process
+    num_processes: int
+    process_id: int
+    coordinator_address: str
 
     def __post_init__(self) -> None:
         # Coercing here rather than in load_config means Config(...),
@@ -167,6 +203,8 @@ def _coerce(key: str, value: Any, kind: type) -> Any:
                 return float(value.strip())
             except ValueError:
                 pass
+    elif kind is tuple:
+        return _axis_rules(key, value)
     elif kind is str:
         if isinstance(value, str):
             return value
@@ -174,6 +212,30 @@ def _coerce(key: str, value: Any, kind: type) -> Any:
             return str(value)
     expected = "bool (true/false/yes/no/1/0)" if kind is bool else kind.__name__
     raise ConfigError(f"config key {key!r} expects {expected}, got {value!r}")
+
+
+def _axis_rules(key: str, value: Any) -> tuple[tuple[str, Any], ...]:
+    """[[logical, mesh axes], ...] -> a hashable tuple; [] or null means replicated."""
+    if isinstance(value, str):
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config key {key!r} is not valid YAML: {e}") from e
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"config key {key!r} expects a list of [logical_name, mesh_axes], got {value!r}")
+    rules = []
+    for entry in value:
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], str)):
+            raise ConfigError(f"config key {key!r}: entry {entry!r} is not [logical_name, mesh_axes]")
+        name, axes = entry
+        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        unknown = [a for a in axes if a not in MESH_AXES]
+        if unknown:
+            raise ConfigError(
+                f"config key {key!r}: {name!r} maps to unknown mesh axes {unknown}; valid: {list(MESH_AXES)}"
+            )
+        rules.append((name, axes or None))
+    return tuple(rules)
 
 
 def _positive(value: float) -> bool:
@@ -191,6 +253,30 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
             "checkpoint_period", "max_to_keep", "log_period", "gradient_accumulation_steps",
         )
     ),
+    *(
+        (key, lambda v: v == -1 or v > 0, "a positive integer, or -1 for the remaining devices")
+        for key in ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism")
+    ),
+    ("num_processes", _positive, "a positive integer"),
+    ("process_id", lambda v: v >= 0, ">= 0"),
+    *(
+        (key, _positive, "a positive integer")
+        for key in (
+            "num_experts", "num_experts_per_tok", "moe_mlp_dim", "kv_lora_rank",
+            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+        )
+    ),
+    *(
+        (key, lambda v: v >= 0, ">= 0 (0 disables it)")
+        for key in ("sliding_window_size", "trainable_position_size", "q_lora_rank", "shared_experts")
+    ),
+    *(
+        (key, lambda v: v == -1 or v > 0, "a positive integer, or -1 for no group-limited routing")
+        for key in ("n_routing_groups", "topk_routing_group")
+    ),
+    ("first_num_dense_layers", lambda v: v >= 0, ">= 0"),
+    ("load_balance_loss_weight", lambda v: v >= 0, ">= 0 (0 disables the loss)"),
+    ("routed_scaling_factor", _positive, "> 0"),
     ("normalization_layer_epsilon", _positive, "> 0"),
     ("adam_eps", _positive, "> 0"),
     ("learning_rate", lambda v: v >= 0, ">= 0"),
@@ -205,7 +291,8 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 )
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
-    "decoder_block": ("llama2",),
+    "decoder_block": DECODER_BLOCKS,
+    "routed_score_func": ("", "sigmoid"),
     "dtype": ("float32", "bfloat16"),
     "weight_dtype": ("float32", "bfloat16"),
     "remat_policy": ("none", "full", "minimal"),
@@ -229,8 +316,60 @@ def _validate(cfg: Config) -> None:
             f"base_num_query_heads={cfg.base_num_query_heads} must be a multiple of "
             f"base_num_kv_heads={cfg.base_num_kv_heads}: each kv head serves an equal group of query heads"
         )
+    if cfg.process_id >= cfg.num_processes:
+        raise ConfigError(
+            f"process_id={cfg.process_id} must be below num_processes={cfg.num_processes}"
+        )
+    _validate_family(cfg)
     if cfg.dataset_type == "text" and not cfg.dataset_path:
         raise ConfigError("dataset_type='text' needs dataset_path (a text file to train on)")
+
+
+def _validate_family(cfg: Config) -> None:
+    """Cross-key rules of the decoder families; each message names the keys at fault."""
+    block = cfg.decoder_block
+    if cfg.num_experts_per_tok > cfg.num_experts:
+        raise ConfigError(
+            f"num_experts_per_tok={cfg.num_experts_per_tok} must be at most num_experts={cfg.num_experts}"
+        )
+    if block in ("mixtral", "deepseek") and cfg.num_experts < 2:
+        raise ConfigError(f"decoder_block={block!r} routes tokens to experts: num_experts must be >= 2")
+    if block in ("gpt3", "deepseek") and cfg.base_num_query_heads != cfg.base_num_kv_heads:
+        raise ConfigError(
+            f"decoder_block={block!r} has no grouped-query attention: base_num_kv_heads="
+            f"{cfg.base_num_kv_heads} must equal base_num_query_heads={cfg.base_num_query_heads}"
+        )
+    if block == "gpt3" and cfg.trainable_position_size == 0:
+        raise ConfigError(
+            "decoder_block='gpt3' learns absolute positions: set trainable_position_size "
+            "(the longest sequence it can read, e.g. max_target_length)"
+        )
+    if block == "deepseek":
+        if cfg.first_num_dense_layers > cfg.base_num_decoder_layers:
+            raise ConfigError(
+                f"first_num_dense_layers={cfg.first_num_dense_layers} exceeds "
+                f"base_num_decoder_layers={cfg.base_num_decoder_layers}"
+            )
+        if cfg.qk_rope_head_dim % 2:
+            raise ConfigError(f"qk_rope_head_dim={cfg.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+        groups, top_groups = cfg.n_routing_groups, cfg.topk_routing_group
+        if (groups == -1) != (top_groups == -1):
+            raise ConfigError(
+                f"n_routing_groups={groups} and topk_routing_group={top_groups}: set both, or both to -1"
+            )
+        if groups != -1:
+            if cfg.num_experts % groups or cfg.num_experts // groups < 2:
+                raise ConfigError(
+                    f"n_routing_groups={groups} must split num_experts={cfg.num_experts} into equal "
+                    "groups of at least 2 experts (groups are ranked by their top-2 scores)"
+                )
+            if top_groups > groups:
+                raise ConfigError(f"topk_routing_group={top_groups} exceeds n_routing_groups={groups}")
+            if cfg.num_experts_per_tok > top_groups * (cfg.num_experts // groups):
+                raise ConfigError(
+                    f"num_experts_per_tok={cfg.num_experts_per_tok} exceeds the experts in "
+                    f"topk_routing_group={top_groups} groups of {cfg.num_experts // groups}"
+                )
 
 
 def _check_known(values: Mapping[str, Any], source: str) -> None:

@@ -9,12 +9,14 @@ inside a Linen part with `bridge.ToLinen`. Every combination declares the same
 canonical parameter tree.
 """
 import functools
+from typing import Any, Mapping
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.core import FrozenDict
+from jax.sharding import Mesh
 
 from linen_models import decoders as linen_decoders
 from linen_models import models as linen_models
@@ -68,11 +70,15 @@ def nnx_transformer(config: Config, rngs: nnx.Rngs) -> nnx.Module:
   return bridge.ToNNX(linen_transformer(config), rngs=rngs).lazy_init(*sample_inputs(config))
 
 
-def create_model(config: Config, seed: int | None = None) -> Model:
+def create_model(
+    config: Config, seed: int | None = None, *, params: Mapping[str, Any] | None = None
+) -> Model:
   """The model for `config`'s flags, with canonical initial parameters for `seed`.
 
   Parameters come from `initializers.init_params` (seed + canonical path), not
   from either backend's RNG streams, so every flag combination starts equal.
+  Given `params` (a canonical tree, e.g. an imported checkpoint), the model
+  takes those instead and no initial values are ever computed.
   """
   if config.pure_nnx:
     # Abstract: the real values are written once, by load_params below.
@@ -80,6 +86,9 @@ def create_model(config: Config, seed: int | None = None) -> Model:
     model: Model = NNXModel(config, module)
   else:
     model = LinenModel(config, linen_transformer(config), sample_inputs(config))
+  if params is not None:
+    model.load_params(params)
+    return model
   spec = tuple(
       (path, leaf.shape, leaf.dtype.name)
       for path, leaf in canonical.flatten(model.abstract_params()).items()
@@ -98,8 +107,12 @@ def _jitted_init(spec: tuple, param_scan_axis: int):
   return jax.jit(lambda seed: initializers.init_params(abstract, seed, param_scan_axis))
 
 
-def create_trainer(config: Config) -> Trainer:
-  """The train state backend for `pure_nnx`, around the model the other two flags pick."""
+def create_trainer(config: Config, mesh: Mesh | None = None) -> Trainer:
+  """The train state backend for `pure_nnx`, around the model the other two flags pick.
+
+  `mesh` defaults to one built from the config over all devices.
+  """
   if config.pure_nnx:
-    return NNXTrainer(config, functools.partial(nnx_transformer, config))
-  return LinenTrainer(config, LinenModel(config, linen_transformer(config), sample_inputs(config)))
+    return NNXTrainer(config, functools.partial(nnx_transformer, config), mesh)
+  model = LinenModel(config, linen_transformer(config), sample_inputs(config))
+  return LinenTrainer(config, model, mesh)

@@ -76,10 +76,69 @@ class Model(abc.ABC):
     """int32 [B, T] -> float32 [B, T, V] with the current parameters."""
     return _jitted_apply(self)(self.params(), *default_inputs(tokens, positions, segment_ids))
 
+  def generate(
+      self, prompt, max_new_tokens: int = 8, *, temperature: float = 0.0, seed: int = 0
+  ) -> jax.Array:
+    """Continues int prompts [B, T] (or one prompt [T]); returns prompt + continuation [B, T + N].
+
+    Greedy (argmax) at temperature 0, else sampled from softmax(logits / temperature)
+    with `seed`. Each new token recomputes the whole sequence, in one compiled
+    loop over a buffer of fixed size: simple and right for every family, since
+    causal attention never reads the empty slots ahead (a cached engine is faster).
+    """
+    prompt = jnp.asarray(prompt)
+    single = prompt.ndim == 1
+    if single:
+      prompt = prompt[None]
+    if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):
+      raise ValueError(f"prompt must be int [batch, length] or [length], got {prompt.dtype} {prompt.shape}")
+    if prompt.shape[1] == 0:
+      raise ValueError("prompt must hold at least one token")
+    if max_new_tokens < 0:
+      raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if temperature < 0:
+      raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    total = prompt.shape[1] + max_new_tokens
+    positions = self.config.trainable_position_size
+    if positions and total > positions:
+      raise ValueError(
+          f"prompt ({prompt.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
+          f"trainable_position_size={positions}, the positions this model has learned"
+      )
+    if max_new_tokens == 0:
+      return prompt[0] if single else prompt
+    loop = _jitted_generate(self, int(max_new_tokens), temperature > 0)
+    out = loop(self.params(), prompt.astype(jnp.int32), jnp.float32(temperature), jax.random.key(seed))
+    return out[0] if single else out
+
 
 @functools.lru_cache(maxsize=32)
 def _jitted_apply(model: Model):
   return jax.jit(model.apply)
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted_generate(model: Model, max_new_tokens: int, sample: bool):
+  def loop(params, prompt, temperature, key):
+    batch, length = prompt.shape
+    buffer = jnp.zeros((batch, length + max_new_tokens), jnp.int32).at[:, :length].set(prompt)
+
+    def step(i, carry):
+      buffer, key = carry
+      logits = model.apply(params, buffer)
+      last = jax.lax.dynamic_index_in_dim(logits, length + i - 1, axis=1, keepdims=False)  # [B, V]
+      if sample:
+        key, subkey = jax.random.split(key)
+        token = jax.random.categorical(subkey, last / temperature, axis=-1)
+      else:
+        token = jnp.argmax(last, axis=-1)
+      buffer = jax.lax.dynamic_update_index_in_dim(buffer, token.astype(jnp.int32), length + i, axis=1)
+      return buffer, key
+
+    buffer, _ = jax.lax.fori_loop(0, max_new_tokens, step, (buffer, key))
+    return buffer
+
+  return jax.jit(loop)
 
 
 def _flat_intermediates(tree: Mapping[str, Any]) -> dict[str, jax.Array]:
@@ -102,6 +161,10 @@ class LinenModel(Model):
 
   def abstract_params(self) -> Params:
     return canonical.unflatten(canonical.flatten(nn.unbox(self._boxed)))
+
+  def boxed_params(self) -> Params:
+    """Abstract parameters in their Linen logical-partitioning boxes."""
+    return self._boxed
 
   def logical_axes(self) -> dict[str, Any]:
     specs = nn.get_partition_spec(self._boxed)

@@ -12,15 +12,18 @@ in the `nnx.Optimizer`. Both speak the same on-disk layout (MaxText's):
 a flag.
 """
 import abc
+import functools
 from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import flax.linen as nn
 import optax
 from flax import nnx
 from flax.training import train_state
+from jax.sharding import Mesh, NamedSharding
 
-from maxbridge import canonical, initializers, optimizers
+from maxbridge import canonical, initializers, optimizers, sharding
 from maxbridge.config import Config
 from maxbridge.model import LinenModel
 from maxbridge.ops import losses
@@ -77,20 +80,70 @@ def clip_gradients(grads: Any, threshold: float):
 
 
 class Trainer(abc.ABC):
-  """Backend-specific state handling; `train.py` drives either one the same way."""
+  """Backend-specific state handling; `train.py` drives either one the same way.
 
-  def __init__(self, config: Config, abstract_params: dict):
+  The state lives on `mesh`, each leaf sharded by its logical axes through
+  the config's `logical_axis_rules`; batches are split on the batch axes.
+  """
+
+  def __init__(self, config: Config, abstract_params: dict, mesh: Mesh | None = None):
     self.config = config
+    self.mesh = sharding.create_mesh(config) if mesh is None else mesh
+    self.rules = config.logical_axis_rules
     self.tx = optimizers.adamw(config)
     self.schedule = optimizers.learning_rate_schedule(config)
     self.abstract_params = abstract_params
-    self.train_step = jax.jit(self._train_step, donate_argnums=0)
-    self.eval_step = jax.jit(self._eval_step)
 
   def _initial_params(self, seed) -> dict:
     return initializers.init_params(self.abstract_params, seed, self.config.param_scan_axis)
 
-  def checkpoint_target(self) -> dict:
+  @functools.cached_property
+  def state_shardings(self) -> Any:
+    return sharding.spec_tree_to_shardings(self._logical_specs(), self.mesh, self.rules)
+
+  @functools.cached_property
+  def batch_sharding(self) -> NamedSharding:
+    return sharding.named_sharding(self.mesh, ("activation_batch", "activation_length"), self.rules)
+
+  @functools.cached_property
+  def _jitted_train_step(self):
+    return jax.jit(
+        self._train_step,
+        in_shardings=(self.state_shardings, self.batch_sharding),
+        out_shardings=(self.state_shardings, None),
+        donate_argnums=0,
+    )
+
+  @functools.cached_property
+  def _jitted_eval_step(self):
+    return jax.jit(self._eval_step, in_shardings=(self.state_shardings, self.batch_sharding))
+
+  def train_step(self, state, batch: Batch):
+    """(state, global batch) -> (new state, metrics); `state` is donated."""
+    with sharding.active(self.mesh, self.rules):
+      return self._jitted_train_step(state, batch)
+
+  def eval_step(self, state, batch: Batch) -> dict:
+    with sharding.active(self.mesh, self.rules):
+      return self._jitted_eval_step(state, batch)
+
+  def init_state(self, seed: int):
+    """The initial state, created directly in its shardings (never whole on one device)."""
+    with sharding.active(self.mesh, self.rules):
+      return jax.jit(self._init, out_shardings=self.state_shardings)(seed)
+
+  def shard_batch(self, local_batch: dict) -> dict:
+    """This process's rows -> global arrays split over the mesh's batch axes."""
+    rows = next(iter(local_batch.values())).shape[0] * jax.process_count()
+    return {
+        key: jax.make_array_from_process_local_data(
+            self.batch_sharding, value, (rows, *value.shape[1:])
+        )
+        for key, value in local_batch.items()
+    }
+
+  @functools.cached_property
+  def disk_layout(self) -> dict:
     """The on-disk tree, abstract (shapes and dtypes): the same for both backends."""
     params = {"params": self.abstract_params}
     return {
@@ -99,6 +152,14 @@ class Trainer(abc.ABC):
         "step": jax.ShapeDtypeStruct((), jnp.int32),
     }
 
+  def checkpoint_target(self) -> dict:
+    """`disk_layout`, each leaf sharded as the state is on this mesh: what restore fills."""
+    return jax.tree.map(
+        lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
+        self.disk_layout,
+        self.to_checkpoint(self.state_shardings),
+    )
+
   def _step_metrics(self, step, grads_metrics, grad_norm) -> dict:
     return {**grads_metrics, "grad_norm": grad_norm, "lr": self.schedule(step)}
 
@@ -106,7 +167,12 @@ class Trainer(abc.ABC):
   def abstract_state(self) -> Any: ...
 
   @abc.abstractmethod
-  def init_state(self, seed: int) -> Any: ...
+  def _init(self, seed) -> Any:
+    """The initial state as a traceable function of the seed."""
+
+  @abc.abstractmethod
+  def _logical_specs(self) -> Any:
+    """The state's tree with a logical PartitionSpec per leaf, from the backend's metadata."""
 
   @abc.abstractmethod
   def params(self, state) -> dict:
@@ -130,9 +196,9 @@ class Trainer(abc.ABC):
 
 class LinenTrainer(Trainer):
 
-  def __init__(self, config: Config, model: LinenModel):
+  def __init__(self, config: Config, model: LinenModel, mesh: Mesh | None = None):
     self.model = model
-    super().__init__(config, model.abstract_params())
+    super().__init__(config, model.abstract_params(), mesh)
 
   def _create(self, params: dict) -> train_state.TrainState:
     return train_state.TrainState.create(
@@ -142,8 +208,12 @@ class LinenTrainer(Trainer):
   def abstract_state(self):
     return jax.eval_shape(self._create, self.abstract_params)
 
-  def init_state(self, seed: int):
-    return jax.jit(lambda s: self._create(self._initial_params(s)))(seed)
+  def _init(self, seed):
+    return self._create(self._initial_params(seed))
+
+  def _logical_specs(self):
+    # Linen's logical boxes ride through optax: mu and nu come out boxed too.
+    return nn.get_partition_spec(jax.eval_shape(self._create, self.model.boxed_params()))
 
   def params(self, state) -> dict:
     return canonical.unflatten(canonical.flatten(state.params["params"]))
@@ -189,14 +259,16 @@ class NNXTrainer(Trainer):
   several times the step itself on small models; a static GraphDef does not.
   """
 
-  def __init__(self, config: Config, build_model: Callable[[nnx.Rngs], nnx.Module]):
+  def __init__(
+      self, config: Config, build_model: Callable[[nnx.Rngs], nnx.Module], mesh: Mesh | None = None
+  ):
     self.build_model = build_model
     abstract_model = nnx.eval_shape(lambda: build_model(nnx.Rngs(params=0)))
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
         nnx.to_pure_dict(nnx.state(abstract_model, nnx.Param)),
     )
-    super().__init__(config, canonical.unflatten(canonical.flatten(abstract)))
+    super().__init__(config, canonical.unflatten(canonical.flatten(abstract)), mesh)
     self.graphdef, self._abstract_state = nnx.split(nnx.eval_shape(lambda: self._create(0)))
 
   def _create(self, seed) -> TrainStateNNX:
@@ -209,8 +281,12 @@ class NNXTrainer(Trainer):
   def abstract_state(self):
     return self._abstract_state
 
-  def init_state(self, seed: int):
-    return jax.jit(lambda s: nnx.state(self._create(s)))(seed)
+  def _init(self, seed):
+    return nnx.state(self._create(seed))
+
+  def _logical_specs(self):
+    # nnx.Optimizer copies each parameter's metadata onto its mu and nu.
+    return nnx.get_partition_spec(self._abstract_state)
 
   def params(self, state) -> dict:
     pure = nnx.to_pure_dict(state)["model"]
@@ -221,15 +297,15 @@ class NNXTrainer(Trainer):
 
   def to_checkpoint(self, state) -> dict:
     pure = nnx.to_pure_dict(state)
-    template = self.checkpoint_target()
+    template = self.disk_layout
     return {
         "params": {"params": pure["model"]},
         "opt_state": _nnx_opt_to_disk(template["opt_state"], pure["optimizer"]["opt_state"]),
-        "step": pure["optimizer"]["step"].astype(jnp.int32),
+        "step": _as_int32(pure["optimizer"]["step"]),
     }
 
   def from_checkpoint(self, tree: dict):
-    template = self.checkpoint_target()
+    template = self.disk_layout
     pure = {
         "model": tree["params"]["params"],
         "optimizer": {
@@ -274,6 +350,11 @@ class NNXTrainer(Trainer):
 
 
 # --- optax state <-> MaxText's on-disk form -------------------------------
+
+
+def _as_int32(step: Any) -> Any:
+  # The same mapping also carries trees of shardings, which have no dtype.
+  return step.astype(jnp.int32) if hasattr(step, "astype") else step
 
 
 def optax_to_tree(node: Any) -> Any:

@@ -85,7 +85,9 @@ def train(config: Config, *, until_step: int | None = None, progress: bool = Tru
   )
   try:
     for step in bar:
-      batch = train_data.batch(step)
+      batch = trainer.shard_batch(
+          train_data.batch(step, jax.process_index(), jax.process_count())
+      )
       began = time.perf_counter()
       state, metrics = trainer.train_step(state, batch)
       metrics = jax.device_get(metrics)  # also waits for the step: the timing below is real
@@ -138,7 +140,8 @@ def evaluate(trainer, state, eval_data: data.Dataset, steps: int) -> float:
   """Token-weighted mean loss over the first `steps` eval batches."""
   total = tokens = 0.0
   for step in range(steps):
-    metrics = jax.device_get(trainer.eval_step(state, eval_data.batch(step)))
+    batch = eval_data.batch(step, jax.process_index(), jax.process_count())
+    metrics = jax.device_get(trainer.eval_step(state, trainer.shard_batch(batch)))
     total += float(metrics["loss"]) * float(metrics["tokens"])
     tokens += float(metrics["tokens"])
   return total / max(tokens, 1.0)

@@ -2,18 +2,22 @@
 import jax
 import jax.numpy as jnp
 
+from maxbridge import sharding
+
 
 def embed(tokens: jax.Array, embedding: jax.Array, *, dtype: jnp.dtype) -> jax.Array:
   """int [B, T] -> [B, T, D]; no scaling of embeddings (Llama)."""
   if not jnp.issubdtype(tokens.dtype, jnp.integer):
     raise TypeError(f"tokens must be integers, got {tokens.dtype}")
   with jax.named_scope("embed"):
-    return jnp.take(embedding, tokens, axis=0).astype(dtype)
+    x = jnp.take(embedding, tokens, axis=0).astype(dtype)
+    return sharding.constrain(x, ("activation_batch", "activation_length", "activation_embed"))
 
 
 def attend(x: jax.Array, embedding: jax.Array, *, dtype: jnp.dtype) -> jax.Array:
   """Tied output head: [B, T, D] x [V, D] -> float32 logits [B, T, V]."""
   with jax.named_scope("attend"):
     logits = jnp.einsum("BTD,VD->BTV", x.astype(dtype), embedding.astype(dtype))
-    return logits.astype(jnp.float32)
+    logits = logits.astype(jnp.float32)
+    return sharding.constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
 

@@ -2,6 +2,8 @@
 import jax
 import jax.numpy as jnp
 
+from maxbridge import sharding
+
 
 def rms_norm(x: jax.Array, scale: jax.Array, *, epsilon: float, dtype: jnp.dtype) -> jax.Array:
   with jax.named_scope("rms_norm"):
@@ -10,4 +12,16 @@ def rms_norm(x: jax.Array, scale: jax.Array, *, epsilon: float, dtype: jnp.dtype
     x32 = x.astype(jnp.float32)
     mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
     y = (x32 * jax.lax.rsqrt(mean_square + epsilon)).astype(dtype)
-    return y * scale.astype(dtype)
+    return sharding.constrain(y * scale.astype(dtype), ("activation_batch", "activation_length", "activation_embed"))
+
+
+def layer_norm(
+    x: jax.Array, scale: jax.Array, bias: jax.Array, *, epsilon: float, dtype: jnp.dtype
+) -> jax.Array:
+  """LayerNorm as in GPT-2: (x - mean) * rsqrt(var + eps) * scale + bias, statistics in float32."""
+  with jax.named_scope("layer_norm"):
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    variance = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    y = ((x32 - mean) * jax.lax.rsqrt(variance + epsilon)).astype(dtype)
+    return y * scale.astype(dtype) + bias.astype(dtype)

@@ -4,9 +4,19 @@ import jax.numpy as jnp
 
 
 def apply_rotary(
-    x: jax.Array, positions: jax.Array, *, max_timescale: float, min_timescale: float = 1.0
+    x: jax.Array,
+    positions: jax.Array,
+    *,
+    max_timescale: float,
+    min_timescale: float = 1.0,
+    interleave: bool = False,
 ) -> jax.Array:
-  """Rotates `x` [B, T, N, H] by `positions` [B, T]; pairs are (i, i + H/2)."""
+  """Rotates `x` [B, T, N, H] by `positions` [B, T]; pairs are (i, i + H/2).
+
+  `interleave=True` reads pairs (2i, 2i + 1) instead (DeepSeek's MLA layout) and
+  returns them de-interleaved, evens then odds, as Hugging Face does; queries
+  and keys are permuted alike, so their dot products are those of the pairs.
+  """
   if x.ndim != 4 or positions.shape != x.shape[:2]:
     raise ValueError(
         f"apply_rotary expects x [B, T, N, H] and positions [B, T]; got x {x.shape}, "
@@ -20,6 +30,10 @@ def apply_rotary(
     timescale = min_timescale * (max_timescale / min_timescale) ** fraction
     angle = positions[:, :, None, None].astype(jnp.float32) / timescale  # [B, T, 1, H/2]
     sin, cos = jnp.sin(angle), jnp.cos(angle)
-    first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    x32 = x.astype(jnp.float32)
+    if interleave:
+      first, second = x32[..., 0::2], x32[..., 1::2]
+    else:
+      first, second = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
     return rotated.astype(x.dtype)

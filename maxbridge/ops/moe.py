@@ -1,0 +1,131 @@
+"""Mixture of experts: routing, the expert computation (dropless and dense), load balancing.
+
+Shapes: tokens are flattened to T = batch * length; D model width, E experts,
+F expert hidden width, K experts per token.
+"""
+import jax
+import jax.numpy as jnp
+
+
+def top_k_softmax(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """Mixtral routing: the top-k logits, softmaxed among themselves -> (weights, indices) [T, K].
+
+  Equal to a softmax over all experts renormalised over the top k (Hugging
+  Face's order of operations), without computing the discarded terms.
+  """
+  top_logits, indices = jax.lax.top_k(logits.astype(jnp.float32), k)
+  return jax.nn.softmax(top_logits, axis=-1), indices
+
+
+def group_limited_sigmoid(
+    logits: jax.Array,
+    correction_bias: jax.Array | None,
+    k: int,
+    *,
+    n_groups: int,
+    top_groups: int,
+    scaling_factor: float,
+) -> tuple[jax.Array, jax.Array]:
+  """DeepSeek-V3 routing -> (weights, indices) [T, K].
+
+  Scores are sigmoid(logits). Experts are *chosen* by score + correction bias,
+  first keeping the `top_groups` groups whose two best experts score highest
+  (when `n_groups` > 0), then the top k inside them; the *weights* are the
+  chosen experts' plain scores, normalised to sum to 1, times `scaling_factor`.
+  """
+  scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+  choice = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)
+  if n_groups > 0:
+    tokens, experts = choice.shape
+    grouped = choice.reshape(tokens, n_groups, experts // n_groups)
+    group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]
+    _, group_indices = jax.lax.top_k(group_scores, top_groups)
+    group_mask = jnp.sum(jax.nn.one_hot(group_indices, n_groups, dtype=jnp.float32), axis=-2)
+    expert_mask = jnp.repeat(group_mask, experts // n_groups, axis=-1) > 0
+    choice = jnp.where(expert_mask, choice, -jnp.inf)
+  _, indices = jax.lax.top_k(choice, k)
+  weights = jnp.take_along_axis(scores, indices, axis=-1)
+  weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  return weights * scaling_factor, indices
+
+
+def load_balance_loss(probs: jax.Array, indices: jax.Array, num_experts: int) -> jax.Array:
+  """Switch/Mixtral auxiliary loss: E * sum_e (fraction routed to e) * (mean router prob of e).
+
+  probs [T, E] router probabilities; indices [T, K] chosen experts. Equals 1
+  for a perfectly uniform router; the caller scales it by its weight.
+  """
+  routed = jnp.sum(jax.nn.one_hot(indices, num_experts, dtype=jnp.float32), axis=1)  # [T, E]
+  fraction = jnp.mean(routed, axis=0) / indices.shape[-1]
+  mean_prob = jnp.mean(probs.astype(jnp.float32), axis=0)
+  return num_experts * jnp.sum(fraction * mean_prob)
+
+
+def mean_layer_losses(losses: list[jax.Array]) -> jax.Array:
+  """Per-layer losses (scalars, or [L] from a scanned stack) -> their mean over all layers."""
+  return jnp.mean(jnp.concatenate([jnp.reshape(loss, (-1,)) for loss in losses]))
+
+
+def _expert_mlp(x, wi_0, wi_1, wo, matmul, dtype):
+  gate = matmul(x, wi_0.astype(dtype))
+  up = matmul(x, wi_1.astype(dtype))
+  return matmul(jax.nn.silu(gate) * up, wo.astype(dtype))
+
+
+def dropless_experts(
+    x: jax.Array,
+    weights: jax.Array,
+    indices: jax.Array,
+    wi_0: jax.Array,
+    wi_1: jax.Array,
+    wo: jax.Array,
+    *,
+    dtype: jnp.dtype,
+) -> jax.Array:
+  """x [T, D] through each token's K experts (SwiGLU, wi_* [E, D, F], wo [E, F, D]) -> [T, D].
+
+  Dropless: every (token, expert) pair is computed, none dropped for capacity.
+  Pairs are sorted by expert so that each expert's rows are contiguous, and
+  `jax.lax.ragged_dot` multiplies each group by its expert's kernel.
+  """
+  tokens, k = indices.shape
+  num_experts = wi_0.shape[0]
+  with jax.named_scope("dropless_experts"):
+    flat_experts = indices.reshape(-1)  # [T*K], pair p = token p // K
+    order = jnp.argsort(flat_experts, stable=True)
+    rows = jnp.take(x.astype(dtype), order // k, axis=0)  # [T*K, D] grouped by expert
+    group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
+
+    def matmul(lhs, rhs):
+      return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+
+    out = _expert_mlp(rows, wi_0, wi_1, wo, matmul, dtype)  # [T*K, D]
+    out = jnp.take(out, jnp.argsort(order), axis=0).reshape(tokens, k, -1)  # back to pair order
+    combined = jnp.einsum("TKD,TK->TD", out.astype(jnp.float32), weights.astype(jnp.float32))
+    return combined.astype(dtype)
+
+
+def dense_experts(
+    x: jax.Array,
+    weights: jax.Array,
+    indices: jax.Array,
+    wi_0: jax.Array,
+    wi_1: jax.Array,
+    wo: jax.Array,
+    *,
+    dtype: jnp.dtype,
+) -> jax.Array:
+  """The reference path: every token through every expert, unchosen ones weighted 0 -> [T, D]."""
+  num_experts = wi_0.shape[0]
+  with jax.named_scope("dense_experts"):
+    x = x.astype(dtype)
+
+    def matmul(lhs, rhs):
+      spec = "TD,EDF->TEF" if lhs.ndim == 2 else "TEF,EFD->TED"
+      return jnp.einsum(spec, lhs, rhs)
+
+    out = _expert_mlp(x, wi_0, wi_1, wo, matmul, dtype)  # [T, E, D]
+    combine = jnp.einsum(
+        "TKE,TK->TE", jax.nn.one_hot(indices, num_experts, dtype=jnp.float32), weights.astype(jnp.float32)
+    )
+    return jnp.einsum("TED,TE->TD", out.astype(jnp.float32), combine).astype(dtype)

@@ -1,0 +1,97 @@
+"""Device mesh and logical axis rules: the one place logical names meet mesh axes.
+
+Parameters carry logical axis names (`embed`, `mlp`, `layers`, ...) in both
+backends; activations are constrained by logical names inside `maxbridge.ops`.
+`logical_axis_rules` in the config maps each name to mesh axes, MaxText style.
+"""
+import contextlib
+import contextvars
+import math
+from typing import Any, Iterator, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+from absl import logging
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from maxbridge.config import MESH_AXES, Config, ConfigError
+
+_PARALLELISM_KEYS = ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism")
+
+# (mesh, rules) while a step is traced; ops read it through `constrain`.
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, tuple] | None] = contextvars.ContextVar(
+    "maxbridge_sharding", default=None
+)
+_WARNED: set[str] = set()
+
+
+def mesh_shape(config: Config, num_devices: int) -> tuple[int, ...]:
+  """(data, fsdp, tensor) sizes; one of them may be -1, meaning the remaining devices."""
+  sizes = [getattr(config, key) for key in _PARALLELISM_KEYS]
+  unknown = [key for key, size in zip(_PARALLELISM_KEYS, sizes) if size == -1]
+  if len(unknown) > 1:
+    raise ConfigError(f"only one of {', '.join(_PARALLELISM_KEYS)} may be -1; got -1 for {unknown}")
+  known = math.prod(size for size in sizes if size != -1)
+  if unknown:
+    if num_devices % known:
+      raise ConfigError(
+          f"{unknown[0]}=-1 cannot fill {num_devices} devices: the other axes use {known}, "
+          f"which does not divide {num_devices}"
+      )
+    sizes[_PARALLELISM_KEYS.index(unknown[0])] = num_devices // known
+  if math.prod(sizes) != num_devices:
+    described = ", ".join(f"{k}={s}" for k, s in zip(_PARALLELISM_KEYS, sizes))
+    raise ConfigError(
+        f"the mesh {described} needs {math.prod(sizes)} devices, but {num_devices} are "
+        "available; make the product equal the device count (or set one axis to -1)"
+    )
+  return tuple(sizes)
+
+
+def create_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  devices = jax.devices() if devices is None else list(devices)
+  shape = mesh_shape(config, len(devices))
+  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], rules: tuple) -> PartitionSpec:
+  """Logical names -> PartitionSpec; a name missing from the rules is replicated (warned once)."""
+  known = {name for name, _ in rules}
+  for name in logical_axes:
+    if name is not None and name not in known and name not in _WARNED:
+      _WARNED.add(name)
+      logging.warning("logical axis %r has no rule in logical_axis_rules; it is replicated", name)
+  return nn.logical_to_mesh_axes(tuple(logical_axes), rules)
+
+
+def named_sharding(mesh: Mesh, logical_axes: Sequence[str | None], rules: tuple) -> NamedSharding:
+  return NamedSharding(mesh, logical_to_spec(logical_axes, rules))
+
+
+@contextlib.contextmanager
+def active(mesh: Mesh, rules: tuple) -> Iterator[None]:
+  """Turns on activation constraints (see `constrain`) while a step is traced."""
+  token = _ACTIVE.set((mesh, rules))
+  try:
+    yield
+  finally:
+    _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+  """Constrains an activation by logical names; a no-op outside `active` (plain inference)."""
+  current = _ACTIVE.get()
+  if current is None:
+    return x
+  mesh, rules = current
+  return jax.lax.with_sharding_constraint(x, named_sharding(mesh, logical_axes, rules))
+
+
+def spec_tree_to_shardings(specs: Any, mesh: Mesh, rules: tuple) -> Any:
+  """A tree of logical PartitionSpecs (leaves) -> the same tree of NamedShardings."""
+  return jax.tree.map(
+      lambda spec: named_sharding(mesh, tuple(spec), rules),
+      specs,
+      is_leaf=lambda x: isinstance(x, PartitionSpec),
+  )
