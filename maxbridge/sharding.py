@@ -7,6 +7,7 @@ backends; activations are constrained by logical names inside `maxbridge.ops`.
 import contextlib
 import contextvars
 import math
+import os
 from typing import Any, Iterator, Sequence
 
 import flax.linen as nn
@@ -47,6 +48,29 @@ def mesh_shape(config: Config, num_devices: int) -> tuple[int, ...]:
         "available; make the product equal the device count (or set one axis to -1)"
     )
   return tuple(sizes)
+
+
+def initialize_distributed(config: Config) -> None:
+  """Joins a multi-process run (jax.distributed) when the config or JAX_* variables ask for one.
+
+  Must run before JAX touches a device. On CPU, collectives across processes
+  go through gloo.
+  """
+  if config.num_processes > 1:
+    num_processes, process_id = config.num_processes, config.process_id
+  else:
+    num_processes = int(os.environ.get("JAX_NUM_PROCESSES", "1"))
+    process_id = int(os.environ.get("JAX_PROCESS_ID", "0"))
+  if num_processes <= 1 or jax.distributed.is_initialized():
+    return
+  address = config.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+  if not address:
+    raise ConfigError(
+        f"num_processes={num_processes} needs coordinator_address=host:port "
+        "(or JAX_COORDINATOR_ADDRESS) naming process 0"
+    )
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(address, num_processes, process_id)
 
 
 def create_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from absl import logging
 from tqdm import tqdm
 
-from maxbridge import checkpointing, data, dispatch
+from maxbridge import checkpointing, data, dispatch, sharding
 from maxbridge.config import Config
 
 
@@ -57,9 +57,13 @@ def train(config: Config, *, until_step: int | None = None, progress: bool = Tru
   run: the schedule still spans `config.steps`, so a later call continues it.
   """
   end = config.steps if until_step is None else min(until_step, config.steps)
+  sharding.initialize_distributed(config)
+  # Every process trains and checkpoints (orbax saves collectively); one writes the logs.
+  primary = jax.process_index() == 0
   run_dir = run_directory(config)
   run_dir.mkdir(parents=True, exist_ok=True)
-  config.to_yaml(run_dir / "config.yml")
+  if primary:
+    config.to_yaml(run_dir / "config.yml")
   trainer = dispatch.create_trainer(config)
   train_data = data.make_dataset(config, "train", global_batch_size(config))
   eval_data = (
@@ -76,12 +80,12 @@ def train(config: Config, *, until_step: int | None = None, progress: bool = Tru
     logging.info("resumed %s from step %d", run_dir, start)
   else:
     state = trainer.init_state(config.seed)
-  log = MetricsLog(run_dir / "metrics.jsonl", resume_step=start)
+  log = MetricsLog(run_dir / "metrics.jsonl", resume_step=start) if primary else None
   last_saved = start if start else None
   records = []
   bar = tqdm(
-      range(start, end), initial=start, total=config.steps, disable=not progress,
-      desc=run_dir.name, unit="step",
+      range(start, end), initial=start, total=config.steps,
+      desc=run_dir.name, unit="step", disable=not (progress and primary),
   )
   try:
     for step in bar:
@@ -108,7 +112,8 @@ def train(config: Config, *, until_step: int | None = None, progress: bool = Tru
       done = step + 1
       if eval_data is not None and (done % config.eval_interval == 0 or done == config.steps):
         record["eval_loss"] = evaluate(trainer, state, eval_data, config.eval_steps)
-      log.append(record)
+      if log:
+        log.append(record)
       records.append(record)
       bar.set_postfix(loss=f"{loss:.3f}")
       if ckpt and (done % config.checkpoint_period == 0 or done == end):

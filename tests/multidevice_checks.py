@@ -1,0 +1,95 @@
+"""Runs the sharding scenarios on 8 virtual CPU devices and prints one JSON report.
+
+Started by tests/test_sharding.py in a subprocess, because the device count
+must be fixed (XLA_FLAGS) before JAX is imported.
+"""
+import json
+import os
+import sys
+import tempfile
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402  (after XLA_FLAGS)
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+import maxbridge as mb  # noqa: E402
+from maxbridge import canonical, checkpointing, data, dispatch, sharding  # noqa: E402
+
+MESHES = {"8x1x1": (8, 1, 1), "1x8x1": (1, 8, 1), "1x4x2": (1, 4, 2), "2x2x2": (2, 2, 2)}
+BACKENDS = {"linen": (False, False, False), "nnx": (True, True, True), "nnx-state/linen-model/nnx-decoder": (True, False, True), "linen-state/nnx-model/linen-decoder": (False, True, False)}
+STEPS = 3
+
+
+def config(flags, shape=(1, 8, 1), **overrides):
+  pure_nnx, enable_nnx, pure_nnx_decoder = flags
+  data_, fsdp, tensor = shape
+  return mb.load_config(
+      "llama-tiny", pure_nnx=pure_nnx, enable_nnx=enable_nnx, pure_nnx_decoder=pure_nnx_decoder,
+      ici_data_parallelism=data_, ici_fsdp_parallelism=fsdp, ici_tensor_parallelism=tensor,
+      per_device_batch_size=1, steps=10, **overrides,
+  )
+
+
+def single_device_mesh():
+  return Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES)
+
+
+def train(trainer, steps, state=None, start=0):
+  batches = data.make_dataset(trainer.config, "train", 8)
+  state = trainer.init_state(0) if state is None else state
+  losses = []
+  for step in range(start, start + steps):
+    state, metrics = trainer.train_step(state, trainer.shard_batch(batches.batch(step)))
+    losses.append(float(metrics["loss"]))
+  return state, losses
+
+
+def specs(trainer):
+  """Every on-disk leaf (params and optimizer state) -> its PartitionSpec, as text."""
+  tree = trainer.to_checkpoint(trainer.state_shardings)
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {jax.tree_util.keystr(path): str(leaf.spec) for path, leaf in leaves}
+
+
+def main():
+  report = {"devices": jax.device_count(), "losses": {}, "specs": {}}
+  for name, flags in BACKENDS.items():
+    _, report["losses"][f"{name}@1"] = train(dispatch.create_trainer(config(flags), single_device_mesh()), STEPS)
+  for mesh_name, shape in MESHES.items():
+    for name, flags in BACKENDS.items():
+      trainer = dispatch.create_trainer(config(flags, shape))
+      report["specs"][f"{name}@{mesh_name}"] = specs(trainer)
+      if name in ("linen", "nnx") or mesh_name == "2x2x2":
+        _, report["losses"][f"{name}@{mesh_name}"] = train(trainer, STEPS)
+
+  # Save on one mesh with Linen, restore onto another with NNX, and go on.
+  with tempfile.TemporaryDirectory() as tmp:
+    saver = dispatch.create_trainer(config(BACKENDS["linen"], (1, 8, 1)))
+    state, head = train(saver, 2)
+    ckpt = checkpointing.Checkpointer(tmp)
+    ckpt.save(2, saver.to_checkpoint(state))
+    ckpt.wait()
+    loader = dispatch.create_trainer(config(BACKENDS["nnx"], (2, 2, 2)))
+    restored = loader.from_checkpoint(ckpt.restore(2, loader.checkpoint_target()))
+    placed = {
+        leaf.sharding.spec == want.spec
+        for leaf, want in zip(jax.tree.leaves(restored), jax.tree.leaves(loader.state_shardings))
+    }
+    _, tail = train(loader, 1, restored, start=2)
+    report["restore"] = {"losses": head + tail, "shardings_as_target": placed == {True}}
+
+  # A logical name with no rule is replicated (with a warning), never a crash.
+  rules = tuple(r for r in config(BACKENDS["linen"]).logical_axis_rules if r[0] != "mlp")
+  trainer = dispatch.create_trainer(config(BACKENDS["nnx"], logical_axis_rules=rules))
+  _, losses = train(trainer, 1)
+  report["missing_rule"] = {
+      "loss": losses[0],
+      "wi_0": specs(trainer)["['params']['params']['decoder']['layers']['mlp']['wi_0']['kernel']"],
+  }
+  json.dump(report, sys.stdout)
+
+
+if __name__ == "__main__":
+  main()

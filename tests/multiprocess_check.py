@@ -1,0 +1,25 @@
+"""One process of a multi-process training run on localhost (started by tests/test_sharding.py).
+
+    python multiprocess_check.py OUTPUT_DIR RUN_NAME NUM_PROCESSES PROCESS_ID PORT DEVICES_PER_PROCESS
+"""
+import os
+import sys
+
+output, run_name, num_processes, process_id, port, devices = sys.argv[1:7]
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+
+import maxbridge as mb  # noqa: E402  (after XLA_FLAGS)
+
+config = mb.load_config(
+    "llama-tiny",
+    base_output_directory=output,
+    run_name=run_name,
+    steps=2,
+    per_device_batch_size=2,
+    eval_interval=0,
+    checkpoint_period=2,
+    num_processes=int(num_processes),
+    process_id=int(process_id),
+    coordinator_address=f"localhost:{port}" if int(num_processes) > 1 else "",
+)
+mb.train(config, progress=False)

@@ -1,0 +1,116 @@
+"""Sharding on 8 virtual CPU devices, and a 2-process run on localhost.
+
+The scenarios run in subprocesses: the device count is fixed when JAX starts.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import maxbridge as mb
+from maxbridge import sharding
+from maxbridge.config import ConfigError
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def report():
+  proc = subprocess.run(
+      [sys.executable, str(HERE / "multidevice_checks.py")], capture_output=True, text=True, timeout=1200
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout)
+
+
+def test_eight_devices_are_used(report):
+  assert report["devices"] == 8
+
+
+@pytest.mark.parametrize("mesh", ["8x1x1", "1x8x1", "1x4x2", "2x2x2"])
+@pytest.mark.parametrize("backend", ["linen", "nnx"])
+def test_sharded_training_matches_one_device(report, backend, mesh):
+  np.testing.assert_allclose(
+      report["losses"][f"{backend}@{mesh}"], report["losses"]["linen@1"], rtol=1e-4
+  )
+
+
+@pytest.mark.parametrize(
+    "backend", ["nnx-state/linen-model/nnx-decoder", "linen-state/nnx-model/linen-decoder"]
+)
+def test_bridged_backends_train_sharded_to_the_same_losses(report, backend):
+  np.testing.assert_allclose(report["losses"][f"{backend}@2x2x2"], report["losses"]["linen@1"], rtol=1e-4)
+
+
+def test_every_backend_reports_identical_partition_specs(report):
+  specs = report["specs"]
+  for name, table in specs.items():
+    reference = specs["linen@" + name.split("@")[1]]
+    assert table.keys() == reference.keys(), name
+    differing = {path: (table[path], reference[path]) for path in table if table[path] != reference[path]}
+    assert not differing, f"{name}: {differing}"
+
+
+def test_partition_specs_follow_the_logical_rules(report):
+  specs = report["specs"]["nnx@1x4x2"]
+  wi_0 = "['params']['params']['decoder']['layers']['mlp']['wi_0']['kernel']"
+  assert specs[wi_0] == "P('fsdp', None, 'tensor')"  # (embed, layers, mlp)
+  assert specs[wi_0.replace("['params']['params']", "['opt_state'][0]['mu']['params']")] == specs[wi_0]
+  assert specs["['params']['params']['token_embedder']['embedding']"] == "P('tensor', 'fsdp')"
+  assert specs["['step']"] == "P()"
+
+
+def test_restore_onto_another_mesh_and_backend_continues_exactly(report):
+  assert report["restore"]["shardings_as_target"]
+  np.testing.assert_allclose(report["restore"]["losses"], report["losses"]["linen@1"], rtol=1e-4)
+
+
+def test_a_logical_axis_without_a_rule_is_replicated_not_fatal(report):
+  assert report["missing_rule"]["wi_0"] == "P('fsdp', None, None)"
+  np.testing.assert_allclose(report["missing_rule"]["loss"], report["losses"]["linen@1"][0], rtol=1e-4)
+
+
+def test_mesh_shape_is_checked_against_the_device_count():
+  config = mb.load_config("llama-tiny", ici_fsdp_parallelism=4, ici_tensor_parallelism=3)
+  with pytest.raises(ConfigError, match=r"needs 12 devices, but 8 are available"):
+    sharding.mesh_shape(config, 8)
+  with pytest.raises(ConfigError, match=r"only one of .* may be -1"):
+    sharding.mesh_shape(config.replace(ici_data_parallelism=-1, ici_fsdp_parallelism=-1), 8)
+  assert sharding.mesh_shape(config.replace(ici_fsdp_parallelism=-1, ici_tensor_parallelism=2), 8) == (1, 4, 2)
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_train_like_one(tmp_path):
+  script = str(HERE / "multiprocess_check.py")
+  single = subprocess.run(
+      [sys.executable, script, str(tmp_path), "single", "1", "0", "0", "2"], capture_output=True, text=True, timeout=600
+  )
+  assert single.returncode == 0, single.stderr[-3000:]
+  port = str(free_port())
+  procs = [
+      subprocess.Popen(
+          [sys.executable, script, str(tmp_path), "multi", "2", str(i), port, "1"],
+          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      )
+      for i in range(2)
+  ]
+  for proc in procs:
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+
+  def losses(run):
+    return [json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+  assert len(losses("multi")) == 2
+  np.testing.assert_allclose(losses("multi"), losses("single"), rtol=1e-5)
+  assert (tmp_path / "multi" / "checkpoints" / "2" / "items").is_dir()
