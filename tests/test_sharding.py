@@ -114,3 +114,35 @@ def test_two_processes_train_like_one(tmp_path):
   assert len(losses("multi")) == 2
   np.testing.assert_allclose(losses("multi"), losses("single"), rtol=1e-5)
   assert (tmp_path / "multi" / "checkpoints" / "2" / "items").is_dir()
+
+
+def maxbridge_cli(*args: str) -> str:
+  proc = subprocess.run(
+      [sys.executable, "-m", "maxbridge.cli", *args], capture_output=True, text=True, timeout=600
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc.stdout
+
+
+def test_shardings_table_is_the_same_on_both_backends():
+  overrides = ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
+  linen = maxbridge_cli("shardings", "--devices", "8", "llama-tiny", *overrides)
+  nnx = maxbridge_cli(
+      "shardings", "--devices", "8", "llama-tiny", *overrides,
+      "pure_nnx=true", "enable_nnx=true", "pure_nnx_decoder=false",
+  )
+  assert linen == nnx
+  assert "mesh: data=1 x fsdp=4 x tensor=2" in linen
+  row = next(line for line in linen.splitlines() if line.startswith("decoder/layers/mlp/wi_0/kernel"))
+  assert "embed, layers, mlp" in row and "P('fsdp', None, 'tensor')" in row
+
+
+def test_llama2_7b_train_step_compiles_for_eight_devices():
+  out = maxbridge_cli(
+      "compile", "--devices", "8", "llama2-7b",
+      "per_device_batch_size=1", "max_target_length=2048", "remat_policy=full",
+  )
+  assert "for 8 devices (data=1 x fsdp=8 x tensor=1)" in out
+  # 6.74e9 parameters x (4 + 4 + 4 bytes: params, mu, nu) / 8 devices = 9.42 GiB.
+  state = float(next(l for l in out.splitlines() if "parameters + optimizer state" in l).split()[-4])
+  assert 9.3 < state < 9.5, out

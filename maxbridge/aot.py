@@ -1,0 +1,95 @@
+"""Look before you allocate: the sharding table and an ahead-of-time compiled train step.
+
+Both work on abstract state (shapes, dtypes, shardings), so a 7B model's
+plan is inspected on a laptop: on CPU, virtual devices stand in for a mesh
+(`--xla_force_host_platform_device_count`).
+"""
+import math
+
+import jax
+import numpy as np
+
+from maxbridge import canonical, dispatch, sharding
+from maxbridge.config import Config
+
+
+def _rows_of(tree) -> dict[str, object]:
+  return canonical.flatten(tree["params"]["params"])
+
+
+def sharding_rows(config: Config) -> list[dict]:
+  """One row per parameter: canonical path, shape, logical axes, PartitionSpec, bytes per device."""
+  trainer = dispatch.create_trainer(config)
+  layout = _rows_of(trainer.disk_layout)
+  logical = _rows_of(trainer.to_checkpoint(trainer._logical_specs()))  # pylint: disable=protected-access
+  placed = _rows_of(trainer.to_checkpoint(trainer.state_shardings))
+  return [
+      {
+          "path": path,
+          "shape": tuple(leaf.shape),
+          "logical_axes": tuple(logical[path]),
+          "spec": placed[path].spec,
+          "bytes_per_device": math.prod(placed[path].shard_shape(leaf.shape)) * leaf.dtype.itemsize,
+      }
+      for path, leaf in layout.items()
+  ]
+
+
+def state_bytes_per_device(config: Config) -> int:
+  """Parameters + optimizer state + step, as laid out on the mesh, per device."""
+  trainer = dispatch.create_trainer(config)
+  leaves = zip(jax.tree.leaves(trainer.disk_layout), jax.tree.leaves(trainer.to_checkpoint(trainer.state_shardings)))
+  return sum(math.prod(where.shard_shape(leaf.shape)) * leaf.dtype.itemsize for leaf, where in leaves)
+
+
+def format_table(rows: list[dict], mesh_shape: tuple[int, ...]) -> str:
+  header = ("path", "shape", "logical axes", "PartitionSpec", "MiB/device")
+  lines = [
+      (
+          r["path"], str(r["shape"]), ", ".join(str(a) for a in r["logical_axes"]),
+          str(r["spec"]), f"{r['bytes_per_device'] / 2**20:.2f}",
+      )
+      for r in rows
+  ]
+  widths = [max(len(x) for x in column) for column in zip(header, *lines)]
+  fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+  total = sum(r["bytes_per_device"] for r in rows) / 2**20
+  mesh = " x ".join(f"{name}={size}" for name, size in zip(sharding.MESH_AXES, mesh_shape))
+  return "\n".join(
+      [f"mesh: {mesh}", fmt.format(*header), *(fmt.format(*line) for line in lines),
+       f"parameters: {total:.2f} MiB per device"]
+  )
+
+
+def compile_train_step(config: Config) -> dict:
+  """Lowers and compiles the train step on abstract, sharded inputs; returns its costs."""
+  trainer = dispatch.create_trainer(config)
+  state = jax.tree.map(
+      lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
+      trainer.abstract_state(),
+      trainer.state_shardings,
+  )
+  rows = config.per_device_batch_size * jax.device_count() * config.gradient_accumulation_steps
+  batch = {
+      key: jax.ShapeDtypeStruct((rows, config.max_target_length), np.int32, sharding=trainer.batch_sharding)
+      for key in ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
+  }
+  with sharding.active(trainer.mesh, trainer.rules):
+    compiled = trainer._jitted_train_step.lower(state, batch).compile()  # pylint: disable=protected-access
+  memory = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  tokens = rows * config.max_target_length
+  num_params = sum(math.prod(leaf.shape) for leaf in canonical.flatten(trainer.abstract_params).values())
+  attention = 12 * config.num_decoder_layers * config.emb_dim * config.max_target_length * tokens
+  return {
+      "model_flops": 6 * num_params * tokens + attention,
+      "devices": jax.device_count(),
+      "mesh": dict(zip(sharding.MESH_AXES, trainer.mesh.devices.shape)),
+      "argument_bytes": memory.argument_size_in_bytes,
+      "output_bytes": memory.output_size_in_bytes,
+      "temp_bytes": memory.temp_size_in_bytes,
+      "alias_bytes": memory.alias_size_in_bytes,
+      "state_bytes": state_bytes_per_device(config),
+      "flops": float(cost.get("flops", float("nan"))) if cost else float("nan"),
+  }
