@@ -10,6 +10,7 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,25 @@ class TrainingDiverged(FloatingPointError):
 
 def run_directory(config: Config) -> Path:
   return Path(config.base_output_directory) / (config.run_name or config.model_name)
+
+
+# Keys that change where and how often a run writes, never what a step computes.
+_RUN_ONLY_KEYS = frozenset({
+    "run_name", "base_output_directory", "enable_checkpointing", "checkpoint_period",
+    "max_to_keep", "eval_interval", "eval_steps", "log_period", "dataset_type", "dataset_path",
+})
+_TRAINERS: dict[tuple, Any] = {}
+
+
+def _trainer_for(config: Config):
+  """A trainer per distinct step computation, so a resumed run in the same process
+  (a flag flip, a demo, a test) reuses the compiled steps instead of compiling again."""
+  key = tuple((k, v) for k, v in config.to_dict().items() if k not in _RUN_ONLY_KEYS)
+  if key not in _TRAINERS:
+    if len(_TRAINERS) >= 4:
+      _TRAINERS.pop(next(iter(_TRAINERS)))
+    _TRAINERS[key] = dispatch.create_trainer(config)
+  return _TRAINERS[key]
 
 
 def global_batch_size(config: Config) -> int:
@@ -64,7 +84,7 @@ def train(config: Config, *, until_step: int | None = None, progress: bool = Tru
   run_dir.mkdir(parents=True, exist_ok=True)
   if primary:
     config.to_yaml(run_dir / "config.yml")
-  trainer = dispatch.create_trainer(config)
+  trainer = _trainer_for(config)
   train_data = data.make_dataset(config, "train", global_batch_size(config))
   eval_data = (
       data.make_dataset(config, "eval", global_batch_size(config)) if config.eval_interval else None
