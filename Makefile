@@ -19,4 +19,4 @@ run: $(STAMP)
 	$(PYTHON) examples/linen_to_nnx_flip.py
 
 test: $(STAMP)
-	$(PYTHON) -m pytest -q -n 2 tests
+	$(PYTHON) -m pytest -q -n 2 --dist loadgroup tests

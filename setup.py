@@ -21,7 +21,17 @@ setup(
         "numpy>=1.26",
         "matplotlib>=3.8",
         "tqdm>=4.66",
+        "safetensors==0.8.0",
     ],
-    extras_require={"test": ["pytest>=8", "pytest-xdist>=3.5"]},
+    extras_require={
+        "test": [
+            "pytest>=8",
+            "pytest-xdist>=3.5",
+            # Reference implementations for tests/test_hf.py (the CPU build of torch).
+            "torch==2.13.0",
+            "transformers==5.23.0",
+            "tokenizers==0.23.3",
+        ],
+    },
     entry_points={"console_scripts": ["maxbridge=maxbridge.cli:main"]},
 )

@@ -1,1 +1,42 @@
-"""Checkpoint conversion between backends and layouts (Linen, NNX, scanned, Hugging Face, MaxText)."""
+"""Checkpoint conversion between backends and layouts (Linen, NNX, scanned, MaxText), and comparison.
+
+On disk (streaming, array by array; also the `maxbridge convert` and
+`maxbridge compare` verbs):
+
+    converters.convert(src, dst, layout="nnx", scan_layers=False)  # -> Conversion
+    converters.compare(a, b, atol=0, rtol=0)                        # -> Comparison
+    params, info = converters.load_params(path)                     # canonical tree + what was found
+
+In memory:
+
+    converters.to_linen(tree)  /  converters.to_nnx(tree)    # any layout in; see their docstrings
+    converters.stack_layers(params, axis)  /  converters.unstack_layers(params, axis)
+    converters.detect_layout(tree_or_metadata_or_path)      # -> Layout; .describe() in words
+
+The layouts and the one mapping between their paths: `converters.layouts`.
+"""
+from converters.compare import Comparison, compare
+from converters.convert import Conversion, convert
+from converters.errors import ConversionError
+from converters.layouts import Layout, LayoutError
+from converters.plan import PlanError
+from converters.trees import CheckpointInfo, detect_layout, load_params, to_linen, to_nnx
+from maxbridge.canonical import stack_layers, unstack_layers
+
+__all__ = [
+    "CheckpointInfo",
+    "Comparison",
+    "Conversion",
+    "ConversionError",
+    "Layout",
+    "LayoutError",
+    "PlanError",
+    "compare",
+    "convert",
+    "detect_layout",
+    "load_params",
+    "stack_layers",
+    "to_linen",
+    "to_nnx",
+    "unstack_layers",
+]

@@ -1,9 +1,15 @@
-"""Llama self-attention: q/k/v projections, RoPE, grouped-query attention, output."""
+"""Llama self-attention: q/k/v projections, RoPE, grouped-query attention, output.
+
+Also Mistral's (sliding_window_size) and Qwen3's (use_qk_norm: per-head
+RMSNorm `query_norm`/`key_norm` before RoPE; the query kernel then cannot
+carry 1/sqrt(head_dim), which the norm would undo, so it is applied at run time).
+"""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from linen_models.linears import DenseGeneral
+from linen_models.normalizations import RMSNorm
 from maxbridge import initializers
 from maxbridge.config import Config
 from maxbridge.ops import attention, rotary
@@ -29,9 +35,18 @@ class Attention(nn.Module):
         (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"),
         name="value", **dtypes,
     )(x)
+    query_scale = None
+    if cfg.use_qk_norm:
+      norm = dict(epsilon=cfg.normalization_layer_epsilon, **dtypes)
+      query = RMSNorm(head_dim, name="query_norm", **norm)(query)
+      key = RMSNorm(head_dim, name="key_norm", **norm)(key)
+      query_scale = head_dim**-0.5
     query = rotary.apply_rotary(query, positions, max_timescale=cfg.rope_max_timescale)
     key = rotary.apply_rotary(key, positions, max_timescale=cfg.rope_max_timescale)
-    out = attention.dot_product_attention(query, key, value, segment_ids)
+    out = attention.dot_product_attention(
+        query, key, value, segment_ids,
+        sliding_window_size=cfg.sliding_window_size, query_scale=query_scale,
+    )
     return DenseGeneral(
         (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"),
         initializers.kernel(in_ndim=2), name="out", **dtypes,

@@ -1,14 +1,25 @@
-"""Llama decoder layer and the decoder stack (layers, final norm, output head)."""
+"""Llama decoder layer and the decoder stack (layers, final norm, output head).
+
+`config.decoder_block` picks the layer class of each stack (`layer_classes`);
+the stacks themselves, their names and sizes, come from `canonical.layer_stacks`.
+A layer returns (x, aux): aux is its MoE load-balancing loss, or None.
+"""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from linen_models.attention import Attention
+from linen_models.deepseek import DeepSeekDenseLayer, DeepSeekMoELayer
+from linen_models.embeddings import Embed
+from linen_models.gpt3 import Gpt3DecoderLayer, LayerNorm
 from linen_models.linears import DenseGeneral
+from linen_models.mixtral import MixtralDecoderLayer
 from linen_models.mlp import MlpBlock
 from linen_models.normalizations import RMSNorm
+from maxbridge import canonical
 from maxbridge.config import Config
 from maxbridge.ops import embedding as embedding_ops
+from maxbridge.ops import moe as moe_ops
 from maxbridge.ops import remat
 
 
@@ -30,6 +41,23 @@ class DecoderLayer(nn.Module):
     return x, None  # (carry, output) so that nn.scan can drive it
 
 
+def layer_classes(config: Config) -> dict[str, type[nn.Module]]:
+  """Stack name -> layer class for `config.decoder_block` (llama2, mistral and qwen3 share one).
+
+  DeepSeek has two stacks, `dense_layers` then `moe_layers` (`canonical.layer_stacks`).
+  """
+  block = config.decoder_block
+  if block in ("llama2", "mistral", "qwen3"):
+    return {"layers": DecoderLayer}
+  if block == "gpt3":
+    return {"layers": Gpt3DecoderLayer}
+  if block == "mixtral":
+    return {"layers": MixtralDecoderLayer}
+  if block == "deepseek":
+    return {"dense_layers": DeepSeekDenseLayer, "moe_layers": DeepSeekMoELayer}
+  raise NotImplementedError(f"decoder_block {block!r} has no Linen decoder layer")
+
+
 class Decoder(nn.Module):
   config: Config
 
@@ -43,30 +71,39 @@ class Decoder(nn.Module):
   ) -> jax.Array:
     """Embedded tokens [B, T, D] -> float32 logits [B, T, V]; `embedding` ties the head."""
     cfg = self.config
-    layer = DecoderLayer
-    if cfg.remat_policy != "none":
-      # prevent_cse only matters outside scan, where XLA could otherwise merge
-      # the recomputation back into the forward pass.
-      layer = nn.remat(
-          layer, policy=remat.checkpoint_policy(cfg.remat_policy), prevent_cse=not cfg.scan_layers
-      )
-    if cfg.scan_layers:
-      stack = nn.scan(
-          layer,
-          variable_axes={"params": cfg.param_scan_axis},
-          split_rngs={"params": True},
-          in_axes=(nn.broadcast, nn.broadcast),
-          length=cfg.num_decoder_layers,
-          metadata_params={nn.PARTITION_NAME: "layers"},
-      )
-      x, _ = stack(cfg, name="layers")(x, positions, segment_ids)
-    else:
-      for i in range(cfg.num_decoder_layers):
-        x, _ = layer(cfg, name=f"layers_{i}")(x, positions, segment_ids)
-    x = RMSNorm(
-        cfg.emb_dim, cfg.normalization_layer_epsilon, jnp.dtype(cfg.dtype),
-        jnp.dtype(cfg.weight_dtype), name="decoder_norm",
-    )(x)
+    dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype))
+    if cfg.decoder_block == "gpt3":  # learned absolute positions
+      x = x + Embed(cfg.trainable_position_size, cfg.emb_dim, name="position_embedder", **dtypes)(positions)
+    classes = layer_classes(cfg)
+    aux_losses = []
+    for name, count in canonical.layer_stacks(cfg):
+      layer = classes[name]
+      if cfg.remat_policy != "none":
+        # prevent_cse only matters outside scan, where XLA could otherwise merge
+        # the recomputation back into the forward pass.
+        layer = nn.remat(
+            layer, policy=remat.checkpoint_policy(cfg.remat_policy), prevent_cse=not cfg.scan_layers
+        )
+      if cfg.scan_layers:
+        stack = nn.scan(
+            layer,
+            variable_axes={"params": cfg.param_scan_axis},
+            split_rngs={"params": True},
+            in_axes=(nn.broadcast, nn.broadcast),
+            length=count,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        x, aux = stack(cfg, name=name)(x, positions, segment_ids)
+        aux_losses.append(aux)
+      else:
+        for i in range(count):
+          x, aux = layer(cfg, name=f"{name}_{i}")(x, positions, segment_ids)
+          aux_losses.append(aux)
+    aux_losses = [aux for aux in aux_losses if aux is not None]
+    if aux_losses:
+      self.sow("intermediates", "moe_lb_loss", moe_ops.mean_layer_losses(aux_losses))
+    norm = LayerNorm if cfg.decoder_block == "gpt3" else RMSNorm
+    x = norm(cfg.emb_dim, cfg.normalization_layer_epsilon, name="decoder_norm", **dtypes)(x)
     self.sow("intermediates", "hidden_states", x)
     if cfg.logits_via_embedding:
       return embedding_ops.attend(x, embedding, dtype=jnp.dtype(cfg.dtype))

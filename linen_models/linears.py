@@ -14,6 +14,7 @@ class DenseGeneral(nn.Module):
   kernel_init: initializers.Initializer = initializers.kernel()
   dtype: jnp.dtype = jnp.float32
   weight_dtype: jnp.dtype = jnp.float32
+  use_bias: bool = False
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -23,4 +24,12 @@ class DenseGeneral(nn.Module):
         self.in_features + self.out_features,
         self.weight_dtype,
     )
-    return linear.dense_general(x, kernel, in_ndim=len(self.in_features), dtype=self.dtype)
+    bias = None
+    if self.use_bias:
+      bias = self.param(
+          "bias",
+          nn.with_logical_partitioning(initializers.zeros(), self.logical_axes[len(self.in_features):]),
+          self.out_features,
+          self.weight_dtype,
+      )
+    return linear.dense_general(x, kernel, in_ndim=len(self.in_features), dtype=self.dtype, bias=bias)

@@ -10,12 +10,14 @@ from maxbridge.ops import mlp
 
 class MlpBlock(nn.Module):
   config: Config
+  intermediate_dim: int | None = None  # default cfg.mlp_dim (DeepSeek's shared experts differ)
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
     dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype))
-    gate = DenseGeneral((cfg.emb_dim,), (cfg.mlp_dim,), ("embed", "mlp"), name="wi_0", **dtypes)(x)
-    up = DenseGeneral((cfg.emb_dim,), (cfg.mlp_dim,), ("embed", "mlp"), name="wi_1", **dtypes)(x)
+    hidden_dim = self.intermediate_dim or cfg.mlp_dim
+    gate = DenseGeneral((cfg.emb_dim,), (hidden_dim,), ("embed", "mlp"), name="wi_0", **dtypes)(x)
+    up = DenseGeneral((cfg.emb_dim,), (hidden_dim,), ("embed", "mlp"), name="wi_1", **dtypes)(x)
     hidden = mlp.silu_gate(gate, up)
-    return DenseGeneral((cfg.mlp_dim,), (cfg.emb_dim,), ("mlp", "embed"), name="wo", **dtypes)(hidden)
+    return DenseGeneral((hidden_dim,), (cfg.emb_dim,), ("mlp", "embed"), name="wo", **dtypes)(hidden)

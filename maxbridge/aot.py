@@ -21,7 +21,7 @@ def sharding_rows(config: Config) -> list[dict]:
   """One row per parameter: canonical path, shape, logical axes, PartitionSpec, bytes per device."""
   trainer = dispatch.create_trainer(config)
   layout = _rows_of(trainer.disk_layout)
-  logical = _rows_of(trainer.to_checkpoint(trainer._logical_specs()))  # pylint: disable=protected-access
+  logical = _rows_of(trainer.to_checkpoint(trainer.logical_specs()))
   placed = _rows_of(trainer.to_checkpoint(trainer.state_shardings))
   return [
       {
@@ -74,8 +74,7 @@ def compile_train_step(config: Config) -> dict:
       key: jax.ShapeDtypeStruct((rows, config.max_target_length), np.int32, sharding=trainer.batch_sharding)
       for key in ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
   }
-  with sharding.active(trainer.mesh, trainer.rules):
-    compiled = trainer._jitted_train_step.lower(state, batch).compile()  # pylint: disable=protected-access
+  compiled = trainer.lower_train_step(state, batch).compile()
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost

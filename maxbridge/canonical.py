@@ -11,8 +11,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_LAYER = re.compile(r"^(.*/)?layers_(\d+)(/.*)$")
-_STACKED = re.compile(r"^(.*/)?layers(/.*)$")
+# Layer stacks by name: "layers" for every family, plus DeepSeek's two
+# ("dense_layers" then "moe_layers"), as MaxText names them.
+STACK_NAMES = ("layers", "dense_layers", "moe_layers")
+_STACK = "|".join(STACK_NAMES)
+_LAYER = re.compile(rf"^(.*/)?({_STACK})_(\d+)(/.*)$")
+_STACKED = re.compile(rf"^(.*/)?({_STACK})(/.*)$")
+
+
+def layer_stacks(config) -> tuple[tuple[str, int], ...]:
+  """(stack name, number of layers) of the decoder's stacks, in depth order."""
+  if config.decoder_block == "deepseek":
+    dense = config.first_num_dense_layers
+    stacks = (("dense_layers", dense), ("moe_layers", config.num_decoder_layers - dense))
+    return tuple(stack for stack in stacks if stack[1])
+  return (("layers", config.num_decoder_layers),)
+
+
+def layer_paths(config) -> list[str]:
+  """Unscanned canonical path of every decoder layer, in depth order (`decoder/layers_0`, ...)."""
+  return [f"decoder/{name}_{i}" for name, count in layer_stacks(config) for i in range(count)]
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -43,14 +61,14 @@ def is_scanned(tree: Mapping[str, Any]) -> bool:
 
 
 def stack_layers(tree: Mapping[str, Any], axis: int) -> dict[str, Any]:
-  """`layers_0 … layers_{L-1}` -> `layers`, each leaf stacked on `axis`."""
+  """`layers_0 … layers_{L-1}` -> `layers` (and likewise each stack), leaves stacked on `axis`."""
   groups: dict[str, dict[int, Any]] = {}
   flat = {}
   for path, leaf in flatten(tree).items():
     match = _LAYER.match(path)
     if match:
-      prefix, index, rest = match.groups()
-      groups.setdefault(f"{prefix or ''}layers{rest}", {})[int(index)] = leaf
+      prefix, name, index, rest = match.groups()
+      groups.setdefault(f"{prefix or ''}{name}{rest}", {})[int(index)] = leaf
     else:
       flat[path] = leaf
   for path, by_index in groups.items():
@@ -68,9 +86,9 @@ def unstack_layers(tree: Mapping[str, Any], axis: int) -> dict[str, Any]:
     if not match:
       flat[path] = leaf
       continue
-    prefix, rest = match.groups()
+    prefix, name, rest = match.groups()
     for i in range(leaf.shape[axis]):
-      flat[f"{prefix or ''}layers_{i}{rest}"] = _take(leaf, i, axis)
+      flat[f"{prefix or ''}{name}_{i}{rest}"] = _take(leaf, i, axis)
   return unflatten(flat)
 
 

@@ -10,6 +10,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from converters import layouts
+
 # Subtrees a loader may ignore: MaxText's NNX path saves its RNG state here.
 IGNORED_SUBTREES = ("nnx_aux",)
 
@@ -28,6 +30,19 @@ def _key_name(key) -> str:
     if hasattr(key, attr):
       return str(getattr(key, attr))
   return str(key)
+
+
+def _foreign_layout(tree: Any):
+  """The layout of a checkpoint written in another layout (NNX, older MaxText NNX); None for ours.
+
+  `converters.layouts` is the one place that maps layouts; an unknown tree
+  is left to the path checks below, which name what does not match.
+  """
+  try:
+    layout = layouts.detect(tree)
+  except layouts.LayoutError:
+    return None
+  return None if layout.is_normal or layout.kind == layouts.CANONICAL else layout
 
 
 def _params_first(item) -> tuple[bool, str]:
@@ -70,7 +85,9 @@ class Checkpointer:
       raise CheckpointError(
           f"no checkpoint for step {step} in {self.directory}; available: {self.all_steps()}"
       )
-    stored = _paths(self.manager.item_metadata(step)["items"].tree)
+    stored_tree = self.manager.item_metadata(step)["items"].tree
+    layout = _foreign_layout(stored_tree)
+    stored = _paths(layouts.normalize(stored_tree, layout) if layout else stored_tree)
     wanted = _paths(target)
     where = f"checkpoint {os.path.join(self.directory, str(step))}"
     missing = sorted(set(wanted) - set(stored), key=_params_first)
@@ -95,15 +112,17 @@ class Checkpointer:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None) or device),
         target,
     )
+    # A checkpoint in another layout is read in its own structure, then renamed.
+    on_disk = layouts.stored_like(stored_tree, layout, target) if layout else target
     restored = self.manager.restore(
         step,
         args=ocp.args.Composite(
             items=ocp.args.PyTreeRestore(
-                target,
-                restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                on_disk,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(on_disk),
                 # Only the ignored subtrees can be left behind: checked above.
                 partial_restore=True,
             )
         ),
     )
-    return restored["items"]
+    return layouts.normalize(restored["items"], layout) if layout else restored["items"]

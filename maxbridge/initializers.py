@@ -46,6 +46,22 @@ def ones() -> Initializer:
   return lambda key, shape, dtype=jnp.float32: jnp.ones(shape, dtype)
 
 
+def zeros() -> Initializer:
+  return lambda key, shape, dtype=jnp.float32: jnp.zeros(shape, dtype)
+
+
+def expert_kernel() -> Initializer:
+  """[experts, in, out]: fan-in scaling over `in`, each expert drawn independently."""
+
+  def init(key, shape, dtype=jnp.float32):
+    base = jax.nn.initializers.variance_scaling(
+        1.0, "fan_in", "truncated_normal", in_axis=1, out_axis=2, batch_axis=0
+    )
+    return base(key, shape, jnp.float32).astype(dtype)
+
+  return init
+
+
 # First match wins; patterns are fnmatch globs over unscanned canonical paths.
 RULES: tuple[tuple[str, Callable[[], Initializer]], ...] = (
     ("*/embedding", embedding),
@@ -53,6 +69,11 @@ RULES: tuple[tuple[str, Callable[[], Initializer]], ...] = (
     ("*/self_attention/query/kernel", query_kernel),
     ("*/self_attention/out/kernel", lambda: kernel(in_ndim=2)),
     ("*/kernel", kernel),
+    ("*/bias", zeros),
+    # Routed experts (MaxText's MoeBlock_0 keeps them as bare [E, in, out] params).
+    ("*/MoeBlock_0/wi_0", expert_kernel),
+    ("*/MoeBlock_0/wi_1", expert_kernel),
+    ("*/MoeBlock_0/wo", expert_kernel),
 )
 
 

@@ -99,7 +99,7 @@ class Trainer(abc.ABC):
 
   @functools.cached_property
   def state_shardings(self) -> Any:
-    return sharding.spec_tree_to_shardings(self._logical_specs(), self.mesh, self.rules)
+    return sharding.spec_tree_to_shardings(self.logical_specs(), self.mesh, self.rules)
 
   @functools.cached_property
   def batch_sharding(self) -> NamedSharding:
@@ -122,6 +122,11 @@ class Trainer(abc.ABC):
     """(state, global batch) -> (new state, metrics); `state` is donated."""
     with sharding.active(self.mesh, self.rules):
       return self._jitted_train_step(state, batch)
+
+  def lower_train_step(self, state, batch: Batch):
+    """The train step lowered for (possibly abstract, sharded) inputs: `.compile()` it."""
+    with sharding.active(self.mesh, self.rules):
+      return self._jitted_train_step.lower(state, batch)
 
   def eval_step(self, state, batch: Batch) -> dict:
     with sharding.active(self.mesh, self.rules):
@@ -171,7 +176,7 @@ class Trainer(abc.ABC):
     """The initial state as a traceable function of the seed."""
 
   @abc.abstractmethod
-  def _logical_specs(self) -> Any:
+  def logical_specs(self) -> Any:
     """The state's tree with a logical PartitionSpec per leaf, from the backend's metadata."""
 
   @abc.abstractmethod
@@ -211,7 +216,7 @@ class LinenTrainer(Trainer):
   def _init(self, seed):
     return self._create(self._initial_params(seed))
 
-  def _logical_specs(self):
+  def logical_specs(self):
     # Linen's logical boxes ride through optax: mu and nu come out boxed too.
     return nn.get_partition_spec(jax.eval_shape(self._create, self.model.boxed_params()))
 
@@ -284,7 +289,7 @@ class NNXTrainer(Trainer):
   def _init(self, seed):
     return nnx.state(self._create(seed))
 
-  def _logical_specs(self):
+  def logical_specs(self):
     # nnx.Optimizer copies each parameter's metadata onto its mu and nu.
     return nnx.get_partition_spec(self._abstract_state)
 

@@ -1,4 +1,9 @@
-"""Llama self-attention: q/k/v projections, RoPE, grouped-query attention, output."""
+"""Llama self-attention: q/k/v projections, RoPE, grouped-query attention, output.
+
+Also Mistral's (sliding_window_size) and Qwen3's (use_qk_norm: per-head
+RMSNorm `query_norm`/`key_norm` before RoPE; the query kernel then cannot
+carry 1/sqrt(head_dim), which the norm would undo, so it is applied at run time).
+"""
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -7,6 +12,7 @@ from maxbridge import initializers
 from maxbridge.config import Config
 from maxbridge.ops import attention, rotary
 from nnx_models.linears import DenseGeneral
+from nnx_models.normalizations import RMSNorm
 
 
 class Attention(nnx.Module):
@@ -25,6 +31,9 @@ class Attention(nnx.Module):
     self.value = DenseGeneral(
         (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), **dtypes
     )
+    if cfg.use_qk_norm:
+      self.query_norm = RMSNorm(head_dim, cfg.normalization_layer_epsilon, **dtypes)
+      self.key_norm = RMSNorm(head_dim, cfg.normalization_layer_epsilon, **dtypes)
     self.out = DenseGeneral(
         (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"),
         initializers.kernel(in_ndim=2), **dtypes,
@@ -35,7 +44,15 @@ class Attention(nnx.Module):
     query = self.query(x)
     key = self.key(x)
     value = self.value(x)
+    query_scale = None
+    if cfg.use_qk_norm:
+      query = self.query_norm(query)
+      key = self.key_norm(key)
+      query_scale = cfg.head_dim**-0.5
     query = rotary.apply_rotary(query, positions, max_timescale=cfg.rope_max_timescale)
     key = rotary.apply_rotary(key, positions, max_timescale=cfg.rope_max_timescale)
-    out = attention.dot_product_attention(query, key, value, segment_ids)
+    out = attention.dot_product_attention(
+        query, key, value, segment_ids,
+        sliding_window_size=cfg.sliding_window_size, query_scale=query_scale,
+    )
     return self.out(out)

@@ -17,6 +17,7 @@ class DenseGeneral(nnx.Module):
       kernel_init: initializers.Initializer = initializers.kernel(),
       dtype: jnp.dtype = jnp.float32,
       weight_dtype: jnp.dtype = jnp.float32,
+      use_bias: bool = False,
       *,
       rngs: nnx.Rngs,
   ):
@@ -24,8 +25,17 @@ class DenseGeneral(nnx.Module):
     self.kernel = nnx.Param(
         kernel_init(rngs.params(), shape, weight_dtype), out_sharding=tuple(logical_axes)
     )
+    if use_bias:
+      self.bias = nnx.Param(
+          initializers.zeros()(rngs.params(), tuple(out_features), weight_dtype),
+          out_sharding=tuple(logical_axes[len(in_features):]),
+      )
+    self.use_bias = use_bias
     self.in_ndim = len(in_features)
     self.dtype = dtype
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return linear.dense_general(x, self.kernel[...], in_ndim=self.in_ndim, dtype=self.dtype)
+    bias = self.bias[...] if self.use_bias else None
+    return linear.dense_general(
+        x, self.kernel[...], in_ndim=self.in_ndim, dtype=self.dtype, bias=bias
+    )

@@ -129,3 +129,58 @@ def dense_experts(
         "TKE,TK->TE", jax.nn.one_hot(indices, num_experts, dtype=jnp.float32), weights.astype(jnp.float32)
     )
     return jnp.einsum("TED,TE->TD", out.astype(jnp.float32), combine).astype(dtype)
+
+
+def routed_moe(
+    x: jax.Array,
+    logits: jax.Array,
+    correction_bias: jax.Array | None,
+    wi_0: jax.Array,
+    wi_1: jax.Array,
+    wo: jax.Array,
+    *,
+    num_experts_per_tok: int,
+    score_func: str = "",
+    n_groups: int = -1,
+    top_groups: int = -1,
+    scaling_factor: float = 1.0,
+    sparse: bool = True,
+    load_balance_loss_weight: float = 0.0,
+    dtype: jnp.dtype = jnp.float32,
+) -> tuple[jax.Array, jax.Array | None]:
+  """x [B, T, D], router logits [B, T, E] -> (routed experts' output [B, T, D], weighted aux loss or None).
+
+  `score_func` "" routes Mixtral's way (softmax over the top-k logits),
+  "sigmoid" DeepSeek-V3's (`group_limited_sigmoid`). `sparse` picks the
+  dropless grouped matmul, else the dense reference path; both compute the
+  same function. The load-balancing loss is computed only when its weight is > 0.
+  """
+  batch, length, width = x.shape
+  num_experts = logits.shape[-1]
+  flat_x = x.reshape(batch * length, width)
+  flat_logits = logits.reshape(batch * length, num_experts)
+  with jax.named_scope("routing"):
+    if score_func == "sigmoid":
+      weights, indices = group_limited_sigmoid(
+          flat_logits, correction_bias, num_experts_per_tok,
+          n_groups=n_groups, top_groups=top_groups, scaling_factor=scaling_factor,
+      )
+    elif score_func == "":
+      if correction_bias is not None:
+        raise ValueError("a router correction bias needs score_func='sigmoid'")
+      weights, indices = top_k_softmax(flat_logits, num_experts_per_tok)
+      weights = weights * scaling_factor if scaling_factor != 1.0 else weights
+    else:
+      raise ValueError(f"unknown router score_func {score_func!r}; valid: '', 'sigmoid'")
+  experts = dropless_experts if sparse else dense_experts
+  out = experts(flat_x, weights, indices, wi_0, wi_1, wo, dtype=dtype).reshape(batch, length, width)
+  aux = None
+  if load_balance_loss_weight > 0:
+    scores = flat_logits.astype(jnp.float32)
+    if score_func == "sigmoid":
+      scores = jax.nn.sigmoid(scores)
+      probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    else:
+      probs = jax.nn.softmax(scores, axis=-1)
+    aux = load_balance_loss_weight * load_balance_loss(probs, indices, num_experts)
+  return out, aux

@@ -1,0 +1,121 @@
+"""The converters for trees in memory, and `load_params` for checkpoints on disk."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from converters import io, layouts
+from maxbridge import canonical
+from maxbridge.config import Config, load_config
+
+
+def detect_layout(tree_or_metadata: Any) -> layouts.Layout:
+  """The layout of a tree, of orbax metadata (`handler.metadata(dir).tree`), or of a checkpoint path.
+
+  `Layout.describe()` says it in words, e.g. "nnx layout (pure dict of
+  TrainStateNNX), unscanned, float32, with optimizer state".
+  """
+  if isinstance(tree_or_metadata, (str, os.PathLike)):
+    return io.CheckpointReader(tree_or_metadata).layout
+  return layouts.detect(_pure(tree_or_metadata))
+
+
+def to_linen(
+    tree: Any, *, scan_layers: bool | None = None, param_scan_axis: int = 1, dtype: Any = None
+) -> dict:
+  """Any layout -> MaxText's Linen layout, the one maxbridge checkpoints use.
+
+  `{"params": {"params": T}, "opt_state": [adam, None, schedule], "step": int32}`,
+  or `{"params": {"params": T}}` for a tree without optimizer state. Leaves are
+  the input's own arrays (not copied) unless `scan_layers` stacks (True) or
+  unstacks (False) the layers on `param_scan_axis` (Adam's mu and nu with the
+  parameters), or `dtype` casts the floating-point ones.
+  """
+  linen = layouts.normalize(_pure(tree))
+  if "step" in linen:
+    linen["step"] = linen["step"].astype(layouts.STEP_DTYPES[layouts.LINEN])
+  if scan_layers is not None:
+    change = canonical.stack_layers if scan_layers else canonical.unstack_layers
+    linen = _each_parameter_tree(linen, lambda t: change(t, param_scan_axis))
+  if dtype is not None:
+    linen = _cast_floating(linen, np.dtype(dtype))
+  return linen
+
+
+def to_nnx(
+    tree: Any, *, scan_layers: bool | None = None, param_scan_axis: int = 1, dtype: Any = None
+) -> dict:
+  """Any layout -> the NNX layout: `nnx.to_pure_dict(nnx.state(TrainStateNNX))`.
+
+  `{"model": T, "optimizer": {"opt_state": {0: adam, 2: schedule}, "step": uint32}}`,
+  or `{"model": T}` without optimizer state; options as in `to_linen`. The
+  result fills a train state with `nnx.replace_by_pure_dict(nnx.state(state), tree)`.
+  """
+  normal = layouts.flatten_tree(
+      to_linen(tree, scan_layers=scan_layers, param_scan_axis=param_scan_axis, dtype=dtype)
+  )
+  if "step" in normal:
+    normal["step"] = normal["step"].astype(layouts.STEP_DTYPES[layouts.NNX])
+  return layouts.build_tree(normal, layouts.NNX)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+  """Where `load_params` read from, and what it found there."""
+
+  items: Path
+  step: int | None
+  layout: layouts.Layout
+  config: Config | None  # the run's config.yml, when the checkpoint has one
+
+
+def load_params(path: str | os.PathLike, *, dtype: Any = None) -> tuple[dict, CheckpointInfo]:
+  """The canonical parameter tree of any checkpoint this package reads, as numpy arrays.
+
+  `path`: a run, checkpoints, step or items directory (the latest step is
+  taken) in any layout: ours, MaxText's Linen or NNX checkpoints, params-only
+  decode checkpoints. The tree is as stored, scanned or not; give it to
+  `Model.load_params` (which stacks or unstacks it to fit the model). Reads
+  parameters only, one array at a time.
+  """
+  reader = io.CheckpointReader(path)
+  prefix = "params/params/"
+  flat = {p[len(prefix) :]: reader.read(p) for p in reader.leaves if p.startswith(prefix)}
+  tree = canonical.unflatten(flat)
+  if dtype is not None:
+    tree = _cast_floating(tree, np.dtype(dtype))
+  config_file = io.find_config(reader.items)
+  config = load_config(str(config_file)) if config_file else None
+  return tree, CheckpointInfo(reader.items, reader.step, reader.layout, config)
+
+
+def _pure(tree: Any) -> Any:
+  # An nnx.State holds Variables; its pure dict holds their arrays.
+  return nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
+
+
+def _each_parameter_tree(node: Any, change: Callable[[dict], dict]) -> Any:
+  """Applies `change` to every canonical tree under a {"params": T} level (params, Adam's mu and nu)."""
+  if isinstance(node, Mapping):
+    if set(node) == {"params"} and isinstance(node["params"], Mapping) and "decoder" in node["params"]:
+      return {"params": change(node["params"])}
+    return {k: _each_parameter_tree(v, change) for k, v in node.items()}
+  if isinstance(node, list):
+    return [_each_parameter_tree(v, change) for v in node]
+  return node
+
+
+def _cast_floating(node: Any, dtype: np.dtype) -> Any:
+  if isinstance(node, Mapping):
+    return {k: _cast_floating(v, dtype) for k, v in node.items()}
+  if isinstance(node, list):
+    return [_cast_floating(v, dtype) for v in node]
+  if node is not None and np.issubdtype(np.dtype(node.dtype), np.floating):
+    return node.astype(dtype)
+  return node

@@ -1,0 +1,63 @@
+"""DeepSeek's multi-head latent attention, named as MaxText's MLA.
+
+Queries: `query`, or with `q_lora_rank` > 0 the low-rank path `wq_a` -> `q_norm`
+-> `wq_b`. Keys and values: `wkv_a` to a latent (plus one shared rope key part),
+`kv_norm`, `wkv_b` up to every head's [key nope | value]. `wq_b` and `wkv_b`
+are whole kernels [rank, heads, dims], as QK-Clip needs them. The softmax
+scale 1/sqrt(nope + rope) is applied at run time (as MaxText and Hugging Face do).
+The latent norms keep DeepSeek's own epsilon (`ops.mla.LATENT_NORM_EPSILON`).
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from linen_models.linears import DenseGeneral
+from linen_models.normalizations import RMSNorm
+from maxbridge import initializers
+from maxbridge.config import Config
+from maxbridge.ops import attention, mla
+
+
+class MLA(nn.Module):
+  config: Config
+
+  @nn.compact
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    cfg = self.config
+    dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype))
+    norm = dict(epsilon=mla.LATENT_NORM_EPSILON, **dtypes)
+    heads = cfg.num_query_heads
+    qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    if cfg.q_lora_rank == 0:
+      query = DenseGeneral(
+          (cfg.emb_dim,), (heads, qk_head_dim), ("embed", "q_heads", "kv"), name="query", **dtypes
+      )(x)
+    else:
+      low_rank = DenseGeneral(
+          (cfg.emb_dim,), (cfg.q_lora_rank,), ("embed", "q_lora_up_proj"), name="wq_a", **dtypes
+      )(x)
+      low_rank = RMSNorm(cfg.q_lora_rank, name="q_norm", **norm)(low_rank)
+      query = DenseGeneral(
+          (cfg.q_lora_rank,), (heads, qk_head_dim), ("q_lora", "q_heads", "kv"), name="wq_b", **dtypes
+      )(low_rank)
+    query = mla.rope_query(
+        query, positions, nope_dim=cfg.qk_nope_head_dim, max_timescale=cfg.rope_max_timescale
+    )
+    latent = DenseGeneral(
+        (cfg.emb_dim,), (cfg.kv_lora_rank + cfg.qk_rope_head_dim,), ("embed", "kv_lora_up_proj"),
+        name="wkv_a", **dtypes,
+    )(x)
+    latent, key_rope = jnp.split(latent, [cfg.kv_lora_rank], axis=-1)
+    latent = RMSNorm(cfg.kv_lora_rank, name="kv_norm", **norm)(latent)
+    key_value = DenseGeneral(
+        (cfg.kv_lora_rank,), (heads, cfg.qk_nope_head_dim + cfg.v_head_dim),
+        ("kv_lora", "kv_heads", "kv_head_dim"), name="wkv_b", **dtypes,
+    )(latent)
+    key, value = mla.latent_key_value(
+        key_value, key_rope, positions, nope_dim=cfg.qk_nope_head_dim, max_timescale=cfg.rope_max_timescale
+    )
+    out = attention.dot_product_attention(query, key, value, segment_ids, query_scale=qk_head_dim**-0.5)
+    return DenseGeneral(
+        (heads, cfg.v_head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"),
+        initializers.kernel(in_ndim=2), name="out", **dtypes,
+    )(out)

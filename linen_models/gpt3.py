@@ -1,0 +1,89 @@
+"""GPT-2/GPT-3 decoder layer: LayerNorm with bias, fused qkv with biases, GELU MLP with biases.
+
+Names follow MaxText's gpt3 block (`pre_self_attention_norm`, `self_attention/qkv_proj`,
+`mlp/mlp_layer_norm`, `mlp/wi`, `mlp/wo`). One difference: a LayerNorm `scale`
+here is the multiplier itself (Hugging Face's and Flax's convention), where
+MaxText's Gpt3LayerNorm stores scale - 1. Learned positions and the tied head
+live in the decoder (`position_embedder`, `logits_via_embedding`).
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from linen_models.linears import DenseGeneral
+from maxbridge import initializers
+from maxbridge.config import Config
+from maxbridge.ops import attention, mlp, normalization
+
+
+class LayerNorm(nn.Module):
+  num_features: int
+  epsilon: float
+  dtype: jnp.dtype = jnp.float32
+  weight_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    scale = self.param(
+        "scale", nn.with_logical_partitioning(initializers.ones(), ("norm",)),
+        (self.num_features,), self.weight_dtype,
+    )
+    bias = self.param(
+        "bias", nn.with_logical_partitioning(initializers.zeros(), ("norm",)),
+        (self.num_features,), self.weight_dtype,
+    )
+    return normalization.layer_norm(x, scale, bias, epsilon=self.epsilon, dtype=self.dtype)
+
+
+class Gpt3Attention(nn.Module):
+  """Multi-head attention (no grouped kv), one fused qkv projection; 1/sqrt(head_dim) at run time."""
+
+  config: Config
+
+  @nn.compact
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    cfg = self.config
+    dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), use_bias=True)
+    heads, head_dim = cfg.num_query_heads, cfg.head_dim
+    qkv = DenseGeneral(
+        (cfg.emb_dim,), (3, heads, head_dim), ("embed", "qkv", "heads", "kv"),
+        name="qkv_proj", **dtypes,
+    )(x)
+    query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    out = attention.dot_product_attention(
+        query, key, value, segment_ids, query_scale=head_dim**-0.5
+    )
+    return DenseGeneral(
+        (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"),
+        initializers.kernel(in_ndim=2), name="out", **dtypes,
+    )(out)
+
+
+class Gpt3Mlp(nn.Module):
+  """LayerNorm, then wo(gelu(wi x)), biases on both."""
+
+  config: Config
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    cfg = self.config
+    dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype))
+    h = LayerNorm(cfg.emb_dim, cfg.normalization_layer_epsilon, name="mlp_layer_norm", **dtypes)(x)
+    h = DenseGeneral((cfg.emb_dim,), (cfg.mlp_dim,), ("embed", "mlp"), name="wi", use_bias=True, **dtypes)(h)
+    h = mlp.gelu_tanh(h)
+    return DenseGeneral((cfg.mlp_dim,), (cfg.emb_dim,), ("mlp", "embed"), name="wo", use_bias=True, **dtypes)(h)
+
+
+class Gpt3DecoderLayer(nn.Module):
+  config: Config
+
+  @nn.compact
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array):
+    cfg = self.config
+    h = LayerNorm(
+        cfg.emb_dim, cfg.normalization_layer_epsilon, jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype),
+        name="pre_self_attention_norm",
+    )(x)
+    x = x + Gpt3Attention(cfg, name="self_attention")(h, positions, segment_ids)
+    x = x + Gpt3Mlp(cfg, name="mlp")(x)
+    return x, None

@@ -1,0 +1,263 @@
+"""Hugging Face folders and maxbridge checkpoints on disk: read, write, import, export."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from maxbridge import canonical
+from maxbridge.config import Config, load_config
+from maxbridge.hf.families import CONFIG_FILE, HF_CONFIG_SIDECAR, INDEX_FILE, WEIGHTS_FILE, HFError
+from maxbridge.hf.mapping import LazyTensor, config_from_hf, config_to_hf, from_hf_tensors, to_hf_tensors
+
+# --- folders -----------------------------------------------------------------------------
+
+
+def is_hf_folder(path: str | os.PathLike) -> bool:
+  return (Path(path) / CONFIG_FILE).is_file()
+
+
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+  file = Path(path) / CONFIG_FILE
+  if not file.is_file():
+    raise HFError(f"{path} is not a Hugging Face model folder: it has no {CONFIG_FILE}")
+  try:
+    return json.loads(file.read_text())
+  except json.JSONDecodeError as e:
+    raise HFError(f"{file} is not valid JSON: {e}") from e
+
+
+def open_hf_tensors(path: str | os.PathLike) -> dict[str, LazyTensor]:
+  """{name: lazy tensor} from model.safetensors or the shards a model.safetensors.index.json lists."""
+  from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+
+  path = Path(path)
+  index = path / INDEX_FILE
+  if index.is_file():
+    weight_map = json.loads(index.read_text()).get("weight_map")
+    if not isinstance(weight_map, dict):
+      raise HFError(f"{index} has no weight_map")
+    files = sorted(set(weight_map.values()))
+  elif (path / WEIGHTS_FILE).is_file():
+    files = [WEIGHTS_FILE]
+  else:
+    raise HFError(f"{path} holds neither {WEIGHTS_FILE} nor {INDEX_FILE}")
+  tensors = {}
+  for file in files:
+    if not (path / file).is_file():
+      raise HFError(f"{index} lists {file}, which is not in {path}")
+    handle = safe_open(str(path / file), framework="flax")
+    for name in handle.keys():
+      tensors[name] = LazyTensor(handle, name)
+  return tensors
+
+
+def load_hf(
+    path: str | os.PathLike, *overrides: str, **kwargs: Any
+) -> tuple[Config, dict[str, Any]]:
+  """(Config, unscanned canonical params) for a Hugging Face folder."""
+  kwargs.setdefault("model_name", Path(path).resolve().name)
+  cfg = config_from_hf(read_hf_config(path), *overrides, **kwargs)
+  params = from_hf_tensors(open_hf_tensors(path), cfg, abstract_params(cfg), where=str(path))
+  return cfg, params
+
+
+def abstract_params(cfg: Config) -> dict[str, Any]:
+  """The canonical tree of `cfg`'s model as shapes and dtypes; nothing is computed."""
+  from maxbridge import dispatch  # pylint: disable=import-outside-toplevel
+  from maxbridge.model import LinenModel  # pylint: disable=import-outside-toplevel
+
+  return LinenModel(cfg, dispatch.linen_transformer(cfg), dispatch.sample_inputs(cfg)).abstract_params()
+
+
+def save_hf(
+    params: Mapping[str, Any],
+    cfg: Config,
+    destination: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    base_config: Mapping[str, Any] | None = None,
+) -> Path:
+  """Writes config.json + model.safetensors into a new folder `destination`, atomically."""
+  from safetensors.flax import save_file  # pylint: disable=import-outside-toplevel
+
+  destination = Path(destination)
+  _refuse_existing(destination)
+  if dtype is not None:
+    cfg = cfg.replace(weight_dtype=dtype)
+  out_dtype = jnp.dtype(cfg.weight_dtype)
+  params32 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), dict(params))
+  tensors = {
+      name: jnp.asarray(value, out_dtype) for name, value in to_hf_tensors(params32, cfg).items()
+  }
+  hf_config = config_to_hf(cfg, base_config)
+
+  def write(tmp: Path) -> None:
+    save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    (tmp / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+
+  return write_atomically(destination, write)
+
+
+def _refuse_existing(destination: Path) -> None:
+  if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
+    raise FileExistsError(f"{destination} already exists and is not empty; choose a new folder")
+
+
+def write_atomically(destination: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+  """Runs `write(tmp)` on a fresh folder beside `destination`, then renames it into place.
+
+  A failure leaves nothing at `destination`; an existing non-empty folder is never touched.
+  """
+  destination = Path(destination)
+  _refuse_existing(destination)
+  destination.parent.mkdir(parents=True, exist_ok=True)
+  tmp = Path(tempfile.mkdtemp(dir=destination.parent, prefix=f".{destination.name}.", suffix=".tmp"))
+  try:
+    write(tmp)
+    if destination.exists():
+      destination.rmdir()  # empty, checked above
+    os.replace(tmp, destination)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  return destination
+
+
+# --- maxbridge checkpoints <-> Hugging Face folders ----------------------------------------
+
+# Copied along by import-hf and export-hf, so `maxbridge generate` finds the tokenizer.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+    "vocab.json", "merges.txt", "tokenizer.model",
+)
+
+
+def _copy_tokenizer_files(source: Path, destination: Path) -> None:
+  for name in TOKENIZER_FILES:
+    if (source / name).is_file():
+      shutil.copy2(source / name, destination / name)
+
+
+def import_hf(
+    source: str | os.PathLike,
+    destination: str | os.PathLike,
+    *overrides: str,
+    scan_layers: bool | None = None,
+    dtype: str | None = None,
+) -> Path:
+  """Writes a params-only maxbridge checkpoint of a Hugging Face folder into a new `destination`.
+
+  `destination` holds `0/items` ({"params": {"params": tree}}, orbax, as
+  training writes), `config.yml`, and the original config.json as
+  `hf_config.json` (with the tokenizer files) for a faithful export later.
+  """
+  from maxbridge.checkpointing import Checkpointer  # pylint: disable=import-outside-toplevel
+
+  source, destination = Path(source), Path(destination)
+  kwargs: dict[str, Any] = {}
+  if scan_layers is not None:
+    kwargs["scan_layers"] = scan_layers
+  if dtype is not None:
+    kwargs["weight_dtype"] = dtype
+  cfg, params = load_hf(source, *overrides, **kwargs)
+  if cfg.scan_layers:
+    params = canonical.stack_layers(params, cfg.param_scan_axis)
+  hf_config = read_hf_config(source)
+
+  def write(tmp: Path) -> None:
+    checkpointer = Checkpointer(tmp)
+    checkpointer.save(0, {"params": {"params": params}})
+    checkpointer.wait()
+    checkpointer.close()
+    cfg.to_yaml(tmp / "config.yml")
+    (tmp / HF_CONFIG_SIDECAR).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    _copy_tokenizer_files(source, tmp)
+
+  return write_atomically(destination, write)
+
+
+def load_checkpoint(path: str | os.PathLike, *overrides: str, **kwargs: Any) -> tuple[Config, dict]:
+  """(Config, canonical params) of a maxbridge checkpoint or run directory, via `converters`."""
+  try:
+    import converters  # pylint: disable=import-outside-toplevel
+    from converters import io as converter_io  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise NotImplementedError(
+        f"reading the maxbridge checkpoint {path} needs the converters package ({e})"
+    ) from e
+  params, info = converters.load_params(path)
+  config_file = converter_io.find_config(info.items)
+  if config_file is None:
+    raise HFError(
+        f"{path} has no config.yml beside its checkpoints (or in its run directory): the model "
+        "it holds cannot be rebuilt"
+    )
+  return load_config(str(config_file), *overrides, **kwargs), params
+
+
+def _sidecar(path: str | os.PathLike) -> tuple[dict[str, Any] | None, Path | None]:
+  """The original Hugging Face config.json kept by import-hf, and the folder it lies in."""
+  from converters import io as converter_io  # pylint: disable=import-outside-toplevel
+
+  config_file = converter_io.find_config(converter_io.resolve(path)[0])
+  if config_file is None or not (config_file.parent / HF_CONFIG_SIDECAR).is_file():
+    return None, None
+  return json.loads((config_file.parent / HF_CONFIG_SIDECAR).read_text()), config_file.parent
+
+
+def export_hf(
+    source: str | os.PathLike, destination: str | os.PathLike, *, dtype: str | None = None
+) -> Path:
+  """Writes a maxbridge checkpoint as a Hugging Face folder (config.json + model.safetensors)."""
+  cfg, params = load_checkpoint(source)
+  base, folder = _sidecar(source)
+  out = save_hf(params, cfg, destination, dtype=dtype, base_config=base)
+  if folder is not None:
+    _copy_tokenizer_files(folder, out)
+  return out
+
+
+BACKENDS = {"linen": (False, False, False), "nnx": (True, True, True)}
+
+
+def from_pretrained(path: str | os.PathLike, backend: str = "linen", **overrides: Any):
+  """An `mb.Model` from a Hugging Face folder (config.json + safetensors) or a maxbridge checkpoint.
+
+  `backend` sets the three flags ("linen": all Linen, "nnx": all NNX); keyword
+  `overrides` are config keys (e.g. `scan_layers=False`, or the flags themselves).
+  """
+  from maxbridge import dispatch  # pylint: disable=import-outside-toplevel
+
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+  flags = dict(zip(("pure_nnx", "enable_nnx", "pure_nnx_decoder"), BACKENDS[backend]))
+  cfg, params = load_pretrained(path, **{**flags, **overrides})
+  return dispatch.create_model(cfg, params=params)
+
+
+def load_pretrained(path: str | os.PathLike, *overrides: str, **kwargs: Any) -> tuple[Config, dict]:
+  """(Config, canonical params) of a Hugging Face folder or a maxbridge checkpoint."""
+  if is_hf_folder(path):
+    return load_hf(path, *overrides, **kwargs)
+  if Path(path).exists():
+    return load_checkpoint(path, *overrides, **kwargs)
+  raise FileNotFoundError(f"{path}: no such Hugging Face folder or maxbridge checkpoint")
+
+
+def tokenizer_folder(path: str | os.PathLike) -> Path | None:
+  """The folder holding `path`'s tokenizer.json: the Hugging Face folder, or beside config.yml."""
+  path = Path(path)
+  if (path / "tokenizer.json").is_file():
+    return path
+  try:
+    _, folder = _sidecar(path)
+  except (ImportError, ValueError, OSError):
+    return None
+  return folder if folder is not None and (folder / "tokenizer.json").is_file() else None

@@ -1,0 +1,66 @@
+"""DeepSeek's multi-head latent attention, named as MaxText's MLA.
+
+Queries: `query`, or with `q_lora_rank` > 0 the low-rank path `wq_a` -> `q_norm`
+-> `wq_b`. Keys and values: `wkv_a` to a latent (plus one shared rope key part),
+`kv_norm`, `wkv_b` up to every head's [key nope | value]. `wq_b` and `wkv_b`
+are whole kernels [rank, heads, dims], as QK-Clip needs them. The softmax
+scale 1/sqrt(nope + rope) is applied at run time (as MaxText and Hugging Face do).
+The latent norms keep DeepSeek's own epsilon (`ops.mla.LATENT_NORM_EPSILON`).
+"""
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxbridge import initializers
+from maxbridge.config import Config
+from maxbridge.ops import attention, mla
+from nnx_models.linears import DenseGeneral
+from nnx_models.normalizations import RMSNorm
+
+
+class MLA(nnx.Module):
+
+  def __init__(self, config: Config, *, rngs: nnx.Rngs):
+    cfg = self.config = config
+    dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs)
+    eps = mla.LATENT_NORM_EPSILON
+    heads = cfg.num_query_heads
+    qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    if cfg.q_lora_rank == 0:
+      self.query = DenseGeneral((cfg.emb_dim,), (heads, qk_head_dim), ("embed", "q_heads", "kv"), **dtypes)
+    else:
+      self.wq_a = DenseGeneral((cfg.emb_dim,), (cfg.q_lora_rank,), ("embed", "q_lora_up_proj"), **dtypes)
+      self.q_norm = RMSNorm(cfg.q_lora_rank, eps, **dtypes)
+      self.wq_b = DenseGeneral(
+          (cfg.q_lora_rank,), (heads, qk_head_dim), ("q_lora", "q_heads", "kv"), **dtypes
+      )
+    self.wkv_a = DenseGeneral(
+        (cfg.emb_dim,), (cfg.kv_lora_rank + cfg.qk_rope_head_dim,), ("embed", "kv_lora_up_proj"), **dtypes
+    )
+    self.kv_norm = RMSNorm(cfg.kv_lora_rank, eps, **dtypes)
+    self.wkv_b = DenseGeneral(
+        (cfg.kv_lora_rank,), (heads, cfg.qk_nope_head_dim + cfg.v_head_dim),
+        ("kv_lora", "kv_heads", "kv_head_dim"), **dtypes,
+    )
+    self.out = DenseGeneral(
+        (heads, cfg.v_head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"),
+        initializers.kernel(in_ndim=2), **dtypes,
+    )
+
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    cfg = self.config
+    if cfg.q_lora_rank == 0:
+      query = self.query(x)
+    else:
+      query = self.wq_b(self.q_norm(self.wq_a(x)))
+    query = mla.rope_query(
+        query, positions, nope_dim=cfg.qk_nope_head_dim, max_timescale=cfg.rope_max_timescale
+    )
+    latent, key_rope = jnp.split(self.wkv_a(x), [cfg.kv_lora_rank], axis=-1)
+    key_value = self.wkv_b(self.kv_norm(latent))
+    key, value = mla.latent_key_value(
+        key_value, key_rope, positions, nope_dim=cfg.qk_nope_head_dim, max_timescale=cfg.rope_max_timescale
+    )
+    qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    out = attention.dot_product_attention(query, key, value, segment_ids, query_scale=qk_head_dim**-0.5)
+    return self.out(out)

@@ -1,0 +1,99 @@
+"""GPT-2/GPT-3 decoder layer: LayerNorm with bias, fused qkv with biases, GELU MLP with biases.
+
+Names follow MaxText's gpt3 block (`pre_self_attention_norm`, `self_attention/qkv_proj`,
+`mlp/mlp_layer_norm`, `mlp/wi`, `mlp/wo`). One difference: a LayerNorm `scale`
+here is the multiplier itself (Hugging Face's and Flax's convention), where
+MaxText's Gpt3LayerNorm stores scale - 1. Learned positions and the tied head
+live in the decoder (`position_embedder`, `logits_via_embedding`).
+"""
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxbridge import initializers
+from maxbridge.config import Config
+from maxbridge.ops import attention, mlp, normalization
+from nnx_models.linears import DenseGeneral
+
+
+class LayerNorm(nnx.Module):
+
+  def __init__(
+      self,
+      num_features: int,
+      epsilon: float,
+      dtype: jnp.dtype = jnp.float32,
+      weight_dtype: jnp.dtype = jnp.float32,
+      *,
+      rngs: nnx.Rngs,
+  ):
+    self.scale = nnx.Param(
+        initializers.ones()(rngs.params(), (num_features,), weight_dtype), out_sharding=("norm",)
+    )
+    self.bias = nnx.Param(
+        initializers.zeros()(rngs.params(), (num_features,), weight_dtype), out_sharding=("norm",)
+    )
+    self.epsilon = epsilon
+    self.dtype = dtype
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return normalization.layer_norm(
+        x, self.scale[...], self.bias[...], epsilon=self.epsilon, dtype=self.dtype
+    )
+
+
+class Gpt3Attention(nnx.Module):
+  """Multi-head attention (no grouped kv), one fused qkv projection; 1/sqrt(head_dim) at run time."""
+
+  def __init__(self, config: Config, *, rngs: nnx.Rngs):
+    cfg = self.config = config
+    dtypes = dict(
+        dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), use_bias=True, rngs=rngs
+    )
+    heads, head_dim = cfg.num_query_heads, cfg.head_dim
+    self.qkv_proj = DenseGeneral(
+        (cfg.emb_dim,), (3, heads, head_dim), ("embed", "qkv", "heads", "kv"), **dtypes
+    )
+    self.out = DenseGeneral(
+        (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"),
+        initializers.kernel(in_ndim=2), **dtypes,
+    )
+
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    qkv = self.qkv_proj(x)
+    query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    out = attention.dot_product_attention(
+        query, key, value, segment_ids, query_scale=self.config.head_dim**-0.5
+    )
+    return self.out(out)
+
+
+class Gpt3Mlp(nnx.Module):
+  """LayerNorm, then wo(gelu(wi x)), biases on both."""
+
+  def __init__(self, config: Config, *, rngs: nnx.Rngs):
+    cfg = config
+    dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs)
+    self.mlp_layer_norm = LayerNorm(cfg.emb_dim, cfg.normalization_layer_epsilon, **dtypes)
+    self.wi = DenseGeneral((cfg.emb_dim,), (cfg.mlp_dim,), ("embed", "mlp"), use_bias=True, **dtypes)
+    self.wo = DenseGeneral((cfg.mlp_dim,), (cfg.emb_dim,), ("mlp", "embed"), use_bias=True, **dtypes)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.wo(mlp.gelu_tanh(self.wi(self.mlp_layer_norm(x))))
+
+
+class Gpt3DecoderLayer(nnx.Module):
+
+  def __init__(self, config: Config, *, rngs: nnx.Rngs):
+    cfg = config
+    self.pre_self_attention_norm = LayerNorm(
+        cfg.emb_dim, cfg.normalization_layer_epsilon, jnp.dtype(cfg.dtype),
+        jnp.dtype(cfg.weight_dtype), rngs=rngs,
+    )
+    self.self_attention = Gpt3Attention(cfg, rngs=rngs)
+    self.mlp = Gpt3Mlp(cfg, rngs=rngs)
+
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array):
+    x = x + self.self_attention(self.pre_self_attention_norm(x), positions, segment_ids)
+    x = x + self.mlp(x)
+    return x, None

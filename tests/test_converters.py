@@ -1,0 +1,321 @@
+"""Checkpoint converters and comparator: exact round trips, resumed training, clear failures."""
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import converters
+import maxbridge as mb
+from converters import io, layouts
+from maxbridge import checkpointing, cli, dispatch
+from conftest import tiny_config
+
+NNX = (True, True, True)
+TRAIN = dict(steps=6, per_device_batch_size=2, checkpoint_period=3, eval_interval=0, max_to_keep=5)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+  """A tiny Linen run directory, scanned, with a step-6 checkpoint of random values (no training:
+  fast, and every array differs, optimizer state included)."""
+  directory = tmp_path_factory.mktemp("runs") / "src"
+  config = tiny_config(base_output_directory=str(directory.parent), run_name="src", **TRAIN)
+  config.to_yaml(directory / "config.yml")
+  rng = np.random.default_rng(0)
+  tree = jax.tree.map(
+      lambda leaf: rng.standard_normal(leaf.shape).astype(leaf.dtype)
+      if jnp.issubdtype(leaf.dtype, jnp.floating)
+      else np.full(leaf.shape, 6, leaf.dtype),
+      dispatch.create_trainer(config).checkpoint_target(),
+  )
+  ckpt = checkpointing.Checkpointer(directory / "checkpoints")
+  ckpt.save(6, tree)
+  ckpt.wait()
+  return directory
+
+
+def convert(capsys, *argv) -> tuple[int, str, str]:
+  code = cli.main(["convert", *map(str, argv)])
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+def compare(capsys, *argv) -> tuple[int, str, str]:
+  code = cli.main(["compare", *map(str, argv)])
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+def stored_tree(path) -> dict:
+  return io.CheckpointReader(path).tree
+
+
+def read_all(path) -> dict:
+  """A checkpoint's arrays in the Linen layout, as numpy."""
+  reader = io.CheckpointReader(path)
+  return layouts.build_tree({p: reader.read(p) for p in reader.leaves}, "linen")
+
+
+def listing(path) -> dict[str, bytes]:
+  return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+# --- exact round trips ------------------------------------------------------------
+
+
+def test_linen_to_nnx_to_linen_is_exact(source, tmp_path, capsys):
+  untouched = listing(source)
+  code, out, _ = convert(capsys, source, tmp_path / "nnx", "--layout", "nnx")
+  assert code == 0, out
+  assert "source:      " in out and "linen layout (MaxText), scanned" in out
+  tree = stored_tree(tmp_path / "nnx")
+  assert set(tree) == {"model", "optimizer"}
+  assert set(tree["optimizer"]["opt_state"]) == {"0", "2"}  # orbax keeps int keys as strings
+  assert tree["optimizer"]["step"].dtype == np.uint32
+  assert tree["model"]["decoder"]["layers"]["mlp"]["wi_0"]["kernel"].shape == (64, 2, 128)
+  assert convert(capsys, tmp_path / "nnx", tmp_path / "back", "--layout", "linen")[0] == 0
+  assert jax.tree.structure(stored_tree(tmp_path / "back")) == jax.tree.structure(stored_tree(source))
+  code, out, _ = compare(capsys, source, tmp_path / "back", "--atol", 0, "--rtol", 0)
+  assert code == 0, out
+  assert "equal: 39 arrays" in out
+  assert listing(source) == untouched, "the source is only read"
+
+
+def test_scanned_to_unscanned_to_scanned_is_exact_with_optimizer_state(source, tmp_path, capsys):
+  unscanned = converters.convert(source, tmp_path / "u", scan_layers=False, group_bytes=64 << 10)
+  assert unscanned.arrays_read == 39, "each source array is read once"
+  tree = stored_tree(tmp_path / "u")
+  adam, empty, schedule = tree["opt_state"]
+  assert empty is None and set(schedule) == {"count"}
+  assert adam["mu"]["params"]["decoder"]["layers_1"]["mlp"]["wi_0"]["kernel"].shape == (64, 128)
+  assert mb.load_config(str(tmp_path / "u" / "config.yml")).scan_layers is False
+  assert convert(capsys, tmp_path / "u", tmp_path / "s", "--scan-layers", "true")[0] == 0
+  code, out, _ = compare(capsys, source, tmp_path / "s")
+  assert code == 0, out
+  # Unscanned against scanned compares layer by layer, optimizer state included.
+  code, out, _ = compare(capsys, source, tmp_path / "u")
+  assert code == 0 and "equal: 66 arrays" in out, out
+
+
+def test_converted_checkpoint_restores_into_a_trainer(source, tmp_path):
+  converters.convert(source, tmp_path / "ckpt", layout="nnx")
+  trainer = dispatch.create_trainer(tiny_config(NNX))
+  ckpt = checkpointing.Checkpointer(tmp_path / "ckpt")
+  restored = trainer.params(trainer.from_checkpoint(ckpt.restore(6, trainer.checkpoint_target())))
+  expected, _ = converters.load_params(source)
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(expected)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_params_only_bfloat16_unscanned(source, tmp_path, capsys):
+  code, out, _ = convert(
+      capsys, source, tmp_path / "decode", "--params-only", "--dtype", "bfloat16", "--scan-layers", "false"
+  )
+  assert code == 0, out
+  tree = stored_tree(tmp_path / "decode")
+  assert set(tree) == {"params"}
+  params, info = converters.load_params(tmp_path / "decode")
+  assert info.layout.params_only and not info.layout.scanned and info.layout.dtype == "bfloat16"
+  assert "params only" in out
+  reference, _ = converters.load_params(source)
+  np.testing.assert_array_equal(
+      params["decoder"]["layers_1"]["mlp"]["wo"]["kernel"],
+      reference["decoder"]["layers"]["mlp"]["wo"]["kernel"][:, 1].astype(jnp.bfloat16),
+  )
+  assert info.config.weight_dtype == "bfloat16" and info.config.scan_layers is False
+  code, out, _ = compare(capsys, source, tmp_path / "decode", "--params-only", "--metadata-only")
+  assert code == 1 and "dtype float32 vs bfloat16" in out
+
+
+def test_older_nnx_checkpoint_with_value_wrappers_and_integer_layer_keys(source, tmp_path, capsys):
+  """Older MaxText NNX checkpoints: {"value": array} leaves, layers/<i>/ keys, and nnx_aux."""
+  linen = read_all(source)
+  nnx_tree = converters.to_nnx(linen, scan_layers=False)
+
+  def older(node):
+    if isinstance(node, dict):
+      node = dict(node)
+      layers = {int(k[len("layers_"):]): node.pop(k) for k in list(node) if str(k).startswith("layers_")}
+      if layers:
+        node["layers"] = {i: v for i, v in layers.items()}
+      return {k: older(v) for k, v in node.items()}
+    return {"value": node}
+
+  tree = older(nnx_tree)
+  tree["nnx_aux"] = {"rngs": {"default": {"count": jnp.zeros((), jnp.uint32)}}}
+  ckpt = checkpointing.Checkpointer(tmp_path / "old" / "checkpoints")
+  ckpt.save(6, tree)
+  ckpt.wait()
+  layout = converters.detect_layout(tmp_path / "old")
+  assert (layout.kind, layout.value_wrappers, layout.integer_layer_keys, layout.scanned) == ("nnx", True, True, False)
+  assert layout.ignored == ("nnx_aux",)
+  assert converters.detect_layout(tree) == layout
+  code, out, _ = convert(capsys, tmp_path / "old", tmp_path / "new", "--layout", "linen", "--scan-layers", "true")
+  assert code == 0, out
+  assert "{'value': ...} leaf wrappers, integer layer keys" in out and "ignoring nnx_aux" in out
+  code, out, _ = compare(capsys, source, tmp_path / "new")
+  assert code == 0, out
+  # And in memory: the same normalisation.
+  back = converters.to_linen(tree, scan_layers=True)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(linen)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_in_memory_converters_fill_an_nnx_train_state():
+  trainer = dispatch.create_trainer(tiny_config(NNX, scan_layers=False))
+  state = trainer.init_state(0)
+  linen = converters.to_linen(state)
+  assert linen["step"].dtype == jnp.int32 and linen["opt_state"][1] is None
+  scanned = converters.to_linen(state, scan_layers=True)
+  assert converters.detect_layout(scanned).scanned
+  pure = converters.to_nnx(scanned, scan_layers=False)
+  assert pure["optimizer"]["step"].dtype == jnp.uint32 and set(pure["optimizer"]["opt_state"]) == {0, 2}
+  fresh = jax.tree.map(lambda x: x, trainer.abstract_state())
+  nnx.replace_by_pure_dict(fresh, pure)
+  for a, b in zip(jax.tree.leaves(fresh), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(a, b)
+  params = converters.to_linen(state)["params"]["params"]
+  restacked = converters.unstack_layers(converters.stack_layers(params, 1), 1)
+  assert jax.tree.structure(restacked) == jax.tree.structure(params)
+
+
+# --- training resumes from a converted checkpoint --------------------------------------
+
+
+def test_training_resumed_from_a_converted_checkpoint_continues_the_source_losses(tmp_path, capsys):
+  config = tiny_config(base_output_directory=str(tmp_path), run_name="src", **TRAIN)
+  losses = [r["loss"] for r in mb.train(config, progress=False)]  # checkpoints at steps 3 and 6
+  # Linen -> NNX layout and scanned -> unscanned, from the step-3 checkpoint, into a new run.
+  code, out, _ = convert(
+      capsys, tmp_path / "src" / "checkpoints" / "3", tmp_path / "new" / "checkpoints",
+      "--layout", "nnx", "--scan-layers", "false",
+  )
+  assert code == 0, out
+  config = mb.load_config(str(tmp_path / "new" / "config.yml"))
+  assert not config.scan_layers and config.run_name == "new"
+  tail = mb.train(config.replace(pure_nnx=True, enable_nnx=True, pure_nnx_decoder=True), progress=False)
+  assert [r["step"] for r in tail] == [3, 4, 5]
+  np.testing.assert_allclose([r["loss"] for r in tail], losses[3:], rtol=1e-5)
+
+
+# --- compare ------------------------------------------------------------------------
+
+
+def test_compare_names_a_single_changed_element(source, tmp_path, capsys):
+  tree = read_all(source)
+  kernel = tree["params"]["params"]["decoder"]["layers"]["mlp"]["wi_1"]["kernel"]
+  kernel[3, 1, 7] += 0.25
+  tree["params"]["params"]["decoder"]["layers"]["mlp"]["wi_1"]["kernel"] = kernel
+  ckpt = checkpointing.Checkpointer(tmp_path / "changed")
+  ckpt.save(6, tree)
+  ckpt.wait()
+  code, out, _ = compare(capsys, source, tmp_path / "changed")
+  assert code == 1
+  assert "params/params/decoder/layers/mlp/wi_1/kernel: max abs diff 0.25 (1 of 16384 elements differ)" in out
+  assert "1 path(s) differ" in out
+  assert compare(capsys, source, tmp_path / "changed", "--atol", "0.3")[0] == 0
+  assert compare(capsys, source, tmp_path / "changed", "--metadata-only")[0] == 0
+  # Against an unscanned copy, the difference is named per layer.
+  converters.convert(tmp_path / "changed", tmp_path / "unscanned", scan_layers=False)
+  code, out, _ = compare(capsys, source, tmp_path / "unscanned")
+  assert code == 1 and "params/params/decoder/layers_1/mlp/wi_1/kernel: max abs diff 0.25" in out
+
+
+def test_compare_reports_at_most_20_paths(source, tmp_path, capsys):
+  converters.convert(source, tmp_path / "half", dtype="bfloat16")
+  code, out, _ = compare(capsys, source, tmp_path / "half")
+  assert code == 1
+  assert "... and 16 more" in out and "36 path(s) differ" in out  # 39 arrays, 3 integer ones
+  assert len([line for line in out.splitlines() if "dtype float32 vs bfloat16" in line]) == 20
+
+
+# --- safety and clear failures -------------------------------------------------------------
+
+
+def test_refused_overwrite_leaves_the_destination_intact(source, tmp_path, capsys):
+  destination = tmp_path / "dst"
+  converters.convert(source, destination, scan_layers=False)
+  before = listing(destination)
+  code, _, err = convert(capsys, source, destination, "--layout", "nnx")
+  assert code == 2
+  assert f"{destination} already exists; pass --force to replace it" in err
+  assert listing(destination) == before
+  assert [p.name for p in tmp_path.iterdir()] == ["dst"], "no staging folder is left behind"
+  assert convert(capsys, source, destination, "--layout", "nnx", "--force")[0] == 0
+  assert converters.detect_layout(destination).kind == "nnx"
+
+
+def test_missing_source_and_non_checkpoint_folder_exit_two(tmp_path, capsys):
+  code, _, err = convert(capsys, tmp_path / "nowhere", tmp_path / "dst")
+  assert code == 2 and f"{tmp_path / 'nowhere'}: no such file or directory" in err
+  (tmp_path / "plain").mkdir()
+  (tmp_path / "plain" / "notes.txt").write_text("not a checkpoint")
+  code, _, err = convert(capsys, tmp_path / "plain", tmp_path / "dst")
+  assert code == 2 and "is not a checkpoint: expected a run directory" in err
+  code, _, err = compare(capsys, tmp_path / "plain", tmp_path / "nowhere")
+  assert code == 2 and "is not a checkpoint" in err
+  assert not (tmp_path / "dst").exists()
+
+
+def test_truncated_array_file_exits_two_and_writes_nothing(source, tmp_path, capsys):
+  damaged = tmp_path / "damaged"
+  shutil.copytree(source / "checkpoints" / "6", damaged / "6")
+  data = max((p for p in (damaged / "6" / "items").rglob("*") if p.is_file() and p.parent.name == "d"), key=os.path.getsize)
+  data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+  code, _, err = convert(capsys, damaged, tmp_path / "new" / "checkpoints")
+  assert code == 2 and "cannot read" in err and str(damaged / "6" / "items") in err
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["damaged"], "nothing written, no folder made"
+
+
+def test_stacking_with_a_missing_layer_exits_two(source, tmp_path, capsys):
+  converters.convert(source, tmp_path / "three", scan_layers=False, params_only=True)
+  tree = read_all(tmp_path / "three")
+  decoder = tree["params"]["params"]["decoder"]
+  decoder["layers_2"] = decoder.pop("layers_1")  # layers_0 and layers_2, no layers_1
+  ckpt = checkpointing.Checkpointer(tmp_path / "gap")
+  ckpt.save(6, tree)
+  ckpt.wait()
+  code, _, err = convert(capsys, tmp_path / "gap", tmp_path / "dst", "--scan-layers", "true")
+  assert code == 2
+  assert "cannot stack params/params/decoder/layers/" in err and "layer(s) [1] missing" in err
+  assert not (tmp_path / "dst").exists()
+
+
+def test_param_scan_axis_that_does_not_match_exits_two(source, tmp_path, capsys):
+  code, _, err = convert(capsys, source, tmp_path / "dst", "--scan-layers", "false", "--param-scan-axis", "0")
+  assert code == 2
+  assert "param_scan_axis 0 does not match the stacked layers" in err
+  assert "axes where every array agrees: [1]" in err
+  assert not (tmp_path / "dst").exists()
+
+
+def test_unknown_layout_is_named(tmp_path, capsys):
+  ckpt = checkpointing.Checkpointer(tmp_path / "odd")
+  ckpt.save(1, {"weights": {"w": jnp.zeros((2,))}})
+  ckpt.wait()
+  code, _, err = convert(capsys, tmp_path / "odd", tmp_path / "dst")
+  assert code == 2 and "top-level keys ['weights']" in err and "model/optimizer (NNX)" in err
+
+
+def test_layout_paths_round_trip():
+  normal = [
+      "params/params/decoder/layers_0/mlp/wi_0/kernel",
+      "opt_state/0/mu/params/decoder/layers_0/mlp/wi_0/kernel",
+      "opt_state/0/count",
+      "opt_state/2/count",
+      "step",
+  ]
+  nnx_paths = [layouts.layout_path(p, "nnx") for p in normal]
+  assert nnx_paths == [
+      "model/decoder/layers_0/mlp/wi_0/kernel",
+      "optimizer/opt_state/0/mu/decoder/layers_0/mlp/wi_0/kernel",
+      "optimizer/opt_state/0/count",
+      "optimizer/opt_state/2/count",
+      "optimizer/step",
+  ]
+  flat = {p: np.zeros(()) for p in nnx_paths}
+  assert list(layouts.normal_paths(flat, layouts.detect(flat)).values()) == normal
