@@ -141,7 +141,7 @@ def _jitted_generate(model: Model, max_new_tokens: int, sample: bool):
   return jax.jit(loop)
 
 
-def _flat_intermediates(tree: Mapping[str, Any]) -> dict[str, jax.Array]:
+def flat_intermediates(tree: Mapping[str, Any]) -> dict[str, jax.Array]:
   """Sown values are tuples (one entry per call); keep the last, keyed by path."""
   flat = {}
   for path, value in canonical.flatten(tree).items():
@@ -183,7 +183,7 @@ class LinenModel(Model):
     logits, state = self.module.apply(
         {"params": params}, tokens, positions, segment_ids, mutable=["intermediates"]
     )
-    return logits, _flat_intermediates(state.get("intermediates", {}))
+    return logits, flat_intermediates(state.get("intermediates", {}))
 
 
 class NNXModel(Model):
@@ -217,4 +217,4 @@ class NNXModel(Model):
     module = nnx.merge(graphdef, state)
     logits = module(tokens, positions, segment_ids)
     intermediates = nnx.to_pure_dict(nnx.state(module, nnx.Intermediate))
-    return logits, _flat_intermediates(intermediates)
+    return logits, flat_intermediates(intermediates)

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from maxbridge import canonical, initializers, optimizers, sharding
 from maxbridge.config import Config
-from maxbridge.model import LinenModel
+from maxbridge.model import LinenModel, flat_intermediates
 from maxbridge.ops import losses
 
 Batch = Mapping[str, jax.Array]
@@ -39,17 +39,22 @@ class TrainStateNNX(nnx.Module):
     self.optimizer = optimizer
 
 
-def loss_terms(logits: jax.Array, batch: Batch, config: Config):
-  """(sum of per-token losses, {"tokens", "z_loss"}) over the non-padding targets.
+def loss_terms(logits: jax.Array, batch: Batch, config: Config, intermediates: Mapping[str, Any]):
+  """(sum of per-token losses, {"tokens", "z_loss", "moe_lb_loss"}) over the non-padding targets.
 
   Sums, not means: gradient accumulation adds these up and divides once by
   the total token count, which makes it the same update as the full batch.
+  The MoE load-balancing loss (sown by MoE decoders, already weighted) is a
+  per-batch mean, so it enters weighted by this batch's token count.
   """
   per_token, z_loss = losses.cross_entropy_with_z_loss(
       logits, batch["targets"], z_loss_multiplier=config.z_loss_multiplier
   )
   mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
-  return jnp.sum(per_token * mask), {"tokens": jnp.sum(mask), "z_loss": jnp.sum(z_loss * mask)}
+  tokens = jnp.sum(mask)
+  moe_lb_loss = intermediates.get("decoder/moe_lb_loss", jnp.float32(0.0)) * tokens
+  aux = {"tokens": tokens, "z_loss": jnp.sum(z_loss * mask), "moe_lb_loss": moe_lb_loss}
+  return jnp.sum(per_token * mask) + moe_lb_loss, aux
 
 
 def accumulate_gradients(value_and_grad: Callable, params: Any, batch: Batch, num_micro: int):
@@ -68,7 +73,8 @@ def accumulate_gradients(value_and_grad: Callable, params: Any, batch: Batch, nu
     ((loss_sum, aux), grads), _ = jax.lax.scan(add, zeros, micro)
   tokens = jnp.maximum(aux["tokens"], 1.0)
   grads = jax.tree.map(lambda g: g / tokens, grads)
-  return grads, {"loss": loss_sum / tokens, "z_loss": aux["z_loss"] / tokens, "tokens": aux["tokens"]}
+  metrics = {"loss": loss_sum / tokens, "z_loss": aux["z_loss"] / tokens, "tokens": aux["tokens"]}
+  return grads, {**metrics, "moe_lb_loss": aux["moe_lb_loss"] / tokens}
 
 
 def clip_gradients(grads: Any, threshold: float):
@@ -238,10 +244,10 @@ class LinenTrainer(Trainer):
     )
 
   def _loss(self, params, batch):
-    logits = self.model.apply(
+    logits, intermediates = self.model.apply_with_intermediates(
         params["params"], batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"]
     )
-    return loss_terms(logits, batch, self.config)
+    return loss_terms(logits, batch, self.config, intermediates)
 
   def _train_step(self, state, batch):
     value_and_grad = jax.value_and_grad(self._loss, has_aux=True)
@@ -331,7 +337,8 @@ class NNXTrainer(Trainer):
     def loss(params, batch):
       model = nnx.merge(graphdef, params, rest)
       logits = model(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
-      return loss_terms(logits, batch, self.config)
+      intermediates = flat_intermediates(nnx.to_pure_dict(nnx.state(model, nnx.Intermediate)))
+      return loss_terms(logits, batch, self.config, intermediates)
 
     return loss
 

@@ -92,7 +92,7 @@ def test_gradient_accumulation_grads_match_within_1e6():
   batch = {k: jnp.asarray(v) for k, v in data.make_dataset(config, "train", 8).batch(0).items()}
   value_and_grad = jax.value_and_grad(
       lambda p, b: state_lib.loss_terms(
-          trainer.model.apply(p, b["inputs"], b["inputs_position"], b["inputs_segmentation"]), b, config
+          trainer.model.apply(p, b["inputs"], b["inputs_position"], b["inputs_segmentation"]), b, config, {}
       ),
       has_aux=True,
   )
@@ -200,3 +200,19 @@ def test_cli_train_writes_the_run_directory(tmp_path, capsys):
   run_dir = tmp_path / "cli"
   assert (run_dir / "config.yml").exists() and (run_dir / "checkpoints" / "2" / "items").is_dir()
   assert mb.load_config(str(run_dir / "config.yml")).steps == 2
+
+
+@pytest.mark.parametrize("flags", [LINEN, NNX], ids=["linen", "nnx"])
+def test_moe_load_balancing_loss_is_part_of_the_training_loss(flags):
+  """The step's loss is cross-entropy plus the sown (already weighted) load-balancing loss."""
+  config = mb.load_config(
+      "mixtral-tiny", pure_nnx=flags[0], enable_nnx=flags[1], pure_nnx_decoder=flags[2],
+      load_balance_loss_weight=0.5,
+  )
+  batch = data.make_dataset(config, "train", 4).batch(0)
+  with_lb = dispatch.create_trainer(config)
+  without_lb = dispatch.create_trainer(config.replace(load_balance_loss_weight=0.0))
+  _, metrics = with_lb.train_step(with_lb.init_state(0), batch)
+  _, baseline = without_lb.train_step(without_lb.init_state(0), batch)
+  assert float(metrics["moe_lb_loss"]) > 0 and float(baseline["moe_lb_loss"]) == 0
+  np.testing.assert_allclose(metrics["loss"], baseline["loss"] + metrics["moe_lb_loss"], rtol=1e-6)
