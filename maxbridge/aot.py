@@ -9,7 +9,7 @@ import math
 import jax
 import numpy as np
 
-from maxbridge import canonical, dispatch, sharding
+from maxbridge import canonical, data, dispatch, sharding
 from maxbridge.config import Config
 
 
@@ -29,17 +29,20 @@ def sharding_rows(config: Config) -> list[dict]:
           "shape": tuple(leaf.shape),
           "logical_axes": tuple(logical[path]),
           "spec": placed[path].spec,
-          "bytes_per_device": math.prod(placed[path].shard_shape(leaf.shape)) * leaf.dtype.itemsize,
+          "bytes_per_device": _bytes_on_one_device(leaf, placed[path]),
       }
       for path, leaf in layout.items()
   ]
 
 
-def state_bytes_per_device(config: Config) -> int:
+def _bytes_on_one_device(leaf, where) -> int:
+  return math.prod(where.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+
+
+def _state_bytes_per_device(trainer) -> int:
   """Parameters + optimizer state + step, as laid out on the mesh, per device."""
-  trainer = dispatch.create_trainer(config)
-  leaves = zip(jax.tree.leaves(trainer.disk_layout), jax.tree.leaves(trainer.to_checkpoint(trainer.state_shardings)))
-  return sum(math.prod(where.shard_shape(leaf.shape)) * leaf.dtype.itemsize for leaf, where in leaves)
+  placed = jax.tree.leaves(trainer.to_checkpoint(trainer.state_shardings))
+  return sum(map(_bytes_on_one_device, jax.tree.leaves(trainer.disk_layout), placed))
 
 
 def format_table(rows: list[dict], mesh_shape: tuple[int, ...]) -> str:
@@ -72,7 +75,7 @@ def compile_train_step(config: Config) -> dict:
   rows = config.per_device_batch_size * jax.device_count() * config.gradient_accumulation_steps
   batch = {
       key: jax.ShapeDtypeStruct((rows, config.max_target_length), np.int32, sharding=trainer.batch_sharding)
-      for key in ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
+      for key in data.BATCH_KEYS
   }
   compiled = trainer.lower_train_step(state, batch).compile()
   memory = compiled.memory_analysis()
@@ -89,6 +92,6 @@ def compile_train_step(config: Config) -> dict:
       "output_bytes": memory.output_size_in_bytes,
       "temp_bytes": memory.temp_size_in_bytes,
       "alias_bytes": memory.alias_size_in_bytes,
-      "state_bytes": state_bytes_per_device(config),
+      "state_bytes": _state_bytes_per_device(trainer),
       "flops": float(cost.get("flops", float("nan"))) if cost else float("nan"),
   }

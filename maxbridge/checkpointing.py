@@ -22,14 +22,7 @@ class CheckpointError(ValueError):
 
 def _paths(tree: Any) -> dict[str, Any]:
   leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return {"/".join(_key_name(k) for k in path): leaf for path, leaf in leaves}
-
-
-def _key_name(key) -> str:
-  for attr in ("key", "idx", "name"):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
+  return {layouts.keypath_str(path): leaf for path, leaf in leaves}
 
 
 def _foreign_layout(tree: Any):
