@@ -14,6 +14,7 @@ same folder:
 The copy runs first, so both read the source from the page cache.
 Everything is written under a temporary folder, removed at the end.
 """
+
 import argparse
 import json
 import os
@@ -54,8 +55,11 @@ def make_checkpoint(directory: Path, config: mb.Config) -> tuple[int, int, str]:
   target = dispatch.create_trainer(config).checkpoint_target()
   rng = np.random.default_rng(0)
   tree = jax.tree.map(
-      lambda leaf: (rng.standard_normal(leaf.shape, np.float32) if np.issubdtype(leaf.dtype, np.floating)
-                    else np.ones(leaf.shape, leaf.dtype)),
+      lambda leaf: (
+          rng.standard_normal(leaf.shape, np.float32)
+          if np.issubdtype(leaf.dtype, np.floating)
+          else np.ones(leaf.shape, leaf.dtype)
+      ),
       target,
   )
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
@@ -95,8 +99,10 @@ def main() -> None:
     source = work / "source"
     began = time.perf_counter()
     total, largest, largest_path = make_checkpoint(source, config)
-    print(f"made {total / 2**30:.2f} GiB of arrays in {time.perf_counter() - began:.1f} s; largest array "
-          f"{largest_path} {largest / 2**20:.0f} MiB; on disk {folder_bytes(source) / 2**30:.2f} GiB")
+    print(
+        f"made {total / 2**30:.2f} GiB of arrays in {time.perf_counter() - began:.1f} s; largest array "
+        f"{largest_path} {largest / 2**20:.0f} MiB; on disk {folder_bytes(source) / 2**30:.2f} GiB"
+    )
 
     began = time.perf_counter()
     shutil.copytree(source, work / "copy")
@@ -110,7 +116,8 @@ def main() -> None:
     began = time.perf_counter()
     child = subprocess.run(
         [sys.executable, "-c", CHILD, str(source), str(work / "converted")],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     convert_wall_s = time.perf_counter() - began
     if child.returncode:
@@ -120,27 +127,40 @@ def main() -> None:
     began = time.perf_counter()
     check = subprocess.run(
         [sys.executable, "-m", "maxbridge.cli", "compare", str(source), str(work / "converted")],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     compare_s = time.perf_counter() - began
 
     peak, baseline = result["peak_kib"] * 1024, result["baseline_kib"] * 1024
     mib = 2**20
-    print(f"convert: linen scanned -> nnx unscanned, {result['arrays_read']} arrays read, "
-          f"{result['arrays_written']} written")
+    print(
+        f"convert: linen scanned -> nnx unscanned, {result['arrays_read']} arrays read, "
+        f"{result['arrays_written']} written"
+    )
     print(f"  copytree        {copy_s:7.2f} s   {total / mib / copy_s:8.0f} MiB/s")
     print(f"  copytree + sync {synced_copy_s:7.2f} s   {total / mib / synced_copy_s:8.0f} MiB/s")
-    print(f"  convert         {result['seconds']:7.2f} s   {total / mib / result['seconds']:8.0f} MiB/s"
-          f"   (wall with interpreter start-up {convert_wall_s:.2f} s)")
-    print(f"  throughput ratio convert/copy: {copy_s / result['seconds']:.2f}x; "
-          f"convert/(copy + sync): {synced_copy_s / result['seconds']:.2f}x")
-    print(f"  peak RSS {peak / mib:.0f} MiB; after imports {baseline / mib:.0f} MiB; "
-          f"largest array {largest / mib:.0f} MiB; checkpoint {total / mib:.0f} MiB")
-    print(f"  peak RSS / largest array: {peak / largest:.2f}x; "
-          f"(peak - imports) / largest array: {(peak - baseline) / largest:.2f}x; "
-          f"peak RSS / checkpoint: {peak / total:.2f}x")
-    print(f"  compare source vs converted: exit {check.returncode} in {compare_s:.1f} s: "
-          f"{check.stdout.strip().splitlines()[-1] if check.stdout.strip() else check.stderr[-500:]}")
+    print(
+        f"  convert         {result['seconds']:7.2f} s   {total / mib / result['seconds']:8.0f} MiB/s"
+        f"   (wall with interpreter start-up {convert_wall_s:.2f} s)"
+    )
+    print(
+        f"  throughput ratio convert/copy: {copy_s / result['seconds']:.2f}x; "
+        f"convert/(copy + sync): {synced_copy_s / result['seconds']:.2f}x"
+    )
+    print(
+        f"  peak RSS {peak / mib:.0f} MiB; after imports {baseline / mib:.0f} MiB; "
+        f"largest array {largest / mib:.0f} MiB; checkpoint {total / mib:.0f} MiB"
+    )
+    print(
+        f"  peak RSS / largest array: {peak / largest:.2f}x; "
+        f"(peak - imports) / largest array: {(peak - baseline) / largest:.2f}x; "
+        f"peak RSS / checkpoint: {peak / total:.2f}x"
+    )
+    print(
+        f"  compare source vs converted: exit {check.returncode} in {compare_s:.1f} s: "
+        f"{check.stdout.strip().splitlines()[-1] if check.stdout.strip() else check.stderr[-500:]}"
+    )
   finally:
     if not args.keep:
       shutil.rmtree(work, ignore_errors=True)

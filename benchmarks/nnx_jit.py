@@ -7,6 +7,7 @@ already-split state with the GraphDef static. Interleaved rounds, medians.
 
     python benchmarks/nnx_jit.py --preset llama-tiny --steps 50
 """
+
 import argparse
 import statistics
 import time

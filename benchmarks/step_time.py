@@ -18,6 +18,7 @@ their weighted sum over the full T x T (no causal skipping is compiled).
 XLA's own count (cost_analysis) is printed as a cross-check; it counts a scan
 body once, so it undercounts scanned steps by about L times.
 """
+
 import argparse
 import itertools
 import statistics
@@ -78,8 +79,13 @@ def timed_step(trainer, state, batch):
 def config_for(args, flags, scan: bool) -> mb.Config:
   pure_nnx, enable_nnx, pure_nnx_decoder = flags
   return mb.load_config(
-      args.preset, pure_nnx=pure_nnx, enable_nnx=enable_nnx, pure_nnx_decoder=pure_nnx_decoder,
-      scan_layers=scan, per_device_batch_size=args.batch, max_target_length=args.length,
+      args.preset,
+      pure_nnx=pure_nnx,
+      enable_nnx=enable_nnx,
+      pure_nnx_decoder=pure_nnx_decoder,
+      scan_layers=scan,
+      per_device_batch_size=args.batch,
+      max_target_length=args.length,
       dataset_type="synthetic",
   )
 
@@ -99,7 +105,7 @@ def bench_scan_setting(args, configs: dict, combos: list, matmul_seconds, matmul
   trainers, states, compile_s = {}, {}, {}
   for flags in combos:  # one at a time, so each compile time is measured alone
     trainers[flags], states[flags], compile_s[flags] = start(configs[flags], batches[0])
-  for batch in batches[1:1 + args.warmup]:
+  for batch in batches[1 : 1 + args.warmup]:
     for flags in combos:
       states[flags], _ = timed_step(trainers[flags], states[flags], batch)
 
@@ -110,7 +116,7 @@ def bench_scan_setting(args, configs: dict, combos: list, matmul_seconds, matmul
   matmul_times = []
   entries = combos + [None]
   order_rng = np.random.default_rng(0)
-  for batch in batches[1 + args.warmup:]:
+  for batch in batches[1 + args.warmup :]:
     for index in order_rng.permutation(len(entries)):
       flags = entries[index]
       if flags is None:
@@ -127,21 +133,29 @@ def bench_scan_setting(args, configs: dict, combos: list, matmul_seconds, matmul
   # After the timed runs, so that its compile cannot warm anything the first calls then skip.
   xla_flops = aot.compile_train_step(cfg)["flops"]
 
-  print(f"\n== scan_layers={cfg.scan_layers}: {args.preset}, {num_params:,} params, batch {args.batch} x "
-        f"length {args.length} = {tokens} tokens, {args.steps} timed rounds after {args.warmup} warm-up ==")
-  print(f"   step FLOPs (6*N*tokens + 12*L*T*H*tokens): {flops / 1e9:.1f} G "
-        f"(XLA cost_analysis of pure Linen: {xla_flops / 1e9:.1f} G); "
-        f"float32 matmul peak (2048^3 dot, median over rounds): {peak / 1e9:.1f} GFLOP/s")
-  header = (f"{'combination':<20}{'median ms':>10}{'vs Linen':>10}{'compile s':>11}{'vs Linen':>10}"
-            f"{'GFLOP/s':>9}{'% peak':>8}")
+  print(
+      f"\n== scan_layers={cfg.scan_layers}: {args.preset}, {num_params:,} params, batch {args.batch} x "
+      f"length {args.length} = {tokens} tokens, {args.steps} timed rounds after {args.warmup} warm-up =="
+  )
+  print(
+      f"   step FLOPs (6*N*tokens + 12*L*T*H*tokens): {flops / 1e9:.1f} G "
+      f"(XLA cost_analysis of pure Linen: {xla_flops / 1e9:.1f} G); "
+      f"float32 matmul peak (2048^3 dot, median over rounds): {peak / 1e9:.1f} GFLOP/s"
+  )
+  header = (
+      f"{'combination':<20}{'median ms':>10}{'vs Linen':>10}{'compile s':>11}{'vs Linen':>10}"
+      f"{'GFLOP/s':>9}{'% peak':>8}"
+  )
   print(header)
   print("-" * len(header))
   for flags in combos:
     median = statistics.median(times[flags])
     ratio = statistics.median(t / base for t, base in zip(times[flags], times[PURE_LINEN]))
-    print(f"{combo_name(flags):<20}{median * 1e3:>10.1f}{ratio:>10.3f}{compile_s[flags]:>11.2f}"
-          f"{compile_s[flags] / compile_s[PURE_LINEN]:>10.2f}{flops / median / 1e9:>9.1f}"
-          f"{100 * flops / median / peak:>8.1f}")
+    print(
+        f"{combo_name(flags):<20}{median * 1e3:>10.1f}{ratio:>10.3f}{compile_s[flags]:>11.2f}"
+        f"{compile_s[flags] / compile_s[PURE_LINEN]:>10.2f}{flops / median / 1e9:>9.1f}"
+        f"{100 * flops / median / peak:>8.1f}"
+    )
 
 
 def main() -> None:
@@ -162,9 +176,11 @@ def main() -> None:
   # Every config is read now: a YAML file edited during a long run cannot change it halfway.
   configs = {scan: {flags: config_for(args, flags, scan) for flags in combos} for scan in scans}
   matmul_seconds, matmul_flops = matmul_timer()
-  print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {jax.device_count()} device(s). "
-        f"Combination = state/model/decoder (pure_nnx/enable_nnx/pure_nnx_decoder); step 'vs Linen' "
-        f"= median of per-round ratios; compile = first call (trace + compile + one step).")
+  print(
+      f"jax {jax.__version__} on {jax.devices()[0].platform}, {jax.device_count()} device(s). "
+      f"Combination = state/model/decoder (pure_nnx/enable_nnx/pure_nnx_decoder); step 'vs Linen' "
+      f"= median of per-round ratios; compile = first call (trace + compile + one step)."
+  )
   if args.steps == DEFAULT_STEPS:
     print(f"--steps defaults to {DEFAULT_STEPS} (not 20) to keep a full run near 10 minutes on 2 CPU cores.")
   # The first compile in a process also pays one-time setup; a throwaway one

@@ -15,6 +15,7 @@ In memory:
 
 The layouts and the one mapping between their paths: `converters.layouts`.
 """
+
 from converters.compare import Comparison, compare
 from converters.convert import Conversion, convert
 from converters.errors import ConversionError

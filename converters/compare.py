@@ -1,4 +1,5 @@
 """`maxbridge compare`: two checkpoints in any layouts, normalised, then compared array by array."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -172,4 +173,3 @@ def _scan_axis(reader: io.CheckpointReader) -> int:
 def _describe(reader: io.CheckpointReader) -> str:
   step = f" (step {reader.step})" if reader.step is not None else ""
   return f"{reader.items}{step}: {reader.layout.describe()}"
-

@@ -1,4 +1,5 @@
 """`maxbridge convert`: one checkpoint to another layout, scan form or dtype, array by array."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,13 +37,15 @@ class Conversion:
   config: Path | None  # the config.yml written, if the source had one
 
   def summary(self) -> str:
-    return "\n".join([
-        f"source:      {self.source}: {self.source_layout.describe()}",
-        f"destination: {self.destination}: {self.layout.describe()}",
-        f"step {self.step}: read {self.arrays_read} arrays, wrote {self.arrays_written} "
-        f"({self.nbytes / 2**20:.1f} MiB) in {self.seconds:.1f} s",
-        f"config:      {self.config or 'none (the source has no config.yml)'}",
-    ])
+    return "\n".join(
+        [
+            f"source:      {self.source}: {self.source_layout.describe()}",
+            f"destination: {self.destination}: {self.layout.describe()}",
+            f"step {self.step}: read {self.arrays_read} arrays, wrote {self.arrays_written} "
+            f"({self.nbytes / 2**20:.1f} MiB) in {self.seconds:.1f} s",
+            f"config:      {self.config or 'none (the source has no config.yml)'}",
+        ]
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,9 +184,7 @@ def _check_destination(items: Path, destination: Path, force: bool) -> None:
   step_dir = items.absolute().parent
   if destination == step_dir or step_dir.is_relative_to(destination) or destination.is_relative_to(step_dir):
     # --force would delete the source with the old destination.
-    raise ConversionError(
-        f"the destination {destination} overlaps the source {step_dir}; choose a folder outside it"
-    )
+    raise ConversionError(f"the destination {destination} overlaps the source {step_dir}; choose a folder outside it")
   if destination.exists() and not destination.is_dir():
     raise ConversionError(f"{destination} exists and is not a folder")
   if destination.exists() and not force:
@@ -202,9 +203,7 @@ def _axes(scanned: bool, scan_layers: bool | None, given: int | None, config: Co
   return None, default
 
 
-def _adjusted(
-    config: Config | None, scanned: bool, axis: int, dtype: str | None, run_dir: Path | None
-) -> Config | None:
+def _adjusted(config: Config | None, scanned: bool, axis: int, dtype: str | None, run_dir: Path | None) -> Config | None:
   """The source's config, describing the converted checkpoint (and its new run directory)."""
   if config is None:
     return None

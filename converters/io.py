@@ -7,6 +7,7 @@ staged checkpoint, and `finalize` merges them into one OCDBT checkpoint, which
 is then laid out as a CheckpointManager step (`<dir>/<step>/items`), the same
 as `maxbridge.checkpointing.Checkpointer` writes and restores.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,9 +44,11 @@ def resolve(path: str | os.PathLike) -> tuple[Path, int | None]:
   if (given / ITEM).is_dir():
     return given / ITEM, _step_of(given)
   checkpoints = given / "checkpoints" if (given / "checkpoints").is_dir() else given
-  steps = sorted(
-      int(d.name) for d in checkpoints.iterdir() if d.name.isdigit() and (d / ITEM / "_METADATA").is_file()
-  ) if checkpoints.is_dir() else []
+  steps = (
+      sorted(int(d.name) for d in checkpoints.iterdir() if d.name.isdigit() and (d / ITEM / "_METADATA").is_file())
+      if checkpoints.is_dir()
+      else []
+  )
   if not steps:
     raise ConversionError(
         f"{given} is not a checkpoint: expected a run directory (holding checkpoints/<step>/items), "
@@ -115,14 +118,11 @@ class CheckpointReader:
       array = np.asarray(layouts.flatten_tree(restored)[stored])
     except Exception as e:  # tensorstore reports damaged data in several types
       raise ConversionError(
-          f"cannot read {stored} from {self.items} (its data is damaged or incomplete): "
-          f"{type(e).__name__}: {e}"
+          f"cannot read {stored} from {self.items} (its data is damaged or incomplete): " f"{type(e).__name__}: {e}"
       ) from e
     want = self.leaves[normal]
     if array.shape != want.shape:
-      raise ConversionError(
-          f"{stored} in {self.items} holds shape {array.shape}, but its metadata says {want.shape}"
-      )
+      raise ConversionError(f"{stored} in {self.items} holds shape {array.shape}, but its metadata says {want.shape}")
     self.reads += 1
     return array.astype(want.dtype, copy=False)
 

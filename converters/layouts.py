@@ -23,6 +23,7 @@ The layouts this module reads and writes:
 Scanned layers are `.../layers/...`, stacked on param_scan_axis; unscanned are
 `.../layers_<i>/...`. Converters and the comparator see normal paths only.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -67,9 +68,7 @@ class Layout:
   @property
   def is_normal(self) -> bool:
     """True when stored paths are already normal paths (our own checkpoints)."""
-    return self.kind == LINEN and not (
-        self.value_wrappers or self.integer_layer_keys or self.single_params_level
-    )
+    return self.kind == LINEN and not (self.value_wrappers or self.integer_layer_keys or self.single_params_level)
 
   def describe(self) -> str:
     name = {
@@ -234,9 +233,7 @@ def _optimizer_path(path: str, layout: Layout, params: set[str]) -> str:
   if parts == ["step"]:
     return "step"
   if parts[0] != "opt_state" or len(parts) < 3 or not parts[1].isdigit():
-    expected = (
-        "optimizer/opt_state/<i>/..., optimizer/step" if layout.kind == NNX else "opt_state/<i>/..., step"
-    )
+    expected = "optimizer/opt_state/<i>/..., optimizer/step" if layout.kind == NNX else "opt_state/<i>/..., step"
     raise LayoutError(f"unexpected path {path} in a {layout.kind} checkpoint; expected {expected}")
   index, rest = parts[1], parts[2:]
   for split in range(len(rest)):

@@ -6,6 +6,7 @@ stack (stack). Built from shapes and dtypes alone, so a request that cannot
 work (a missing layer, a layer axis that does not fit) fails before anything
 is read or written, with a message naming the path and shape at fault.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,7 +49,7 @@ class Step:
     """Yields (path, array) for each output, holding at most one stack at a time."""
     if self.op == "stack":
       # Filled layer by layer: the stack and one layer in memory, never two stacks.
-      (path, leaf), = self.outputs
+      ((path, leaf),) = self.outputs
       out = np.empty(leaf.shape, leaf.dtype)
       for i, name in enumerate(self.inputs):
         out[(slice(None),) * self.axis + (i,)] = read(name)
@@ -62,7 +63,7 @@ class Step:
       return
     if self.op == "moveaxis":
       array = np.moveaxis(array, self.source_axis, self.axis)
-    (path, leaf), = self.outputs
+    ((path, leaf),) = self.outputs
     yield path, np.asarray(array, leaf.dtype, order="C")
 
 
@@ -98,11 +99,7 @@ def build(
         f"the checkpoint mixes scanned and unscanned layers ({next(iter(stacked))} and "
         f"{next(iter(layered))}); expected one or the other"
     )
-  steps = [
-      Step("copy", (p,), ((p, cast(l)),))
-      for p, l in leaves.items()
-      if p not in stacked and not layouts.layer_of(p)
-  ]
+  steps = [Step("copy", (p,), ((p, cast(l)),)) for p, l in leaves.items() if p not in stacked and not layouts.layer_of(p)]
   steps += _from_stacks(stacked, scanned, axis, source_axis, cast, num_layers or {})
   steps += _from_layers(layered, scanned, axis, cast, num_layers or {})
   return sorted(steps, key=_order)
@@ -167,8 +164,7 @@ def _without(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
 def _with(shape: tuple[int, ...], axis: int, count: int, path: str) -> tuple[int, ...]:
   if not 0 <= axis <= len(shape):
     raise PlanError(
-        f"cannot put the layer axis of {path} (layer shape {shape}) at {axis}: valid axes are "
-        f"0..{len(shape)}"
+        f"cannot put the layer axis of {path} (layer shape {shape}) at {axis}: valid axes are " f"0..{len(shape)}"
     )
   return shape[:axis] + (count,) + shape[axis:]
 
@@ -186,8 +182,7 @@ def _stack_counts(stacked: Mapping[str, Leaf], axis: int, num_layers: Mapping[st
     fitting = [
         a
         for a in range(min(len(l.shape) for l in stack.values()))
-        if len({l.shape[a] for l in stack.values()}) == 1
-        and expected in (None, next(iter(stack.values())).shape[a])
+        if len({l.shape[a] for l in stack.values()}) == 1 and expected in (None, next(iter(stack.values())).shape[a])
     ]
     lines = [f"  {p}: shape {l.shape}" for p, l in list(stack.items())[:6]]
     said = f"; the config says {expected} layers" if expected else ""

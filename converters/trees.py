@@ -1,4 +1,5 @@
 """The converters for trees in memory, and `load_params` for checkpoints on disk."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,9 +27,7 @@ def detect_layout(tree_or_metadata: Any) -> layouts.Layout:
   return layouts.detect(_pure(tree_or_metadata))
 
 
-def to_linen(
-    tree: Any, *, scan_layers: bool | None = None, param_scan_axis: int = 1, dtype: Any = None
-) -> dict:
+def to_linen(tree: Any, *, scan_layers: bool | None = None, param_scan_axis: int = 1, dtype: Any = None) -> dict:
   """Any layout -> MaxText's Linen layout, the one maxbridge checkpoints use.
 
   `{"params": {"params": T}, "opt_state": [adam, None, schedule], "step": int32}`,
@@ -48,18 +47,14 @@ def to_linen(
   return linen
 
 
-def to_nnx(
-    tree: Any, *, scan_layers: bool | None = None, param_scan_axis: int = 1, dtype: Any = None
-) -> dict:
+def to_nnx(tree: Any, *, scan_layers: bool | None = None, param_scan_axis: int = 1, dtype: Any = None) -> dict:
   """Any layout -> the NNX layout: `nnx.to_pure_dict(nnx.state(TrainStateNNX))`.
 
   `{"model": T, "optimizer": {"opt_state": {0: adam, 2: schedule}, "step": uint32}}`,
   or `{"model": T}` without optimizer state; options as in `to_linen`. The
   result fills a train state with `nnx.replace_by_pure_dict(nnx.state(state), tree)`.
   """
-  normal = layouts.flatten_tree(
-      to_linen(tree, scan_layers=scan_layers, param_scan_axis=param_scan_axis, dtype=dtype)
-  )
+  normal = layouts.flatten_tree(to_linen(tree, scan_layers=scan_layers, param_scan_axis=param_scan_axis, dtype=dtype))
   if "step" in normal:
     normal["step"] = normal["step"].astype(layouts.STEP_DTYPES[layouts.NNX])
   return layouts.build_tree(normal, layouts.NNX)

@@ -7,6 +7,7 @@ and write the same checkpoint layout, so the two curves should be identical.
 
     python examples/linen_to_nnx_flip.py --steps 300 --output runs/flip-demo --plot loss.png
 """
+
 import argparse
 import os
 import shutil
@@ -30,9 +31,12 @@ RELATIVE_TOLERANCE = 1e-5  # what tests/test_train.py demands of the same compar
 
 def make_config(run_name: str, output: Path, steps: int, **flags) -> mb.Config:
   return mb.load_config(
-      "llama-tiny", run_name=run_name, base_output_directory=str(output), steps=steps,
+      "llama-tiny",
+      run_name=run_name,
+      base_output_directory=str(output),
+      steps=steps,
       checkpoint_period=steps // 2,  # run B flips at this checkpoint
-      eval_interval=steps // 2,      # eval at the flip and at the end
+      eval_interval=steps // 2,  # eval at the flip and at the end
       **flags,
   )
 
@@ -44,8 +48,7 @@ def clear_demo_runs(output: Path) -> None:
   if output.exists():
     strangers = sorted(p.name for p in output.iterdir() if p.name not in (LINEN_ONLY, FLIPPED))
     if strangers:
-      sys.exit(f"--output {output} holds {strangers}, which this demo did not write; "
-               "pass a new or empty folder")
+      sys.exit(f"--output {output} holds {strangers}, which this demo did not write; " "pass a new or empty folder")
   for name in (LINEN_ONLY, FLIPPED):
     shutil.rmtree(output / name, ignore_errors=True)
 
@@ -61,43 +64,60 @@ def print_comparison(linen_only: list[dict], flipped: list[dict], backends: list
   print(f"\n{'step':>5}  {'linen-only':>10}  {'flipped':>10}  {'by':<5}  {'|difference|':>12}  eval loss (A / B)")
   for i in sorted(set(range(0, steps, every)) | {flip - 1, flip, steps - 1}):
     a, b = linen_only[i]["loss"], flipped[i]["loss"]
-    evals = (f"  {linen_only[i]['eval_loss']:.6f} / {flipped[i]['eval_loss']:.6f}"
-             if "eval_loss" in linen_only[i] else "")
+    evals = f"  {linen_only[i]['eval_loss']:.6f} / {flipped[i]['eval_loss']:.6f}" if "eval_loss" in linen_only[i] else ""
     print(f"{i:>5}  {a:>10.6f}  {b:>10.6f}  {backends[i]:<5}  {abs(a - b):>12.3e}{evals}")
 
   differences = [abs(a["loss"] - b["loss"]) for a, b in zip(linen_only, flipped)]
   eval_pairs = [(a["eval_loss"], b["eval_loss"]) for a, b in zip(linen_only, flipped) if "eval_loss" in a]
   final_a, final_b = eval_pairs[-1]
-  print(f"\nmax |difference|: {max(differences):.3e} over all {steps} steps, "
-        f"{max(differences[flip:]):.3e} over the NNX half (steps {flip}-{steps - 1})")
-  print(f"final eval loss: linen-only {final_a:.6f}, flipped {final_b:.6f} "
-        f"(|difference| {abs(final_a - final_b):.3e})")
+  print(
+      f"\nmax |difference|: {max(differences):.3e} over all {steps} steps, "
+      f"{max(differences[flip:]):.3e} over the NNX half (steps {flip}-{steps - 1})"
+  )
+  print(
+      f"final eval loss: linen-only {final_a:.6f}, flipped {final_b:.6f} " f"(|difference| {abs(final_a - final_b):.3e})"
+  )
 
-  worst = max(relative_difference(a, b) for a, b in
-              [(x["loss"], y["loss"]) for x, y in zip(linen_only, flipped)] + eval_pairs)
+  worst = max(
+      relative_difference(a, b) for a, b in [(x["loss"], y["loss"]) for x, y in zip(linen_only, flipped)] + eval_pairs
+  )
   if worst <= RELATIVE_TOLERANCE:
     print(f"curves match (max relative difference {worst:.1e} <= {RELATIVE_TOLERANCE:.0e})")
     return
-  print(f"\n{'!' * 72}\nWARNING: THE CURVES DIFFER: max relative difference {worst:.1e} > "
-        f"{RELATIVE_TOLERANCE:.0e}.\nThe NNX resume did not continue the Linen run exactly.\n{'!' * 72}",
-        file=sys.stderr)
+  print(
+      f"\n{'!' * 72}\nWARNING: THE CURVES DIFFER: max relative difference {worst:.1e} > "
+      f"{RELATIVE_TOLERANCE:.0e}.\nThe NNX resume did not continue the Linen run exactly.\n{'!' * 72}",
+      file=sys.stderr,
+  )
 
 
 def save_plot(path: Path, linen_only: list[dict], flipped: list[dict], flip: int) -> None:
   steps = range(len(linen_only))
   fig, (top, bottom) = plt.subplots(
-      2, 1, figsize=(8, 6), sharex=True, gridspec_kw=dict(height_ratios=[3, 1]),
+      2,
+      1,
+      figsize=(8, 6),
+      sharex=True,
+      gridspec_kw=dict(height_ratios=[3, 1]),
   )
   # Run A underneath, thick and grey; run B on top, thin: where they agree,
   # the coloured line runs down the middle of the grey one.
-  top.plot(steps, [r["loss"] for r in linen_only], color="0.75", linewidth=5,
-           label="linen-only (run A)")
-  top.plot(steps[:flip], [r["loss"] for r in flipped[:flip]], color="tab:blue", linewidth=1.2,
-           label="flipped (run B), Linen part")
-  top.plot(steps[flip:], [r["loss"] for r in flipped[flip:]], color="tab:orange", linewidth=1.2,
-           label="flipped (run B), NNX part")
-  for records, style in ((linen_only, dict(color="0.5", markersize=11)),
-                         (flipped, dict(color="black", markersize=5))):
+  top.plot(steps, [r["loss"] for r in linen_only], color="0.75", linewidth=5, label="linen-only (run A)")
+  top.plot(
+      steps[:flip],
+      [r["loss"] for r in flipped[:flip]],
+      color="tab:blue",
+      linewidth=1.2,
+      label="flipped (run B), Linen part",
+  )
+  top.plot(
+      steps[flip:],
+      [r["loss"] for r in flipped[flip:]],
+      color="tab:orange",
+      linewidth=1.2,
+      label="flipped (run B), NNX part",
+  )
+  for records, style in ((linen_only, dict(color="0.5", markersize=11)), (flipped, dict(color="black", markersize=5))):
     evals = [(i, r["eval_loss"]) for i, r in enumerate(records) if "eval_loss" in r]
     top.plot(*zip(*evals), linestyle="none", marker="o", **style)
   top.plot([], [], linestyle="none", marker="o", color="black", label="eval loss (A grey, B black)")
@@ -112,20 +132,27 @@ def save_plot(path: Path, linen_only: list[dict], flipped: list[dict], flip: int
   relative = [relative_difference(a["loss"], b["loss"]) for a, b in zip(linen_only, flipped)]
   bottom.plot(steps, relative, color="tab:red", linewidth=1)
   bottom.axhline(RELATIVE_TOLERANCE, color="tab:red", linestyle=":", linewidth=1)
-  bottom.text(0, RELATIVE_TOLERANCE, f" tolerance {RELATIVE_TOLERANCE:.0e}", color="tab:red",
-              va="bottom", fontsize=8)
+  bottom.text(0, RELATIVE_TOLERANCE, f" tolerance {RELATIVE_TOLERANCE:.0e}", color="tab:red", va="bottom", fontsize=8)
   bottom.set_ylim(-0.1 * RELATIVE_TOLERANCE, max(2 * RELATIVE_TOLERANCE, 1.1 * max(relative)))
   if max(relative) == 0:
-    bottom.text(0.5, 0.25, "identical at every step", transform=bottom.transAxes,
-                ha="center", color="tab:red", bbox=dict(facecolor="white", edgecolor="none"))
+    bottom.text(
+        0.5,
+        0.25,
+        "identical at every step",
+        transform=bottom.transAxes,
+        ha="center",
+        color="tab:red",
+        bbox=dict(facecolor="white", edgecolor="none"),
+    )
   bottom.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
   bottom.set_ylabel("relative\n|difference|")
   bottom.set_xlabel("step")
   for ax in (top, bottom):
     ax.axvline(flip - 0.5, color="black", linestyle="--", linewidth=1)
     ax.grid(alpha=0.3)
-  top.annotate("flip to NNX", xy=(flip - 0.5, 1), xycoords=("data", "axes fraction"),
-               xytext=(4, -14), textcoords="offset points")
+  top.annotate(
+      "flip to NNX", xy=(flip - 0.5, 1), xycoords=("data", "axes fraction"), xytext=(4, -14), textcoords="offset points"
+  )
   fig.tight_layout()
 
   # Render beside the target, then rename: a reader never sees half a PNG.
@@ -145,8 +172,12 @@ def save_plot(path: Path, linen_only: list[dict], flipped: list[dict], flip: int
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=300, help="steps per run (default 300)")
-  parser.add_argument("--output", type=Path, default=Path("runs/flip-demo"),
-                      help="folder for the two run directories; cleared first (default runs/flip-demo)")
+  parser.add_argument(
+      "--output",
+      type=Path,
+      default=Path("runs/flip-demo"),
+      help="folder for the two run directories; cleared first (default runs/flip-demo)",
+  )
   parser.add_argument("--plot", type=Path, default=Path("loss.png"), help="PNG to write (default loss.png)")
   args = parser.parse_args()
   if args.steps < 2:
@@ -165,15 +196,19 @@ def main() -> None:
   nnx_part = mb.train(make_config(FLIPPED, args.output, steps, **NNX_FLAGS), progress=True)
   flipped = linen_part + nnx_part
   if [r["step"] for r in flipped] != list(range(steps)):
-    sys.exit(f"run B logged steps {[r['step'] for r in flipped][:3]}...; expected 0..{steps - 1} "
-             f"with the NNX call resuming at step {flip}")
+    sys.exit(
+        f"run B logged steps {[r['step'] for r in flipped][:3]}...; expected 0..{steps - 1} "
+        f"with the NNX call resuming at step {flip}"
+    )
   backends = ["linen"] * len(linen_part) + ["nnx"] * len(nnx_part)
   seconds = time.perf_counter() - began
 
   print_comparison(linen_only, flipped, backends, flip)
   save_plot(args.plot, linen_only, flipped, flip)
-  print(f"wrote {args.plot}; runs in {args.output}/{{{LINEN_ONLY},{FLIPPED}}}; "
-        f"trained {2 * steps} steps in {seconds:.0f} s")
+  print(
+      f"wrote {args.plot}; runs in {args.output}/{{{LINEN_ONLY},{FLIPPED}}}; "
+      f"trained {2 * steps} steps in {seconds:.0f} s"
+  )
 
 
 if __name__ == "__main__":

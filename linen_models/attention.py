@@ -4,6 +4,7 @@ Also Mistral's (sliding_window_size) and Qwen3's (use_qk_norm: per-head
 RMSNorm `query_norm`/`key_norm` before RoPE; the query kernel then cannot
 carry 1/sqrt(head_dim), which the norm would undo, so it is applied at run time).
 """
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -24,16 +25,26 @@ class Attention(nn.Module):
     dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype))
     heads, kv_heads, head_dim = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
     query = DenseGeneral(
-        (cfg.emb_dim,), (heads, head_dim), ("embed", "q_heads", "kv"),
-        initializers.query_kernel(), name="query", **dtypes,
+        (cfg.emb_dim,),
+        (heads, head_dim),
+        ("embed", "q_heads", "kv"),
+        initializers.query_kernel(),
+        name="query",
+        **dtypes,
     )(x)
     key = DenseGeneral(
-        (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"),
-        name="key", **dtypes,
+        (cfg.emb_dim,),
+        (kv_heads, head_dim),
+        ("embed", "kv_heads", "kv_head_dim"),
+        name="key",
+        **dtypes,
     )(x)
     value = DenseGeneral(
-        (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"),
-        name="value", **dtypes,
+        (cfg.emb_dim,),
+        (kv_heads, head_dim),
+        ("embed", "kv_heads", "kv_head_dim"),
+        name="value",
+        **dtypes,
     )(x)
     query_scale = None
     if cfg.use_qk_norm:
@@ -44,10 +55,18 @@ class Attention(nn.Module):
     query = rotary.apply_rotary(query, positions, max_timescale=cfg.rope_max_timescale)
     key = rotary.apply_rotary(key, positions, max_timescale=cfg.rope_max_timescale)
     out = attention.dot_product_attention(
-        query, key, value, segment_ids,
-        sliding_window_size=cfg.sliding_window_size, query_scale=query_scale,
+        query,
+        key,
+        value,
+        segment_ids,
+        sliding_window_size=cfg.sliding_window_size,
+        query_scale=query_scale,
     )
     return DenseGeneral(
-        (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"),
-        initializers.kernel(in_ndim=2), name="out", **dtypes,
+        (heads, head_dim),
+        (cfg.emb_dim,),
+        ("heads", "kv", "embed"),
+        initializers.kernel(in_ndim=2),
+        name="out",
+        **dtypes,
     )(out)

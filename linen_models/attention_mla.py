@@ -7,6 +7,7 @@ are whole kernels [rank, heads, dims], as QK-Clip needs them. The softmax
 scale 1/sqrt(nope + rope) is applied at run time (as MaxText and Hugging Face do).
 The latent norms keep DeepSeek's own epsilon (`ops.mla.LATENT_NORM_EPSILON`).
 """
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -29,35 +30,39 @@ class MLA(nn.Module):
     heads = cfg.num_query_heads
     qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     if cfg.q_lora_rank == 0:
-      query = DenseGeneral(
-          (cfg.emb_dim,), (heads, qk_head_dim), ("embed", "q_heads", "kv"), name="query", **dtypes
-      )(x)
+      query = DenseGeneral((cfg.emb_dim,), (heads, qk_head_dim), ("embed", "q_heads", "kv"), name="query", **dtypes)(x)
     else:
-      low_rank = DenseGeneral(
-          (cfg.emb_dim,), (cfg.q_lora_rank,), ("embed", "q_lora_up_proj"), name="wq_a", **dtypes
-      )(x)
+      low_rank = DenseGeneral((cfg.emb_dim,), (cfg.q_lora_rank,), ("embed", "q_lora_up_proj"), name="wq_a", **dtypes)(x)
       low_rank = RMSNorm(cfg.q_lora_rank, name="q_norm", **norm)(low_rank)
-      query = DenseGeneral(
-          (cfg.q_lora_rank,), (heads, qk_head_dim), ("q_lora", "q_heads", "kv"), name="wq_b", **dtypes
-      )(low_rank)
-    query = mla.rope_query(
-        query, positions, nope_dim=cfg.qk_nope_head_dim, max_timescale=cfg.rope_max_timescale
-    )
+      query = DenseGeneral((cfg.q_lora_rank,), (heads, qk_head_dim), ("q_lora", "q_heads", "kv"), name="wq_b", **dtypes)(
+          low_rank
+      )
+    query = mla.rope_query(query, positions, nope_dim=cfg.qk_nope_head_dim, max_timescale=cfg.rope_max_timescale)
     latent = DenseGeneral(
-        (cfg.emb_dim,), (cfg.kv_lora_rank + cfg.qk_rope_head_dim,), ("embed", "kv_lora_up_proj"),
-        name="wkv_a", **dtypes,
+        (cfg.emb_dim,),
+        (cfg.kv_lora_rank + cfg.qk_rope_head_dim,),
+        ("embed", "kv_lora_up_proj"),
+        name="wkv_a",
+        **dtypes,
     )(x)
     latent, key_rope = jnp.split(latent, [cfg.kv_lora_rank], axis=-1)
     latent = RMSNorm(cfg.kv_lora_rank, name="kv_norm", **norm)(latent)
     key_value = DenseGeneral(
-        (cfg.kv_lora_rank,), (heads, cfg.qk_nope_head_dim + cfg.v_head_dim),
-        ("kv_lora", "kv_heads", "kv_head_dim"), name="wkv_b", **dtypes,
+        (cfg.kv_lora_rank,),
+        (heads, cfg.qk_nope_head_dim + cfg.v_head_dim),
+        ("kv_lora", "kv_heads", "kv_head_dim"),
+        name="wkv_b",
+        **dtypes,
     )(latent)
     key, value = mla.latent_key_value(
         key_value, key_rope, positions, nope_dim=cfg.qk_nope_head_dim, max_timescale=cfg.rope_max_timescale
     )
     out = attention.dot_product_attention(query, key, value, segment_ids, query_scale=qk_head_dim**-0.5)
     return DenseGeneral(
-        (heads, cfg.v_head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"),
-        initializers.kernel(in_ndim=2), name="out", **dtypes,
+        (heads, cfg.v_head_dim),
+        (cfg.emb_dim,),
+        ("heads", "kv", "embed"),
+        initializers.kernel(in_ndim=2),
+        name="out",
+        **dtypes,
     )(out)

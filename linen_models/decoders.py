@@ -4,6 +4,7 @@
 the stacks themselves, their names and sizes, come from `canonical.layer_stacks`.
 A layer returns (x, aux): aux is its MoE load-balancing loss, or None.
 """
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -81,9 +82,7 @@ class Decoder(nn.Module):
       if cfg.remat_policy != "none":
         # prevent_cse only matters outside scan, where XLA could otherwise merge
         # the recomputation back into the forward pass.
-        layer = nn.remat(
-            layer, policy=remat.checkpoint_policy(cfg.remat_policy), prevent_cse=not cfg.scan_layers
-        )
+        layer = nn.remat(layer, policy=remat.checkpoint_policy(cfg.remat_policy), prevent_cse=not cfg.scan_layers)
       if cfg.scan_layers:
         stack = nn.scan(
             layer,
@@ -108,7 +107,11 @@ class Decoder(nn.Module):
     if cfg.logits_via_embedding:
       return embedding_ops.attend(x, embedding, dtype=jnp.dtype(cfg.dtype))
     logits = DenseGeneral(
-        (cfg.emb_dim,), (cfg.vocab_size,), ("embed", "vocab"),
-        dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), name="logits_dense",
+        (cfg.emb_dim,),
+        (cfg.vocab_size,),
+        ("embed", "vocab"),
+        dtype=jnp.dtype(cfg.dtype),
+        weight_dtype=jnp.dtype(cfg.weight_dtype),
+        name="logits_dense",
     )(x)
     return logits.astype(jnp.float32)

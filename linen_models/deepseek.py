@@ -1,5 +1,6 @@
 """DeepSeek-V3 decoder layers: MLA attention, then a dense MLP (the first
 `first_num_dense_layers`) or routed + shared experts (`DeepSeekMoeBlock_0`)."""
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp

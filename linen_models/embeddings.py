@@ -1,4 +1,5 @@
 """Token embedding table [vocab, embed]."""
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp

@@ -6,6 +6,7 @@ here is the multiplier itself (Hugging Face's and Flax's convention), where
 MaxText's Gpt3LayerNorm stores scale - 1. Learned positions and the tied head
 live in the decoder (`position_embedder`, `logits_via_embedding`).
 """
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -25,12 +26,16 @@ class LayerNorm(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     scale = self.param(
-        "scale", nn.with_logical_partitioning(initializers.ones(), ("norm",)),
-        (self.num_features,), self.weight_dtype,
+        "scale",
+        nn.with_logical_partitioning(initializers.ones(), ("norm",)),
+        (self.num_features,),
+        self.weight_dtype,
     )
     bias = self.param(
-        "bias", nn.with_logical_partitioning(initializers.zeros(), ("norm",)),
-        (self.num_features,), self.weight_dtype,
+        "bias",
+        nn.with_logical_partitioning(initializers.zeros(), ("norm",)),
+        (self.num_features,),
+        self.weight_dtype,
     )
     return normalization.layer_norm(x, scale, bias, epsilon=self.epsilon, dtype=self.dtype)
 
@@ -46,16 +51,21 @@ class Gpt3Attention(nn.Module):
     dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), use_bias=True)
     heads, head_dim = cfg.num_query_heads, cfg.head_dim
     qkv = DenseGeneral(
-        (cfg.emb_dim,), (3, heads, head_dim), ("embed", "qkv", "heads", "kv"),
-        name="qkv_proj", **dtypes,
+        (cfg.emb_dim,),
+        (3, heads, head_dim),
+        ("embed", "qkv", "heads", "kv"),
+        name="qkv_proj",
+        **dtypes,
     )(x)
     query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    out = attention.dot_product_attention(
-        query, key, value, segment_ids, query_scale=head_dim**-0.5
-    )
+    out = attention.dot_product_attention(query, key, value, segment_ids, query_scale=head_dim**-0.5)
     return DenseGeneral(
-        (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"),
-        initializers.kernel(in_ndim=2), name="out", **dtypes,
+        (heads, head_dim),
+        (cfg.emb_dim,),
+        ("heads", "kv", "embed"),
+        initializers.kernel(in_ndim=2),
+        name="out",
+        **dtypes,
     )(out)
 
 
@@ -81,7 +91,10 @@ class Gpt3DecoderLayer(nn.Module):
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array):
     cfg = self.config
     h = LayerNorm(
-        cfg.emb_dim, cfg.normalization_layer_epsilon, jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype),
+        cfg.emb_dim,
+        cfg.normalization_layer_epsilon,
+        jnp.dtype(cfg.dtype),
+        jnp.dtype(cfg.weight_dtype),
         name="pre_self_attention_norm",
     )(x)
     x = x + Gpt3Attention(cfg, name="self_attention")(h, positions, segment_ids)

@@ -1,4 +1,5 @@
 """DenseGeneral: a kernel of shape in_features + out_features with logical axes."""
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,7 @@ class DenseGeneral(nn.Module):
     if self.use_bias:
       bias = self.param(
           "bias",
-          nn.with_logical_partitioning(initializers.zeros(), self.logical_axes[len(self.in_features):]),
+          nn.with_logical_partitioning(initializers.zeros(), self.logical_axes[len(self.in_features) :]),
           self.out_features,
           self.weight_dtype,
       )

@@ -1,4 +1,5 @@
 """Gated (SwiGLU) MLP: wo(silu(wi_0 x) * wi_1 x)."""
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp

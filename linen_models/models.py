@@ -1,4 +1,5 @@
 """The top-level Transformer: token embedder + a decoder stack (Linen or bridged NNX)."""
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,10 @@ class Transformer(nn.Module):
   def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
     cfg = self.config
     embedder = Embed(
-        cfg.vocab_size, cfg.emb_dim, jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype),
+        cfg.vocab_size,
+        cfg.emb_dim,
+        jnp.dtype(cfg.dtype),
+        jnp.dtype(cfg.weight_dtype),
         name="token_embedder",
     )
     x = embedder(tokens)

@@ -4,6 +4,7 @@ Routed experts keep bare [experts, in, out] parameters `wi_0`, `wi_1`, `wo`
 beside a `gate` router; all routing and expert math is `maxbridge.ops.moe`.
 A block returns (output, load-balancing loss or None).
 """
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -25,14 +26,18 @@ class GateLogit(nn.Module):
     cfg = self.config
     weight_dtype = jnp.dtype(cfg.weight_dtype)
     kernel = self.param(
-        "kernel", nn.with_logical_partitioning(initializers.kernel(), ("embed", None)),
-        (cfg.emb_dim, cfg.num_experts), weight_dtype,
+        "kernel",
+        nn.with_logical_partitioning(initializers.kernel(), ("embed", None)),
+        (cfg.emb_dim, cfg.num_experts),
+        weight_dtype,
     )
     bias = None
     if cfg.routed_bias:
       bias = self.param(
-          "bias", nn.with_logical_partitioning(initializers.zeros(), (None,)),
-          (cfg.num_experts,), weight_dtype,
+          "bias",
+          nn.with_logical_partitioning(initializers.zeros(), (None,)),
+          (cfg.num_experts,),
+          weight_dtype,
       )
     return linear.dense_general(x, kernel, in_ndim=1, dtype=jnp.dtype(cfg.dtype)), bias
 
@@ -49,16 +54,12 @@ class RoutedMoE(nn.Module):
     logits, correction_bias = GateLogit(cfg, name="gate")(x)
 
     def expert_param(name, shape, axes):
-      return self.param(
-          name, nn.with_logical_partitioning(initializers.expert_kernel(), axes), shape, weight_dtype
-      )
+      return self.param(name, nn.with_logical_partitioning(initializers.expert_kernel(), axes), shape, weight_dtype)
 
     wi_0 = expert_param("wi_0", (experts, width, hidden), ("exp", "embed_no_exp", "mlp"))
     wi_1 = expert_param("wi_1", (experts, width, hidden), ("exp", "embed_no_exp", "mlp"))
     wo = expert_param("wo", (experts, hidden, width), ("exp", "mlp", "embed_no_exp"))
-    return moe_ops.routed_moe(
-        x, logits, correction_bias, wi_0, wi_1, wo, **moe_options(cfg)
-    )
+    return moe_ops.routed_moe(x, logits, correction_bias, wi_0, wi_1, wo, **moe_options(cfg))
 
 
 class RoutedAndSharedMoE(nn.Module):

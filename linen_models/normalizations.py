@@ -1,4 +1,5 @@
 """RMSNorm with a logically partitioned scale."""
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,5 @@
 """maxbridge: one decoder-only transformer in Flax Linen and Flax NNX, behind three flags."""
+
 from maxbridge.config import Config, ConfigError, load_config
 from maxbridge.dispatch import create_model
 from maxbridge.hf import from_pretrained

@@ -4,6 +4,7 @@ Both work on abstract state (shapes, dtypes, shardings), so a 7B model's
 plan is inspected on a laptop: on CPU, virtual devices stand in for a mesh
 (`--xla_force_host_platform_device_count`).
 """
+
 import math
 
 import jax
@@ -49,8 +50,11 @@ def format_table(rows: list[dict], mesh_shape: tuple[int, ...]) -> str:
   header = ("path", "shape", "logical axes", "PartitionSpec", "MiB/device")
   lines = [
       (
-          r["path"], str(r["shape"]), ", ".join(str(a) for a in r["logical_axes"]),
-          str(r["spec"]), f"{r['bytes_per_device'] / 2**20:.2f}",
+          r["path"],
+          str(r["shape"]),
+          ", ".join(str(a) for a in r["logical_axes"]),
+          str(r["spec"]),
+          f"{r['bytes_per_device'] / 2**20:.2f}",
       )
       for r in rows
   ]
@@ -59,8 +63,12 @@ def format_table(rows: list[dict], mesh_shape: tuple[int, ...]) -> str:
   total = sum(r["bytes_per_device"] for r in rows) / 2**20
   mesh = " x ".join(f"{name}={size}" for name, size in zip(sharding.MESH_AXES, mesh_shape))
   return "\n".join(
-      [f"mesh: {mesh}", fmt.format(*header), *(fmt.format(*line) for line in lines),
-       f"parameters: {total:.2f} MiB per device"]
+      [
+          f"mesh: {mesh}",
+          fmt.format(*header),
+          *(fmt.format(*line) for line in lines),
+          f"parameters: {total:.2f} MiB per device",
+      ]
   )
 
 

@@ -19,6 +19,7 @@ flax's wrappers do the real work; these subclasses change four behaviours:
   builds the NNX module abstractly (`nnx.eval_shape`) on apply, so the
   throw-away initial values are never computed.
 """
+
 import warnings
 from typing import Any, Callable
 
@@ -55,9 +56,7 @@ class ToNNX(flax_bridge.ToNNX):
     return self
 
   def __call__(self, *args, mutable: Any = None, **kwargs):
-    outside_linen = (
-        bridge_wrappers.current_linen_module() is None and bridge_module.current_module() is None
-    )
+    outside_linen = bridge_wrappers.current_linen_module() is None and bridge_module.current_module() is None
     if mutable is None and outside_linen:
       mutable = ["intermediates"]
     return super().__call__(*args, mutable=mutable, **kwargs)
@@ -96,9 +95,7 @@ class ToLinen(flax_bridge.ToLinen):
 
   def _load_state(self, module: nnx.Module) -> None:
     """Fills the abstract `module` from this scope's variables, or raises naming the paths."""
-    collections = {
-        name: nn.unbox(tree) for name, tree in self.variables.items()
-    }
+    collections = {name: nn.unbox(tree) for name, tree in self.variables.items()}
     given = canonical.flatten(collections.get("params", {}))
     expected = canonical.flatten(nnx.to_pure_dict(nnx.state(module, nnx.Param)))
     missing = sorted(set(expected) - set(given))
@@ -109,8 +106,7 @@ class ToLinen(flax_bridge.ToLinen):
       lines += [f"  unknown: {p}" for p in unknown]
       raise ValueError(
           f"ToLinen({self.nnx_class.__name__}) at {where!r} was given parameters that do not "
-          "match the module (flax would silently re-initialise the missing ones):\n"
-          + "\n".join(lines)
+          "match the module (flax would silently re-initialise the missing ones):\n" + "\n".join(lines)
       )
     for tree in collections.values():
       nnx.update(module, tree)

@@ -4,6 +4,7 @@ Both backends declare the same nested dict of arrays (see DESIGN.md). This
 module is the one place that knows how scanned layers (`decoder/layers`,
 stacked on `param_scan_axis`) relate to unscanned ones (`decoder/layers_i`).
 """
+
 import re
 from typing import Any, Mapping
 
@@ -132,7 +133,6 @@ def conform(tree: Mapping[str, Any], abstract: Mapping[str, Any], axis: int) -> 
   for path, leaf in got.items():
     if tuple(np.shape(leaf)) != tuple(want[path].shape):
       raise ValueError(
-          f"parameter {path} has shape {tuple(np.shape(leaf))}, the model expects "
-          f"{tuple(want[path].shape)}"
+          f"parameter {path} has shape {tuple(np.shape(leaf))}, the model expects " f"{tuple(want[path].shape)}"
       )
   return unflatten({p: jnp.asarray(got[p], want[p].dtype) for p in want})

@@ -4,6 +4,7 @@ Both backends save and restore the same tree (see `maxbridge.state`). Orbax
 writes each step into a temporary folder and renames it when complete, so a
 save killed midway leaves no step that restores half-written.
 """
+
 import os
 from typing import Any
 
@@ -75,9 +76,7 @@ class Checkpointer:
   def restore(self, step: int, target: dict) -> dict:
     """Restores `step` into the abstract `target` tree, after checking every path and shape."""
     if step not in self.manager.all_steps():
-      raise CheckpointError(
-          f"no checkpoint for step {step} in {self.directory}; available: {self.all_steps()}"
-      )
+      raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; available: {self.all_steps()}")
     stored_tree = self.manager.item_metadata(step)["items"].tree
     layout = _foreign_layout(stored_tree)
     stored = _paths(layouts.normalize(stored_tree, layout) if layout else stored_tree)

@@ -17,200 +17,194 @@ NOT_YET = 2
 
 
 def _train(args: argparse.Namespace) -> int:
-    # Imported here: jax loads only for the verbs that need it. (maxbridge.train
-    # the function shadows the module of that name on the package.)
-    from maxbridge.checkpointing import CheckpointError
-    from maxbridge.train import TrainingDiverged, run_directory, train
+  # Imported here: jax loads only for the verbs that need it. (maxbridge.train
+  # the function shadows the module of that name on the package.)
+  from maxbridge.checkpointing import CheckpointError
+  from maxbridge.train import TrainingDiverged, run_directory, train
 
-    config = load_config(args.preset, *args.overrides)
-    try:
-        records = train(config)
-    except TrainingDiverged as e:
-        print(f"maxbridge train: {e}", file=sys.stderr)
-        return 1
-    except CheckpointError as e:
-        print(f"maxbridge train: {e}", file=sys.stderr)
-        return 2
-    run_dir = run_directory(config)
-    if records:
-        print(f"{run_dir}: step {records[-1]['step']} loss {records[-1]['loss']:.4f}")
-    else:
-        print(f"{run_dir}: already trained to step {config.steps}; nothing to do")
-    return 0
+  config = load_config(args.preset, *args.overrides)
+  try:
+    records = train(config)
+  except TrainingDiverged as e:
+    print(f"maxbridge train: {e}", file=sys.stderr)
+    return 1
+  except CheckpointError as e:
+    print(f"maxbridge train: {e}", file=sys.stderr)
+    return 2
+  run_dir = run_directory(config)
+  if records:
+    print(f"{run_dir}: step {records[-1]['step']} loss {records[-1]['loss']:.4f}")
+  else:
+    print(f"{run_dir}: already trained to step {config.steps}; nothing to do")
+  return 0
 
 
 def _convert(args: argparse.Namespace) -> int:
-    import converters  # jax and orbax load only for the verbs that need them
+  import converters  # jax and orbax load only for the verbs that need them
 
-    try:
-        conversion = converters.convert(
-            args.source,
-            args.destination,
-            layout=args.layout,
-            scan_layers=args.scan_layers,
-            param_scan_axis=args.param_scan_axis,
-            dtype=args.dtype,
-            params_only=args.params_only,
-            force=args.force,
-        )
-    except (converters.ConversionError, OSError) as e:
-        print(f"maxbridge convert: {e}", file=sys.stderr)
-        return 2
-    print(conversion.summary())
-    return 0
+  try:
+    conversion = converters.convert(
+        args.source,
+        args.destination,
+        layout=args.layout,
+        scan_layers=args.scan_layers,
+        param_scan_axis=args.param_scan_axis,
+        dtype=args.dtype,
+        params_only=args.params_only,
+        force=args.force,
+    )
+  except (converters.ConversionError, OSError) as e:
+    print(f"maxbridge convert: {e}", file=sys.stderr)
+    return 2
+  print(conversion.summary())
+  return 0
 
 
 def _compare(args: argparse.Namespace) -> int:
-    import converters
+  import converters
 
-    try:
-        comparison = converters.compare(
-            args.first,
-            args.second,
-            atol=args.atol,
-            rtol=args.rtol,
-            params_only=args.params_only,
-            metadata_only=args.metadata_only,
-        )
-    except (converters.ConversionError, OSError) as e:
-        print(f"maxbridge compare: {e}", file=sys.stderr)
-        return 2
-    print(comparison.report())
-    return 0 if comparison.equal else 1
+  try:
+    comparison = converters.compare(
+        args.first,
+        args.second,
+        atol=args.atol,
+        rtol=args.rtol,
+        params_only=args.params_only,
+        metadata_only=args.metadata_only,
+    )
+  except (converters.ConversionError, OSError) as e:
+    print(f"maxbridge compare: {e}", file=sys.stderr)
+    return 2
+  print(comparison.report())
+  return 0 if comparison.equal else 1
 
 
 def _bool(text: str) -> bool:
-    words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-    if text.strip().lower() not in words:
-        raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
-    return words[text.strip().lower()]
+  words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+  if text.strip().lower() not in words:
+    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+  return words[text.strip().lower()]
 
 
 def _import_hf(args: argparse.Namespace) -> int:
-    from maxbridge import hf
+  from maxbridge import hf
 
-    try:
-        out = hf.import_hf(
-            args.source, args.destination, *args.overrides, scan_layers=args.scan_layers, dtype=args.dtype
-        )
-    except (ValueError, OSError, NotImplementedError) as e:
-        print(f"maxbridge import-hf: {e}", file=sys.stderr)
-        return 2
-    print(f"{out}: params-only checkpoint at step 0, with config.yml")
-    return 0
+  try:
+    out = hf.import_hf(args.source, args.destination, *args.overrides, scan_layers=args.scan_layers, dtype=args.dtype)
+  except (ValueError, OSError, NotImplementedError) as e:
+    print(f"maxbridge import-hf: {e}", file=sys.stderr)
+    return 2
+  print(f"{out}: params-only checkpoint at step 0, with config.yml")
+  return 0
 
 
 def _export_hf(args: argparse.Namespace) -> int:
-    from maxbridge import hf
+  from maxbridge import hf
 
-    try:
-        out = hf.export_hf(args.source, args.destination, dtype=args.dtype)
-    except (ValueError, OSError, NotImplementedError) as e:
-        print(f"maxbridge export-hf: {e}", file=sys.stderr)
-        return 2
-    print(f"{out}: config.json + model.safetensors")
-    return 0
+  try:
+    out = hf.export_hf(args.source, args.destination, dtype=args.dtype)
+  except (ValueError, OSError, NotImplementedError) as e:
+    print(f"maxbridge export-hf: {e}", file=sys.stderr)
+    return 2
+  print(f"{out}: config.json + model.safetensors")
+  return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pathlib import Path
+  from pathlib import Path
 
-    from maxbridge import dispatch, hf
+  from maxbridge import dispatch, hf
 
-    flags = dict(zip(("pure_nnx", "enable_nnx", "pure_nnx_decoder"), hf.BACKENDS[args.backend]))
-    try:
-        if Path(args.source).is_dir():
-            config, params = hf.load_pretrained(args.source, *args.overrides, **flags)
-            model = dispatch.create_model(config, params=params)
-        else:  # a preset or YAML file: a randomly initialised model, handy for smoke tests
-            model = dispatch.create_model(load_config(args.source, *args.overrides, **flags))
-        encode, decode = _tokenizer(args.source, model.config.vocab_size)
-        prompt = encode(args.prompt)
-        if not prompt:
-            raise ValueError("--prompt is empty: give at least one token to continue")
-        tokens = model.generate(
-            prompt, args.max_new_tokens, temperature=args.temperature, seed=args.seed
-        )
-    except (ValueError, OSError, NotImplementedError) as e:
-        print(f"maxbridge generate: {e}", file=sys.stderr)
-        return 2
-    print(decode([int(t) for t in tokens]))
-    return 0
+  flags = dict(zip(("pure_nnx", "enable_nnx", "pure_nnx_decoder"), hf.BACKENDS[args.backend]))
+  try:
+    if Path(args.source).is_dir():
+      config, params = hf.load_pretrained(args.source, *args.overrides, **flags)
+      model = dispatch.create_model(config, params=params)
+    else:  # a preset or YAML file: a randomly initialised model, handy for smoke tests
+      model = dispatch.create_model(load_config(args.source, *args.overrides, **flags))
+    encode, decode = _tokenizer(args.source, model.config.vocab_size)
+    prompt = encode(args.prompt)
+    if not prompt:
+      raise ValueError("--prompt is empty: give at least one token to continue")
+    tokens = model.generate(prompt, args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+  except (ValueError, OSError, NotImplementedError) as e:
+    print(f"maxbridge generate: {e}", file=sys.stderr)
+    return 2
+  print(decode([int(t) for t in tokens]))
+  return 0
 
 
 def _tokenizer(source: str, vocab_size: int):
-    """(encode, decode): tokenizer.json through `tokenizers` when the source has one, else bytes."""
-    from maxbridge import hf
+  """(encode, decode): tokenizer.json through `tokenizers` when the source has one, else bytes."""
+  from maxbridge import hf
 
-    folder = hf.tokenizer_folder(source)
-    if folder is not None:
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            print(
-                f"maxbridge generate: {folder}/tokenizer.json found but the tokenizers package is "
-                "missing; using byte-level tokens",
-                file=sys.stderr,
-            )
-        else:
-            tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-            return (
-                lambda text: tokenizer.encode(text).ids,
-                lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
-            )
-    if vocab_size < 256:
-        raise ValueError(
-            f"no tokenizer.json in {source} and vocab_size={vocab_size} is too small for byte tokens"
-        )
-    return (
-        lambda text: list(text.encode("utf-8")),
-        lambda ids: bytes(t for t in ids if t < 256).decode("utf-8", errors="replace"),
-    )
+  folder = hf.tokenizer_folder(source)
+  if folder is not None:
+    try:
+      from tokenizers import Tokenizer
+    except ImportError:
+      print(
+          f"maxbridge generate: {folder}/tokenizer.json found but the tokenizers package is "
+          "missing; using byte-level tokens",
+          file=sys.stderr,
+      )
+    else:
+      tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+      return (
+          lambda text: tokenizer.encode(text).ids,
+          lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+      )
+  if vocab_size < 256:
+    raise ValueError(f"no tokenizer.json in {source} and vocab_size={vocab_size} is too small for byte tokens")
+  return (
+      lambda text: list(text.encode("utf-8")),
+      lambda ids: bytes(t for t in ids if t < 256).decode("utf-8", errors="replace"),
+  )
 
 
 def _virtual_devices(args: argparse.Namespace) -> None:
-    # XLA reads this once, when JAX starts: before anything imports jax.
-    if args.devices:
-        flag = f"--xla_force_host_platform_device_count={args.devices}"
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+  # XLA reads this once, when JAX starts: before anything imports jax.
+  if args.devices:
+    flag = f"--xla_force_host_platform_device_count={args.devices}"
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 
 
 def _shardings(args: argparse.Namespace) -> int:
-    _virtual_devices(args)
-    import jax
+  _virtual_devices(args)
+  import jax
 
-    from maxbridge import aot, sharding
+  from maxbridge import aot, sharding
 
-    config = load_config(args.preset, *args.overrides)
-    rows = aot.sharding_rows(config)
-    print(aot.format_table(rows, sharding.mesh_shape(config, jax.device_count())))
-    return 0
+  config = load_config(args.preset, *args.overrides)
+  rows = aot.sharding_rows(config)
+  print(aot.format_table(rows, sharding.mesh_shape(config, jax.device_count())))
+  return 0
 
 
 def _compile(args: argparse.Namespace) -> int:
-    _virtual_devices(args)
-    from maxbridge import aot
+  _virtual_devices(args)
+  from maxbridge import aot
 
-    config = load_config(args.preset, *args.overrides)
-    result = aot.compile_train_step(config)
-    gib = 2**30
-    mesh = " x ".join(f"{k}={v}" for k, v in result["mesh"].items())
-    print(f"compiled the train step of {config.model_name} for {result['devices']} devices ({mesh})")
-    print(f"  parameters + optimizer state: {result['state_bytes'] / gib:8.2f} GiB per device")
-    print(f"  arguments:                    {result['argument_bytes'] / gib:8.2f} GiB per device")
-    print(f"  temporaries:                  {result['temp_bytes'] / gib:8.2f} GiB per device")
-    print(f"  outputs (aliased to inputs):  {result['output_bytes'] / gib:8.2f} GiB per device")
-    print(f"  model FLOPs per step:         {result['model_flops']:8.3e} (6 N tokens + attention, all devices)")
-    print(f"  XLA cost analysis FLOPs:      {result['flops']:8.3e} per device (a scanned layer counts once)")
-    return 0
+  config = load_config(args.preset, *args.overrides)
+  result = aot.compile_train_step(config)
+  gib = 2**30
+  mesh = " x ".join(f"{k}={v}" for k, v in result["mesh"].items())
+  print(f"compiled the train step of {config.model_name} for {result['devices']} devices ({mesh})")
+  print(f"  parameters + optimizer state: {result['state_bytes'] / gib:8.2f} GiB per device")
+  print(f"  arguments:                    {result['argument_bytes'] / gib:8.2f} GiB per device")
+  print(f"  temporaries:                  {result['temp_bytes'] / gib:8.2f} GiB per device")
+  print(f"  outputs (aliased to inputs):  {result['output_bytes'] / gib:8.2f} GiB per device")
+  print(f"  model FLOPs per step:         {result['model_flops']:8.3e} (6 N tokens + attention, all devices)")
+  print(f"  XLA cost analysis FLOPs:      {result['flops']:8.3e} per device (a scanned layer counts once)")
+  return 0
 
 
 def _later(verb: str) -> Handler:
-    def handler(args: argparse.Namespace) -> int:
-        print(f"{verb}: arrives in a later issue", file=sys.stderr)
-        return NOT_YET
+  def handler(args: argparse.Namespace) -> int:
+    print(f"{verb}: arrives in a later issue", file=sys.stderr)
+    return NOT_YET
 
-    return handler
+  return handler
 
 
 HANDLERS: dict[str, Handler] = {
@@ -227,111 +221,121 @@ HANDLERS: dict[str, Handler] = {
 
 
 def _overrides(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "overrides", nargs="*", metavar="key=value", help="config overrides, e.g. steps=20 pure_nnx=true"
-    )
+  parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. steps=20 pure_nnx=true")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="maxbridge",
-        description="One transformer in Flax Linen and NNX. Configuration is key=value, as in MaxText.",
-    )
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="COMMAND")
+  parser = argparse.ArgumentParser(
+      prog="maxbridge",
+      description="One transformer in Flax Linen and NNX. Configuration is key=value, as in MaxText.",
+  )
+  verbs = parser.add_subparsers(dest="verb", required=True, metavar="COMMAND")
 
-    p = verbs.add_parser("train", help="train a model from a preset or YAML file")
-    p.add_argument("preset", help="preset name (e.g. llama-tiny) or path to a YAML config")
+  p = verbs.add_parser("train", help="train a model from a preset or YAML file")
+  p.add_argument("preset", help="preset name (e.g. llama-tiny) or path to a YAML config")
+  _overrides(p)
+
+  p = verbs.add_parser(
+      "convert",
+      help="convert a checkpoint between layouts (linen, nnx), scanned and unscanned, dtypes",
+      description="Converts a checkpoint array by array into DESTINATION/<step>/items; "
+      "the source's layout is detected. Exit 0 done, 2 error (nothing written).",
+  )
+  p.add_argument("source", help="run, checkpoints, step or items directory (the latest step is read)")
+  p.add_argument("destination", help="checkpoints directory to create (e.g. runs/new/checkpoints)")
+  p.add_argument("--layout", choices=["linen", "nnx"], help="on-disk layout to write (default: the source's)")
+  p.add_argument(
+      "--scan-layers", type=_bool, metavar="{true,false}", help="stack or unstack the layers (default: as the source)"
+  )
+  p.add_argument(
+      "--param-scan-axis",
+      type=int,
+      metavar="N",
+      help="layer axis to stack or unstack on (default: the source config's, else 1)",
+  )
+  p.add_argument("--dtype", choices=["float32", "bfloat16"], help="cast floating-point arrays, optimizer state included")
+  p.add_argument("--params-only", action="store_true", help="drop optimizer state and step (a decode checkpoint)")
+  p.add_argument("--force", action="store_true", help="replace DESTINATION if it exists")
+
+  p = verbs.add_parser(
+      "compare",
+      help="compare two checkpoints in any layouts",
+      description="Normalises both checkpoints (layout, leaf wrappers, scanned vs unscanned) and "
+      "compares structure, shapes, dtypes and values. Exit 0 equal, 1 different, 2 error.",
+  )
+  p.add_argument("first", help="run, checkpoints, step or items directory")
+  p.add_argument("second", help="run, checkpoints, step or items directory")
+  p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
+  p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
+  p.add_argument("--params-only", action="store_true", help="compare parameters only")
+  p.add_argument("--metadata-only", action="store_true", help="compare structure, shapes and dtypes, reading no data")
+
+  p = verbs.add_parser(
+      "import-hf",
+      help="import a Hugging Face checkpoint folder",
+      description="Reads config.json + model.safetensors (or a sharded index) of a llama, mistral, "
+      "qwen3, gpt2, mixtral or deepseek_v3 model and writes a params-only maxbridge checkpoint "
+      "(DESTINATION/0/items, config.yml). Exit 0 done, 2 error (nothing written).",
+  )
+  p.add_argument("source", help="Hugging Face model folder")
+  p.add_argument("destination", help="new directory to write the maxbridge checkpoint to")
+  p.add_argument(
+      "--scan-layers",
+      type=_bool,
+      metavar="{true,false}",
+      help="store the layers stacked (default: base.yml's scan_layers)",
+  )
+  p.add_argument("--dtype", choices=["float32", "bfloat16"], help="parameter dtype to store (default float32)")
+  _overrides(p)
+
+  p = verbs.add_parser(
+      "export-hf",
+      help="export a checkpoint as a Hugging Face folder",
+      description="Writes DESTINATION/config.json + model.safetensors, which transformers loads. "
+      "Exit 0 done, 2 error (nothing written).",
+  )
+  p.add_argument("source", help="checkpoint or run directory (with its config.yml)")
+  p.add_argument("destination", help="new Hugging Face folder to write")
+  p.add_argument("--dtype", choices=["float32", "bfloat16"], help="tensor dtype (default: the checkpoint's)")
+
+  p = verbs.add_parser(
+      "generate",
+      help="generate text from a checkpoint, Hugging Face folder or preset",
+      description="Greedy by default. Uses SOURCE's tokenizer.json (via the tokenizers package) "
+      "when there is one, else UTF-8 bytes as tokens. A preset gives a randomly initialised model.",
+  )
+  p.add_argument("source", help="Hugging Face folder, checkpoint or run directory, preset or YAML config")
+  p.add_argument("--prompt", default="", help="text to continue")
+  p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
+  p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); > 0 samples")
+  p.add_argument("--seed", type=int, default=0, help="sampling seed")
+  p.add_argument("--backend", choices=["linen", "nnx"], default="linen", help="model backend (default linen)")
+  _overrides(p)
+
+  for verb, text in (
+      ("shardings", "print each parameter's logical axes, PartitionSpec and bytes per device"),
+      ("compile", "compile the train step ahead of time on abstract arrays; print memory and FLOPs"),
+  ):
+    p = verbs.add_parser(verb, help=text)
+    p.add_argument("preset", help="preset name (e.g. llama2-7b) or path to a YAML config")
+    p.add_argument("--devices", type=int, default=0, help="virtual CPU devices to stand in for the mesh")
     _overrides(p)
 
-    p = verbs.add_parser(
-        "convert",
-        help="convert a checkpoint between layouts (linen, nnx), scanned and unscanned, dtypes",
-        description="Converts a checkpoint array by array into DESTINATION/<step>/items; "
-        "the source's layout is detected. Exit 0 done, 2 error (nothing written).",
-    )
-    p.add_argument("source", help="run, checkpoints, step or items directory (the latest step is read)")
-    p.add_argument("destination", help="checkpoints directory to create (e.g. runs/new/checkpoints)")
-    p.add_argument("--layout", choices=["linen", "nnx"], help="on-disk layout to write (default: the source's)")
-    p.add_argument("--scan-layers", type=_bool, metavar="{true,false}", help="stack or unstack the layers (default: as the source)")
-    p.add_argument("--param-scan-axis", type=int, metavar="N", help="layer axis to stack or unstack on (default: the source config's, else 1)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="cast floating-point arrays, optimizer state included")
-    p.add_argument("--params-only", action="store_true", help="drop optimizer state and step (a decode checkpoint)")
-    p.add_argument("--force", action="store_true", help="replace DESTINATION if it exists")
+  p = verbs.add_parser("bench", help="time Linen, NNX and mixed backends side by side")
+  p.add_argument("preset", help="preset name or path to a YAML config")
+  _overrides(p)
 
-    p = verbs.add_parser(
-        "compare",
-        help="compare two checkpoints in any layouts",
-        description="Normalises both checkpoints (layout, leaf wrappers, scanned vs unscanned) and "
-        "compares structure, shapes, dtypes and values. Exit 0 equal, 1 different, 2 error.",
-    )
-    p.add_argument("first", help="run, checkpoints, step or items directory")
-    p.add_argument("second", help="run, checkpoints, step or items directory")
-    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
-    p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
-    p.add_argument("--params-only", action="store_true", help="compare parameters only")
-    p.add_argument("--metadata-only", action="store_true", help="compare structure, shapes and dtypes, reading no data")
-
-    p = verbs.add_parser(
-        "import-hf",
-        help="import a Hugging Face checkpoint folder",
-        description="Reads config.json + model.safetensors (or a sharded index) of a llama, mistral, "
-        "qwen3, gpt2, mixtral or deepseek_v3 model and writes a params-only maxbridge checkpoint "
-        "(DESTINATION/0/items, config.yml). Exit 0 done, 2 error (nothing written).",
-    )
-    p.add_argument("source", help="Hugging Face model folder")
-    p.add_argument("destination", help="new directory to write the maxbridge checkpoint to")
-    p.add_argument("--scan-layers", type=_bool, metavar="{true,false}", help="store the layers stacked (default: base.yml's scan_layers)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="parameter dtype to store (default float32)")
-    _overrides(p)
-
-    p = verbs.add_parser(
-        "export-hf",
-        help="export a checkpoint as a Hugging Face folder",
-        description="Writes DESTINATION/config.json + model.safetensors, which transformers loads. "
-        "Exit 0 done, 2 error (nothing written).",
-    )
-    p.add_argument("source", help="checkpoint or run directory (with its config.yml)")
-    p.add_argument("destination", help="new Hugging Face folder to write")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="tensor dtype (default: the checkpoint's)")
-
-    p = verbs.add_parser(
-        "generate",
-        help="generate text from a checkpoint, Hugging Face folder or preset",
-        description="Greedy by default. Uses SOURCE's tokenizer.json (via the tokenizers package) "
-        "when there is one, else UTF-8 bytes as tokens. A preset gives a randomly initialised model.",
-    )
-    p.add_argument("source", help="Hugging Face folder, checkpoint or run directory, preset or YAML config")
-    p.add_argument("--prompt", default="", help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); > 0 samples")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--backend", choices=["linen", "nnx"], default="linen", help="model backend (default linen)")
-    _overrides(p)
-
-    for verb, text in (
-        ("shardings", "print each parameter's logical axes, PartitionSpec and bytes per device"),
-        ("compile", "compile the train step ahead of time on abstract arrays; print memory and FLOPs"),
-    ):
-        p = verbs.add_parser(verb, help=text)
-        p.add_argument("preset", help="preset name (e.g. llama2-7b) or path to a YAML config")
-        p.add_argument("--devices", type=int, default=0, help="virtual CPU devices to stand in for the mesh")
-        _overrides(p)
-
-    p = verbs.add_parser("bench", help="time Linen, NNX and mixed backends side by side")
-    p.add_argument("preset", help="preset name or path to a YAML config")
-    _overrides(p)
-
-    return parser
+  return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return HANDLERS[args.verb](args)
-    except ConfigError as e:
-        print(f"maxbridge {args.verb}: {e}", file=sys.stderr)
-        return 2
+  args = build_parser().parse_args(argv)
+  try:
+    return HANDLERS[args.verb](args)
+  except ConfigError as e:
+    print(f"maxbridge {args.verb}: {e}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+  sys.exit(main())

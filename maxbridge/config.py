@@ -29,217 +29,213 @@ DECODER_BLOCKS = ("llama2", "mistral", "qwen3", "gpt3", "mixtral", "deepseek")
 
 
 class ConfigError(ValueError):
-    """A configuration key or value that cannot be used; the message says which and why."""
+  """A configuration key or value that cannot be used; the message says which and why."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Config:
-    """A validated, immutable run configuration. Defaults live in configs/base.yml."""
+  """A validated, immutable run configuration. Defaults live in configs/base.yml."""
 
-    # model
-    model_name: str
-    decoder_block: str
-    base_emb_dim: int
-    base_num_query_heads: int
-    base_num_kv_heads: int
-    head_dim: int
-    base_mlp_dim: int
-    base_num_decoder_layers: int
-    vocab_size: int
-    max_target_length: int
-    dtype: str
-    weight_dtype: str
-    normalization_layer_epsilon: float
-    rope_max_timescale: int
-    scan_layers: bool
-    param_scan_axis: int
-    remat_policy: str
-    logits_via_embedding: bool
-    pure_nnx: bool
-    enable_nnx: bool
-    pure_nnx_decoder: bool
-    seed: int
-    # model families (MaxText names; see configs/base.yml)
-    sliding_window_size: int
-    use_qk_norm: bool
-    trainable_position_size: int
-    num_experts: int
-    num_experts_per_tok: int
-    moe_mlp_dim: int
-    sparse_matmul: bool
-    load_balance_loss_weight: float
-    shared_experts: int
-    routed_score_func: str
-    routed_bias: bool
-    routed_scaling_factor: float
-    n_routing_groups: int
-    topk_routing_group: int
-    first_num_dense_layers: int
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    # training
-    run_name: str
-    base_output_directory: str
-    steps: int
-    per_device_batch_size: int
-    learning_rate: float
-    warmup_steps_fraction: float
-    cosine_learning_rate_final_fraction: float
-    adam_b1: float
-    adam_b2: float
-    adam_eps: float
-    adam_weight_decay: float
-    gradient_clipping_threshold: float
-    gradient_accumulation_steps: int
-    z_loss_multiplier: float
-    dataset_type: str
-    dataset_path: str
-    eval_interval: int
-    eval_steps: int
-    enable_checkpointing: bool
-    checkpoint_period: int
-    max_to_keep: int
-    log_period: int
-    # sharding
-    ici_data_parallelism: int
-    ici_fsdp_parallelism: int
-    ici_tensor_parallelism: int
-    logical_axis_rules: tuple
-    # multi-process
-    num_processes: int
-    process_id: int
-    coordinator_address: str
+  # model
+  model_name: str
+  decoder_block: str
+  base_emb_dim: int
+  base_num_query_heads: int
+  base_num_kv_heads: int
+  head_dim: int
+  base_mlp_dim: int
+  base_num_decoder_layers: int
+  vocab_size: int
+  max_target_length: int
+  dtype: str
+  weight_dtype: str
+  normalization_layer_epsilon: float
+  rope_max_timescale: int
+  scan_layers: bool
+  param_scan_axis: int
+  remat_policy: str
+  logits_via_embedding: bool
+  pure_nnx: bool
+  enable_nnx: bool
+  pure_nnx_decoder: bool
+  seed: int
+  # model families (MaxText names; see configs/base.yml)
+  sliding_window_size: int
+  use_qk_norm: bool
+  trainable_position_size: int
+  num_experts: int
+  num_experts_per_tok: int
+  moe_mlp_dim: int
+  sparse_matmul: bool
+  load_balance_loss_weight: float
+  shared_experts: int
+  routed_score_func: str
+  routed_bias: bool
+  routed_scaling_factor: float
+  n_routing_groups: int
+  topk_routing_group: int
+  first_num_dense_layers: int
+  q_lora_rank: int
+  kv_lora_rank: int
+  qk_nope_head_dim: int
+  qk_rope_head_dim: int
+  v_head_dim: int
+  # training
+  run_name: str
+  base_output_directory: str
+  steps: int
+  per_device_batch_size: int
+  learning_rate: float
+  warmup_steps_fraction: float
+  cosine_learning_rate_final_fraction: float
+  adam_b1: float
+  adam_b2: float
+  adam_eps: float
+  adam_weight_decay: float
+  gradient_clipping_threshold: float
+  gradient_accumulation_steps: int
+  z_loss_multiplier: float
+  dataset_type: str
+  dataset_path: str
+  eval_interval: int
+  eval_steps: int
+  enable_checkpointing: bool
+  checkpoint_period: int
+  max_to_keep: int
+  log_period: int
+  # sharding
+  ici_data_parallelism: int
+  ici_fsdp_parallelism: int
+  ici_tensor_parallelism: int
+  logical_axis_rules: tuple
+  # multi-process
+  num_processes: int
+  process_id: int
+  coordinator_address: str
 
-    def __post_init__(self) -> None:
-        # Coercing here rather than in load_config means Config(...),
-        # replace() and load_config() can never disagree about what is valid.
-        for name, kind in _FIELD_TYPES.items():
-            value = getattr(self, name)
-            coerced = _coerce(name, value, kind)
-            if coerced is not value:
-                object.__setattr__(self, name, coerced)
-        _validate(self)
+  def __post_init__(self) -> None:
+    # Coercing here rather than in load_config means Config(...),
+    # replace() and load_config() can never disagree about what is valid.
+    for name, kind in _FIELD_TYPES.items():
+      value = getattr(self, name)
+      coerced = _coerce(name, value, kind)
+      if coerced is not value:
+        object.__setattr__(self, name, coerced)
+    _validate(self)
 
-    # MaxText reads model sizes through these (it scales base_* by a global
-    # factor); we keep the names so ported code reads the same, without the scale.
-    @property
-    def emb_dim(self) -> int:
-        return self.base_emb_dim
+  # MaxText reads model sizes through these (it scales base_* by a global
+  # factor); we keep the names so ported code reads the same, without the scale.
+  @property
+  def emb_dim(self) -> int:
+    return self.base_emb_dim
 
-    @property
-    def num_query_heads(self) -> int:
-        return self.base_num_query_heads
+  @property
+  def num_query_heads(self) -> int:
+    return self.base_num_query_heads
 
-    @property
-    def num_kv_heads(self) -> int:
-        return self.base_num_kv_heads
+  @property
+  def num_kv_heads(self) -> int:
+    return self.base_num_kv_heads
 
-    @property
-    def mlp_dim(self) -> int:
-        return self.base_mlp_dim
+  @property
+  def mlp_dim(self) -> int:
+    return self.base_mlp_dim
 
-    @property
-    def num_decoder_layers(self) -> int:
-        return self.base_num_decoder_layers
+  @property
+  def num_decoder_layers(self) -> int:
+    return self.base_num_decoder_layers
 
-    def replace(self, **changes: Any) -> Config:
-        """A new Config with `changes` applied and validated."""
-        _check_known(changes, source="replace()")
-        return dataclasses.replace(self, **changes)
+  def replace(self, **changes: Any) -> Config:
+    """A new Config with `changes` applied and validated."""
+    _check_known(changes, source="replace()")
+    return dataclasses.replace(self, **changes)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in _FIELD_TYPES}
+  def to_dict(self) -> dict[str, Any]:
+    return {name: getattr(self, name) for name in _FIELD_TYPES}
 
-    def to_yaml(self, path: str | os.PathLike[str]) -> None:
-        """Write every key to `path`; a reader never sees a half-written file."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                yaml.safe_dump(self.to_dict(), f, sort_keys=False)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+  def to_yaml(self, path: str | os.PathLike[str]) -> None:
+    """Write every key to `path`; a reader never sees a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+      with os.fdopen(fd, "w") as f:
+        yaml.safe_dump(self.to_dict(), f, sort_keys=False)
+      os.replace(tmp, path)
+    except BaseException:
+      os.unlink(tmp)
+      raise
 
 
-_FIELD_TYPES: dict[str, type] = {
-    f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)
-}
+_FIELD_TYPES: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
 
 _BOOL_WORDS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 
 
 def _coerce(key: str, value: Any, kind: type) -> Any:
-    """`value` as `kind`, accepting the strings a command line or YAML file gives."""
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        if isinstance(value, str) and value.strip().lower() in _BOOL_WORDS:
-            return _BOOL_WORDS[value.strip().lower()]
-    elif kind is int:
-        # bool is an int subclass; `steps=True` is a mistake, not 1.
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value.strip())
-            except ValueError:
-                pass
-    elif kind is float:
-        if isinstance(value, float):
-            return value
-        if isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
-        # PyYAML reads `1e-5` (no dot) as a string, so files need this too.
-        if isinstance(value, str):
-            try:
-                return float(value.strip())
-            except ValueError:
-                pass
-    elif kind is tuple:
-        return _axis_rules(key, value)
-    elif kind is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
-    expected = "bool (true/false/yes/no/1/0)" if kind is bool else kind.__name__
-    raise ConfigError(f"config key {key!r} expects {expected}, got {value!r}")
+  """`value` as `kind`, accepting the strings a command line or YAML file gives."""
+  if kind is bool:
+    if isinstance(value, bool):
+      return value
+    if isinstance(value, int) and value in (0, 1):
+      return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _BOOL_WORDS:
+      return _BOOL_WORDS[value.strip().lower()]
+  elif kind is int:
+    # bool is an int subclass; `steps=True` is a mistake, not 1.
+    if isinstance(value, int) and not isinstance(value, bool):
+      return value
+    if isinstance(value, str):
+      try:
+        return int(value.strip())
+      except ValueError:
+        pass
+  elif kind is float:
+    if isinstance(value, float):
+      return value
+    if isinstance(value, int) and not isinstance(value, bool):
+      return float(value)
+    # PyYAML reads `1e-5` (no dot) as a string, so files need this too.
+    if isinstance(value, str):
+      try:
+        return float(value.strip())
+      except ValueError:
+        pass
+  elif kind is tuple:
+    return _axis_rules(key, value)
+  elif kind is str:
+    if isinstance(value, str):
+      return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      return str(value)
+  expected = "bool (true/false/yes/no/1/0)" if kind is bool else kind.__name__
+  raise ConfigError(f"config key {key!r} expects {expected}, got {value!r}")
 
 
 def _axis_rules(key: str, value: Any) -> tuple[tuple[str, Any], ...]:
-    """[[logical, mesh axes], ...] -> a hashable tuple; [] or null means replicated."""
-    if isinstance(value, str):
-        try:
-            value = yaml.safe_load(value)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config key {key!r} is not valid YAML: {e}") from e
-    if not isinstance(value, (list, tuple)):
-        raise ConfigError(f"config key {key!r} expects a list of [logical_name, mesh_axes], got {value!r}")
-    rules = []
-    for entry in value:
-        if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], str)):
-            raise ConfigError(f"config key {key!r}: entry {entry!r} is not [logical_name, mesh_axes]")
-        name, axes = entry
-        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        unknown = [a for a in axes if a not in MESH_AXES]
-        if unknown:
-            raise ConfigError(
-                f"config key {key!r}: {name!r} maps to unknown mesh axes {unknown}; valid: {list(MESH_AXES)}"
-            )
-        rules.append((name, axes or None))
-    return tuple(rules)
+  """[[logical, mesh axes], ...] -> a hashable tuple; [] or null means replicated."""
+  if isinstance(value, str):
+    try:
+      value = yaml.safe_load(value)
+    except yaml.YAMLError as e:
+      raise ConfigError(f"config key {key!r} is not valid YAML: {e}") from e
+  if not isinstance(value, (list, tuple)):
+    raise ConfigError(f"config key {key!r} expects a list of [logical_name, mesh_axes], got {value!r}")
+  rules = []
+  for entry in value:
+    if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], str)):
+      raise ConfigError(f"config key {key!r}: entry {entry!r} is not [logical_name, mesh_axes]")
+    name, axes = entry
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    unknown = [a for a in axes if a not in MESH_AXES]
+    if unknown:
+      raise ConfigError(f"config key {key!r}: {name!r} maps to unknown mesh axes {unknown}; valid: {list(MESH_AXES)}")
+    rules.append((name, axes or None))
+  return tuple(rules)
 
 
 def _positive(value: float) -> bool:
-    return value > 0
+  return value > 0
 
 
 # Each rule: key, test the value must pass, and what a valid value is.
@@ -247,10 +243,22 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     *(
         (key, _positive, "a positive integer")
         for key in (
-            "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim",
-            "base_mlp_dim", "base_num_decoder_layers", "vocab_size", "max_target_length",
-            "rope_max_timescale", "steps", "per_device_batch_size", "eval_steps",
-            "checkpoint_period", "max_to_keep", "log_period", "gradient_accumulation_steps",
+            "base_emb_dim",
+            "base_num_query_heads",
+            "base_num_kv_heads",
+            "head_dim",
+            "base_mlp_dim",
+            "base_num_decoder_layers",
+            "vocab_size",
+            "max_target_length",
+            "rope_max_timescale",
+            "steps",
+            "per_device_batch_size",
+            "eval_steps",
+            "checkpoint_period",
+            "max_to_keep",
+            "log_period",
+            "gradient_accumulation_steps",
         )
     ),
     *(
@@ -262,8 +270,13 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     *(
         (key, _positive, "a positive integer")
         for key in (
-            "num_experts", "num_experts_per_tok", "moe_mlp_dim", "kv_lora_rank",
-            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_mlp_dim",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
         )
     ),
     *(
@@ -302,148 +315,140 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
 
 
 def _validate(cfg: Config) -> None:
-    for key, ok, valid in _RULES:
-        value = getattr(cfg, key)
-        if not ok(value):  # written as "not ok" so NaN fails too
-            raise ConfigError(f"config key {key!r} = {value!r} is invalid; it must be {valid}")
-    for key, choices in _CHOICES.items():
-        value = getattr(cfg, key)
-        if value not in choices:
-            listed = ", ".join(repr(c) for c in choices)
-            raise ConfigError(f"config key {key!r} = {value!r} is invalid; valid values: {listed}")
-    if cfg.base_num_query_heads % cfg.base_num_kv_heads:
-        raise ConfigError(
-            f"base_num_query_heads={cfg.base_num_query_heads} must be a multiple of "
-            f"base_num_kv_heads={cfg.base_num_kv_heads}: each kv head serves an equal group of query heads"
-        )
-    if cfg.process_id >= cfg.num_processes:
-        raise ConfigError(
-            f"process_id={cfg.process_id} must be below num_processes={cfg.num_processes}"
-        )
-    _validate_family(cfg)
-    if cfg.dataset_type == "text" and not cfg.dataset_path:
-        raise ConfigError("dataset_type='text' needs dataset_path (a text file to train on)")
+  for key, ok, valid in _RULES:
+    value = getattr(cfg, key)
+    if not ok(value):  # written as "not ok" so NaN fails too
+      raise ConfigError(f"config key {key!r} = {value!r} is invalid; it must be {valid}")
+  for key, choices in _CHOICES.items():
+    value = getattr(cfg, key)
+    if value not in choices:
+      listed = ", ".join(repr(c) for c in choices)
+      raise ConfigError(f"config key {key!r} = {value!r} is invalid; valid values: {listed}")
+  if cfg.base_num_query_heads % cfg.base_num_kv_heads:
+    raise ConfigError(
+        f"base_num_query_heads={cfg.base_num_query_heads} must be a multiple of "
+        f"base_num_kv_heads={cfg.base_num_kv_heads}: each kv head serves an equal group of query heads"
+    )
+  if cfg.process_id >= cfg.num_processes:
+    raise ConfigError(f"process_id={cfg.process_id} must be below num_processes={cfg.num_processes}")
+  _validate_family(cfg)
+  if cfg.dataset_type == "text" and not cfg.dataset_path:
+    raise ConfigError("dataset_type='text' needs dataset_path (a text file to train on)")
 
 
 def _validate_family(cfg: Config) -> None:
-    """Cross-key rules of the decoder families; each message names the keys at fault."""
-    block = cfg.decoder_block
-    if cfg.num_experts_per_tok > cfg.num_experts:
+  """Cross-key rules of the decoder families; each message names the keys at fault."""
+  block = cfg.decoder_block
+  if cfg.num_experts_per_tok > cfg.num_experts:
+    raise ConfigError(f"num_experts_per_tok={cfg.num_experts_per_tok} must be at most num_experts={cfg.num_experts}")
+  if block in ("mixtral", "deepseek") and cfg.num_experts < 2:
+    raise ConfigError(f"decoder_block={block!r} routes tokens to experts: num_experts must be >= 2")
+  if block in ("gpt3", "deepseek") and cfg.base_num_query_heads != cfg.base_num_kv_heads:
+    raise ConfigError(
+        f"decoder_block={block!r} has no grouped-query attention: base_num_kv_heads="
+        f"{cfg.base_num_kv_heads} must equal base_num_query_heads={cfg.base_num_query_heads}"
+    )
+  if block == "gpt3" and cfg.trainable_position_size == 0:
+    raise ConfigError(
+        "decoder_block='gpt3' learns absolute positions: set trainable_position_size "
+        "(the longest sequence it can read, e.g. max_target_length)"
+    )
+  if block == "deepseek":
+    if cfg.first_num_dense_layers > cfg.base_num_decoder_layers:
+      raise ConfigError(
+          f"first_num_dense_layers={cfg.first_num_dense_layers} exceeds "
+          f"base_num_decoder_layers={cfg.base_num_decoder_layers}"
+      )
+    if cfg.qk_rope_head_dim % 2:
+      raise ConfigError(f"qk_rope_head_dim={cfg.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+    groups, top_groups = cfg.n_routing_groups, cfg.topk_routing_group
+    if (groups == -1) != (top_groups == -1):
+      raise ConfigError(f"n_routing_groups={groups} and topk_routing_group={top_groups}: set both, or both to -1")
+    if groups != -1:
+      if cfg.num_experts % groups or cfg.num_experts // groups < 2:
         raise ConfigError(
-            f"num_experts_per_tok={cfg.num_experts_per_tok} must be at most num_experts={cfg.num_experts}"
+            f"n_routing_groups={groups} must split num_experts={cfg.num_experts} into equal "
+            "groups of at least 2 experts (groups are ranked by their top-2 scores)"
         )
-    if block in ("mixtral", "deepseek") and cfg.num_experts < 2:
-        raise ConfigError(f"decoder_block={block!r} routes tokens to experts: num_experts must be >= 2")
-    if block in ("gpt3", "deepseek") and cfg.base_num_query_heads != cfg.base_num_kv_heads:
+      if top_groups > groups:
+        raise ConfigError(f"topk_routing_group={top_groups} exceeds n_routing_groups={groups}")
+      if cfg.num_experts_per_tok > top_groups * (cfg.num_experts // groups):
         raise ConfigError(
-            f"decoder_block={block!r} has no grouped-query attention: base_num_kv_heads="
-            f"{cfg.base_num_kv_heads} must equal base_num_query_heads={cfg.base_num_query_heads}"
+            f"num_experts_per_tok={cfg.num_experts_per_tok} exceeds the experts in "
+            f"topk_routing_group={top_groups} groups of {cfg.num_experts // groups}"
         )
-    if block == "gpt3" and cfg.trainable_position_size == 0:
-        raise ConfigError(
-            "decoder_block='gpt3' learns absolute positions: set trainable_position_size "
-            "(the longest sequence it can read, e.g. max_target_length)"
-        )
-    if block == "deepseek":
-        if cfg.first_num_dense_layers > cfg.base_num_decoder_layers:
-            raise ConfigError(
-                f"first_num_dense_layers={cfg.first_num_dense_layers} exceeds "
-                f"base_num_decoder_layers={cfg.base_num_decoder_layers}"
-            )
-        if cfg.qk_rope_head_dim % 2:
-            raise ConfigError(f"qk_rope_head_dim={cfg.qk_rope_head_dim} must be even (RoPE rotates pairs)")
-        groups, top_groups = cfg.n_routing_groups, cfg.topk_routing_group
-        if (groups == -1) != (top_groups == -1):
-            raise ConfigError(
-                f"n_routing_groups={groups} and topk_routing_group={top_groups}: set both, or both to -1"
-            )
-        if groups != -1:
-            if cfg.num_experts % groups or cfg.num_experts // groups < 2:
-                raise ConfigError(
-                    f"n_routing_groups={groups} must split num_experts={cfg.num_experts} into equal "
-                    "groups of at least 2 experts (groups are ranked by their top-2 scores)"
-                )
-            if top_groups > groups:
-                raise ConfigError(f"topk_routing_group={top_groups} exceeds n_routing_groups={groups}")
-            if cfg.num_experts_per_tok > top_groups * (cfg.num_experts // groups):
-                raise ConfigError(
-                    f"num_experts_per_tok={cfg.num_experts_per_tok} exceeds the experts in "
-                    f"topk_routing_group={top_groups} groups of {cfg.num_experts // groups}"
-                )
 
 
 def _check_known(values: Mapping[str, Any], source: str) -> None:
-    for key in values:
-        if key in _FIELD_TYPES:
-            continue
-        close = difflib.get_close_matches(str(key), _FIELD_TYPES, n=1)
-        hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(_FIELD_TYPES)}"
-        raise ConfigError(f"unknown config key {key!r}; {hint} (from {source})")
+  for key in values:
+    if key in _FIELD_TYPES:
+      continue
+    close = difflib.get_close_matches(str(key), _FIELD_TYPES, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(_FIELD_TYPES)}"
+    raise ConfigError(f"unknown config key {key!r}; {hint} (from {source})")
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path} is not valid YAML: {e}") from e
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a mapping of config keys, got {type(data).__name__}")
-    return data
+  try:
+    data = yaml.safe_load(path.read_text())
+  except yaml.YAMLError as e:
+    raise ConfigError(f"{path} is not valid YAML: {e}") from e
+  if data is None:
+    return {}
+  if not isinstance(data, dict):
+    raise ConfigError(f"{path} must hold a mapping of config keys, got {type(data).__name__}")
+  return data
 
 
 def _parse_override(text: str) -> tuple[str, str]:
-    # The value stays a string: _coerce converts it by the key's declared type,
-    # so `remat_policy=none` stays the string 'none' and `run_name=123` a name.
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"override {text!r} is not of the form key=value")
-    return key.strip(), value.strip()
+  # The value stays a string: _coerce converts it by the key's declared type,
+  # so `remat_policy=none` stays the string 'none' and `run_name=123` a name.
+  key, sep, value = text.partition("=")
+  if not sep or not key.strip():
+    raise ConfigError(f"override {text!r} is not of the form key=value")
+  return key.strip(), value.strip()
 
 
 def available_presets() -> list[str]:
-    """Names accepted by load_config, one per file in configs/models/."""
-    return sorted(p.stem for p in PRESET_DIR.glob("*.yml"))
+  """Names accepted by load_config, one per file in configs/models/."""
+  return sorted(p.stem for p in PRESET_DIR.glob("*.yml"))
 
 
 def _resolve(preset_or_path: str) -> Path:
-    path = Path(preset_or_path)
-    if path.suffix in (".yml", ".yaml") or path.is_file():
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        return path
-    preset = PRESET_DIR / f"{preset_or_path}.yml"
-    if not preset.is_file():
-        raise ConfigError(
-            f"unknown preset {preset_or_path!r}; available presets: {', '.join(available_presets())}"
-        )
-    return preset
+  path = Path(preset_or_path)
+  if path.suffix in (".yml", ".yaml") or path.is_file():
+    if not path.is_file():
+      raise ConfigError(f"config file {str(path)!r} does not exist")
+    return path
+  preset = PRESET_DIR / f"{preset_or_path}.yml"
+  if not preset.is_file():
+    raise ConfigError(f"unknown preset {preset_or_path!r}; available presets: {', '.join(available_presets())}")
+  return preset
 
 
 def load_config(preset_or_path: str, *overrides: str, **kwargs: Any) -> Config:
-    """Build a Config from base.yml, a preset name or YAML path, then overrides.
+  """Build a Config from base.yml, a preset name or YAML path, then overrides.
 
-    Later sources win: base.yml < preset/file < "key=value" strings < kwargs.
+  Later sources win: base.yml < preset/file < "key=value" strings < kwargs.
 
-        load_config("llama-tiny", "steps=20", pure_nnx=True)
-    """
-    values = _read_yaml(BASE_CONFIG)
-    if set(values) != set(_FIELD_TYPES):
-        # Guards the promise that base.yml documents every key.
-        drift = sorted(set(values) ^ set(_FIELD_TYPES))
-        raise ConfigError(f"{BASE_CONFIG} and Config disagree on keys: {drift}")
+      load_config("llama-tiny", "steps=20", pure_nnx=True)
+  """
+  values = _read_yaml(BASE_CONFIG)
+  if set(values) != set(_FIELD_TYPES):
+    # Guards the promise that base.yml documents every key.
+    drift = sorted(set(values) ^ set(_FIELD_TYPES))
+    raise ConfigError(f"{BASE_CONFIG} and Config disagree on keys: {drift}")
 
-    path = _resolve(preset_or_path)
-    layer = _read_yaml(path)
-    _check_known(layer, source=str(path))
-    values.update(layer)
+  path = _resolve(preset_or_path)
+  layer = _read_yaml(path)
+  _check_known(layer, source=str(path))
+  values.update(layer)
 
-    for text in overrides:
-        key, value = _parse_override(text)
-        _check_known({key: value}, source=f"override {text!r}")
-        values[key] = value
+  for text in overrides:
+    key, value = _parse_override(text)
+    _check_known({key: value}, source=f"override {text!r}")
+    values[key] = value
 
-    _check_known(kwargs, source="keyword arguments")
-    values.update(kwargs)
-    return Config(**values)
+  _check_known(kwargs, source="keyword arguments")
+  values.update(kwargs)
+  return Config(**values)

@@ -8,6 +8,7 @@ A Linen part inside an NNX part is wrapped with `bridge.ToNNX`, an NNX part
 inside a Linen part with `bridge.ToLinen`. Every combination declares the same
 canonical parameter tree.
 """
+
 import functools
 from typing import Any, Mapping
 
@@ -50,17 +51,13 @@ def linen_decoder(config: Config) -> nn.Module:
 def nnx_decoder(config: Config, rngs: nnx.Rngs) -> nnx.Module:
   if config.pure_nnx_decoder:
     return nnx_decoders.Decoder(config, rngs=rngs)
-  return bridge.ToNNX(linen_decoders.Decoder(config), rngs=rngs).lazy_init(
-      *_decoder_sample_inputs(config)
-  )
+  return bridge.ToNNX(linen_decoders.Decoder(config), rngs=rngs).lazy_init(*_decoder_sample_inputs(config))
 
 
 def linen_transformer(config: Config) -> nn.Module:
   if config.enable_nnx:
     factory = functools.partial(nnx_decoder, config)
-    return bridge.ToLinen(
-        nnx_models.Transformer, kwargs=FrozenDict(config=config, decoder_factory=factory)
-    )
+    return bridge.ToLinen(nnx_models.Transformer, kwargs=FrozenDict(config=config, decoder_factory=factory))
   return linen_models.Transformer(config, decoder=linen_decoder(config))
 
 
@@ -70,9 +67,7 @@ def nnx_transformer(config: Config, rngs: nnx.Rngs) -> nnx.Module:
   return bridge.ToNNX(linen_transformer(config), rngs=rngs).lazy_init(*sample_inputs(config))
 
 
-def create_model(
-    config: Config, seed: int | None = None, *, params: Mapping[str, Any] | None = None
-) -> Model:
+def create_model(config: Config, seed: int | None = None, *, params: Mapping[str, Any] | None = None) -> Model:
   """The model for `config`'s flags, with canonical initial parameters for `seed`.
 
   Parameters come from `initializers.init_params` (seed + canonical path), not
@@ -89,10 +84,7 @@ def create_model(
   if params is not None:
     model.load_params(params)
     return model
-  spec = tuple(
-      (path, leaf.shape, leaf.dtype.name)
-      for path, leaf in canonical.flatten(model.abstract_params()).items()
-  )
+  spec = tuple((path, leaf.shape, leaf.dtype.name) for path, leaf in canonical.flatten(model.abstract_params()).items())
   init = _jitted_init(spec, config.param_scan_axis)
   model.load_params(init(config.seed if seed is None else seed))
   return model
@@ -101,9 +93,7 @@ def create_model(
 @functools.lru_cache(maxsize=16)
 def _jitted_init(spec: tuple, param_scan_axis: int):
   """One compiled initialiser per parameter tree, shared by every flag combination."""
-  abstract = canonical.unflatten(
-      {path: jax.ShapeDtypeStruct(shape, dtype) for path, shape, dtype in spec}
-  )
+  abstract = canonical.unflatten({path: jax.ShapeDtypeStruct(shape, dtype) for path, shape, dtype in spec})
   return jax.jit(lambda seed: initializers.init_params(abstract, seed, param_scan_axis))
 
 

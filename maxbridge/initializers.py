@@ -4,6 +4,7 @@
 is derived from the seed and its canonical (unscanned) path, so every flag
 combination, scanned or not, starts from the same numbers.
 """
+
 import fnmatch
 import zlib
 from typing import Callable
@@ -54,9 +55,7 @@ def expert_kernel() -> Initializer:
   """[experts, in, out]: fan-in scaling over `in`, each expert drawn independently."""
 
   def init(key, shape, dtype=jnp.float32):
-    base = jax.nn.initializers.variance_scaling(
-        1.0, "fan_in", "truncated_normal", in_axis=1, out_axis=2, batch_axis=0
-    )
+    base = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=1, out_axis=2, batch_axis=0)
     return base(key, shape, jnp.float32).astype(dtype)
 
   return init

@@ -4,6 +4,7 @@ Parameters cross this interface only as the canonical tree (a nested dict of
 arrays, see DESIGN.md), so code written against `Model` never knows which
 backend it drives.
 """
+
 import abc
 import functools
 from typing import Any, Mapping
@@ -60,9 +61,7 @@ class Model(abc.ABC):
 
   def load_params(self, tree: Mapping[str, Any]) -> None:
     """Loads a canonical tree, scanned or unscanned; errors name any bad path."""
-    self._set_params(
-        canonical.conform(tree, self.abstract_params(), self.config.param_scan_axis)
-    )
+    self._set_params(canonical.conform(tree, self.abstract_params(), self.config.param_scan_axis))
 
   def apply(self, params: Params, tokens, positions=None, segment_ids=None) -> jax.Array:
     """Logits as a pure, differentiable function of canonical `params`."""
@@ -76,9 +75,7 @@ class Model(abc.ABC):
     """int32 [B, T] -> float32 [B, T, V] with the current parameters."""
     return _jitted_apply(self)(self.params(), *default_inputs(tokens, positions, segment_ids))
 
-  def generate(
-      self, prompt, max_new_tokens: int = 8, *, temperature: float = 0.0, seed: int = 0
-  ) -> jax.Array:
+  def generate(self, prompt, max_new_tokens: int = 8, *, temperature: float = 0.0, seed: int = 0) -> jax.Array:
     """Continues int prompts [B, T] (or one prompt [T]); returns prompt + continuation [B, T + N].
 
     Greedy (argmax) at temperature 0, else sampled from softmax(logits / temperature)
@@ -168,9 +165,7 @@ class LinenModel(Model):
 
   def logical_axes(self) -> dict[str, Any]:
     specs = nn.get_partition_spec(self._boxed)
-    return canonical.unflatten(
-        {p: tuple(s) for p, s in canonical.flatten(specs).items()}
-    )
+    return canonical.unflatten({p: tuple(s) for p, s in canonical.flatten(specs).items()})
 
   def params(self) -> Params:
     # A fresh tree: a caller editing it must not edit the model.
@@ -180,9 +175,7 @@ class LinenModel(Model):
     self._params = params
 
   def _forward(self, params, tokens, positions, segment_ids):
-    logits, state = self.module.apply(
-        {"params": params}, tokens, positions, segment_ids, mutable=["intermediates"]
-    )
+    logits, state = self.module.apply({"params": params}, tokens, positions, segment_ids, mutable=["intermediates"])
     return logits, flat_intermediates(state.get("intermediates", {}))
 
 
@@ -190,9 +183,7 @@ class NNXModel(Model):
   """An NNX top-level module; it holds its own parameters."""
 
   def abstract_params(self) -> Params:
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self._pure_params()
-    )
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self._pure_params())
 
   def logical_axes(self) -> dict[str, Any]:
     flat = {

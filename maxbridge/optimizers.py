@@ -1,4 +1,5 @@
 """AdamW with warmup + cosine schedule, built from config (MaxText's names and layout)."""
+
 import optax
 
 from maxbridge.config import Config

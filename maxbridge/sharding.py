@@ -4,6 +4,7 @@ Parameters carry logical axis names (`embed`, `mlp`, `layers`, ...) in both
 backends; activations are constrained by logical names inside `maxbridge.ops`.
 `logical_axis_rules` in the config maps each name to mesh axes, MaxText style.
 """
+
 import contextlib
 import contextvars
 import math
@@ -21,9 +22,7 @@ from maxbridge.config import MESH_AXES, Config, ConfigError
 _PARALLELISM_KEYS = ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism")
 
 # (mesh, rules) while a step is traced; ops read it through `constrain`.
-_ACTIVE: contextvars.ContextVar[tuple[Mesh, tuple] | None] = contextvars.ContextVar(
-    "maxbridge_sharding", default=None
-)
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, tuple] | None] = contextvars.ContextVar("maxbridge_sharding", default=None)
 _WARNED: set[str] = set()
 
 

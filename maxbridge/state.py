@@ -11,6 +11,7 @@ in the `nnx.Optimizer`. Both speak the same on-disk layout (MaxText's):
 `maxbridge.dispatch.create_trainer` picks the backend; nothing else here reads
 a flag.
 """
+
 import abc
 import functools
 from typing import Any, Callable, Mapping
@@ -67,9 +68,7 @@ def accumulate_gradients(value_and_grad: Callable, params: Any, batch: Batch, nu
     def add(total, micro_batch):
       return jax.tree.map(jnp.add, total, value_and_grad(params, micro_batch)), None
 
-    zeros = jax.tree.map(
-        jnp.zeros_like, jax.eval_shape(value_and_grad, params, jax.tree.map(lambda x: x[0], micro))
-    )
+    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(value_and_grad, params, jax.tree.map(lambda x: x[0], micro)))
     ((loss_sum, aux), grads), _ = jax.lax.scan(add, zeros, micro)
   tokens = jnp.maximum(aux["tokens"], 1.0)
   grads = jax.tree.map(lambda g: g / tokens, grads)
@@ -147,9 +146,7 @@ class Trainer(abc.ABC):
     """This process's rows -> global arrays split over the mesh's batch axes."""
     rows = next(iter(local_batch.values())).shape[0] * jax.process_count()
     return {
-        key: jax.make_array_from_process_local_data(
-            self.batch_sharding, value, (rows, *value.shape[1:])
-        )
+        key: jax.make_array_from_process_local_data(self.batch_sharding, value, (rows, *value.shape[1:]))
         for key, value in local_batch.items()
     }
 
@@ -175,7 +172,8 @@ class Trainer(abc.ABC):
     return {**grads_metrics, "grad_norm": grad_norm, "lr": self.schedule(step)}
 
   @abc.abstractmethod
-  def abstract_state(self) -> Any: ...
+  def abstract_state(self) -> Any:
+    ...
 
   @abc.abstractmethod
   def _init(self, seed) -> Any:
@@ -190,19 +188,24 @@ class Trainer(abc.ABC):
     """Canonical parameters of a state."""
 
   @abc.abstractmethod
-  def step(self, state) -> int: ...
+  def step(self, state) -> int:
+    ...
 
   @abc.abstractmethod
-  def to_checkpoint(self, state) -> dict: ...
+  def to_checkpoint(self, state) -> dict:
+    ...
 
   @abc.abstractmethod
-  def from_checkpoint(self, tree: dict) -> Any: ...
+  def from_checkpoint(self, tree: dict) -> Any:
+    ...
 
   @abc.abstractmethod
-  def _train_step(self, state, batch: Batch): ...
+  def _train_step(self, state, batch: Batch):
+    ...
 
   @abc.abstractmethod
-  def _eval_step(self, state, batch: Batch): ...
+  def _eval_step(self, state, batch: Batch):
+    ...
 
 
 class LinenTrainer(Trainer):
@@ -212,9 +215,7 @@ class LinenTrainer(Trainer):
     super().__init__(config, model.abstract_params(), mesh)
 
   def _create(self, params: dict) -> train_state.TrainState:
-    return train_state.TrainState.create(
-        apply_fn=self.model.apply, params={"params": params}, tx=self.tx
-    )
+    return train_state.TrainState.create(apply_fn=self.model.apply, params={"params": params}, tx=self.tx)
 
   def abstract_state(self):
     return jax.eval_shape(self._create, self.abstract_params)
@@ -251,9 +252,7 @@ class LinenTrainer(Trainer):
 
   def _train_step(self, state, batch):
     value_and_grad = jax.value_and_grad(self._loss, has_aux=True)
-    grads, metrics = accumulate_gradients(
-        value_and_grad, state.params, batch, self.config.gradient_accumulation_steps
-    )
+    grads, metrics = accumulate_gradients(value_and_grad, state.params, batch, self.config.gradient_accumulation_steps)
     grads, grad_norm = clip_gradients(grads, self.config.gradient_clipping_threshold)
     metrics = self._step_metrics(state.step, metrics, grad_norm)
     return state.apply_gradients(grads=grads), metrics
@@ -270,9 +269,7 @@ class NNXTrainer(Trainer):
   several times the step itself on small models; a static GraphDef does not.
   """
 
-  def __init__(
-      self, config: Config, build_model: Callable[[nnx.Rngs], nnx.Module], mesh: Mesh | None = None
-  ):
+  def __init__(self, config: Config, build_model: Callable[[nnx.Rngs], nnx.Module], mesh: Mesh | None = None):
     self.build_model = build_model
     abstract_model = nnx.eval_shape(lambda: build_model(nnx.Rngs(params=0)))
     abstract = jax.tree.map(
@@ -345,9 +342,7 @@ class NNXTrainer(Trainer):
   def _train_step(self, state, batch):
     train_state, graphdef, params, rest = self._split_model(state)
     value_and_grad = jax.value_and_grad(self._loss_fn(graphdef, rest), has_aux=True)
-    grads, metrics = accumulate_gradients(
-        value_and_grad, params, batch, self.config.gradient_accumulation_steps
-    )
+    grads, metrics = accumulate_gradients(value_and_grad, params, batch, self.config.gradient_accumulation_steps)
     grads, grad_norm = clip_gradients(grads, self.config.gradient_clipping_threshold)
     metrics = self._step_metrics(train_state.optimizer.step[...], metrics, grad_norm)
     train_state.optimizer.update(train_state.model, grads)

@@ -5,6 +5,7 @@ A run directory `<base_output_directory>/<run_name>/` holds `config.yml`,
 again with the same directory resumes from the latest checkpoint, whatever the
 flags: both backends read and write the same checkpoint layout.
 """
+
 import json
 import math
 import os
@@ -30,10 +31,20 @@ def run_directory(config: Config) -> Path:
 
 
 # Keys that change where and how often a run writes, never what a step computes.
-_RUN_ONLY_KEYS = frozenset({
-    "run_name", "base_output_directory", "enable_checkpointing", "checkpoint_period",
-    "max_to_keep", "eval_interval", "eval_steps", "log_period", "dataset_type", "dataset_path",
-})
+_RUN_ONLY_KEYS = frozenset(
+    {
+        "run_name",
+        "base_output_directory",
+        "enable_checkpointing",
+        "checkpoint_period",
+        "max_to_keep",
+        "eval_interval",
+        "eval_steps",
+        "log_period",
+        "dataset_type",
+        "dataset_path",
+    }
+)
 _TRAINERS: dict[tuple, Any] = {}
 
 
@@ -86,9 +97,7 @@ def train(config: Config, *, until_step: int | None = None, progress: bool = Tru
     config.to_yaml(run_dir / "config.yml")
   trainer = _trainer_for(config)
   train_data = data.make_dataset(config, "train", global_batch_size(config))
-  eval_data = (
-      data.make_dataset(config, "eval", global_batch_size(config)) if config.eval_interval else None
-  )
+  eval_data = data.make_dataset(config, "eval", global_batch_size(config)) if config.eval_interval else None
   ckpt = (
       checkpointing.Checkpointer(run_dir / "checkpoints", max_to_keep=config.max_to_keep)
       if config.enable_checkpointing
@@ -104,14 +113,16 @@ def train(config: Config, *, until_step: int | None = None, progress: bool = Tru
   last_saved = start if start else None
   records = []
   bar = tqdm(
-      range(start, end), initial=start, total=config.steps,
-      desc=run_dir.name, unit="step", disable=not (progress and primary),
+      range(start, end),
+      initial=start,
+      total=config.steps,
+      desc=run_dir.name,
+      unit="step",
+      disable=not (progress and primary),
   )
   try:
     for step in bar:
-      batch = trainer.shard_batch(
-          train_data.batch(step, jax.process_index(), jax.process_count())
-      )
+      batch = trainer.shard_batch(train_data.batch(step, jax.process_index(), jax.process_count()))
       began = time.perf_counter()
       state, metrics = trainer.train_step(state, batch)
       metrics = jax.device_get(metrics)  # also waits for the step: the timing below is real
@@ -119,9 +130,7 @@ def train(config: Config, *, until_step: int | None = None, progress: bool = Tru
       loss = float(metrics["loss"])
       if not math.isfinite(loss):
         where = f"step {last_saved} in {ckpt.directory}" if last_saved else "none was saved"
-        raise TrainingDiverged(
-            f"loss is {loss} at step {step}; training stopped. The last good checkpoint: {where}"
-        )
+        raise TrainingDiverged(f"loss is {loss} at step {step}; training stopped. The last good checkpoint: {where}")
       record = {
           "step": step,
           "loss": loss,

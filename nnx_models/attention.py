@@ -4,6 +4,7 @@ Also Mistral's (sliding_window_size) and Qwen3's (use_qk_norm: per-head
 RMSNorm `query_norm`/`key_norm` before RoPE; the query kernel then cannot
 carry 1/sqrt(head_dim), which the norm would undo, so it is applied at run time).
 """
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -22,21 +23,23 @@ class Attention(nnx.Module):
     dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs)
     heads, kv_heads, head_dim = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
     self.query = DenseGeneral(
-        (cfg.emb_dim,), (heads, head_dim), ("embed", "q_heads", "kv"),
-        initializers.query_kernel(), **dtypes,
+        (cfg.emb_dim,),
+        (heads, head_dim),
+        ("embed", "q_heads", "kv"),
+        initializers.query_kernel(),
+        **dtypes,
     )
-    self.key = DenseGeneral(
-        (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), **dtypes
-    )
-    self.value = DenseGeneral(
-        (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), **dtypes
-    )
+    self.key = DenseGeneral((cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), **dtypes)
+    self.value = DenseGeneral((cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), **dtypes)
     if cfg.use_qk_norm:
       self.query_norm = RMSNorm(head_dim, cfg.normalization_layer_epsilon, **dtypes)
       self.key_norm = RMSNorm(head_dim, cfg.normalization_layer_epsilon, **dtypes)
     self.out = DenseGeneral(
-        (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"),
-        initializers.kernel(in_ndim=2), **dtypes,
+        (heads, head_dim),
+        (cfg.emb_dim,),
+        ("heads", "kv", "embed"),
+        initializers.kernel(in_ndim=2),
+        **dtypes,
     )
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
@@ -52,7 +55,11 @@ class Attention(nnx.Module):
     query = rotary.apply_rotary(query, positions, max_timescale=cfg.rope_max_timescale)
     key = rotary.apply_rotary(key, positions, max_timescale=cfg.rope_max_timescale)
     out = attention.dot_product_attention(
-        query, key, value, segment_ids,
-        sliding_window_size=cfg.sliding_window_size, query_scale=query_scale,
+        query,
+        key,
+        value,
+        segment_ids,
+        sliding_window_size=cfg.sliding_window_size,
+        query_scale=query_scale,
     )
     return self.out(out)

@@ -7,6 +7,7 @@ are whole kernels [rank, heads, dims], as QK-Clip needs them. The softmax
 scale 1/sqrt(nope + rope) is applied at run time (as MaxText and Hugging Face do).
 The latent norms keep DeepSeek's own epsilon (`ops.mla.LATENT_NORM_EPSILON`).
 """
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -31,20 +32,23 @@ class MLA(nnx.Module):
     else:
       self.wq_a = DenseGeneral((cfg.emb_dim,), (cfg.q_lora_rank,), ("embed", "q_lora_up_proj"), **dtypes)
       self.q_norm = RMSNorm(cfg.q_lora_rank, eps, **dtypes)
-      self.wq_b = DenseGeneral(
-          (cfg.q_lora_rank,), (heads, qk_head_dim), ("q_lora", "q_heads", "kv"), **dtypes
-      )
+      self.wq_b = DenseGeneral((cfg.q_lora_rank,), (heads, qk_head_dim), ("q_lora", "q_heads", "kv"), **dtypes)
     self.wkv_a = DenseGeneral(
         (cfg.emb_dim,), (cfg.kv_lora_rank + cfg.qk_rope_head_dim,), ("embed", "kv_lora_up_proj"), **dtypes
     )
     self.kv_norm = RMSNorm(cfg.kv_lora_rank, eps, **dtypes)
     self.wkv_b = DenseGeneral(
-        (cfg.kv_lora_rank,), (heads, cfg.qk_nope_head_dim + cfg.v_head_dim),
-        ("kv_lora", "kv_heads", "kv_head_dim"), **dtypes,
+        (cfg.kv_lora_rank,),
+        (heads, cfg.qk_nope_head_dim + cfg.v_head_dim),
+        ("kv_lora", "kv_heads", "kv_head_dim"),
+        **dtypes,
     )
     self.out = DenseGeneral(
-        (heads, cfg.v_head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"),
-        initializers.kernel(in_ndim=2), **dtypes,
+        (heads, cfg.v_head_dim),
+        (cfg.emb_dim,),
+        ("heads", "kv", "embed"),
+        initializers.kernel(in_ndim=2),
+        **dtypes,
     )
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
@@ -53,9 +57,7 @@ class MLA(nnx.Module):
       query = self.query(x)
     else:
       query = self.wq_b(self.q_norm(self.wq_a(x)))
-    query = mla.rope_query(
-        query, positions, nope_dim=cfg.qk_nope_head_dim, max_timescale=cfg.rope_max_timescale
-    )
+    query = mla.rope_query(query, positions, nope_dim=cfg.qk_nope_head_dim, max_timescale=cfg.rope_max_timescale)
     latent, key_rope = jnp.split(self.wkv_a(x), [cfg.kv_lora_rank], axis=-1)
     key_value = self.wkv_b(self.kv_norm(latent))
     key, value = mla.latent_key_value(

@@ -81,9 +81,7 @@ class Decoder(nnx.Module):
     norm = LayerNorm if cfg.decoder_block == "gpt3" else RMSNorm
     self.decoder_norm = norm(cfg.emb_dim, cfg.normalization_layer_epsilon, **dtypes)
     if not cfg.logits_via_embedding:
-      self.logits_dense = DenseGeneral(
-          (cfg.emb_dim,), (cfg.vocab_size,), ("embed", "vocab"), **dtypes
-      )
+      self.logits_dense = DenseGeneral((cfg.emb_dim,), (cfg.vocab_size,), ("embed", "vocab"), **dtypes)
 
   def __call__(
       self,
@@ -148,6 +146,4 @@ def _layer_step(graphdef, cfg: Config, positions: jax.Array, segment_ids: jax.Ar
     return step
   # prevent_cse only matters outside scan, where XLA could otherwise merge the
   # recomputation back into the forward pass (the same choice nn.remat gets).
-  return jax.checkpoint(
-      step, policy=remat.checkpoint_policy(cfg.remat_policy), prevent_cse=not cfg.scan_layers
-  )
+  return jax.checkpoint(step, policy=remat.checkpoint_policy(cfg.remat_policy), prevent_cse=not cfg.scan_layers)

@@ -1,4 +1,5 @@
 """Token embedding table [vocab, embed]."""
+
 import jax
 import jax.numpy as jnp
 from flax import nnx

@@ -6,6 +6,7 @@ here is the multiplier itself (Hugging Face's and Flax's convention), where
 MaxText's Gpt3LayerNorm stores scale - 1. Learned positions and the tied head
 live in the decoder (`position_embedder`, `logits_via_embedding`).
 """
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -27,19 +28,13 @@ class LayerNorm(nnx.Module):
       *,
       rngs: nnx.Rngs,
   ):
-    self.scale = nnx.Param(
-        initializers.ones()(rngs.params(), (num_features,), weight_dtype), out_sharding=("norm",)
-    )
-    self.bias = nnx.Param(
-        initializers.zeros()(rngs.params(), (num_features,), weight_dtype), out_sharding=("norm",)
-    )
+    self.scale = nnx.Param(initializers.ones()(rngs.params(), (num_features,), weight_dtype), out_sharding=("norm",))
+    self.bias = nnx.Param(initializers.zeros()(rngs.params(), (num_features,), weight_dtype), out_sharding=("norm",))
     self.epsilon = epsilon
     self.dtype = dtype
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return normalization.layer_norm(
-        x, self.scale[...], self.bias[...], epsilon=self.epsilon, dtype=self.dtype
-    )
+    return normalization.layer_norm(x, self.scale[...], self.bias[...], epsilon=self.epsilon, dtype=self.dtype)
 
 
 class Gpt3Attention(nnx.Module):
@@ -47,24 +42,21 @@ class Gpt3Attention(nnx.Module):
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
     cfg = self.config = config
-    dtypes = dict(
-        dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), use_bias=True, rngs=rngs
-    )
+    dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), use_bias=True, rngs=rngs)
     heads, head_dim = cfg.num_query_heads, cfg.head_dim
-    self.qkv_proj = DenseGeneral(
-        (cfg.emb_dim,), (3, heads, head_dim), ("embed", "qkv", "heads", "kv"), **dtypes
-    )
+    self.qkv_proj = DenseGeneral((cfg.emb_dim,), (3, heads, head_dim), ("embed", "qkv", "heads", "kv"), **dtypes)
     self.out = DenseGeneral(
-        (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"),
-        initializers.kernel(in_ndim=2), **dtypes,
+        (heads, head_dim),
+        (cfg.emb_dim,),
+        ("heads", "kv", "embed"),
+        initializers.kernel(in_ndim=2),
+        **dtypes,
     )
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
     qkv = self.qkv_proj(x)
     query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    out = attention.dot_product_attention(
-        query, key, value, segment_ids, query_scale=self.config.head_dim**-0.5
-    )
+    out = attention.dot_product_attention(query, key, value, segment_ids, query_scale=self.config.head_dim**-0.5)
     return self.out(out)
 
 
@@ -87,8 +79,11 @@ class Gpt3DecoderLayer(nnx.Module):
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
     cfg = config
     self.pre_self_attention_norm = LayerNorm(
-        cfg.emb_dim, cfg.normalization_layer_epsilon, jnp.dtype(cfg.dtype),
-        jnp.dtype(cfg.weight_dtype), rngs=rngs,
+        cfg.emb_dim,
+        cfg.normalization_layer_epsilon,
+        jnp.dtype(cfg.dtype),
+        jnp.dtype(cfg.weight_dtype),
+        rngs=rngs,
     )
     self.self_attention = Gpt3Attention(cfg, rngs=rngs)
     self.mlp = Gpt3Mlp(cfg, rngs=rngs)

@@ -1,4 +1,5 @@
 """DenseGeneral: a kernel of shape in_features + out_features with logical axes."""
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -22,13 +23,11 @@ class DenseGeneral(nnx.Module):
       rngs: nnx.Rngs,
   ):
     shape = tuple(in_features) + tuple(out_features)
-    self.kernel = nnx.Param(
-        kernel_init(rngs.params(), shape, weight_dtype), out_sharding=tuple(logical_axes)
-    )
+    self.kernel = nnx.Param(kernel_init(rngs.params(), shape, weight_dtype), out_sharding=tuple(logical_axes))
     if use_bias:
       self.bias = nnx.Param(
           initializers.zeros()(rngs.params(), tuple(out_features), weight_dtype),
-          out_sharding=tuple(logical_axes[len(in_features):]),
+          out_sharding=tuple(logical_axes[len(in_features) :]),
       )
     self.use_bias = use_bias
     self.in_ndim = len(in_features)
@@ -36,6 +35,4 @@ class DenseGeneral(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     bias = self.bias[...] if self.use_bias else None
-    return linear.dense_general(
-        x, self.kernel[...], in_ndim=self.in_ndim, dtype=self.dtype, bias=bias
-    )
+    return linear.dense_general(x, self.kernel[...], in_ndim=self.in_ndim, dtype=self.dtype, bias=bias)

@@ -1,4 +1,5 @@
 """Mixtral decoder layer: Llama's attention and norms, the MLP replaced by routed experts (`MoeBlock_0`)."""
+
 import jax
 import jax.numpy as jnp
 from flax import nnx

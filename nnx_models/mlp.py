@@ -1,4 +1,5 @@
 """Gated (SwiGLU) MLP: wo(silu(wi_0 x) * wi_1 x)."""
+
 import jax
 import jax.numpy as jnp
 from flax import nnx

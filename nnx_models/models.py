@@ -1,4 +1,5 @@
 """The top-level Transformer: token embedder + a decoder stack (NNX or bridged Linen)."""
+
 from typing import Callable
 
 import jax
@@ -24,9 +25,7 @@ class Transformer(nnx.Module):
       rngs: nnx.Rngs,
   ):
     cfg = self.config = config
-    self.token_embedder = Embed(
-        cfg.vocab_size, cfg.emb_dim, jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype), rngs=rngs
-    )
+    self.token_embedder = Embed(cfg.vocab_size, cfg.emb_dim, jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype), rngs=rngs)
     self.decoder = decoder_factory(rngs)
 
   def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:

@@ -4,6 +4,7 @@ Routed experts keep bare [experts, in, out] parameters `wi_0`, `wi_1`, `wo`
 beside a `gate` router; all routing and expert math is `maxbridge.ops.moe`.
 A block returns (output, load-balancing loss or None).
 """
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -26,9 +27,7 @@ class GateLogit(nnx.Module):
         out_sharding=("embed", None),
     )
     if cfg.routed_bias:
-      self.bias = nnx.Param(
-          initializers.zeros()(rngs.params(), (cfg.num_experts,), weight_dtype), out_sharding=(None,)
-      )
+      self.bias = nnx.Param(initializers.zeros()(rngs.params(), (cfg.num_experts,), weight_dtype), out_sharding=(None,))
 
   def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
     cfg = self.config
@@ -45,9 +44,7 @@ class RoutedMoE(nnx.Module):
     self.gate = GateLogit(cfg, rngs=rngs)
 
     def expert_param(shape, axes):
-      return nnx.Param(
-          initializers.expert_kernel()(rngs.params(), shape, weight_dtype), out_sharding=axes
-      )
+      return nnx.Param(initializers.expert_kernel()(rngs.params(), shape, weight_dtype), out_sharding=axes)
 
     self.wi_0 = expert_param((experts, width, hidden), ("exp", "embed_no_exp", "mlp"))
     self.wi_1 = expert_param((experts, width, hidden), ("exp", "embed_no_exp", "mlp"))
@@ -56,7 +53,12 @@ class RoutedMoE(nnx.Module):
   def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
     logits, correction_bias = self.gate(x)
     return moe_ops.routed_moe(
-        x, logits, correction_bias, self.wi_0[...], self.wi_1[...], self.wo[...],
+        x,
+        logits,
+        correction_bias,
+        self.wi_0[...],
+        self.wi_1[...],
+        self.wo[...],
         **moe_options(self.config),
     )
 

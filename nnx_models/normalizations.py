@@ -1,4 +1,5 @@
 """RMSNorm with a logically partitioned scale."""
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -18,9 +19,7 @@ class RMSNorm(nnx.Module):
       *,
       rngs: nnx.Rngs,
   ):
-    self.scale = nnx.Param(
-        initializers.ones()(rngs.params(), (num_features,), weight_dtype), out_sharding=("norm",)
-    )
+    self.scale = nnx.Param(initializers.ones()(rngs.params(), (num_features,), weight_dtype), out_sharding=("norm",))
     self.epsilon = epsilon
     self.dtype = dtype
 

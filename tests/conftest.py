@@ -1,4 +1,5 @@
 """Shared fixtures. Models are tiny (llama-tiny) so the whole matrix stays fast."""
+
 import itertools
 
 import jax

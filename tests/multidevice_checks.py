@@ -3,6 +3,7 @@
 Started by tests/test_sharding.py in a subprocess, because the device count
 must be fixed (XLA_FLAGS) before JAX is imported.
 """
+
 import json
 import os
 import sys
@@ -18,7 +19,12 @@ import maxbridge as mb  # noqa: E402
 from maxbridge import canonical, checkpointing, data, dispatch, sharding  # noqa: E402
 
 MESHES = {"8x1x1": (8, 1, 1), "1x8x1": (1, 8, 1), "1x4x2": (1, 4, 2), "2x2x2": (2, 2, 2)}
-BACKENDS = {"linen": (False, False, False), "nnx": (True, True, True), "nnx-state/linen-model/nnx-decoder": (True, False, True), "linen-state/nnx-model/linen-decoder": (False, True, False)}
+BACKENDS = {
+    "linen": (False, False, False),
+    "nnx": (True, True, True),
+    "nnx-state/linen-model/nnx-decoder": (True, False, True),
+    "linen-state/nnx-model/linen-decoder": (False, True, False),
+}
 STEPS = 3
 
 
@@ -26,9 +32,16 @@ def config(flags, shape=(1, 8, 1), **overrides):
   pure_nnx, enable_nnx, pure_nnx_decoder = flags
   data_, fsdp, tensor = shape
   return mb.load_config(
-      "llama-tiny", pure_nnx=pure_nnx, enable_nnx=enable_nnx, pure_nnx_decoder=pure_nnx_decoder,
-      ici_data_parallelism=data_, ici_fsdp_parallelism=fsdp, ici_tensor_parallelism=tensor,
-      per_device_batch_size=1, steps=10, **overrides,
+      "llama-tiny",
+      pure_nnx=pure_nnx,
+      enable_nnx=enable_nnx,
+      pure_nnx_decoder=pure_nnx_decoder,
+      ici_data_parallelism=data_,
+      ici_fsdp_parallelism=fsdp,
+      ici_tensor_parallelism=tensor,
+      per_device_batch_size=1,
+      steps=10,
+      **overrides,
   )
 
 

@@ -1,7 +1,8 @@
 """One process of a multi-process training run on localhost (started by tests/test_sharding.py).
 
-    python multiprocess_check.py OUTPUT_DIR RUN_NAME NUM_PROCESSES PROCESS_ID PORT DEVICES_PER_PROCESS
+python multiprocess_check.py OUTPUT_DIR RUN_NAME NUM_PROCESSES PROCESS_ID PORT DEVICES_PER_PROCESS
 """
+
 import os
 import sys
 

@@ -1,4 +1,5 @@
 """The three flax.nnx.bridge pitfalls that maxbridge.bridge handles, each shown failing in flax."""
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -14,9 +15,7 @@ class Layer(nnx.Module):
   """An NNX layer with one logically partitioned kernel, scan-shaped (carry, out)."""
 
   def __init__(self, *, rngs: nnx.Rngs):
-    self.w = nnx.Param(
-        jax.random.normal(rngs.params(), (3, 3)) * 0.1, out_sharding=("embed", "mlp")
-    )
+    self.w = nnx.Param(jax.random.normal(rngs.params(), (3, 3)) * 0.1, out_sharding=("embed", "mlp"))
 
   def __call__(self, x, _):
     return jnp.tanh(x @ self.w[...]), None
@@ -24,6 +23,7 @@ class Layer(nnx.Module):
 
 def scanned_stack(to_linen):
   class Stack(nn.Module):
+
     @nn.compact
     def __call__(self, x):
       scan = nn.scan(

@@ -1,4 +1,5 @@
 """Checkpoint converters and comparator: exact round trips, resumed training, clear failures."""
+
 import os
 import shutil
 
@@ -139,7 +140,7 @@ def test_older_nnx_checkpoint_with_value_wrappers_and_integer_layer_keys(source,
   def older(node):
     if isinstance(node, dict):
       node = dict(node)
-      layers = {int(k[len("layers_"):]): node.pop(k) for k in list(node) if str(k).startswith("layers_")}
+      layers = {int(k[len("layers_") :]): node.pop(k) for k in list(node) if str(k).startswith("layers_")}
       if layers:
         node["layers"] = {i: v for i, v in layers.items()}
       return {k: older(v) for k, v in node.items()}
@@ -191,8 +192,13 @@ def test_training_resumed_from_a_converted_checkpoint_continues_the_source_losse
   losses = [r["loss"] for r in mb.train(config, progress=False)]  # checkpoints at steps 3 and 6
   # Linen -> NNX layout and scanned -> unscanned, from the step-3 checkpoint, into a new run.
   code, out, _ = convert(
-      capsys, tmp_path / "src" / "checkpoints" / "3", tmp_path / "new" / "checkpoints",
-      "--layout", "nnx", "--scan-layers", "false",
+      capsys,
+      tmp_path / "src" / "checkpoints" / "3",
+      tmp_path / "new" / "checkpoints",
+      "--layout",
+      "nnx",
+      "--scan-layers",
+      "false",
   )
   assert code == 0, out
   config = mb.load_config(str(tmp_path / "new" / "config.yml"))
@@ -264,7 +270,9 @@ def test_missing_source_and_non_checkpoint_folder_exit_two(tmp_path, capsys):
 def test_truncated_array_file_exits_two_and_writes_nothing(source, tmp_path, capsys):
   damaged = tmp_path / "damaged"
   shutil.copytree(source / "checkpoints" / "6", damaged / "6")
-  data = max((p for p in (damaged / "6" / "items").rglob("*") if p.is_file() and p.parent.name == "d"), key=os.path.getsize)
+  data = max(
+      (p for p in (damaged / "6" / "items").rglob("*") if p.is_file() and p.parent.name == "d"), key=os.path.getsize
+  )
   data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
   code, _, err = convert(capsys, damaged, tmp_path / "new" / "checkpoints")
   assert code == 2 and "cannot read" in err and str(damaged / "6" / "items") in err

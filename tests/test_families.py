@@ -6,6 +6,7 @@ lowered programs are identical (most are: the backends emit the same ops)
 share one compiled executable. Each combination is still traced, lowered and
 run; only XLA's compile of an identical program is reused.
 """
+
 import hashlib
 
 import jax
@@ -27,9 +28,7 @@ _EXECUTABLES: dict[str, object] = {}
 
 def family_config(preset, flags=(False, False, False), **overrides) -> mb.Config:
   pure_nnx, enable_nnx, pure_nnx_decoder = flags
-  return mb.load_config(
-      preset, pure_nnx=pure_nnx, enable_nnx=enable_nnx, pure_nnx_decoder=pure_nnx_decoder, **overrides
-  )
+  return mb.load_config(preset, pure_nnx=pure_nnx, enable_nnx=enable_nnx, pure_nnx_decoder=pure_nnx_decoder, **overrides)
 
 
 def logits_and_grads(model: mb.Model, tokens=TOKENS):
@@ -37,9 +36,7 @@ def logits_and_grads(model: mb.Model, tokens=TOKENS):
 
   def loss(params):
     logits = model.apply(params, tokens)
-    per_token, _ = losses.cross_entropy_with_z_loss(
-        logits[:, :-1], tokens[:, 1:], z_loss_multiplier=1e-4
-    )
+    per_token, _ = losses.cross_entropy_with_z_loss(logits[:, :-1], tokens[:, 1:], z_loss_multiplier=1e-4)
     return jnp.mean(per_token), logits
 
   params = model.params()
@@ -271,13 +268,12 @@ def test_group_limited_sigmoid_routing_matches_deepseek():
   np.testing.assert_array_equal(np.sort(indices, -1), np.sort(want_indices, -1))
   order, want_order = np.argsort(indices, -1), np.argsort(want_indices, -1)
   np.testing.assert_allclose(
-      np.take_along_axis(np.asarray(weights), order, -1), np.take_along_axis(want_weights, want_order, -1),
+      np.take_along_axis(np.asarray(weights), order, -1),
+      np.take_along_axis(want_weights, want_order, -1),
       rtol=1e-5,
   )
   # The correction bias picks experts but never weights them.
-  _, unbiased = moe_ops.group_limited_sigmoid(
-      jnp.asarray(logits), None, 2, n_groups=4, top_groups=2, scaling_factor=2.5
-  )
+  _, unbiased = moe_ops.group_limited_sigmoid(jnp.asarray(logits), None, 2, n_groups=4, top_groups=2, scaling_factor=2.5)
   assert not np.array_equal(np.sort(unbiased, -1), np.sort(indices, -1))
 
 

@@ -7,6 +7,7 @@ with save_pretrained (safetensors). Then: our logits match transformers' to
 1e-4 in float32, greedy continuations are identical, export-hf gives a folder
 transformers loads with the same logits, and importing that folder is exact.
 """
+
 import json
 
 import jax.numpy as jnp
@@ -23,8 +24,13 @@ LOGITS_TOL = 1e-4
 PROMPT = np.array([[3, 17, 250, 42, 9], [100, 1, 77, 200, 31]], np.int64)
 TOKENS = np.random.default_rng(0).integers(0, 256, (2, 12))
 LLAMA_DIMS = dict(
-    hidden_size=64, num_hidden_layers=2, vocab_size=256, num_attention_heads=4,
-    num_key_value_heads=2, intermediate_size=128, initializer_range=0.1,
+    hidden_size=64,
+    num_hidden_layers=2,
+    vocab_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    initializer_range=0.1,
 )
 
 
@@ -45,8 +51,14 @@ def _qwen3():  # tied embeddings, and a rope theta other than 10000
 
 def _gpt2():
   config = transformers.GPT2Config(
-      n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=32, initializer_range=0.1,
-      bos_token_id=0, eos_token_id=0,
+      n_embd=64,
+      n_layer=2,
+      n_head=4,
+      vocab_size=256,
+      n_positions=32,
+      initializer_range=0.1,
+      bos_token_id=0,
+      eos_token_id=0,
   )
   return transformers.GPT2LMHeadModel(config)
 
@@ -60,18 +72,37 @@ def _mixtral():
 
 def _deepseek_v3():  # one dense layer then two MoE layers; group-limited routing
   config = transformers.DeepseekV3Config(
-      hidden_size=64, num_hidden_layers=3, vocab_size=256, num_attention_heads=4,
-      num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=32,
-      n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
-      n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-      v_head_dim=12, routed_scaling_factor=2.5, initializer_range=0.1,
+      hidden_size=64,
+      num_hidden_layers=3,
+      vocab_size=256,
+      num_attention_heads=4,
+      num_key_value_heads=4,
+      intermediate_size=128,
+      moe_intermediate_size=32,
+      n_routed_experts=8,
+      num_experts_per_tok=2,
+      n_group=4,
+      topk_group=2,
+      first_k_dense_replace=1,
+      n_shared_experts=1,
+      q_lora_rank=32,
+      kv_lora_rank=16,
+      qk_nope_head_dim=8,
+      qk_rope_head_dim=8,
+      v_head_dim=12,
+      routed_scaling_factor=2.5,
+      initializer_range=0.1,
       rms_norm_eps=1e-5,  # the latent norms keep 1e-6 regardless
   )
   return transformers.DeepseekV3ForCausalLM(config)
 
 
 BUILDERS = {
-    "llama": _llama, "mistral": _mistral, "qwen3": _qwen3, "gpt2": _gpt2, "mixtral": _mixtral,
+    "llama": _llama,
+    "mistral": _mistral,
+    "qwen3": _qwen3,
+    "gpt2": _gpt2,
+    "mixtral": _mixtral,
     "deepseek_v3": _deepseek_v3,
 }
 
@@ -191,8 +222,10 @@ def test_a_misshaped_tensor_is_named_with_both_shapes(llama_folder):
     "change, match",
     [
         ({"model_type": "bert"}, "model_type='bert' is not supported; supported: llama"),
-        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
-         "rope_parameters.rope_type='llama3' is not supported"),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
+            "rope_parameters.rope_type='llama3' is not supported",
+        ),
         ({"attention_bias": True}, "attention_bias=True is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
     ],

@@ -1,4 +1,5 @@
 """mb.Model: load_params adapts scanned/unscanned forms and names every bad path."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,9 +52,7 @@ def test_extra_leaf_is_named(model):
 def test_misshaped_leaf_is_named_with_both_shapes(model):
   params = model.params()
   params["token_embedder"]["embedding"] = jnp.zeros((255, 64))
-  with pytest.raises(
-      ValueError, match=r"token_embedder/embedding has shape \(255, 64\), the model expects \(256, 64\)"
-  ):
+  with pytest.raises(ValueError, match=r"token_embedder/embedding has shape \(255, 64\), the model expects \(256, 64\)"):
     model.load_params(params)
 
 

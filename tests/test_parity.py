@@ -1,4 +1,5 @@
 """Linen and NNX, in all 8 flag combinations, agree with pure Linen on llama-tiny."""
+
 import functools
 
 import jax
@@ -19,18 +20,14 @@ def loss_fn(model: mb.Model, tokens):
 
   def loss(params):
     logits = model.apply(params, tokens)
-    per_token, _ = losses.cross_entropy_with_z_loss(
-        logits[:, :-1], tokens[:, 1:], z_loss_multiplier=1e-4
-    )
+    per_token, _ = losses.cross_entropy_with_z_loss(logits[:, :-1], tokens[:, 1:], z_loss_multiplier=1e-4)
     return jnp.mean(per_token), logits
 
   return loss
 
 
 def logits_and_grads(model: mb.Model, tokens):
-  (_, logits), grads = jax.jit(jax.value_and_grad(loss_fn(model, tokens), has_aux=True))(
-      model.params()
-  )
+  (_, logits), grads = jax.jit(jax.value_and_grad(loss_fn(model, tokens), has_aux=True))(model.params())
   return logits, grads
 
 
@@ -95,9 +92,7 @@ def test_scanned_layers_carry_the_layers_axis_at_param_scan_axis():
 def test_minimal_remat_and_tied_embeddings_match_across_backends(tokens):
   linen = mb.create_model(tiny_config(remat_policy="minimal", logits_via_embedding=True))
   for flags in FLAG_COMBINATIONS[1:]:
-    model = mb.create_model(
-        tiny_config(flags, remat_policy="minimal", logits_via_embedding=True)
-    )
+    model = mb.create_model(tiny_config(flags, remat_policy="minimal", logits_via_embedding=True))
     assert "logits_dense" not in model.params()["decoder"]
     np.testing.assert_allclose(model.logits(tokens), linen.logits(tokens), atol=TOL, rtol=0)
 

@@ -2,6 +2,7 @@
 
 The scenarios run in subprocesses: the device count is fixed when JAX starts.
 """
+
 import json
 import os
 import socket
@@ -37,14 +38,10 @@ def test_eight_devices_are_used(report):
 @pytest.mark.parametrize("mesh", ["8x1x1", "1x8x1", "1x4x2", "2x2x2"])
 @pytest.mark.parametrize("backend", ["linen", "nnx"])
 def test_sharded_training_matches_one_device(report, backend, mesh):
-  np.testing.assert_allclose(
-      report["losses"][f"{backend}@{mesh}"], report["losses"]["linen@1"], rtol=1e-4
-  )
+  np.testing.assert_allclose(report["losses"][f"{backend}@{mesh}"], report["losses"]["linen@1"], rtol=1e-4)
 
 
-@pytest.mark.parametrize(
-    "backend", ["nnx-state/linen-model/nnx-decoder", "linen-state/nnx-model/linen-decoder"]
-)
+@pytest.mark.parametrize("backend", ["nnx-state/linen-model/nnx-decoder", "linen-state/nnx-model/linen-decoder"])
 def test_bridged_backends_train_sharded_to_the_same_losses(report, backend):
   np.testing.assert_allclose(report["losses"][f"{backend}@2x2x2"], report["losses"]["linen@1"], rtol=1e-4)
 
@@ -102,7 +99,9 @@ def test_two_processes_train_like_one(tmp_path):
   procs = [
       subprocess.Popen(
           [sys.executable, script, str(tmp_path), "multi", "2", str(i), port, "1"],
-          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+          stdout=subprocess.PIPE,
+          stderr=subprocess.PIPE,
+          text=True,
       )
       for i in range(2)
   ]
@@ -119,9 +118,7 @@ def test_two_processes_train_like_one(tmp_path):
 
 
 def maxbridge_cli(*args: str) -> str:
-  proc = subprocess.run(
-      [sys.executable, "-m", "maxbridge.cli", *args], capture_output=True, text=True, timeout=600
-  )
+  proc = subprocess.run([sys.executable, "-m", "maxbridge.cli", *args], capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return proc.stdout
 
@@ -130,8 +127,14 @@ def test_shardings_table_is_the_same_on_both_backends():
   overrides = ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
   linen = maxbridge_cli("shardings", "--devices", "8", "llama-tiny", *overrides)
   nnx = maxbridge_cli(
-      "shardings", "--devices", "8", "llama-tiny", *overrides,
-      "pure_nnx=true", "enable_nnx=true", "pure_nnx_decoder=false",
+      "shardings",
+      "--devices",
+      "8",
+      "llama-tiny",
+      *overrides,
+      "pure_nnx=true",
+      "enable_nnx=true",
+      "pure_nnx_decoder=false",
   )
   assert linen == nnx
   assert "mesh: data=1 x fsdp=4 x tensor=2" in linen
@@ -141,8 +144,13 @@ def test_shardings_table_is_the_same_on_both_backends():
 
 def test_llama2_7b_train_step_compiles_for_eight_devices():
   out = maxbridge_cli(
-      "compile", "--devices", "8", "llama2-7b",
-      "per_device_batch_size=1", "max_target_length=2048", "remat_policy=full",
+      "compile",
+      "--devices",
+      "8",
+      "llama2-7b",
+      "per_device_batch_size=1",
+      "max_target_length=2048",
+      "remat_policy=full",
   )
   assert "for 8 devices (data=1 x fsdp=8 x tensor=1)" in out
   # 6.74e9 parameters x (4 + 4 + 4 bytes: params, mu, nu) / 8 devices = 9.42 GiB.

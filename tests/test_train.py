@@ -1,4 +1,5 @@
 """One training loop for both backends: same losses, exact resume, flag flips, accumulation, guards."""
+
 import json
 import os
 import signal
@@ -41,7 +42,9 @@ def test_mixed_flags_log_the_same_losses(tmp_path, linen_losses):
   np.testing.assert_allclose(run(tmp_path, "mixed", (True, False, True)), linen_losses, rtol=1e-5)
 
 
-@pytest.mark.parametrize("first,second", [(LINEN, LINEN), (LINEN, NNX), (NNX, LINEN)], ids=["resume", "linen-to-nnx", "nnx-to-linen"])
+@pytest.mark.parametrize(
+    "first,second", [(LINEN, LINEN), (LINEN, NNX), (NNX, LINEN)], ids=["resume", "linen-to-nnx", "nnx-to-linen"]
+)
 def test_stopped_and_resumed_run_continues_the_curve(tmp_path, linen_losses, first, second):
   head = run(tmp_path, "split", first, until_step=3)
   tail = run(tmp_path, "split", second)
@@ -97,16 +100,25 @@ def test_gradient_accumulation_grads_match_within_1e6():
       has_aux=True,
   )
   full, _ = state_lib.accumulate_gradients(value_and_grad, params, batch, 1)
-  accumulated, _ = jax.jit(
-      lambda p, b: state_lib.accumulate_gradients(value_and_grad, p, b, 4)
-  )(params, batch)
+  accumulated, _ = jax.jit(lambda p, b: state_lib.accumulate_gradients(value_and_grad, p, b, 4))(params, batch)
   for a, b in zip(jax.tree.leaves(accumulated), jax.tree.leaves(full)):
     np.testing.assert_allclose(a, b, atol=1e-6)
 
 
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
-  with pytest.raises(TrainingDiverged, match=r"(loss is (nan|inf|-inf)|the state became non-finite) at step \d+.*last good checkpoint: step \d+"):
-    run(tmp_path, "nan", learning_rate=1e30, gradient_clipping_threshold=0.0, checkpoint_period=1, steps=20, eval_interval=0)
+  with pytest.raises(
+      TrainingDiverged,
+      match=r"(loss is (nan|inf|-inf)|the state became non-finite) at step \d+.*last good checkpoint: step \d+",
+  ):
+    run(
+        tmp_path,
+        "nan",
+        learning_rate=1e30,
+        gradient_clipping_threshold=0.0,
+        checkpoint_period=1,
+        steps=20,
+        eval_interval=0,
+    )
   steps = checkpointing.Checkpointer(tmp_path / "nan" / "checkpoints").all_steps()
   assert steps, "the good steps before the divergence were checkpointed"
   trainer = dispatch.create_trainer(tiny_config())
@@ -158,8 +170,7 @@ def test_nnx_aux_in_a_checkpoint_is_ignored(tmp_path):
     np.testing.assert_array_equal(a, b)
 
 
-KILL_MID_SAVE = textwrap.dedent(
-    """
+KILL_MID_SAVE = textwrap.dedent("""
     import os, signal, sys
     from maxbridge import checkpointing, dispatch
     import maxbridge as mb
@@ -171,17 +182,17 @@ KILL_MID_SAVE = textwrap.dedent(
     ckpt.wait()
     ckpt.save(2, trainer.to_checkpoint(state))
     os.kill(os.getpid(), signal.SIGKILL)  # while step 2 is still being written
-    """
-)
+    """)
 
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
   directory = tmp_path / "ckpt"
   proc = subprocess.run([sys.executable, "-c", KILL_MID_SAVE, str(directory)], capture_output=True)
   assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
-  assert any(name.startswith("2") and name != "2" for name in os.listdir(directory)) or not (
-      directory / "2" / "commit_success.txt"
-  ).exists(), "step 2 should not have finished"
+  assert (
+      any(name.startswith("2") and name != "2" for name in os.listdir(directory))
+      or not (directory / "2" / "commit_success.txt").exists()
+  ), "step 2 should not have finished"
   ckpt = checkpointing.Checkpointer(directory)
   assert ckpt.all_steps() == [1]
   config = mb.load_config("llama-tiny", base_emb_dim=512, base_mlp_dim=2048, base_num_decoder_layers=4)
@@ -194,7 +205,17 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
 def test_cli_train_writes_the_run_directory(tmp_path, capsys):
   from maxbridge import cli
 
-  code = cli.main(["train", "llama-tiny", f"base_output_directory={tmp_path}", "run_name=cli", "steps=2", "per_device_batch_size=2", "eval_interval=0"])
+  code = cli.main(
+      [
+          "train",
+          "llama-tiny",
+          f"base_output_directory={tmp_path}",
+          "run_name=cli",
+          "steps=2",
+          "per_device_batch_size=2",
+          "eval_interval=0",
+      ]
+  )
   assert code == 0
   assert "step 1 loss" in capsys.readouterr().out
   run_dir = tmp_path / "cli"
@@ -206,7 +227,10 @@ def test_cli_train_writes_the_run_directory(tmp_path, capsys):
 def test_moe_load_balancing_loss_is_part_of_the_training_loss(flags):
   """The step's loss is cross-entropy plus the sown (already weighted) load-balancing loss."""
   config = mb.load_config(
-      "mixtral-tiny", pure_nnx=flags[0], enable_nnx=flags[1], pure_nnx_decoder=flags[2],
+      "mixtral-tiny",
+      pure_nnx=flags[0],
+      enable_nnx=flags[1],
+      pure_nnx_decoder=flags[2],
       load_balance_loss_weight=0.5,
   )
   batch = data.make_dataset(config, "train", 4).batch(0)

@@ -11,6 +11,7 @@ applied by one loop each way (`mapping.to_hf_tensors`, `mapping.from_hf_tensors`
 Import checks names and shapes before touching a value: a tensor no rule
 claims, or one the model needs but the folder lacks, is an error naming it.
 """
+
 from maxbridge.hf.families import FAMILIES, Family, HFError, Rule, family_for_config, family_for_model_type
 from maxbridge.hf.folders import (
     BACKENDS,
@@ -37,9 +38,29 @@ from maxbridge.hf.mapping import (
 )
 
 __all__ = [
-    "BACKENDS", "FAMILIES", "Family", "HFError", "Rule", "abstract_params", "config_from_hf",
-    "config_to_hf", "expected_hf_shapes", "export_hf", "family_for_config", "family_for_model_type",
-    "from_hf_tensors", "from_pretrained", "import_hf", "is_hf_folder", "load_checkpoint", "load_hf",
-    "load_pretrained", "open_hf_tensors", "read_hf_config", "save_hf", "to_hf_tensors",
-    "tokenizer_folder", "write_atomically",
+    "BACKENDS",
+    "FAMILIES",
+    "Family",
+    "HFError",
+    "Rule",
+    "abstract_params",
+    "config_from_hf",
+    "config_to_hf",
+    "expected_hf_shapes",
+    "export_hf",
+    "family_for_config",
+    "family_for_model_type",
+    "from_hf_tensors",
+    "from_pretrained",
+    "import_hf",
+    "is_hf_folder",
+    "load_checkpoint",
+    "load_hf",
+    "load_pretrained",
+    "open_hf_tensors",
+    "read_hf_config",
+    "save_hf",
+    "to_hf_tensors",
+    "tokenizer_folder",
+    "write_atomically",
 ]

@@ -8,6 +8,7 @@ layer's unscanned path (`decoder/layers_3`, or DeepSeek's `decoder/moe_layers_0`
 canonical array. `maxbridge.hf.mapping` applies the tables; nothing else
 knows a Hugging Face name.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -100,12 +101,12 @@ class Rule:
 # --- the tables --------------------------------------------------------------------------
 
 _LLAMA_ATTENTION = (
-    Rule("model.layers.{layer}.self_attn.q_proj.weight", "{layer}/self_attention/query/kernel",
-         Linear(scale=_query_scale)),
+    Rule(
+        "model.layers.{layer}.self_attn.q_proj.weight", "{layer}/self_attention/query/kernel", Linear(scale=_query_scale)
+    ),
     Rule("model.layers.{layer}.self_attn.k_proj.weight", "{layer}/self_attention/key/kernel", Linear()),
     Rule("model.layers.{layer}.self_attn.v_proj.weight", "{layer}/self_attention/value/kernel", Linear()),
-    Rule("model.layers.{layer}.self_attn.o_proj.weight", "{layer}/self_attention/out/kernel",
-         Linear(in_ndim=2)),
+    Rule("model.layers.{layer}.self_attn.o_proj.weight", "{layer}/self_attention/out/kernel", Linear(in_ndim=2)),
     Rule("model.layers.{layer}.self_attn.q_norm.weight", "{layer}/self_attention/query_norm/scale"),
     Rule("model.layers.{layer}.self_attn.k_norm.weight", "{layer}/self_attention/key_norm/scale"),
 )
@@ -114,8 +115,7 @@ _LLAMA_COMMON = (
     Rule("model.norm.weight", "decoder/decoder_norm/scale"),
     Rule("lm_head.weight", "decoder/logits_dense/kernel", Linear()),
     Rule("model.layers.{layer}.input_layernorm.weight", "{layer}/pre_self_attention_layer_norm/scale"),
-    Rule("model.layers.{layer}.post_attention_layernorm.weight",
-         "{layer}/post_self_attention_layer_norm/scale"),
+    Rule("model.layers.{layer}.post_attention_layernorm.weight", "{layer}/post_self_attention_layer_norm/scale"),
 )
 _GATED_MLP = (
     Rule("model.layers.{layer}.mlp.gate_proj.weight", "{layer}/mlp/wi_0/kernel", Linear()),
@@ -124,44 +124,55 @@ _GATED_MLP = (
 )
 LLAMA_RULES = _LLAMA_COMMON + _LLAMA_ATTENTION + _GATED_MLP
 # Routed experts: one Hugging Face tensor per expert, stacked on axis 0 of ours.
-MIXTRAL_RULES = _LLAMA_COMMON + _LLAMA_ATTENTION + (
-    Rule("model.layers.{layer}.block_sparse_moe.gate.weight", "{layer}/MoeBlock_0/gate/kernel", Linear()),
-    Rule("model.layers.{layer}.block_sparse_moe.experts.{expert}.w1.weight", "{layer}/MoeBlock_0/wi_0",
-         Linear()),
-    Rule("model.layers.{layer}.block_sparse_moe.experts.{expert}.w3.weight", "{layer}/MoeBlock_0/wi_1",
-         Linear()),
-    Rule("model.layers.{layer}.block_sparse_moe.experts.{expert}.w2.weight", "{layer}/MoeBlock_0/wo",
-         Linear()),
+MIXTRAL_RULES = (
+    _LLAMA_COMMON
+    + _LLAMA_ATTENTION
+    + (
+        Rule("model.layers.{layer}.block_sparse_moe.gate.weight", "{layer}/MoeBlock_0/gate/kernel", Linear()),
+        Rule("model.layers.{layer}.block_sparse_moe.experts.{expert}.w1.weight", "{layer}/MoeBlock_0/wi_0", Linear()),
+        Rule("model.layers.{layer}.block_sparse_moe.experts.{expert}.w3.weight", "{layer}/MoeBlock_0/wi_1", Linear()),
+        Rule("model.layers.{layer}.block_sparse_moe.experts.{expert}.w2.weight", "{layer}/MoeBlock_0/wo", Linear()),
+    )
 )
 
 
 _MLA = "{layer}/self_attention"
 _DEEPSEEK_MOE = "{layer}/DeepSeekMoeBlock_0"
-DEEPSEEK_RULES = _LLAMA_COMMON + _GATED_MLP + (
-    # Multi-head latent attention: no query scaling (MLA scales at run time).
-    Rule("model.layers.{layer}.self_attn.q_proj.weight", f"{_MLA}/query/kernel", Linear()),
-    Rule("model.layers.{layer}.self_attn.q_a_proj.weight", f"{_MLA}/wq_a/kernel", Linear()),
-    Rule("model.layers.{layer}.self_attn.q_a_layernorm.weight", f"{_MLA}/q_norm/scale"),
-    Rule("model.layers.{layer}.self_attn.q_b_proj.weight", f"{_MLA}/wq_b/kernel", Linear()),
-    Rule("model.layers.{layer}.self_attn.kv_a_proj_with_mqa.weight", f"{_MLA}/wkv_a/kernel", Linear()),
-    Rule("model.layers.{layer}.self_attn.kv_a_layernorm.weight", f"{_MLA}/kv_norm/scale"),
-    Rule("model.layers.{layer}.self_attn.kv_b_proj.weight", f"{_MLA}/wkv_b/kernel", Linear()),
-    Rule("model.layers.{layer}.self_attn.o_proj.weight", f"{_MLA}/out/kernel", Linear(in_ndim=2)),
-    # MoE layers (the dense ones use _GATED_MLP's `mlp`).
-    Rule("model.layers.{layer}.mlp.gate.weight", f"{_DEEPSEEK_MOE}/MoeBlock_0/gate/kernel", Linear()),
-    Rule("model.layers.{layer}.mlp.gate.e_score_correction_bias", f"{_DEEPSEEK_MOE}/MoeBlock_0/gate/bias"),
-    Rule("model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight", f"{_DEEPSEEK_MOE}/MoeBlock_0/wi_0",
-         Linear()),
-    Rule("model.layers.{layer}.mlp.experts.{expert}.up_proj.weight", f"{_DEEPSEEK_MOE}/MoeBlock_0/wi_1",
-         Linear()),
-    Rule("model.layers.{layer}.mlp.experts.{expert}.down_proj.weight", f"{_DEEPSEEK_MOE}/MoeBlock_0/wo",
-         Linear()),
-    Rule("model.layers.{layer}.mlp.shared_experts.gate_proj.weight",
-         f"{_DEEPSEEK_MOE}/shared_experts/wi_0/kernel", Linear()),
-    Rule("model.layers.{layer}.mlp.shared_experts.up_proj.weight",
-         f"{_DEEPSEEK_MOE}/shared_experts/wi_1/kernel", Linear()),
-    Rule("model.layers.{layer}.mlp.shared_experts.down_proj.weight",
-         f"{_DEEPSEEK_MOE}/shared_experts/wo/kernel", Linear()),
+DEEPSEEK_RULES = (
+    _LLAMA_COMMON
+    + _GATED_MLP
+    + (
+        # Multi-head latent attention: no query scaling (MLA scales at run time).
+        Rule("model.layers.{layer}.self_attn.q_proj.weight", f"{_MLA}/query/kernel", Linear()),
+        Rule("model.layers.{layer}.self_attn.q_a_proj.weight", f"{_MLA}/wq_a/kernel", Linear()),
+        Rule("model.layers.{layer}.self_attn.q_a_layernorm.weight", f"{_MLA}/q_norm/scale"),
+        Rule("model.layers.{layer}.self_attn.q_b_proj.weight", f"{_MLA}/wq_b/kernel", Linear()),
+        Rule("model.layers.{layer}.self_attn.kv_a_proj_with_mqa.weight", f"{_MLA}/wkv_a/kernel", Linear()),
+        Rule("model.layers.{layer}.self_attn.kv_a_layernorm.weight", f"{_MLA}/kv_norm/scale"),
+        Rule("model.layers.{layer}.self_attn.kv_b_proj.weight", f"{_MLA}/wkv_b/kernel", Linear()),
+        Rule("model.layers.{layer}.self_attn.o_proj.weight", f"{_MLA}/out/kernel", Linear(in_ndim=2)),
+        # MoE layers (the dense ones use _GATED_MLP's `mlp`).
+        Rule("model.layers.{layer}.mlp.gate.weight", f"{_DEEPSEEK_MOE}/MoeBlock_0/gate/kernel", Linear()),
+        Rule("model.layers.{layer}.mlp.gate.e_score_correction_bias", f"{_DEEPSEEK_MOE}/MoeBlock_0/gate/bias"),
+        Rule("model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight", f"{_DEEPSEEK_MOE}/MoeBlock_0/wi_0", Linear()),
+        Rule("model.layers.{layer}.mlp.experts.{expert}.up_proj.weight", f"{_DEEPSEEK_MOE}/MoeBlock_0/wi_1", Linear()),
+        Rule("model.layers.{layer}.mlp.experts.{expert}.down_proj.weight", f"{_DEEPSEEK_MOE}/MoeBlock_0/wo", Linear()),
+        Rule(
+            "model.layers.{layer}.mlp.shared_experts.gate_proj.weight",
+            f"{_DEEPSEEK_MOE}/shared_experts/wi_0/kernel",
+            Linear(),
+        ),
+        Rule(
+            "model.layers.{layer}.mlp.shared_experts.up_proj.weight",
+            f"{_DEEPSEEK_MOE}/shared_experts/wi_1/kernel",
+            Linear(),
+        ),
+        Rule(
+            "model.layers.{layer}.mlp.shared_experts.down_proj.weight",
+            f"{_DEEPSEEK_MOE}/shared_experts/wo/kernel",
+            Linear(),
+        ),
+    )
 )
 
 _GPT2_RULES = (
@@ -173,11 +184,9 @@ _GPT2_RULES = (
     Rule("transformer.h.{layer}.ln_1.weight", "{layer}/pre_self_attention_norm/scale"),
     Rule("transformer.h.{layer}.ln_1.bias", "{layer}/pre_self_attention_norm/bias"),
     # GPT-2's Conv1D weights are [in, out] already: q, k, v then heads in c_attn's columns.
-    Rule("transformer.h.{layer}.attn.c_attn.weight", "{layer}/self_attention/qkv_proj/kernel",
-         Reshape(in_ndim=1)),
+    Rule("transformer.h.{layer}.attn.c_attn.weight", "{layer}/self_attention/qkv_proj/kernel", Reshape(in_ndim=1)),
     Rule("transformer.h.{layer}.attn.c_attn.bias", "{layer}/self_attention/qkv_proj/bias", Reshape()),
-    Rule("transformer.h.{layer}.attn.c_proj.weight", "{layer}/self_attention/out/kernel",
-         Reshape(in_ndim=2)),
+    Rule("transformer.h.{layer}.attn.c_proj.weight", "{layer}/self_attention/out/kernel", Reshape(in_ndim=2)),
     Rule("transformer.h.{layer}.attn.c_proj.bias", "{layer}/self_attention/out/bias"),
     Rule("transformer.h.{layer}.ln_2.weight", "{layer}/mlp/mlp_layer_norm/scale"),
     Rule("transformer.h.{layer}.ln_2.bias", "{layer}/mlp/mlp_layer_norm/bias"),
@@ -222,9 +231,7 @@ def _require(hf: Mapping[str, Any], key: str, supported: Any, default: Any) -> N
   if value is None:
     value = default
   if value != supported:
-    raise HFError(
-        f"{CONFIG_FILE}: {key}={value!r} is not supported; maxbridge models {key}={supported!r}"
-    )
+    raise HFError(f"{CONFIG_FILE}: {key}={value!r} is not supported; maxbridge models {key}={supported!r}")
 
 
 def _rope_theta(hf: Mapping[str, Any]) -> int:
@@ -448,19 +455,28 @@ def _deepseek_config_to_hf(cfg: Config) -> dict[str, Any]:
 
 
 FAMILIES: tuple[Family, ...] = (
-    Family("llama", "LlamaForCausalLM", ("llama2",), LLAMA_RULES,
-           _llama_config_from_hf, _llama_config_to_hf),
-    Family("mistral", "MistralForCausalLM", ("mistral",), LLAMA_RULES,
-           _llama_config_from_hf, _llama_config_to_hf),
-    Family("qwen3", "Qwen3ForCausalLM", ("qwen3",), LLAMA_RULES,
-           _llama_config_from_hf, _llama_config_to_hf),
-    Family("mixtral", "MixtralForCausalLM", ("mixtral",), MIXTRAL_RULES,
-           _llama_config_from_hf, _llama_config_to_hf),
-    Family("deepseek_v3", "DeepseekV3ForCausalLM", ("deepseek",), DEEPSEEK_RULES,
-           _deepseek_config_from_hf, _deepseek_config_to_hf),
-    Family("gpt2", "GPT2LMHeadModel", ("gpt3",), _GPT2_RULES,
-           _gpt2_config_from_hf, _gpt2_config_to_hf, normalize_name=_gpt2_name,
-           ignored=(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)",)),
+    Family("llama", "LlamaForCausalLM", ("llama2",), LLAMA_RULES, _llama_config_from_hf, _llama_config_to_hf),
+    Family("mistral", "MistralForCausalLM", ("mistral",), LLAMA_RULES, _llama_config_from_hf, _llama_config_to_hf),
+    Family("qwen3", "Qwen3ForCausalLM", ("qwen3",), LLAMA_RULES, _llama_config_from_hf, _llama_config_to_hf),
+    Family("mixtral", "MixtralForCausalLM", ("mixtral",), MIXTRAL_RULES, _llama_config_from_hf, _llama_config_to_hf),
+    Family(
+        "deepseek_v3",
+        "DeepseekV3ForCausalLM",
+        ("deepseek",),
+        DEEPSEEK_RULES,
+        _deepseek_config_from_hf,
+        _deepseek_config_to_hf,
+    ),
+    Family(
+        "gpt2",
+        "GPT2LMHeadModel",
+        ("gpt3",),
+        _GPT2_RULES,
+        _gpt2_config_from_hf,
+        _gpt2_config_to_hf,
+        normalize_name=_gpt2_name,
+        ignored=(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)",),
+    ),
 )
 
 

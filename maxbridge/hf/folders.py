@@ -1,4 +1,5 @@
 """Hugging Face folders and maxbridge checkpoints on disk: read, write, import, export."""
+
 from __future__ import annotations
 
 import json
@@ -58,9 +59,7 @@ def open_hf_tensors(path: str | os.PathLike) -> dict[str, LazyTensor]:
   return tensors
 
 
-def load_hf(
-    path: str | os.PathLike, *overrides: str, **kwargs: Any
-) -> tuple[Config, dict[str, Any]]:
+def load_hf(path: str | os.PathLike, *overrides: str, **kwargs: Any) -> tuple[Config, dict[str, Any]]:
   """(Config, unscanned canonical params) for a Hugging Face folder."""
   kwargs.setdefault("model_name", Path(path).resolve().name)
   cfg = config_from_hf(read_hf_config(path), *overrides, **kwargs)
@@ -93,9 +92,7 @@ def save_hf(
     cfg = cfg.replace(weight_dtype=dtype)
   out_dtype = jnp.dtype(cfg.weight_dtype)
   params32 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), dict(params))
-  tensors = {
-      name: jnp.asarray(value, out_dtype) for name, value in to_hf_tensors(params32, cfg).items()
-  }
+  tensors = {name: jnp.asarray(value, out_dtype) for name, value in to_hf_tensors(params32, cfg).items()}
   hf_config = config_to_hf(cfg, base_config)
 
   def write(tmp: Path) -> None:
@@ -134,8 +131,13 @@ def write_atomically(destination: str | os.PathLike, write: Callable[[Path], Non
 
 # Copied along by import-hf and export-hf, so `maxbridge generate` finds the tokenizer.
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-    "vocab.json", "merges.txt", "tokenizer.model",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
 )
 
 
@@ -189,9 +191,7 @@ def load_checkpoint(path: str | os.PathLike, *overrides: str, **kwargs: Any) -> 
     import converters  # pylint: disable=import-outside-toplevel
     from converters import io as converter_io  # pylint: disable=import-outside-toplevel
   except ImportError as e:
-    raise NotImplementedError(
-        f"reading the maxbridge checkpoint {path} needs the converters package ({e})"
-    ) from e
+    raise NotImplementedError(f"reading the maxbridge checkpoint {path} needs the converters package ({e})") from e
   params, info = converters.load_params(path)
   config_file = converter_io.find_config(info.items)
   if config_file is None:
@@ -212,9 +212,7 @@ def _sidecar(path: str | os.PathLike) -> tuple[dict[str, Any] | None, Path | Non
   return json.loads((config_file.parent / HF_CONFIG_SIDECAR).read_text()), config_file.parent
 
 
-def export_hf(
-    source: str | os.PathLike, destination: str | os.PathLike, *, dtype: str | None = None
-) -> Path:
+def export_hf(source: str | os.PathLike, destination: str | os.PathLike, *, dtype: str | None = None) -> Path:
   """Writes a maxbridge checkpoint as a Hugging Face folder (config.json + model.safetensors)."""
   cfg, params = load_checkpoint(source)
   base, folder = _sidecar(source)

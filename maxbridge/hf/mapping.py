@@ -1,4 +1,5 @@
 """The one loop each way between Hugging Face tensors and the canonical tree, and configs."""
+
 from __future__ import annotations
 
 import re
@@ -91,7 +92,8 @@ def from_hf_tensors(
   family = family_for_config(cfg)
   tensors = {family.normalize_name(name): tensor for name, tensor in tensors.items()}
   tensors = {
-      name: tensor for name, tensor in tensors.items()
+      name: tensor
+      for name, tensor in tensors.items()
       if not any(re.fullmatch(pattern, name) for pattern in family.ignored)
   }
   expected = expected_hf_shapes(cfg, abstract)
@@ -125,10 +127,12 @@ def from_hf_tensors(
         continue
       want = want_flat[path]
       if "{expert}" in rule.hf:
-        value = jnp.stack([
-            rule.transform.to_ours(_load(tensors[rule.hf.format(layer=layer, expert=e)]), want.shape[1:], cfg)
-            for e in range(want.shape[0])
-        ])
+        value = jnp.stack(
+            [
+                rule.transform.to_ours(_load(tensors[rule.hf.format(layer=layer, expert=e)]), want.shape[1:], cfg)
+                for e in range(want.shape[0])
+            ]
+        )
       else:
         value = rule.transform.to_ours(_load(tensors[rule.hf.format(layer=layer)]), want.shape, cfg)
       flat[path] = value.astype(want.dtype)

@@ -1,4 +1,5 @@
 """Causal grouped-query dot-product attention with packed-sequence (segment) masking."""
+
 import jax
 import jax.numpy as jnp
 
@@ -53,6 +54,4 @@ def dot_product_attention(
     weights = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", weights, value)
     out = out.reshape(batch, length, num_heads, value.shape[-1])
-    return sharding.constrain(
-        out, ("activation_batch", "activation_length", "activation_heads", "activation_kv")
-    )
+    return sharding.constrain(out, ("activation_batch", "activation_length", "activation_heads", "activation_kv"))

@@ -1,4 +1,5 @@
 """Token embedding lookup and the output projection (tied or untied)."""
+
 import jax
 import jax.numpy as jnp
 
@@ -20,4 +21,3 @@ def attend(x: jax.Array, embedding: jax.Array, *, dtype: jnp.dtype) -> jax.Array
     logits = jnp.einsum("BTD,VD->BTV", x.astype(dtype), embedding.astype(dtype))
     logits = logits.astype(jnp.float32)
     return sharding.constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
-

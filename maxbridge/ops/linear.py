@@ -1,4 +1,5 @@
 """Projections: contract the trailing axes of x with the leading axes of a kernel."""
+
 import jax
 import jax.numpy as jnp
 

@@ -1,4 +1,5 @@
 """Token-level losses."""
+
 import jax
 import jax.numpy as jnp
 

@@ -4,6 +4,7 @@ Each query/key head is [nope | rope]: the first `nope_dim` features carry no
 position; the last ones are rotated, in DeepSeek's interleaved pair layout.
 Keys share one rope part across heads (it comes from the latent projection).
 """
+
 import jax
 import jax.numpy as jnp
 

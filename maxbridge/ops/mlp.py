@@ -1,4 +1,5 @@
 """Gated MLP activation: silu(x wi_0) * (x wi_1), the inside of wo(...)."""
+
 import jax
 
 from maxbridge import sharding

@@ -3,6 +3,7 @@
 Shapes: tokens are flattened to T = batch * length; D model width, E experts,
 F expert hidden width, K experts per token.
 """
+
 import jax
 import jax.numpy as jnp
 
@@ -162,8 +163,12 @@ def routed_moe(
   with jax.named_scope("routing"):
     if score_func == "sigmoid":
       weights, indices = group_limited_sigmoid(
-          flat_logits, correction_bias, num_experts_per_tok,
-          n_groups=n_groups, top_groups=top_groups, scaling_factor=scaling_factor,
+          flat_logits,
+          correction_bias,
+          num_experts_per_tok,
+          n_groups=n_groups,
+          top_groups=top_groups,
+          scaling_factor=scaling_factor,
       )
     elif score_func == "":
       if correction_bias is not None:

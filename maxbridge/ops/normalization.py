@@ -1,4 +1,5 @@
 """RMSNorm as in MaxText/Llama: x * rsqrt(mean(x^2) + eps) * scale."""
+
 import jax
 import jax.numpy as jnp
 
@@ -15,9 +16,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, *, epsilon: float, dtype: jnp.dtype
     return sharding.constrain(y * scale.astype(dtype), ("activation_batch", "activation_length", "activation_embed"))
 
 
-def layer_norm(
-    x: jax.Array, scale: jax.Array, bias: jax.Array, *, epsilon: float, dtype: jnp.dtype
-) -> jax.Array:
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, *, epsilon: float, dtype: jnp.dtype) -> jax.Array:
   """LayerNorm as in GPT-2: (x - mean) * rsqrt(var + eps) * scale + bias, statistics in float32."""
   with jax.named_scope("layer_norm"):
     x32 = x.astype(jnp.float32)

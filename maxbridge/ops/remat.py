@@ -1,4 +1,5 @@
 """The one table from `remat_policy` names to jax checkpoint policies."""
+
 import jax
 
 # name -> policy passed to jax.checkpoint / nn.remat; "none" means no remat.

@@ -1,4 +1,5 @@
 """Rotary position embeddings in the Llama "rotate_half" layout."""
+
 import jax
 import jax.numpy as jnp
 
@@ -19,8 +20,7 @@ def apply_rotary(
   """
   if x.ndim != 4 or positions.shape != x.shape[:2]:
     raise ValueError(
-        f"apply_rotary expects x [B, T, N, H] and positions [B, T]; got x {x.shape}, "
-        f"positions {positions.shape}"
+        f"apply_rotary expects x [B, T, N, H] and positions [B, T]; got x {x.shape}, " f"positions {positions.shape}"
     )
   head_dim = x.shape[-1]
   if head_dim % 2:
