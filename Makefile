@@ -4,15 +4,15 @@ PYTHON := $(VENV)/bin/python
 # packages when it runs, so a new package's __init__.py also reinstalls.
 STAMP := $(VENV)/.installed
 
-.PHONY: venv run test
+.PHONY: venv run test format lint
 
 venv: $(STAMP)
 
 $(PYTHON):
 	python3 -m venv $(VENV)
 
-$(STAMP): setup.py $(wildcard */__init__.py) | $(PYTHON)
-	$(VENV)/bin/pip install -e '.[test]'
+$(STAMP): setup.py constraints.txt $(wildcard */__init__.py) | $(PYTHON)
+	$(VENV)/bin/pip install -c constraints.txt -e '.[test,dev]'
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -20,3 +20,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PYTHON) -m pytest -q -n 2 --dist loadgroup tests
+
+format: $(STAMP)
+	$(VENV)/bin/pyink .
+	$(VENV)/bin/ruff check --fix .
+
+lint: $(STAMP)
+	$(VENV)/bin/pyink --check --diff .
+	$(VENV)/bin/ruff check .

@@ -7,31 +7,35 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["maxbridge*", "linen_models*", "nnx_models*", "converters*"]),
     package_data={"maxbridge": ["configs/*.yml", "configs/models/*.yml"]},
-    # Pinned to the set the parity tests were run against: Flax's NNX and
-    # bridge APIs still move between minor releases.
+    # Ranges, not pins, so that maxbridge installs beside MaxText. Each lower
+    # bound is the oldest set CI tests (constraints.txt, Python 3.11); CI also
+    # tests the newest releases on Python 3.12 (.ci/run). No upper bounds: none
+    # of the newest releases is known to break us.
     install_requires=[
-        "jax==0.10.2",
-        "jaxlib==0.10.2",
-        "flax==0.12.8",
-        "optax==0.2.8",
-        "orbax-checkpoint==0.12.8",
-        "chex==0.1.92",
-        "absl-py>=2.1",
-        "pyyaml>=6",
-        "numpy>=1.26",
-        "matplotlib>=3.8",
-        "tqdm>=4.66",
-        "safetensors==0.8.0",
+        "jax>=0.10.2",
+        "jaxlib>=0.10.2",
+        "flax>=0.12.8",
+        "optax>=0.2.8",
+        "orbax-checkpoint>=0.12.8",
+        "chex>=0.1.92",
+        "absl-py>=2.5.1",
+        "pyyaml>=6.0.3",
+        "numpy>=2.4.6",
+        "matplotlib>=3.11.2",
+        "tqdm>=4.70.1",
+        "safetensors>=0.8.0",
     ],
     extras_require={
         "test": [
-            "pytest>=8",
-            "pytest-xdist>=3.5",
+            "pytest>=9.2.0",
+            "pytest-xdist>=3.8.0",
             # Reference implementations for tests/test_hf.py (the CPU build of torch).
-            "torch==2.13.0",
-            "transformers==5.23.0",
-            "tokenizers==0.23.3",
+            "torch>=2.13.0",
+            "transformers>=5.23.0",
+            "tokenizers>=0.23.3",
         ],
+        # `make lint` / `make format`; exact, so formatting never drifts between machines.
+        "dev": ["pyink==26.5.1", "ruff==0.17.6"],
     },
     entry_points={"console_scripts": ["maxbridge=maxbridge.cli:main"]},
 )

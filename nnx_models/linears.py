@@ -7,6 +7,8 @@ from flax import nnx
 from maxbridge import initializers
 from maxbridge.ops import linear
 
+_DEFAULT_KERNEL_INIT = initializers.kernel()
+
 
 class DenseGeneral(nnx.Module):
 
@@ -15,7 +17,7 @@ class DenseGeneral(nnx.Module):
       in_features: tuple[int, ...],
       out_features: tuple[int, ...],
       logical_axes: tuple[str, ...],
-      kernel_init: initializers.Initializer = initializers.kernel(),
+      kernel_init: initializers.Initializer = _DEFAULT_KERNEL_INIT,
       dtype: jnp.dtype = jnp.float32,
       weight_dtype: jnp.dtype = jnp.float32,
       use_bias: bool = False,

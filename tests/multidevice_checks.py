@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import maxbridge as mb  # noqa: E402
-from maxbridge import canonical, checkpointing, data, dispatch, sharding  # noqa: E402
+from maxbridge import checkpointing, data, dispatch, sharding  # noqa: E402
 
 MESHES = {"8x1x1": (8, 1, 1), "1x8x1": (1, 8, 1), "1x4x2": (1, 4, 2), "2x2x2": (2, 2, 2)}
 BACKENDS = {

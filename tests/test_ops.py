@@ -1,6 +1,5 @@
 """The shared math against straightforward numpy references."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

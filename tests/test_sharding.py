@@ -4,7 +4,6 @@ The scenarios run in subprocesses: the device count is fixed when JAX starts.
 """
 
 import json
-import os
 import socket
 import subprocess
 import sys
