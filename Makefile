@@ -4,7 +4,7 @@ PYTHON := $(VENV)/bin/python
 # packages when it runs, so a new package's __init__.py also reinstalls.
 STAMP := $(VENV)/.installed
 
-.PHONY: venv run test format lint
+.PHONY: venv run test format lint test-newest
 
 venv: $(STAMP)
 
@@ -28,3 +28,21 @@ format: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/pyink --check --diff .
 	$(VENV)/bin/ruff check .
+
+# The newest releases PyPI serves for Python 3.12 (MaxText's interpreter), installed
+# first as a MaxText environment would hold them; maxbridge must install beside them
+# without changing jax or flax, and pass the parity, bridge, train and converter tests.
+NEWEST := .venv-newest
+PY312 ?= $(shell command -v python3.12 2>/dev/null || ls /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)
+
+test-newest:
+	@test -n "$(PY312)" || { echo "test-newest: no python3.12 found (set PY312=/path/to/python3.12)"; exit 2; }
+	rm -rf $(NEWEST) && $(PY312) -m venv $(NEWEST)
+	$(NEWEST)/bin/pip install -q --upgrade pip
+	$(NEWEST)/bin/pip install -q jax flax
+	$(NEWEST)/bin/pip freeze | grep -iE '^(jax|jaxlib|flax)==' > $(NEWEST)/before.txt
+	$(NEWEST)/bin/pip install -q -e . 'pytest>=9.2.0' 'pytest-xdist>=3.8.0'
+	$(NEWEST)/bin/pip freeze | grep -iE '^(jax|jaxlib|flax)==' > $(NEWEST)/after.txt
+	@diff $(NEWEST)/before.txt $(NEWEST)/after.txt || { echo "installing maxbridge changed jax/flax"; exit 1; }
+	@echo "newest leg:" $$(cat $(NEWEST)/after.txt)
+	$(NEWEST)/bin/python -m pytest -q -n 2 --dist loadgroup tests/test_parity.py tests/test_bridge.py tests/test_train.py tests/test_converters.py
