@@ -95,6 +95,9 @@ class Config:
   gradient_clipping_threshold: float
   gradient_accumulation_steps: int
   z_loss_multiplier: float
+  num_vocab_tiling: int
+  use_qk_clip: bool
+  qk_clip_threshold: float
   dataset_type: str
   dataset_path: str
   eval_interval: int
@@ -296,6 +299,8 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("adam_weight_decay", lambda v: v >= 0, ">= 0"),
     ("gradient_clipping_threshold", lambda v: v >= 0, ">= 0 (0 disables clipping)"),
     ("z_loss_multiplier", lambda v: v >= 0, ">= 0"),
+    ("num_vocab_tiling", _positive, "a positive integer (1 disables tiling)"),
+    ("qk_clip_threshold", lambda v: 0 < v < float("inf"), "a finite number > 0"),
     ("eval_interval", lambda v: v >= 0, ">= 0 (0 disables evaluation)"),
     ("warmup_steps_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("cosine_learning_rate_final_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),

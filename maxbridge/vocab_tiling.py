@@ -1,0 +1,141 @@
+"""Vocabulary tiling: the training loss without ever holding the full [B, T, V] logits.
+
+The final hidden states [B, T, D] are cut into `num_tiles` row tiles. A
+`jax.custom_vjp` loss scans the tiles: the forward pass computes each tile's
+logits with the model's own output head and keeps only float32 sums; the
+backward pass scans again, recomputing each tile's logits under `jax.vjp`,
+accumulating the head's parameter gradients and emitting the hidden-state
+gradient tile by tile. Peak memory holds one tile's logits, not all of them.
+
+Written by hand because JAX's autodiff of a `lax.scan` would save every
+tile's logits (or their softmax) as residuals for the backward pass, which is
+exactly the [B, T, V] buffer tiling exists to avoid.
+"""
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxbridge import sharding
+from maxbridge.config import ConfigError
+from maxbridge.ops import losses
+
+# head(trainable, frozen, hidden [rows, D]) -> float32 logits [rows, V]
+Head = Callable[[Any, Any, jax.Array], jax.Array]
+
+
+def valid_tilings(rows: int) -> list[int]:
+  return [n for n in range(1, rows + 1) if rows % n == 0]
+
+
+def _tiles(x: jax.Array, num_tiles: int) -> jax.Array:
+  """[B, T, ...] -> [N, B·T / N, ...], tile i holding rows i, i + N, i + 2N, ...
+
+  Strided rather than contiguous tiles: each tile then takes the same share of
+  every batch shard, so the rows axis keeps its batch sharding and no tile
+  lives on one device alone.
+  """
+  rows = x.shape[0] * x.shape[1]
+  x = x.reshape(rows // num_tiles, num_tiles, *x.shape[2:])
+  return jnp.moveaxis(x, 1, 0)
+
+
+def _untile(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  return jnp.moveaxis(x, 0, 1).reshape(shape)
+
+
+def _tile_loss(head: Head, z_loss_multiplier: float, trainable, frozen, hidden, targets, weights):
+  logits = head(trainable, frozen, hidden)
+  per_token, z_loss = losses.cross_entropy_with_z_loss(logits, targets, z_loss_multiplier=z_loss_multiplier)
+  return jnp.sum(per_token * weights), jnp.sum(z_loss * weights)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6, 7))
+def _tiled_loss(head, trainable, frozen, hidden, targets, weights, num_tiles, z_loss_multiplier):
+  return _forward(head, trainable, frozen, hidden, targets, weights, num_tiles, z_loss_multiplier)[0]
+
+
+def _forward(head, trainable, frozen, hidden, targets, weights, num_tiles, z_loss_multiplier):
+  tiles = (_tiles(hidden, num_tiles), _tiles(targets, num_tiles), _tiles(weights, num_tiles))
+
+  def body(total, tile):
+    h, t, w = tile
+    h = sharding.constrain(h, ("activation_batch", "activation_embed"))
+    return jax.tree.map(jnp.add, total, _tile_loss(head, z_loss_multiplier, trainable, frozen, h, t, w)), None
+
+  # The carry stays float32 whatever the activation dtype.
+  zero = jnp.zeros((), jnp.float32)
+  sums, _ = jax.lax.scan(body, (zero, zero), tiles)
+  return sums, (trainable, frozen, hidden, targets, weights)
+
+
+def _backward(head, num_tiles, z_loss_multiplier, residuals, cotangents):
+  trainable, frozen, hidden, targets, weights = residuals
+  tiles = (_tiles(hidden, num_tiles), _tiles(targets, num_tiles), _tiles(weights, num_tiles))
+
+  def body(grad_sum, tile):
+    h, t, w = tile
+    h = sharding.constrain(h, ("activation_batch", "activation_embed"))
+    _, vjp = jax.vjp(lambda p, x: _tile_loss(head, z_loss_multiplier, p, frozen, x, t, w), trainable, h)
+    grad_params, grad_hidden = vjp(cotangents)
+    return jax.tree.map(jnp.add, grad_sum, grad_params), grad_hidden
+
+  # Accumulate in float32 even for bfloat16 weights: N partial sums would round otherwise.
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), trainable)
+  grad_params, grad_hidden = jax.lax.scan(body, zeros, tiles)
+  grad_params = jax.tree.map(lambda g, p: g.astype(p.dtype), grad_params, trainable)
+  grad_hidden = _untile(grad_hidden, hidden.shape).astype(hidden.dtype)
+  # Explicit zeros, never None, for everything not differentiated: the frozen
+  # state may hold scanned stacks whose layer axis is not 0, which a None
+  # cotangent would be expanded against with the wrong layout.
+  return (
+      grad_params,
+      jax.tree.map(_zero_cotangent, frozen),
+      grad_hidden,
+      _zero_cotangent(targets),
+      _zero_cotangent(weights),
+  )
+
+
+def _zero_cotangent(x):
+  x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return jnp.zeros_like(x)
+  return np.zeros(x.shape, jax.dtypes.float0)
+
+
+_tiled_loss.defvjp(_forward, _backward)
+
+
+def tiled_cross_entropy(
+    head: Head,
+    trainable: Any,
+    frozen: Any,
+    hidden: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+    *,
+    num_tiles: int,
+    z_loss_multiplier: float = 0.0,
+) -> tuple[jax.Array, jax.Array]:
+  """(sum of weighted per-token cross-entropy + z-loss, sum of weighted z-loss), in float32.
+
+  hidden [B, T, D], targets and weights [B, T]. Gradients flow to `trainable`
+  (the head's parameters) and `hidden`; `frozen` is read but not differentiated.
+  Equal to `losses.cross_entropy_with_z_loss` on `head`'s full logits, summed.
+  """
+  rows = hidden.shape[0] * hidden.shape[1]
+  if num_tiles < 1 or rows % num_tiles:
+    valid = valid_tilings(rows)
+    raise ConfigError(
+        f"num_vocab_tiling={num_tiles} does not divide the {rows} rows (batch x length) of a step's "
+        f"hidden states; valid values: {valid if len(valid) <= 16 else valid[:16] + ['...']}"
+    )
+  if targets.shape != hidden.shape[:2] or weights.shape != hidden.shape[:2]:
+    raise ValueError(
+        f"tiled_cross_entropy: targets {targets.shape} and weights {weights.shape} must be {hidden.shape[:2]}"
+    )
+  return _tiled_loss(head, trainable, frozen, hidden, targets, weights.astype(jnp.float32), num_tiles, z_loss_multiplier)
