@@ -13,18 +13,24 @@ In memory:
     converters.stack_layers(params, axis)  /  converters.unstack_layers(params, axis)
     converters.detect_layout(tree_or_metadata_or_path)      # -> Layout; .describe() in words
 
-The layouts and the one mapping between their paths: `converters.layouts`.
+The layouts and the one mapping between their paths: `maxbridge.layouts`; reading
+any checkpoint array by array: `maxbridge.checkpointing` (the core needs both and
+never imports this package). A checkpoint that cannot be read, converted or
+written raises `CheckpointError` (`ConversionError` and `PlanError` are kinds of
+it); a tree in memory in no known layout raises `LayoutError`.
 """
 
 from converters.compare import Comparison, compare
 from converters.convert import Conversion, convert
 from converters.errors import ConversionError
-from converters.layouts import Layout, LayoutError
 from converters.plan import PlanError
-from converters.trees import CheckpointInfo, detect_layout, load_params, to_linen, to_nnx
+from converters.trees import detect_layout, to_linen, to_nnx
 from maxbridge.canonical import stack_layers, unstack_layers
+from maxbridge.checkpointing import CheckpointError, CheckpointInfo, load_params
+from maxbridge.layouts import Layout, LayoutError
 
 __all__ = [
+    "CheckpointError",
     "CheckpointInfo",
     "Comparison",
     "Conversion",

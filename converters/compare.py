@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from converters import io, layouts, plan
+from converters import plan
+from maxbridge import canonical, checkpointing
 from maxbridge.config import ConfigError, load_config
 
 MAX_LINES = 20
@@ -16,7 +17,7 @@ MAX_LINES = 20
 
 @dataclasses.dataclass(frozen=True)
 class Difference:
-  path: str  # a normal path (see converters.layouts)
+  path: str  # a normal path (see maxbridge.layouts)
   what: str  # e.g. "max abs diff 0.5 (1 of 4096 elements)", "only in first"
   max_abs_diff: float | None = None
 
@@ -65,7 +66,7 @@ def compare(
   a dtype or shape that differs is a difference. Arrays are read one at a
   time (one layer stack at a time when only one side is scanned).
   """
-  readers = [io.CheckpointReader(first), io.CheckpointReader(second)]
+  readers = [checkpointing.CheckpointReader(first), checkpointing.CheckpointReader(second)]
   axes = [_scan_axis(r) for r in readers]
   # Compare in the form both can take without guessing: stacked only if both are.
   scanned = all(r.layout.scanned for r in readers)
@@ -147,10 +148,10 @@ def _difference(path: str, a: np.ndarray, b: np.ndarray, atol: float, rtol: floa
   return Difference(path, f"{dtype_note}max abs diff {diff:.6g} ({bad} of {a.size} elements differ)", diff)
 
 
-def _scan_axis(reader: io.CheckpointReader) -> int:
+def _scan_axis(reader: checkpointing.CheckpointReader) -> int:
   """The layer axis of a scanned checkpoint: its config's, else the one axis on which every
   stack agrees on its layer count, else 1."""
-  config_file = io.find_config(reader.items)
+  config_file = checkpointing.find_config(reader.items)
   if config_file:
     try:
       return load_config(str(config_file)).param_scan_axis
@@ -158,8 +159,8 @@ def _scan_axis(reader: io.CheckpointReader) -> int:
       pass  # a config we cannot read says nothing about the axis; infer it
   stacks: dict[str, list[tuple[int, ...]]] = {}
   for path, leaf in reader.leaves.items():
-    if path.startswith("params/") and layouts.is_stacked(path):
-      stacks.setdefault(layouts.stack_name(path), []).append(leaf.shape)
+    if path.startswith("params/") and canonical.is_stacked(path):
+      stacks.setdefault(canonical.stack_name(path), []).append(leaf.shape)
   if not stacks:
     return 1
   agree = [
@@ -170,6 +171,6 @@ def _scan_axis(reader: io.CheckpointReader) -> int:
   return agree[0] if len(agree) == 1 else 1
 
 
-def _describe(reader: io.CheckpointReader) -> str:
+def _describe(reader: checkpointing.CheckpointReader) -> str:
   step = f" (step {reader.step})" if reader.step is not None else ""
   return f"{reader.items}{step}: {reader.layout.describe()}"

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from converters import io, layouts, plan
+from converters import io, plan
 from converters.errors import ConversionError
-from maxbridge import canonical
+from maxbridge import canonical, checkpointing, layouts
 from maxbridge.config import Config, ConfigError, load_config
 
 # Below this many bytes a conversion takes a moment: no progress bar.
@@ -53,7 +53,7 @@ class _Job:
   """A checked conversion, before any array is read."""
 
   steps: list[plan.Step]
-  stored: dict[str, plan.Leaf]  # output normal path -> shape and dtype as written
+  stored: dict[str, checkpointing.Leaf]  # output normal path -> shape and dtype as written
   kind: str
   step: int
   config: Config | None
@@ -93,7 +93,7 @@ def convert(
   plus `group_bytes` waiting to be written.
   """
   began = time.perf_counter()
-  reader = io.CheckpointReader(source)
+  reader = checkpointing.CheckpointReader(source)
   destination = Path(destination).absolute()
   _check_destination(reader.items, destination, force)
   job = _prepare(reader, destination, layout, scan_layers, param_scan_axis, dtype, params_only, force)
@@ -116,7 +116,7 @@ def convert(
           bar.update()
     writer.finalize()
     if job.config and job.config_file.parent == destination:
-      job.config.to_yaml(staging / io.CONFIG)
+      job.config.to_yaml(staging / checkpointing.CONFIG)
     _replace(staging, destination)
     done = True
   finally:
@@ -128,7 +128,7 @@ def convert(
   return Conversion(
       source=reader.items,
       source_layout=reader.layout,
-      destination=destination / str(job.step) / io.ITEM,
+      destination=destination / str(job.step) / checkpointing.ITEM,
       layout=layouts.detect(skeleton),
       step=job.step,
       arrays_read=reader.reads,
@@ -146,7 +146,7 @@ def _prepare(reader, destination, layout, scan_layers, param_scan_axis, dtype, p
     raise ConversionError(f"unknown layout {kind!r}; expected 'linen' or 'nnx'")
   if dtype not in (None, "float32", "bfloat16"):
     raise ConversionError(f"unknown dtype {dtype!r}; expected 'float32' or 'bfloat16'")
-  config = _load(io.find_config(reader.items))
+  config = _load(checkpointing.find_config(reader.items))
   source_axis, axis = _axes(reader.layout.scanned, scan_layers, param_scan_axis, config)
   steps = plan.build(
       reader.leaves,
@@ -158,14 +158,14 @@ def _prepare(reader, destination, layout, scan_layers, param_scan_axis, dtype, p
       num_layers=dict(canonical.layer_stacks(config)) if config else None,
   )
   stored = {
-      path: plan.Leaf(leaf.shape, layouts.layout_dtype(path, leaf.dtype, kind))
+      path: checkpointing.Leaf(leaf.shape, layouts.layout_dtype(path, leaf.dtype, kind))
       for step in steps
       for path, leaf in step.outputs
   }
   run_dir = destination.parent if destination.name == "checkpoints" else None
   scanned = reader.layout.scanned if scan_layers is None else scan_layers
   new_config = _adjusted(config, scanned, axis, dtype, run_dir)
-  config_file = (run_dir or destination) / io.CONFIG
+  config_file = (run_dir or destination) / checkpointing.CONFIG
   if new_config and run_dir and config_file.exists() and not force:
     raise ConversionError(f"{config_file} already exists; pass --force to replace it")
   return _Job(steps, stored, kind, _step_number(reader), new_config, config_file)
@@ -216,7 +216,7 @@ def _adjusted(config: Config | None, scanned: bool, axis: int, dtype: str | None
     raise ConversionError(f"the converted run's config would be invalid: {e}") from e
 
 
-def _step_number(reader: io.CheckpointReader) -> int:
+def _step_number(reader: checkpointing.CheckpointReader) -> int:
   if reader.step is not None:
     return reader.step
   return int(reader.read("step")) if "step" in reader.leaves else 0

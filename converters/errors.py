@@ -1,5 +1,11 @@
-"""The one error type of the converters: a request that cannot be done, and why."""
+"""The converters' error: a request that cannot be done, and why."""
+
+from maxbridge.checkpointing import CheckpointError
 
 
-class ConversionError(ValueError):
-  """A checkpoint that cannot be read, converted or written as asked; the message names the path."""
+class ConversionError(CheckpointError):
+  """A checkpoint that cannot be converted or written as asked; the message names the path.
+
+  A kind of `maxbridge.checkpointing.CheckpointError`, which reading a
+  checkpoint raises: catch that one for any checkpoint that cannot be used.
+  """

@@ -1,17 +1,15 @@
-"""Streaming checkpoint I/O: find a checkpoint, read it array by array, write it group by group.
+"""Streaming checkpoint writes, group by group; `maxbridge.checkpointing.CheckpointReader` reads.
 
-Reading restores one array per call (orbax's PLACEHOLDER leaves skip the rest),
-so memory holds one array, not the checkpoint. Writing uses orbax's partial
-saves (`orbax.checkpoint.v1.partial`): each call adds a group of arrays to a
-staged checkpoint, and `finalize` merges them into one OCDBT checkpoint, which
-is then laid out as a CheckpointManager step (`<dir>/<step>/items`), the same
-as `maxbridge.checkpointing.Checkpointer` writes and restores.
+Writing uses orbax's partial saves (`orbax.checkpoint.v1.partial`): each call
+adds a group of arrays to a staged checkpoint, and `finalize` merges them into
+one OCDBT checkpoint, which is then laid out as a CheckpointManager step
+(`<dir>/<step>/items`), the same as `maxbridge.checkpointing.Checkpointer`
+writes and restores.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,112 +18,11 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from etils import epath
 from orbax.checkpoint import v1 as ocp_v1
 
-from converters import layouts
 from converters.errors import ConversionError
-from converters.plan import Leaf
-
-ITEM = "items"  # CheckpointManager's item name, as MaxText and maxbridge save
-CONFIG = "config.yml"
-
-
-# --- finding a checkpoint -------------------------------------------------------
-
-
-def resolve(path: str | os.PathLike) -> tuple[Path, int | None]:
-  """(items directory, step) of a run, checkpoints, step or items directory; the latest step."""
-  given = Path(path)
-  if not given.exists():
-    raise ConversionError(f"{given}: no such file or directory")
-  if (given / "_METADATA").is_file():
-    return given, _step_of(given.parent)
-  if (given / ITEM).is_dir():
-    return given / ITEM, _step_of(given)
-  checkpoints = given / "checkpoints" if (given / "checkpoints").is_dir() else given
-  steps = (
-      sorted(int(d.name) for d in checkpoints.iterdir() if d.name.isdigit() and (d / ITEM / "_METADATA").is_file())
-      if checkpoints.is_dir()
-      else []
-  )
-  if not steps:
-    raise ConversionError(
-        f"{given} is not a checkpoint: expected a run directory (holding checkpoints/<step>/items), "
-        f"a checkpoints directory (holding <step>/items), a step directory (holding items/) or an "
-        f"items directory (holding _METADATA)"
-    )
-  return checkpoints / str(steps[-1]) / ITEM, steps[-1]
-
-
-def _step_of(step_dir: Path) -> int | None:
-  return int(step_dir.name) if step_dir.name.isdigit() else None
-
-
-def find_config(items: Path) -> Path | None:
-  """The config.yml of the run a checkpoint belongs to: next to its steps, or in the run directory."""
-  checkpoints = items.parent.parent
-  for candidate in (checkpoints / CONFIG, checkpoints.parent / CONFIG):
-    if candidate.is_file():
-      return candidate
-  return None
-
-
-# --- reading --------------------------------------------------------------------
-
-
-class CheckpointReader:
-  """One checkpoint, read through normal paths (see `converters.layouts`), one array at a time."""
-
-  def __init__(self, path: str | os.PathLike):
-    self.items, self.step = resolve(path)
-    self._handler = ocp.PyTreeCheckpointHandler()
-    try:
-      self.tree = self._handler.metadata(epath.Path(self.items.absolute())).tree
-    except Exception as e:  # orbax raises many types for a bad folder; all mean the same here
-      raise ConversionError(f"cannot read the checkpoint metadata in {self.items}: {e}") from e
-    self.stored = layouts.flatten_tree(self.tree)
-    try:
-      self.layout = layouts.detect(self.stored)
-      self._normal = layouts.normal_paths(self.stored, self.layout)
-    except layouts.LayoutError as e:
-      raise ConversionError(f"{self.items}: {e}") from e
-    self._stored_path = {normal: stored for stored, normal in self._normal.items()}
-    for stored in self._normal:
-      if not hasattr(self.stored[stored], "shape"):
-        raise ConversionError(
-            f"{stored} in {self.items} is a {type(self.stored[stored]).__name__}, not an array; "
-            "checkpoints of arrays only are supported"
-        )
-    self.leaves = {
-        normal: Leaf(tuple(self.stored[s].shape), layouts.layout_dtype(normal, self.stored[s].dtype, layouts.LINEN))
-        for s, normal in self._normal.items()
-    }
-    self.reads = 0
-
-  def read(self, normal: str) -> np.ndarray:
-    """The array at a normal path, as a numpy array (the step as int32)."""
-    stored = self._stored_path[normal]
-    item = jax.tree_util.tree_map_with_path(
-        lambda key, _: 0 if layouts.keypath_str(key) == stored else ocp.PLACEHOLDER, self.tree
-    )
-    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
-    try:
-      restored = self._handler.restore(
-          epath.Path(self.items.absolute()),
-          args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args),
-      )
-      array = np.asarray(layouts.flatten_tree(restored)[stored])
-    except Exception as e:  # tensorstore reports damaged data in several types
-      raise ConversionError(
-          f"cannot read {stored} from {self.items} (its data is damaged or incomplete): " f"{type(e).__name__}: {e}"
-      ) from e
-    want = self.leaves[normal]
-    if array.shape != want.shape:
-      raise ConversionError(f"{stored} in {self.items} holds shape {array.shape}, but its metadata says {want.shape}")
-    self.reads += 1
-    return array.astype(want.dtype, copy=False)
-
+from maxbridge import layouts
+from maxbridge.checkpointing import ITEM
 
 # --- writing --------------------------------------------------------------------
 

@@ -15,24 +15,13 @@ from typing import Any
 
 import numpy as np
 
-from converters import layouts
 from converters.errors import ConversionError
+from maxbridge import canonical
+from maxbridge.checkpointing import Leaf
 
 
 class PlanError(ConversionError):
   """A conversion that cannot be done; the message names the path or shape at fault."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Leaf:
-  """An array's shape and dtype: all a plan needs."""
-
-  shape: tuple[int, ...]
-  dtype: np.dtype
-
-  @property
-  def nbytes(self) -> int:
-    return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,17 +78,19 @@ def build(
   leaves = {p: l for p, l in leaves.items() if not params_only or p.startswith("params/")}
   source_axis = axis if source_axis is None else source_axis
   cast = (lambda leaf: leaf) if dtype is None else _caster(np.dtype(dtype))
-  stacked = {p: l for p, l in leaves.items() if layouts.is_stacked(p)}
+  stacked = {p: l for p, l in leaves.items() if canonical.is_stacked(p)}
   layered: dict[str, dict[int, tuple[str, Leaf]]] = {}
   for path, leaf in leaves.items():
-    if found := layouts.layer_of(path):
+    if found := canonical.layer_of(path):
       layered.setdefault(found[0], {})[found[1]] = (path, leaf)
   if stacked and layered:
     raise PlanError(
         f"the checkpoint mixes scanned and unscanned layers ({next(iter(stacked))} and "
         f"{next(iter(layered))}); expected one or the other"
     )
-  steps = [Step("copy", (p,), ((p, cast(l)),)) for p, l in leaves.items() if p not in stacked and not layouts.layer_of(p)]
+  steps = [
+      Step("copy", (p,), ((p, cast(l)),)) for p, l in leaves.items() if p not in stacked and not canonical.layer_of(p)
+  ]
   steps += _from_stacks(stacked, scanned, axis, source_axis, cast, num_layers or {})
   steps += _from_layers(layered, scanned, axis, cast, num_layers or {})
   return sorted(steps, key=_order)
@@ -115,8 +106,8 @@ def _from_stacks(stacked, scanned, axis, source_axis, cast, num_layers) -> list[
   for path, leaf in stacked.items():
     layer = Leaf(_without(leaf.shape, source_axis), leaf.dtype)
     if scanned is False:
-      count = counts[layouts.stack_name(path)]
-      outputs = tuple((layouts.layer_path(path, i), cast(layer)) for i in range(count))
+      count = counts[canonical.stack_name(path)]
+      outputs = tuple((canonical.layer_path(path, i), cast(layer)) for i in range(count))
       steps.append(Step("unstack", (path,), outputs, axis=source_axis))
     else:
       moved = Leaf(_with(layer.shape, axis, leaf.shape[source_axis], path), leaf.dtype)
@@ -131,7 +122,7 @@ def _from_layers(layered, scanned, axis, cast, num_layers) -> list[Step]:
   counts = _layer_counts(layered, num_layers)
   steps = []
   for path, by_index in layered.items():
-    count = counts[layouts.stack_name(path)]
+    count = counts[canonical.stack_name(path)]
     names = tuple(by_index[i][0] for i in range(count))
     layer = _same_layers(path, [by_index[i][1] for i in range(count)], names)
     stack = Leaf(_with(layer.shape, axis, count, path), layer.dtype)
@@ -153,7 +144,7 @@ def _order(step: Step) -> tuple:
 def path_order(path: str) -> tuple:
   """Sort key: parameters first, then optimizer state, then the step; a stack's layers together."""
   group = 0 if path.startswith("params/") else 1 if path.startswith("opt_state/") else 2
-  found = layouts.layer_of(path)
+  found = canonical.layer_of(path)
   return (group, found[0], found[1]) if found else (group, path, -1)
 
 
@@ -172,8 +163,8 @@ def _with(shape: tuple[int, ...], axis: int, count: int, path: str) -> tuple[int
 def _stack_counts(stacked: Mapping[str, Leaf], axis: int, num_layers: Mapping[str, int]) -> dict[str, int]:
   """{stack name: layers along `axis`}, the same for every array of a stack, or a PlanError saying why not."""
   counts = {}
-  for name in sorted({layouts.stack_name(p) for p in stacked}):
-    stack = {p: l for p, l in stacked.items() if layouts.stack_name(p) == name}
+  for name in sorted({canonical.stack_name(p) for p in stacked}):
+    stack = {p: l for p, l in stacked.items() if canonical.stack_name(p) == name}
     sizes = {l.shape[axis] if axis < len(l.shape) else None for l in stack.values()}
     expected = num_layers.get(name)
     if len(sizes) == 1 and None not in sizes and expected in (None, *sizes):
@@ -200,18 +191,18 @@ def _layer_counts(layered: Mapping[str, Mapping[int, Any]], num_layers: Mapping[
   """{stack name: number of layers}: every array of a stack needs its layers_0 .. layers_{L-1}."""
   counts = {}
   for path, by_index in layered.items():
-    name = layouts.stack_name(path)
+    name = canonical.stack_name(path)
     counts[name] = max(counts.get(name, 0), max(by_index) + 1)
   for name, count in counts.items():
     expected = num_layers.get(name)
     if expected is not None and count != expected:
       raise PlanError(f"the checkpoint has {name}_0..{name}_{count - 1}, but the config says {expected} layers")
   for path, by_index in layered.items():
-    count = counts[layouts.stack_name(path)]
+    count = counts[canonical.stack_name(path)]
     missing = sorted(set(range(count)) - set(by_index))
     if missing:
       raise PlanError(
-          f"cannot stack {path}: layer(s) {missing} missing (no {layouts.layer_path(path, missing[0])}); "
+          f"cannot stack {path}: layer(s) {missing} missing (no {canonical.layer_path(path, missing[0])}); "
           f"found layers {sorted(by_index)}, and stacking needs every layer 0..{count - 1}"
       )
   return counts

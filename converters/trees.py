@@ -1,19 +1,14 @@
-"""The converters for trees in memory, and `load_params` for checkpoints on disk."""
+"""The converters for trees in memory (`load_params`, for checkpoints on disk, is `maxbridge.checkpointing`'s)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 from flax import nnx
 
-from converters import io, layouts
-from maxbridge import canonical
-from maxbridge.config import Config, load_config
+from maxbridge import canonical, checkpointing, layouts
 
 
 def detect_layout(tree_or_metadata: Any) -> layouts.Layout:
@@ -23,7 +18,7 @@ def detect_layout(tree_or_metadata: Any) -> layouts.Layout:
   TrainStateNNX), unscanned, float32, with optimizer state".
   """
   if isinstance(tree_or_metadata, (str, os.PathLike)):
-    return io.CheckpointReader(tree_or_metadata).layout
+    return checkpointing.CheckpointReader(tree_or_metadata).layout
   return layouts.detect(_pure(tree_or_metadata))
 
 
@@ -43,7 +38,7 @@ def to_linen(tree: Any, *, scan_layers: bool | None = None, param_scan_axis: int
     change = canonical.stack_layers if scan_layers else canonical.unstack_layers
     linen = _each_parameter_tree(linen, lambda t: change(t, param_scan_axis))
   if dtype is not None:
-    linen = _cast_floating(linen, np.dtype(dtype))
+    linen = layouts.cast_floating(linen, dtype)
   return linen
 
 
@@ -54,40 +49,10 @@ def to_nnx(tree: Any, *, scan_layers: bool | None = None, param_scan_axis: int =
   or `{"model": T}` without optimizer state; options as in `to_linen`. The
   result fills a train state with `nnx.replace_by_pure_dict(nnx.state(state), tree)`.
   """
-  normal = layouts.flatten_tree(to_linen(tree, scan_layers=scan_layers, param_scan_axis=param_scan_axis, dtype=dtype))
-  if "step" in normal:
-    normal["step"] = normal["step"].astype(layouts.STEP_DTYPES[layouts.NNX])
-  return layouts.build_tree(normal, layouts.NNX)
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointInfo:
-  """Where `load_params` read from, and what it found there."""
-
-  items: Path
-  step: int | None
-  layout: layouts.Layout
-  config: Config | None  # the run's config.yml, when the checkpoint has one
-
-
-def load_params(path: str | os.PathLike, *, dtype: Any = None) -> tuple[dict, CheckpointInfo]:
-  """The canonical parameter tree of any checkpoint this package reads, as numpy arrays.
-
-  `path`: a run, checkpoints, step or items directory (the latest step is
-  taken) in any layout: ours, MaxText's Linen or NNX checkpoints, params-only
-  decode checkpoints. The tree is as stored, scanned or not; give it to
-  `Model.load_params` (which stacks or unstacks it to fit the model). Reads
-  parameters only, one array at a time.
-  """
-  reader = io.CheckpointReader(path)
-  prefix = "params/params/"
-  flat = {p[len(prefix) :]: reader.read(p) for p in reader.leaves if p.startswith(prefix)}
-  tree = canonical.unflatten(flat)
-  if dtype is not None:
-    tree = _cast_floating(tree, np.dtype(dtype))
-  config_file = io.find_config(reader.items)
-  config = load_config(str(config_file)) if config_file else None
-  return tree, CheckpointInfo(reader.items, reader.step, reader.layout, config)
+  linen = to_linen(tree, scan_layers=scan_layers, param_scan_axis=param_scan_axis, dtype=dtype)
+  if "step" in linen:
+    linen["step"] = linen["step"].astype(layouts.STEP_DTYPES[layouts.NNX])
+  return layouts.linen_to_nnx(linen)
 
 
 def _pure(tree: Any) -> Any:
@@ -103,14 +68,4 @@ def _each_parameter_tree(node: Any, change: Callable[[dict], dict]) -> Any:
     return {k: _each_parameter_tree(v, change) for k, v in node.items()}
   if isinstance(node, list):
     return [_each_parameter_tree(v, change) for v in node]
-  return node
-
-
-def _cast_floating(node: Any, dtype: np.dtype) -> Any:
-  if isinstance(node, Mapping):
-    return {k: _cast_floating(v, dtype) for k, v in node.items()}
-  if isinstance(node, list):
-    return [_cast_floating(v, dtype) for v in node]
-  if node is not None and np.issubdtype(np.dtype(node.dtype), np.floating):
-    return node.astype(dtype)
   return node

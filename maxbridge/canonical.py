@@ -15,9 +15,9 @@ import numpy as np
 # Layer stacks by name: "layers" for every family, plus DeepSeek's two
 # ("dense_layers" then "moe_layers"), as MaxText names them.
 STACK_NAMES = ("layers", "dense_layers", "moe_layers")
-_STACK = "|".join(STACK_NAMES)
-_LAYER = re.compile(rf"^(.*/)?({_STACK})_(\d+)(/.*)$")
-_STACKED = re.compile(rf"^(.*/)?({_STACK})(/.*)$")
+STACK_PATTERN = "|".join(STACK_NAMES)
+_LAYER = re.compile(rf"^(.*/)?({STACK_PATTERN})_(\d+)(/.*)$")  # .../layers_3/x
+_STACKED = re.compile(rf"^(.*/)?({STACK_PATTERN})(/.*)$")  # .../layers/x
 
 
 def layer_stacks(config) -> tuple[tuple[str, int], ...]:
@@ -27,6 +27,32 @@ def layer_stacks(config) -> tuple[tuple[str, int], ...]:
     stacks = (("dense_layers", dense), ("moe_layers", config.num_decoder_layers - dense))
     return tuple(stack for stack in stacks if stack[1])
   return (("layers", config.num_decoder_layers),)
+
+
+def layer_of(path: str) -> tuple[str, int] | None:
+  """`.../layers_3/x` -> (`.../layers/x`, 3); None for a path outside unscanned layers."""
+  match = _LAYER.match(path)
+  if not match:
+    return None
+  head, name, index, tail = match.groups()
+  return f"{head or ''}{name}{tail}", int(index)
+
+
+def is_stacked(path: str) -> bool:
+  """True for a path inside scanned layers (`.../layers/x`)."""
+  return bool(_STACKED.match(path))
+
+
+def stack_name(path: str) -> str | None:
+  """The layer stack a path belongs to ("layers", "moe_layers", ...), scanned or not."""
+  match = _LAYER.match(path) or _STACKED.match(path)
+  return match.group(2) if match else None
+
+
+def layer_path(stacked: str, index: int) -> str:
+  """(`.../layers/x`, 3) -> `.../layers_3/x`."""
+  head, name, tail = _STACKED.match(stacked).groups()
+  return f"{head or ''}{name}_{index}{tail}"
 
 
 def layer_paths(config) -> list[str]:
@@ -58,7 +84,7 @@ def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def is_scanned(tree: Mapping[str, Any]) -> bool:
-  return any(_STACKED.match(p) for p in flatten(tree))
+  return any(map(is_stacked, flatten(tree)))
 
 
 def stack_layers(tree: Mapping[str, Any], axis: int) -> dict[str, Any]:
@@ -66,10 +92,8 @@ def stack_layers(tree: Mapping[str, Any], axis: int) -> dict[str, Any]:
   groups: dict[str, dict[int, Any]] = {}
   flat = {}
   for path, leaf in flatten(tree).items():
-    match = _LAYER.match(path)
-    if match:
-      prefix, name, index, rest = match.groups()
-      groups.setdefault(f"{prefix or ''}{name}{rest}", {})[int(index)] = leaf
+    if found := layer_of(path):
+      groups.setdefault(found[0], {})[found[1]] = leaf
     else:
       flat[path] = leaf
   for path, by_index in groups.items():
@@ -83,13 +107,11 @@ def unstack_layers(tree: Mapping[str, Any], axis: int) -> dict[str, Any]:
   """`layers` stacked on `axis` -> `layers_0 … layers_{L-1}`."""
   flat = {}
   for path, leaf in flatten(tree).items():
-    match = _STACKED.match(path)
-    if not match:
+    if not is_stacked(path):
       flat[path] = leaf
       continue
-    prefix, name, rest = match.groups()
     for i in range(leaf.shape[axis]):
-      flat[f"{prefix or ''}{name}_{i}{rest}"] = _take(leaf, i, axis)
+      flat[layer_path(path, i)] = _take(leaf, i, axis)
   return unflatten(flat)
 
 

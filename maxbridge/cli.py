@@ -53,7 +53,7 @@ def _convert(args: argparse.Namespace) -> int:
         params_only=args.params_only,
         force=args.force,
     )
-  except (converters.ConversionError, OSError) as e:
+  except (converters.CheckpointError, OSError) as e:
     print(f"maxbridge convert: {e}", file=sys.stderr)
     return 2
   print(conversion.summary())
@@ -72,7 +72,7 @@ def _compare(args: argparse.Namespace) -> int:
         params_only=args.params_only,
         metadata_only=args.metadata_only,
     )
-  except (converters.ConversionError, OSError) as e:
+  except (converters.CheckpointError, OSError) as e:
     print(f"maxbridge compare: {e}", file=sys.stderr)
     return 2
   print(comparison.report())

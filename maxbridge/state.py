@@ -24,7 +24,7 @@ from flax import nnx
 from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding
 
-from maxbridge import canonical, initializers, optimizers, sharding
+from maxbridge import canonical, initializers, layouts, optimizers, sharding
 from maxbridge.config import Config
 from maxbridge.model import LinenModel, flat_intermediates
 from maxbridge.ops import losses
@@ -156,7 +156,7 @@ class Trainer(abc.ABC):
     params = {"params": self.abstract_params}
     return {
         "params": params,
-        "opt_state": optax_to_tree(jax.eval_shape(self.tx.init, params)),
+        "opt_state": layouts.optax_to_tree(jax.eval_shape(self.tx.init, params)),
         "step": jax.ShapeDtypeStruct((), jnp.int32),
     }
 
@@ -234,13 +234,13 @@ class LinenTrainer(Trainer):
     return int(state.step)
 
   def to_checkpoint(self, state) -> dict:
-    return {"params": state.params, "opt_state": optax_to_tree(state.opt_state), "step": state.step}
+    return {"params": state.params, "opt_state": layouts.optax_to_tree(state.opt_state), "step": state.step}
 
   def from_checkpoint(self, tree: dict):
     template = self.abstract_state()
     return template.replace(
         params=tree["params"],
-        opt_state=optax_from_tree(template.opt_state, tree["opt_state"]),
+        opt_state=layouts.optax_from_tree(template.opt_state, tree["opt_state"]),
         step=jnp.asarray(tree["step"], jnp.int32),
     )
 
@@ -304,23 +304,12 @@ class NNXTrainer(Trainer):
     return int(nnx.to_pure_dict(state)["optimizer"]["step"])
 
   def to_checkpoint(self, state) -> dict:
-    pure = nnx.to_pure_dict(state)
-    template = self.disk_layout
-    return {
-        "params": {"params": pure["model"]},
-        "opt_state": _nnx_opt_to_disk(template["opt_state"], pure["optimizer"]["opt_state"]),
-        "step": _as_int32(pure["optimizer"]["step"]),
-    }
+    tree = layouts.nnx_to_linen(nnx.to_pure_dict(state), self.disk_layout)
+    return {**tree, "step": _as_int32(tree["step"])}
 
   def from_checkpoint(self, tree: dict):
-    template = self.disk_layout
-    pure = {
-        "model": tree["params"]["params"],
-        "optimizer": {
-            "opt_state": _nnx_opt_from_disk(template["opt_state"], tree["opt_state"]),
-            "step": jnp.asarray(tree["step"], jnp.uint32),
-        },
-    }
+    pure = layouts.linen_to_nnx(tree)
+    pure["optimizer"]["step"] = jnp.asarray(pure["optimizer"]["step"], jnp.uint32)
     state = jax.tree.map(lambda x: x, self._abstract_state)  # a fresh State to fill
     nnx.replace_by_pure_dict(state, pure)
     return state
@@ -356,63 +345,9 @@ class NNXTrainer(Trainer):
     return {"loss": loss_sum / jnp.maximum(aux["tokens"], 1.0), "tokens": aux["tokens"]}
 
 
-# --- optax state <-> MaxText's on-disk form -------------------------------
+# --- the on-disk step ---------------------------------------------------
 
 
 def _as_int32(step: Any) -> Any:
   # The same mapping also carries trees of shardings, which have no dtype.
   return step.astype(jnp.int32) if hasattr(step, "astype") else step
-
-
-def optax_to_tree(node: Any) -> Any:
-  """Tuples become lists, NamedTuples dicts of their fields, empty states None."""
-  if isinstance(node, nnx.Variable):
-    return node.get_value()
-  if hasattr(node, "_fields"):
-    return {f: optax_to_tree(getattr(node, f)) for f in node._fields} if node._fields else None
-  if isinstance(node, (tuple, list)):
-    return [optax_to_tree(x) for x in node]
-  if isinstance(node, Mapping):
-    return {k: optax_to_tree(v) for k, v in node.items()}
-  return node
-
-
-def optax_from_tree(template: Any, tree: Any) -> Any:
-  """The inverse of `optax_to_tree`, rebuilding `template`'s optax types."""
-  if hasattr(template, "_fields"):
-    if not template._fields:
-      return template
-    return type(template)(*(optax_from_tree(getattr(template, f), tree[f]) for f in template._fields))
-  if isinstance(template, (tuple, list)):
-    return type(template)(optax_from_tree(t, x) for t, x in zip(template, tree))
-  if isinstance(template, Mapping):
-    return {k: optax_from_tree(template[k], tree[k]) for k in template}
-  return tree
-
-
-def _is_params_level(node: Any) -> bool:
-  # Linen trees carry a {"params": ...} collection level; NNX trees do not.
-  return isinstance(node, Mapping) and set(node) == {"params"}
-
-
-def _nnx_opt_to_disk(template: Any, node: Any) -> Any:
-  """nnx.Optimizer's pure opt_state (int-keyed, empty states absent) -> the on-disk lists."""
-  if template is None:
-    return None
-  if _is_params_level(template):
-    return {"params": node}
-  if isinstance(template, list):
-    return [_nnx_opt_to_disk(t, node.get(i)) for i, t in enumerate(template)]
-  if isinstance(template, Mapping):
-    return {k: _nnx_opt_to_disk(template[k], node[k]) for k in template}
-  return node
-
-
-def _nnx_opt_from_disk(template: Any, tree: Any) -> Any:
-  if _is_params_level(template):
-    return tree["params"]
-  if isinstance(template, list):
-    return {i: _nnx_opt_from_disk(t, x) for i, (t, x) in enumerate(zip(template, tree)) if t is not None}
-  if isinstance(template, Mapping):
-    return {k: _nnx_opt_from_disk(template[k], tree[k]) for k in template}
-  return tree

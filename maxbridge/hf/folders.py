@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from maxbridge import canonical
+from maxbridge import canonical, checkpointing
 from maxbridge.config import Config, load_config
 from maxbridge.hf.families import CONFIG_FILE, HF_CONFIG_SIDECAR, INDEX_FILE, WEIGHTS_FILE, HFError
 from maxbridge.hf.mapping import LazyTensor, config_from_hf, config_to_hf, from_hf_tensors, to_hf_tensors
@@ -160,8 +160,6 @@ def import_hf(
   training writes), `config.yml`, and the original config.json as
   `hf_config.json` (with the tokenizer files) for a faithful export later.
   """
-  from maxbridge.checkpointing import Checkpointer  # pylint: disable=import-outside-toplevel
-
   source, destination = Path(source), Path(destination)
   kwargs: dict[str, Any] = {}
   if scan_layers is not None:
@@ -174,7 +172,7 @@ def import_hf(
   hf_config = read_hf_config(source)
 
   def write(tmp: Path) -> None:
-    checkpointer = Checkpointer(tmp)
+    checkpointer = checkpointing.Checkpointer(tmp)
     checkpointer.save(0, {"params": {"params": params}})
     checkpointer.wait()
     checkpointer.close()
@@ -186,14 +184,9 @@ def import_hf(
 
 
 def load_checkpoint(path: str | os.PathLike, *overrides: str, **kwargs: Any) -> tuple[Config, dict]:
-  """(Config, canonical params) of a maxbridge checkpoint or run directory, via `converters`."""
-  try:
-    import converters  # pylint: disable=import-outside-toplevel
-    from converters import io as converter_io  # pylint: disable=import-outside-toplevel
-  except ImportError as e:
-    raise NotImplementedError(f"reading the maxbridge checkpoint {path} needs the converters package ({e})") from e
-  params, info = converters.load_params(path)
-  config_file = converter_io.find_config(info.items)
+  """(Config, canonical params) of a maxbridge checkpoint or run directory, in any layout."""
+  params, info = checkpointing.load_params(path)
+  config_file = checkpointing.find_config(info.items)
   if config_file is None:
     raise HFError(
         f"{path} has no config.yml beside its checkpoints (or in its run directory): the model "
@@ -204,9 +197,7 @@ def load_checkpoint(path: str | os.PathLike, *overrides: str, **kwargs: Any) -> 
 
 def _sidecar(path: str | os.PathLike) -> tuple[dict[str, Any] | None, Path | None]:
   """The original Hugging Face config.json kept by import-hf, and the folder it lies in."""
-  from converters import io as converter_io  # pylint: disable=import-outside-toplevel
-
-  config_file = converter_io.find_config(converter_io.resolve(path)[0])
+  config_file = checkpointing.find_config(checkpointing.resolve(path)[0])
   if config_file is None or not (config_file.parent / HF_CONFIG_SIDECAR).is_file():
     return None, None
   return json.loads((config_file.parent / HF_CONFIG_SIDECAR).read_text()), config_file.parent
@@ -256,6 +247,6 @@ def tokenizer_folder(path: str | os.PathLike) -> Path | None:
     return path
   try:
     _, folder = _sidecar(path)
-  except (ImportError, ValueError, OSError):
+  except (ValueError, OSError):
     return None
   return folder if folder is not None and (folder / "tokenizer.json").is_file() else None

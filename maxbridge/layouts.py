@@ -21,7 +21,10 @@ The layouts this module reads and writes:
             decode checkpoints), or a bare canonical tree T ("canonical").
 
 Scanned layers are `.../layers/...`, stacked on param_scan_axis; unscanned are
-`.../layers_<i>/...`. Converters and the comparator see normal paths only.
+`.../layers_<i>/...` (`maxbridge.canonical` knows which is which). Converters
+and the comparator see normal paths only; the trainers map their states to the
+linen layout here too (`optax_to_tree`, `nnx_to_linen`, `linen_to_nnx`), so a checkpoint
+is the same tree whichever backend wrote it.
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from converters.errors import ConversionError
 from maxbridge import canonical
 
 # Subtrees a loader may ignore: MaxText's NNX path saves its RNG state here.
@@ -42,13 +44,11 @@ IGNORED = ("nnx_aux",)
 LINEN, NNX, CANONICAL = "linen", "nnx", "canonical"
 _PARAM_ROOTS = {"token_embedder", "decoder"}
 STEP_DTYPES = {LINEN: np.dtype(np.int32), NNX: np.dtype(np.uint32)}
-_STACK = "|".join(canonical.STACK_NAMES)  # "layers", and DeepSeek's "dense_layers", "moe_layers"
-_LAYER = re.compile(rf"^(.*/)?({_STACK})_(\d+)(/.*)$")
-_STACKED = re.compile(rf"^(.*/)?({_STACK})(/.*)$")
-_INTEGER_LAYER = re.compile(rf"(^|/)({_STACK})/(\d+)(?=/|$)")
+# Older MaxText NNX checkpoints key unscanned layers as layers/<i>/.
+_INTEGER_LAYER = re.compile(rf"(^|/)({canonical.STACK_PATTERN})/(\d+)(?=/|$)")
 
 
-class LayoutError(ConversionError):
+class LayoutError(ValueError):
   """A tree that is not in any layout this module knows; the message names the path."""
 
 
@@ -118,31 +118,6 @@ def keypath_str(keypath) -> str:
   return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keypath)
 
 
-def layer_of(path: str) -> tuple[str, int] | None:
-  """`.../layers_3/x` -> (`.../layers/x`, 3); None for a path outside unscanned layers."""
-  match = _LAYER.match(path)
-  if not match:
-    return None
-  head, name, index, tail = match.groups()
-  return f"{head or ''}{name}{tail}", int(index)
-
-
-def stack_name(path: str) -> str | None:
-  """The layer stack a path belongs to ("layers", "moe_layers", ...), scanned or not."""
-  match = _LAYER.match(path) or _STACKED.match(path)
-  return match.group(2) if match else None
-
-
-def is_stacked(path: str) -> bool:
-  return bool(_STACKED.match(path))
-
-
-def layer_path(stacked: str, index: int) -> str:
-  """(`.../layers/x`, 3) -> `.../layers_3/x`."""
-  head, name, tail = _STACKED.match(stacked).groups()
-  return f"{head or ''}{name}_{index}{tail}"
-
-
 # --- detection ----------------------------------------------------------------
 
 
@@ -179,7 +154,7 @@ def detect(tree_or_flat: Any) -> Layout:
   return Layout(
       kind=kind,
       params_only=not (tops - {params_root} - _PARAM_ROOTS),
-      scanned=any(is_stacked(p) for p in params),
+      scanned=any(map(canonical.is_stacked, params)),
       dtype=dtypes.pop() if len(dtypes) == 1 else "mixed",
       value_wrappers=wrapped,
       integer_layer_keys=any(_INTEGER_LAYER.search(p) for p in param_paths),
@@ -317,3 +292,60 @@ def stored_like(stored: Mapping[str, Any], layout: Layout, normal_tree: Any) -> 
     return wanted.get(mapping.get(keypath_str(keypath)))
 
   return jax.tree_util.tree_map_with_path(leaf, kept)
+
+
+def cast_floating(tree: Any, dtype: Any) -> Any:
+  """`tree` (dicts, lists, None) with its floating-point leaves cast to `dtype`; integers (steps, counts) kept."""
+  dtype = np.dtype(dtype)
+
+  def cast(leaf):
+    return leaf.astype(dtype) if np.issubdtype(np.dtype(leaf.dtype), np.floating) else leaf
+
+  return jax.tree.map(cast, tree)
+
+
+# --- train states in memory -> the linen layout, and back ------------------------
+
+
+def optax_to_tree(node: Any) -> Any:
+  """An optax state in the linen layout: tuples become lists, NamedTuples dicts of their fields, empty states None."""
+  if hasattr(node, "_fields"):
+    return {f: optax_to_tree(getattr(node, f)) for f in node._fields} if node._fields else None
+  if isinstance(node, (tuple, list)):
+    return [optax_to_tree(x) for x in node]
+  if isinstance(node, Mapping):
+    return {k: optax_to_tree(v) for k, v in node.items()}
+  return node
+
+
+def optax_from_tree(template: Any, tree: Any) -> Any:
+  """The inverse of `optax_to_tree`, rebuilding `template`'s optax types."""
+  if hasattr(template, "_fields"):
+    if not template._fields:
+      return template
+    return type(template)(*(optax_from_tree(getattr(template, f), tree[f]) for f in template._fields))
+  if isinstance(template, (tuple, list)):
+    return type(template)(optax_from_tree(t, x) for t, x in zip(template, tree))
+  if isinstance(template, Mapping):
+    return {k: optax_from_tree(template[k], tree[k]) for k in template}
+  return tree
+
+
+def _flat_leaves(tree: Any) -> dict[str, Any]:
+  # jax's flattening, not flatten_tree: a PartitionSpec (a tuple) is a leaf here.
+  return {keypath_str(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def linen_to_nnx(tree: Any) -> dict:
+  """A tree in the linen layout -> the nnx layout's pure dict; leaves as given (see `layout_dtype`)."""
+  return build_tree(_flat_leaves(tree), NNX)
+
+
+def nnx_to_linen(tree: Any, like: Any) -> Any:
+  """An nnx-layout pure dict (arrays, shardings or specs) -> the linen-layout tree `like` describes.
+
+  `like` (the abstract linen tree) says where Linen keeps the None of an empty
+  optimizer state, which the nnx layout omits.
+  """
+  flat = _flat_leaves(tree)
+  return jax.tree_util.tree_map_with_path(lambda path, _: flat[layout_path(keypath_str(path), NNX)], like)

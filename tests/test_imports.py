@@ -1,0 +1,38 @@
+"""Import direction and import cost: the core never needs the converters, and configs never need JAX."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+MAXBRIDGE = Path(__file__).resolve().parent.parent / "maxbridge"
+
+
+def _imports_of(node: ast.AST) -> set[str]:
+  names = set()
+  for child in ast.walk(node):
+    if isinstance(child, ast.Import):
+      names.update(alias.name.split(".")[0] for alias in child.names)
+    elif isinstance(child, ast.ImportFrom) and child.level == 0:
+      names.add(child.module.split(".")[0])
+  return names
+
+
+def test_no_core_module_imports_converters():
+  # converters import maxbridge; the reverse would be a cycle. The command
+  # line is the one exception: its convert and compare verbs are the
+  # converters, imported inside those handlers only.
+  offenders = []
+  for file in sorted(MAXBRIDGE.rglob("*.py")):
+    tree = ast.parse(file.read_text(), str(file))
+    if file.name == "cli.py" and file.parent == MAXBRIDGE:
+      tree.body = [node for node in tree.body if not isinstance(node, ast.FunctionDef)]
+    if "converters" in _imports_of(tree):
+      offenders.append(str(file.relative_to(MAXBRIDGE.parent)))
+  assert not offenders, f"these modules import converters: {offenders}"
+
+
+def test_loading_a_checkpoint_from_the_core_does_not_load_converters():
+  code = "import sys, maxbridge.hf, maxbridge.checkpointing, maxbridge.train; print('converters' in sys.modules)"
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+  assert out.strip() == "False"
