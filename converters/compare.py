@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable
 
 import numpy as np
 
 from converters import plan
+from converters.errors import ConversionError
 from maxbridge import canonical, checkpointing
 from maxbridge.config import ConfigError, load_config
 
@@ -66,6 +68,9 @@ def compare(
   a dtype or shape that differs is a difference. Arrays are read one at a
   time (one layer stack at a time when only one side is scanned).
   """
+  for name, value in (("atol", atol), ("rtol", rtol)):
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+      raise ConversionError(f"{name}={value!r} is invalid; it must be a finite number >= 0")
   readers = [checkpointing.CheckpointReader(first), checkpointing.CheckpointReader(second)]
   axes = [_scan_axis(r) for r in readers]
   # Compare in the form both can take without guessing: stacked only if both are.

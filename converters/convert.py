@@ -6,7 +6,6 @@ import dataclasses
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -14,11 +13,14 @@ from tqdm import tqdm
 
 from converters import io, plan
 from converters.errors import ConversionError
-from maxbridge import canonical, checkpointing, layouts
+from maxbridge import canonical, checkpointing, files, layouts
 from maxbridge.config import Config, ConfigError, load_config
 
 # Below this many bytes a conversion takes a moment: no progress bar.
 PROGRESS_BYTES = 256 << 20
+# Tags of the hidden folders beside a destination (see `maxbridge.files.temp_dir_beside`).
+STAGING = "converting"
+REPLACED = "replaced"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +104,8 @@ def convert(
   # The outermost folder this call creates, removed again if the conversion fails.
   created = next((p for p in reversed(destination.parents) if not p.exists()), None)
   destination.parent.mkdir(parents=True, exist_ok=True)
-  staging = Path(tempfile.mkdtemp(dir=destination.parent, prefix=f".{destination.name}.converting-"))
+  # Named for this process: the next conversion to `destination` removes it if a kill left it behind.
+  staging = files.temp_dir_beside(destination, STAGING)
   done = False
   try:
     writer = io.CheckpointWriter(staging, job.step, skeleton, group_bytes=group_bytes)
@@ -165,10 +168,31 @@ def _prepare(reader, destination, layout, scan_layers, param_scan_axis, dtype, p
   run_dir = destination.parent if destination.name == "checkpoints" else None
   scanned = reader.layout.scanned if scan_layers is None else scan_layers
   new_config = _adjusted(config, scanned, axis, dtype, run_dir)
+  if new_config is not None:
+    _check_config_describes(new_config, stored, reader.items)
   config_file = (run_dir or destination) / checkpointing.CONFIG
   if new_config and run_dir and config_file.exists() and not force:
     raise ConversionError(f"{config_file} already exists; pass --force to replace it")
   return _Job(steps, stored, kind, _step_number(reader), new_config, config_file)
+
+
+def _check_config_describes(config: Config, stored: dict[str, checkpointing.Leaf], items: Path) -> None:
+  """The config.yml written beside the result must describe its parameters, or it would not load."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from maxbridge.hf.folders import abstract_params  # pylint: disable=import-outside-toplevel
+
+  prefix = "params/params/"
+  params = {
+      p[len(prefix) :]: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for p, leaf in stored.items() if p.startswith(prefix)
+  }
+  try:
+    canonical.check(canonical.unflatten(params), abstract_params(config), config.param_scan_axis)
+  except ValueError as e:
+    raise ConversionError(
+        f"the source's config.yml does not describe the checkpoint in {items}, so the result would not "
+        f"load; nothing was written. {e}"
+    ) from e
 
 
 def _load(config_file: Path | None) -> Config | None:
@@ -226,8 +250,8 @@ def _replace(staging: Path, destination: Path) -> None:
   """Moves the finished staging folder to `destination`, replacing an old destination."""
   old = None
   if destination.exists():
-    old = destination.parent / f".{destination.name}.replaced-{os.getpid()}"
-    destination.rename(old)
+    old = files.temp_dir_beside(destination, REPLACED)
+    os.replace(destination, old / destination.name)
   staging.rename(destination)
   if old is not None:
     shutil.rmtree(old)

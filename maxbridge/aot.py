@@ -75,6 +75,7 @@ def format_table(rows: list[dict], mesh_shape: tuple[int, ...]) -> str:
 def compile_train_step(config: Config) -> dict:
   """Lowers and compiles the train step on abstract, sharded inputs; returns its costs."""
   trainer = dispatch.create_trainer(config)
+  sharding.check_divisible(trainer.abstract_state(), trainer.state_shardings)
   state = jax.tree.map(
       lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
       trainer.abstract_state(),

@@ -138,6 +138,16 @@ def conform(tree: Mapping[str, Any], abstract: Mapping[str, Any], axis: int) -> 
 
   A missing, extra or mis-shaped leaf raises ValueError naming its path.
   """
+  got, want = _checked(tree, abstract, axis)
+  return unflatten({p: jnp.asarray(got[p], want[p].dtype) for p in want})
+
+
+def check(tree: Mapping[str, Any], abstract: Mapping[str, Any], axis: int) -> None:
+  """`conform`'s checks alone: leaves need only a shape (arrays, or `jax.ShapeDtypeStruct`s)."""
+  _checked(tree, abstract, axis)
+
+
+def _checked(tree: Mapping[str, Any], abstract: Mapping[str, Any], axis: int) -> tuple[dict, dict]:
   if not isinstance(tree, Mapping):
     raise TypeError(f"parameters must be a nested dict of arrays, got {type(tree).__name__}")
   want_scanned, have_scanned = is_scanned(abstract), is_scanned(tree)
@@ -157,4 +167,4 @@ def conform(tree: Mapping[str, Any], abstract: Mapping[str, Any], axis: int) -> 
       raise ValueError(
           f"parameter {path} has shape {tuple(np.shape(leaf))}, the model expects " f"{tuple(want[path].shape)}"
       )
-  return unflatten({p: jnp.asarray(got[p], want[p].dtype) for p in want})
+  return got, want

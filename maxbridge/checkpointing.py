@@ -7,12 +7,20 @@ save killed midway leaves no step that restores half-written.
 `Checkpointer` saves and restores whole train states; `CheckpointReader` and
 `load_params` read any checkpoint (ours, MaxText's Linen or NNX, params-only)
 one array at a time, for `maxbridge.hf` and the converters.
+
+A save that fails (a full disk, a file where the folder should be) raises
+`CheckpointSaveError` from `save` or `wait`, and `close` always returns:
+orbax makes a step's folders inside `save` itself here, so no background
+thread is ever left waiting for a folder that will never exist.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +39,38 @@ IGNORED_SUBTREES = layouts.IGNORED
 
 
 class CheckpointError(ValueError):
-  pass
+  """A checkpoint that cannot be read or does not fit the model; the message names the step folder."""
+
+
+class CheckpointSaveError(OSError):
+  """A save that failed (disk full, unwritable folder); the message names the step and the reason."""
+
+
+_ORBAX_TMP = ".orbax-checkpoint-tmp"
+
+
+def step_problem(step_dir: str | os.PathLike) -> str | None:
+  """Why the step folder `step_dir` cannot be restored, or None when it looks intact.
+
+  Reads only `items/_METADATA` (a small JSON file), so listing every step stays cheap.
+  """
+  meta = Path(step_dir) / ITEM / "_METADATA"
+  if not (Path(step_dir) / ITEM).is_dir():
+    return f"it has no {ITEM}/ folder (an empty or partly deleted step)"
+  if not meta.is_file():
+    return f"{ITEM}/_METADATA is missing"
+  try:
+    tree = json.loads(meta.read_bytes())
+  except (ValueError, OSError) as e:
+    return f"{ITEM}/_METADATA is not readable JSON ({type(e).__name__})"
+  if not isinstance(tree, dict) or not isinstance(tree.get("tree_metadata"), dict):
+    return f"{ITEM}/_METADATA holds no tree metadata"
+  return None
+
+
+def describe_last_good(directory: str | os.PathLike, steps: list[int]) -> str:
+  """ "step 3 in runs/x/checkpoints", for messages; or that none is there."""
+  return f"step {max(steps)} in {directory}" if steps else f"none in {directory}"
 
 
 def _paths(tree: Any) -> dict[str, Any]:
@@ -61,11 +100,19 @@ def _params_first(item) -> tuple[bool, str]:
 class Checkpointer:
   """A CheckpointManager over `directory`, with checked restores."""
 
-  def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = None):
+  def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = None, create: bool = True):
+    """`create=False` reads a folder that may not exist yet; the first `save` makes it."""
     self.directory = os.fspath(directory)
+    self._saving: int | None = None  # the step of the save in flight
     self.manager = ocp.CheckpointManager(
         os.path.abspath(self.directory),
-        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            create=create,
+            # Made in the caller's thread: a folder that cannot be made raises in save(),
+            # instead of leaving orbax's commit threads waiting for it for ever (a hang at exit).
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+        ),
         # Named up front so metadata can be read before any save or restore.
         item_handlers={ITEM: ocp.PyTreeCheckpointHandler()},
     )
@@ -76,21 +123,94 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return list(self.manager.all_steps())
 
+  def intact_steps(self) -> list[int]:
+    """The steps whose folders look restorable (see `step_problem`), oldest first."""
+    return [s for s in self.all_steps() if step_problem(self.step_dir(s)) is None]
+
+  def step_dir(self, step: int) -> Path:
+    return Path(self.directory) / str(step)
+
+  def latest_intact_step(self) -> int | None:
+    """The latest step, checked: a damaged latest step is an error naming the intact step before it.
+
+    Resuming silently from an older step would retrain steps and then collide
+    with the damaged folder on its next save; the user decides instead.
+    """
+    steps = self.all_steps()
+    if not steps:
+      return None
+    problem = step_problem(self.step_dir(steps[-1]))
+    if problem is None:
+      return steps[-1]
+    raise CheckpointError(f"{self.step_dir(steps[-1])} is damaged: {problem}; {self._fallback(steps[-1])}")
+
+  def _fallback(self, damaged: int) -> str:
+    earlier = [s for s in self.intact_steps() if s < damaged]
+    if not earlier:
+      return f"no earlier step in {self.directory} is intact"
+    return f"step {earlier[-1]} is intact: move {self.step_dir(damaged)} away (or delete it) to resume from step {earlier[-1]}"
+
+  def remove_temporaries(self) -> None:
+    """Removes the folders of saves that never finished (a killed or failed run), before saving again."""
+    if os.path.isdir(self.directory):
+      for entry in Path(self.directory).iterdir():
+        if _ORBAX_TMP in entry.name and entry.name.split(".")[0].isdigit():
+          shutil.rmtree(entry, ignore_errors=True)
+
   def save(self, step: int, tree: dict) -> None:
-    """Starts an asynchronous save; arrays are copied off the live state before it returns."""
-    self.manager.save(step, args=ocp.args.Composite(items=ocp.args.PyTreeSave(tree)))
+    """Starts an asynchronous save; arrays are copied off the live state before it returns.
+
+    Raises `CheckpointSaveError` for this step, or for the save before it if that one failed.
+    """
+    self.wait()
+    self._saving = step
+    try:
+      self.manager.save(step, args=ocp.args.Composite(items=ocp.args.PyTreeSave(tree)))
+    except Exception as e:  # orbax and tensorstore report a failed write in several types
+      raise self._save_error(e) from e
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    """Waits for the save in flight; raises `CheckpointSaveError` if it failed."""
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:
+      raise self._save_error(e) from e
+    self._saving = None
 
-  def close(self) -> None:
-    self.manager.close()
+  def close(self) -> CheckpointSaveError | None:
+    """Finishes the save in flight and releases orbax's threads. Never raises: returns the save's error."""
+    error = None
+    try:
+      self.wait()
+    except CheckpointSaveError as e:
+      error = e
+    try:
+      self.manager.close()
+    except Exception as e:
+      error = error or self._save_error(e)
+    if error is not None:
+      self.remove_temporaries()
+    return error
+
+  def _save_error(self, e: Exception) -> CheckpointSaveError:
+    step, self._saving = self._saving, None
+    reason = " ".join(str(e).split())
+    reason = reason if len(reason) <= 300 else reason[:300] + "..."
+    what = f"checkpoint step {step}" if step is not None else "a checkpoint"
+    return CheckpointSaveError(f"could not save {what} in {self.directory}: {type(e).__name__}: {reason}")
 
   def restore(self, step: int, target: dict) -> dict:
     """Restores `step` into the abstract `target` tree, after checking every path and shape."""
     if step not in self.manager.all_steps():
       raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; available: {self.all_steps()}")
-    stored_tree = self.manager.item_metadata(step)["items"].tree
+    problem = step_problem(self.step_dir(step))
+    if problem is None:
+      try:
+        stored_tree = self.manager.item_metadata(step)[ITEM].tree
+      except Exception as e:  # orbax raises many types for a damaged folder; all mean the same here
+        problem = f"its metadata cannot be read ({type(e).__name__}: {e})"
+    if problem is not None:
+      raise CheckpointError(f"{self.step_dir(step)} is damaged: {problem}; {self._fallback(step)}")
     layout = _foreign_layout(stored_tree)
     stored = _paths(layouts.normalize(stored_tree, layout) if layout else stored_tree)
     wanted = _paths(target)
@@ -119,17 +239,24 @@ class Checkpointer:
     )
     # A checkpoint in another layout is read in its own structure, then renamed.
     on_disk = layouts.stored_like(stored_tree, layout, target) if layout else target
-    restored = self.manager.restore(
-        step,
-        args=ocp.args.Composite(
-            items=ocp.args.PyTreeRestore(
-                on_disk,
-                restore_args=ocp.checkpoint_utils.construct_restore_args(on_disk),
-                # Only the ignored subtrees can be left behind: checked above.
-                partial_restore=True,
-            )
-        ),
-    )
+    try:
+      restored = self.manager.restore(
+          step,
+          args=ocp.args.Composite(
+              items=ocp.args.PyTreeRestore(
+                  on_disk,
+                  restore_args=ocp.checkpoint_utils.construct_restore_args(on_disk),
+                  # Only the ignored subtrees can be left behind: checked above.
+                  partial_restore=True,
+              )
+          ),
+      )
+    except Exception as e:  # tensorstore reports missing or damaged data files in several types
+      reason = " ".join(str(e).split())[:300]
+      raise CheckpointError(
+          f"{self.step_dir(step)} is damaged: its data cannot be read ({type(e).__name__}: {reason}); "
+          f"{self._fallback(step)}"
+      ) from e
     return layouts.normalize(restored["items"], layout) if layout else restored["items"]
 
 
@@ -146,18 +273,40 @@ def resolve(path: str | os.PathLike) -> tuple[Path, int | None]:
   if (given / ITEM).is_dir():
     return given / ITEM, _step_of(given)
   checkpoints = given / "checkpoints" if (given / "checkpoints").is_dir() else given
-  steps = (
-      sorted(int(d.name) for d in checkpoints.iterdir() if d.name.isdigit() and (d / ITEM / "_METADATA").is_file())
-      if checkpoints.is_dir()
-      else []
-  )
+  found = sorted(int(d.name) for d in checkpoints.iterdir() if d.name.isdigit()) if checkpoints.is_dir() else []
+  problems = {step: step_problem(checkpoints / str(step)) for step in found}
+  steps = [step for step in found if problems[step] is None]
+  damaged = [step for step in found if problems[step] is not None and (not steps or step > steps[-1])]
   if not steps:
+    why = "".join(f"; {checkpoints / str(s)} is damaged: {problems[s]}" for s in damaged[-3:])
     raise CheckpointError(
         f"{given} is not a checkpoint: expected a run directory (holding checkpoints/<step>/items), "
         f"a checkpoints directory (holding <step>/items), a step directory (holding items/) or an "
-        f"items directory (holding _METADATA)"
+        f"items directory (holding _METADATA){why}"
+    )
+  for step in damaged:
+    print(
+        f"maxbridge: skipped {checkpoints / str(step)} (damaged: {problems[step]}); reading step {steps[-1]}",
+        file=sys.stderr,
     )
   return checkpoints / str(steps[-1]) / ITEM, steps[-1]
+
+
+def intact_before(items: Path) -> str:
+  """For an error about the step holding `items`: the latest intact step before it, if any."""
+  step_dir = items.absolute().parent
+  if not step_dir.name.isdigit():
+    return ""
+  earlier = sorted(
+      (int(d.name) for d in step_dir.parent.iterdir() if d.name.isdigit() and int(d.name) < int(step_dir.name)),
+      reverse=True,
+  )
+  intact = next((s for s in earlier if step_problem(step_dir.parent / str(s)) is None), None)
+  return (
+      f"; step {intact} is intact ({step_dir.parent / str(intact)})"
+      if intact is not None
+      else "; no earlier step is intact"
+  )
 
 
 def _step_of(step_dir: Path) -> int | None:
@@ -198,7 +347,11 @@ class CheckpointReader:
     try:
       self.tree = self._handler.metadata(epath.Path(self.items.absolute())).tree
     except Exception as e:  # orbax raises many types for a bad folder; all mean the same here
-      raise CheckpointError(f"cannot read the checkpoint metadata in {self.items}: {e}") from e
+      reason = " ".join(str(e).split())[:300]
+      raise CheckpointError(
+          f"cannot read the checkpoint metadata in {self.items} (damaged?): {type(e).__name__}: {reason}"
+          f"{intact_before(self.items)}"
+      ) from e
     self.stored = layouts.flatten_tree(self.tree)
     try:
       self.layout = layouts.detect(self.stored)
@@ -232,8 +385,10 @@ class CheckpointReader:
       )
       array = np.asarray(layouts.flatten_tree(restored)[stored])
     except Exception as e:  # tensorstore reports damaged data in several types
+      reason = " ".join(str(e).split())[:300]
       raise CheckpointError(
-          f"cannot read {stored} from {self.items} (its data is damaged or incomplete): " f"{type(e).__name__}: {e}"
+          f"cannot read {stored} from {self.items} (its data is damaged or incomplete): {type(e).__name__}: "
+          f"{reason}{intact_before(self.items)}"
       ) from e
     want = self.leaves[normal]
     if array.shape != want.shape:

@@ -1,36 +1,45 @@
-"""The `maxbridge` command: one verb per workflow, configuration as key=value."""
+"""The `maxbridge` command: one verb per workflow, configuration as key=value.
+
+Exit status: 0 done; 2 bad input (a file, key, path or shape the message
+names, which the user can fix); 1 an internal failure, or a run that diverged;
+128 + N a signal N (SIGINT, SIGTERM). Errors print one message, no traceback,
+unless `--debug` is given or MAXBRIDGE_DEBUG=1 is set.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import math
 import os
+import re
 import sys
+import threading
+import time
+import traceback
 from collections.abc import Callable, Sequence
 
-from maxbridge.config import ConfigError, load_config
+from maxbridge.config import load_config
 
 Handler = Callable[[argparse.Namespace], int]
 
 # Exit status of a verb that is declared but not built yet: argparse's
 # "usage error" code, so scripts can tell it from success.
 NOT_YET = 2
+BAD_INPUT = 2
+INTERNAL = 1
+DEBUG_ENV = "MAXBRIDGE_DEBUG"
+# Seconds a finished command waits for threads a library left running before it exits anyway.
+EXIT_GRACE_S = 5.0
 
 
 def _train(args: argparse.Namespace) -> int:
   # Imported here: jax loads only for the verbs that need it. (maxbridge.train
   # the function shadows the module of that name on the package.)
-  from maxbridge.checkpointing import CheckpointError
-  from maxbridge.train import TrainingDiverged, run_directory, train
+  from maxbridge.train import run_directory, train
 
   config = load_config(args.preset, *args.overrides)
-  try:
-    records = train(config)
-  except TrainingDiverged as e:
-    print(f"maxbridge train: {e}", file=sys.stderr)
-    return 1
-  except CheckpointError as e:
-    print(f"maxbridge train: {e}", file=sys.stderr)
-    return 2
+  records = train(config)
   run_dir = run_directory(config)
   if records:
     print(f"{run_dir}: step {records[-1]['step']} loss {records[-1]['loss']:.4f}")
@@ -42,20 +51,16 @@ def _train(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
   import converters  # jax and orbax load only for the verbs that need them
 
-  try:
-    conversion = converters.convert(
-        args.source,
-        args.destination,
-        layout=args.layout,
-        scan_layers=args.scan_layers,
-        param_scan_axis=args.param_scan_axis,
-        dtype=args.dtype,
-        params_only=args.params_only,
-        force=args.force,
-    )
-  except (converters.CheckpointError, OSError) as e:
-    print(f"maxbridge convert: {e}", file=sys.stderr)
-    return 2
+  conversion = converters.convert(
+      args.source,
+      args.destination,
+      layout=args.layout,
+      scan_layers=args.scan_layers,
+      param_scan_axis=args.param_scan_axis,
+      dtype=args.dtype,
+      params_only=args.params_only,
+      force=args.force,
+  )
   print(conversion.summary())
   return 0
 
@@ -63,20 +68,38 @@ def _convert(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
   import converters
 
-  try:
-    comparison = converters.compare(
-        args.first,
-        args.second,
-        atol=args.atol,
-        rtol=args.rtol,
-        params_only=args.params_only,
-        metadata_only=args.metadata_only,
-    )
-  except (converters.CheckpointError, OSError) as e:
-    print(f"maxbridge compare: {e}", file=sys.stderr)
-    return 2
+  comparison = converters.compare(
+      args.first,
+      args.second,
+      atol=args.atol,
+      rtol=args.rtol,
+      params_only=args.params_only,
+      metadata_only=args.metadata_only,
+  )
   print(comparison.report())
   return 0 if comparison.equal else 1
+
+
+def _count(text: str) -> int:
+  """A whole number >= 0 (argparse's int() also takes "-2")."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+  if value < 0:
+    raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+  return value
+
+
+def _tolerance(text: str) -> float:
+  """A finite float >= 0 (float() also takes "nan", "-1" and "inf")."""
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+  if not (math.isfinite(value) and value >= 0):
+    raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
+  return value
 
 
 def _bool(text: str) -> bool:
@@ -89,11 +112,7 @@ def _bool(text: str) -> bool:
 def _import_hf(args: argparse.Namespace) -> int:
   from maxbridge import hf
 
-  try:
-    out = hf.import_hf(args.source, args.destination, *args.overrides, scan_layers=args.scan_layers, dtype=args.dtype)
-  except (ValueError, OSError, NotImplementedError) as e:
-    print(f"maxbridge import-hf: {e}", file=sys.stderr)
-    return 2
+  out = hf.import_hf(args.source, args.destination, *args.overrides, scan_layers=args.scan_layers, dtype=args.dtype)
   print(f"{out}: params-only checkpoint at step 0, with config.yml")
   return 0
 
@@ -101,11 +120,7 @@ def _import_hf(args: argparse.Namespace) -> int:
 def _export_hf(args: argparse.Namespace) -> int:
   from maxbridge import hf
 
-  try:
-    out = hf.export_hf(args.source, args.destination, dtype=args.dtype)
-  except (ValueError, OSError, NotImplementedError) as e:
-    print(f"maxbridge export-hf: {e}", file=sys.stderr)
-    return 2
+  out = hf.export_hf(args.source, args.destination, dtype=args.dtype)
   print(f"{out}: config.json + model.safetensors")
   return 0
 
@@ -116,20 +131,16 @@ def _generate(args: argparse.Namespace) -> int:
   from maxbridge import dispatch, hf
 
   flags = dict(zip(("pure_nnx", "enable_nnx", "pure_nnx_decoder"), hf.BACKENDS[args.backend]))
-  try:
-    if Path(args.source).is_dir():
-      config, params = hf.load_pretrained(args.source, *args.overrides, **flags)
-      model = dispatch.create_model(config, params=params)
-    else:  # a preset or YAML file: a randomly initialised model, handy for smoke tests
-      model = dispatch.create_model(load_config(args.source, *args.overrides, **flags))
-    encode, decode = _tokenizer(args.source, model.config.vocab_size)
-    prompt = encode(args.prompt)
-    if not prompt:
-      raise ValueError("--prompt is empty: give at least one token to continue")
-    tokens = model.generate(prompt, args.max_new_tokens, temperature=args.temperature, seed=args.seed)
-  except (ValueError, OSError, NotImplementedError) as e:
-    print(f"maxbridge generate: {e}", file=sys.stderr)
-    return 2
+  if Path(args.source).is_dir():
+    config, params = hf.load_pretrained(args.source, *args.overrides, **flags)
+    model = dispatch.create_model(config, params=params)
+  else:  # a preset or YAML file: a randomly initialised model, handy for smoke tests
+    model = dispatch.create_model(load_config(args.source, *args.overrides, **flags))
+  encode, decode = _tokenizer(args.source, model.config.vocab_size)
+  prompt = encode(args.prompt)
+  if not prompt:
+    raise ValueError("--prompt is empty: give at least one token to continue")
+  tokens = model.generate(prompt, args.max_new_tokens, temperature=args.temperature, seed=args.seed)
   print(decode([int(t) for t in tokens]))
   return 0
 
@@ -227,8 +238,11 @@ def _overrides(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="maxbridge",
-      description="One transformer in Flax Linen and NNX. Configuration is key=value, as in MaxText.",
+      description="One transformer in Flax Linen and NNX. Configuration is key=value, as in MaxText. "
+      "Exit 0 done, 2 bad input (one line names it), 1 internal failure.",
   )
+  debug = f"show the traceback of an error (or set {DEBUG_ENV}=1)"
+  parser.add_argument("--debug", action="store_true", help=debug)
   verbs = parser.add_subparsers(dest="verb", required=True, metavar="COMMAND")
 
   p = verbs.add_parser("train", help="train a model from a preset or YAML file")
@@ -265,8 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
   )
   p.add_argument("first", help="run, checkpoints, step or items directory")
   p.add_argument("second", help="run, checkpoints, step or items directory")
-  p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
-  p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
+  p.add_argument("--atol", type=_tolerance, default=0.0, help="absolute tolerance (default 0)")
+  p.add_argument("--rtol", type=_tolerance, default=0.0, help="relative tolerance (default 0)")
   p.add_argument("--params-only", action="store_true", help="compare parameters only")
   p.add_argument("--metadata-only", action="store_true", help="compare structure, shapes and dtypes, reading no data")
 
@@ -306,8 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
   )
   p.add_argument("source", help="Hugging Face folder, checkpoint or run directory, preset or YAML config")
   p.add_argument("--prompt", default="", help="text to continue")
-  p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
-  p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); > 0 samples")
+  p.add_argument("--max-new-tokens", type=_count, default=32, help="tokens to generate (default 32)")
+  p.add_argument("--temperature", type=_tolerance, default=0.0, help="0 is greedy (default); > 0 samples")
   p.add_argument("--seed", type=int, default=0, help="sampling seed")
   p.add_argument("--backend", choices=["linen", "nnx"], default="linen", help="model backend (default linen)")
   _overrides(p)
@@ -318,23 +332,129 @@ def build_parser() -> argparse.ArgumentParser:
   ):
     p = verbs.add_parser(verb, help=text)
     p.add_argument("preset", help="preset name (e.g. llama2-7b) or path to a YAML config")
-    p.add_argument("--devices", type=int, default=0, help="virtual CPU devices to stand in for the mesh")
+    p.add_argument("--devices", type=_count, default=0, help="virtual CPU devices to stand in for the mesh")
     _overrides(p)
 
   p = verbs.add_parser("bench", help="time Linen, NNX and mixed backends side by side")
   p.add_argument("preset", help="preset name or path to a YAML config")
   _overrides(p)
 
+  for sub in verbs.choices.values():
+    # After the verb too; SUPPRESS keeps the subparser from resetting `maxbridge --debug VERB`.
+    sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug)
   return parser
 
 
+_OVERRIDE = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*=")
+
+
+def _is_override(text: str) -> bool:
+  return bool(_OVERRIDE.match(text)) and not os.path.exists(text)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  """argparse, except that key=value overrides may come anywhere: before, between or after options."""
+  parser = build_parser()
+  args, extras = parser.parse_known_args(argv)
+  if not hasattr(args, "overrides"):
+    return parser.parse_args(argv)  # no overrides here: argparse names anything unknown
+  if any(x.startswith("-") for x in extras):
+    parser.parse_args(argv)  # exits 2, naming the option it does not know
+  # A key=value before the preset or paths takes their place in argparse's eyes: sort them out.
+  names = [name for name in ("preset", "source", "destination") if hasattr(args, name)]
+  given = [getattr(args, name) for name in names] + list(args.overrides) + list(extras)
+  positional = [x for x in given if not _is_override(x)]
+  if len(positional) != len(names):
+    parser.parse_args(argv)  # the usage error argparse would give for a missing argument
+    parser.error(f"unexpected argument(s) {positional[len(names):]}; config overrides are key=value")
+  for name, value in zip(names, positional):
+    setattr(args, name, value)
+  args.overrides = [x for x in given if _is_override(x)]
+  return args
+
+
+def _is_bad_input(error: BaseException) -> bool:
+  # Our errors (ConfigError, CheckpointError, ConversionError, HFError) are ValueErrors;
+  # OSError covers a missing file, a full disk, a read-only folder.
+  return isinstance(error, (ValueError, OSError, NotImplementedError))
+
+
+def _report(verb: str, error: BaseException, debug: bool) -> int:
+  """Prints `error` for a person: one message, the traceback only when asked for; the exit status."""
+  if debug:
+    traceback.print_exception(error)
+  message = str(error)
+  notes = "".join(f"\n  {note}" for note in getattr(error, "__notes__", ()))
+  if isinstance(error, KeyboardInterrupt):
+    print(f"maxbridge {verb}: {message or 'interrupted'}{notes}", file=sys.stderr)
+    return 128 + getattr(error, "signum", 2)
+  if _is_bad_input(error):
+    print(f"maxbridge {verb}: {message}{notes}", file=sys.stderr)
+    return BAD_INPUT
+  hint = "" if debug else f" (run with --debug or {DEBUG_ENV}=1 for the traceback)"
+  if isinstance(error, ArithmeticError):  # a run that diverged says all there is to say
+    print(f"maxbridge {verb}: {message}{notes}", file=sys.stderr)
+  else:
+    print(f"maxbridge {verb}: internal error: {type(error).__name__}: {message}{notes}{hint}", file=sys.stderr)
+  return INTERNAL
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-  args = build_parser().parse_args(argv)
+  """Runs one command; returns its exit status. Called with no `argv` it is the process's
+  entry point, and also makes sure the process ends (see `_exit_promptly`)."""
+  args = parse_args(argv)
+  debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+  if argv is None and not debug:
+    _quiet_library_tracebacks()
   try:
-    return HANDLERS[args.verb](args)
-  except ConfigError as e:
-    print(f"maxbridge {args.verb}: {e}", file=sys.stderr)
-    return 2
+    code = HANDLERS[args.verb](args)
+  except (Exception, KeyboardInterrupt) as e:  # pylint: disable=broad-exception-caught
+    code = _report(args.verb, e, debug)
+  if argv is None:
+    _exit_promptly(code)
+  return code
+
+
+def _drop_traceback(record: logging.LogRecord) -> bool:
+  record.exc_info, record.exc_text = None, None
+  return True
+
+
+def _quiet_library_tracebacks() -> None:
+  """Libraries log the errors of their threads with a traceback (orbax, for a failed save); the
+  command reports the error itself, in one message. Their one-line log messages stay."""
+  logger = logging.getLogger("absl")  # orbax and jax log through absl
+  if _drop_traceback not in logger.filters:
+    logger.addFilter(_drop_traceback)
+  # tensorstore's callbacks report theirs as unraisable (after a failed save, orbax's event
+  # loop is closed under them); each distinct one becomes a line.
+  seen = set()
+
+  def one_line(kind, value):
+    line = f"{kind.__name__}: {value}"
+    if line not in seen:
+      seen.add(line)
+      print(f"maxbridge: a library reported {line}", file=sys.stderr)
+
+  sys.unraisablehook = lambda unraisable: one_line(unraisable.exc_type, unraisable.exc_value)
+  sys.excepthook = lambda kind, value, tb: one_line(kind, value)
+
+
+def _exit_promptly(code: int) -> None:
+  """Exits now if a library left a non-daemon thread running after the command ended.
+
+  Python waits for such threads at exit, for ever if they wait on each other
+  (orbax's commit threads after a failed save did). The command's own work is
+  done: a save in flight was waited for (`Checkpointer.close`).
+  """
+  deadline = time.monotonic() + EXIT_GRACE_S
+  for thread in threading.enumerate():
+    if thread is not threading.current_thread() and not thread.daemon:
+      thread.join(max(0.0, deadline - time.monotonic()))
+  if any(t.is_alive() and not t.daemon and t is not threading.current_thread() for t in threading.enumerate()):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

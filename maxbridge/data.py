@@ -120,6 +120,12 @@ class Dataset:
       raise ValueError(f"{name}: rows must all be [num_rows, length] with one shape, got {shapes}")
     if rows["inputs"].shape[0] == 0:
       raise ValueError(f"{name}: has no rows (no non-empty documents)")
+    if not rows["targets_segmentation"].any():
+      # Every loss would be over zero targets: 0.0, reported as if the model were perfect.
+      raise ValueError(
+          f"{name}: no token has a next token to predict (every document is one token long); "
+          "give documents of at least 2 tokens"
+      )
     if batch_size < 1:
       raise ValueError(f"{name}: batch size must be a positive integer, got {batch_size}")
     self.rows = rows

@@ -7,6 +7,9 @@ backend it drives.
 
 import abc
 import functools
+import math
+import numbers
+import warnings
 from typing import Any, Mapping
 
 import flax.linen as nn
@@ -30,6 +33,29 @@ def default_inputs(tokens, positions=None, segment_ids=None):
   if segment_ids is None:
     segment_ids = jnp.ones(tokens.shape, jnp.int32)
   return tokens, jnp.asarray(positions), jnp.asarray(segment_ids)
+
+
+def check_inputs(config: Config, tokens, positions, what: str = "tokens") -> None:
+  """Token ids in [0, vocab_size) and positions inside a learned position table, or a ValueError.
+
+  Out of range, the embedding lookup would not fail: it gives NaN or another
+  row's values. Checked on concrete arrays only (a traced call cannot look).
+  """
+  if not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"{what} must be integer token ids, got dtype {tokens.dtype}")
+  if isinstance(tokens, jax.core.Tracer) or not tokens.size:
+    return
+  low, high = int(jnp.min(tokens)), int(jnp.max(tokens))
+  if low < 0 or high >= config.vocab_size:
+    bad = low if low < 0 else high
+    raise ValueError(f"{what} hold token id {bad}, outside [0, vocab_size={config.vocab_size})")
+  table = config.trainable_position_size
+  if table and positions is not None and not isinstance(positions, jax.core.Tracer):
+    if int(jnp.max(positions)) >= table or int(jnp.min(positions)) < 0:
+      raise ValueError(
+          f"positions run to {int(jnp.max(positions))}, past trainable_position_size={table} "
+          f"(the learned position table holds 0..{table - 1})"
+      )
 
 
 class Model(abc.ABC):
@@ -73,7 +99,9 @@ class Model(abc.ABC):
 
   def logits(self, tokens, positions=None, segment_ids=None) -> jax.Array:
     """int32 [B, T] -> float32 [B, T, V] with the current parameters."""
-    return _jitted_apply(self)(self.params(), *default_inputs(tokens, positions, segment_ids))
+    tokens, positions, segment_ids = default_inputs(tokens, positions, segment_ids)
+    check_inputs(self.config, tokens, positions)
+    return _jitted_apply(self)(self.params(), tokens, positions, segment_ids)
 
   def generate(self, prompt, max_new_tokens: int = 8, *, temperature: float = 0.0, seed: int = 0) -> jax.Array:
     """Continues int prompts [B, T] (or one prompt [T]); returns prompt + continuation [B, T + N].
@@ -91,16 +119,27 @@ class Model(abc.ABC):
       raise ValueError(f"prompt must be int [batch, length] or [length], got {prompt.dtype} {prompt.shape}")
     if prompt.shape[1] == 0:
       raise ValueError("prompt must hold at least one token")
+    check_inputs(self.config, prompt, None, what="prompt")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+      raise ValueError(f"max_new_tokens must be a whole number, got {max_new_tokens!r}")
     if max_new_tokens < 0:
       raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if temperature < 0:
-      raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if not (isinstance(temperature, numbers.Real) and math.isfinite(temperature) and temperature >= 0):
+      raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature!r}")
     total = prompt.shape[1] + max_new_tokens
     positions = self.config.trainable_position_size
     if positions and total > positions:
       raise ValueError(
           f"prompt ({prompt.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
           f"trainable_position_size={positions}, the positions this model has learned"
+      )
+    if total > self.config.max_target_length:
+      # RoPE has no table to run out of: generating on is well defined, but past the trained length.
+      warnings.warn(
+          f"prompt ({prompt.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
+          f"max_target_length={self.config.max_target_length}, the longest sequence this config trains "
+          "on; positions past it were never trained, and quality usually drops there",
+          stacklevel=2,
       )
     if max_new_tokens == 0:
       return prompt[0] if single else prompt

@@ -118,3 +118,26 @@ def spec_tree_to_shardings(specs: Any, mesh: Mesh, rules: tuple) -> Any:
       specs,
       is_leaf=lambda x: isinstance(x, PartitionSpec),
   )
+
+
+def check_divisible(shapes: Any, shardings: Any) -> None:
+  """Every array divides evenly over the mesh axes its sharding splits it on; else a ConfigError naming it.
+
+  `shapes` and `shardings` are trees of one structure (leaves with `.shape`,
+  and NamedShardings), e.g. a trainer's abstract state and its state shardings.
+  JAX's own error names the shape, not the parameter.
+  """
+
+  def check(path, leaf, where):
+    for dim, (size, axes) in enumerate(zip(leaf.shape, where.spec)):
+      axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+      parts = math.prod(where.mesh.shape[a] for a in axes)
+      if size % parts:
+        name = jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value")  # NNX Variables
+        split = " x ".join(f"{a}={where.mesh.shape[a]}" for a in axes)
+        raise ConfigError(
+            f"{name} {tuple(leaf.shape)}: dimension {dim} ({size}) does not divide over the mesh axes "
+            f"{split} ({parts} parts); change the ici_*_parallelism sizes or logical_axis_rules"
+        )
+
+  jax.tree_util.tree_map_with_path(check, shapes, shardings)

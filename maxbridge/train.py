@@ -6,9 +6,14 @@ again with the same directory resumes from the latest checkpoint, whatever the
 flags: both backends read and write the same checkpoint layout.
 """
 
+import contextlib
 import json
 import math
 import os
+import shutil
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +23,7 @@ import jax.numpy as jnp
 from absl import logging
 from tqdm import tqdm
 
-from maxbridge import checkpointing, data, dispatch, sharding
+from maxbridge import checkpointing, data, dispatch, files, sharding
 from maxbridge.config import Config
 
 
@@ -64,21 +69,113 @@ def global_batch_size(config: Config) -> int:
   return config.per_device_batch_size * jax.device_count() * config.gradient_accumulation_steps
 
 
-class MetricsLog:
-  """metrics.jsonl, one object per step; on resume, lines past the checkpoint are dropped."""
+class TrainingInterrupted(KeyboardInterrupt):
+  """SIGINT or SIGTERM stopped the run; the message names the last good checkpoint.
 
-  def __init__(self, path: Path, resume_step: int):
+  A KeyboardInterrupt, so that `except Exception` in a caller's code does not swallow it.
+  """
+
+  def __init__(self, message: str, signum: int = signal.SIGINT):
+    super().__init__(message)
+    self.signum = signum
+
+
+class MetricsLog:
+  """metrics.jsonl, one object per step.
+
+  On resume, lines past the checkpoint (logged by a run that stopped before
+  saving them) are dropped: the resumed run logs those steps again. Nothing
+  else is ever removed. A torn last line, which a kill leaves, is dropped with
+  a message; damage anywhere else is an error naming the line.
+  """
+
+  def __init__(self, path: Path, records: list[str], resume_step: int):
     self.path = path
-    kept = []
-    if path.exists():
-      kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] < resume_step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    kept = "".join(line + "\n" for line in records if json.loads(line)["step"] < resume_step)
+    if not path.exists() or path.read_text(encoding="utf-8") != kept:
+      files.write_text(path, kept)
+
+  @staticmethod
+  def read(path: Path, report: bool = True) -> list[str]:
+    """The lines of an existing log, checked; a torn last line is left out (with a message if `report`)."""
+    if not path.exists():
+      return []
+    try:
+      lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+      raise checkpointing.CheckpointError(f"{path} cannot be read: {e}") from e
+    records = []
+    for number, line in enumerate(lines, start=1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+          raise ValueError("not an object with an integer step")
+      except ValueError as e:
+        if number == len(lines):
+          if report:
+            print(f"maxbridge: {path}:{number}: dropped a torn last line (a killed run leaves one)", file=sys.stderr)
+          continue
+        raise checkpointing.CheckpointError(
+            f"{path}:{number}: not a metrics record ({e}); fix or remove that line to resume"
+        ) from e
+      records.append(line)
+    return records
 
   def append(self, record: dict) -> None:
     with self.path.open("a") as f:
       f.write(json.dumps(record) + "\n")
+
+
+@contextlib.contextmanager
+def _stop_signals():
+  """SIGTERM raises TrainingInterrupted (SIGINT already raises KeyboardInterrupt), so that the
+  save in flight finishes and the exit names the last good checkpoint. Main thread only."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def terminate(signum, frame):
+    raise TrainingInterrupted("terminated (SIGTERM)", signum)
+
+  previous = signal.signal(signal.SIGTERM, terminate)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+  """Holds SIGINT and SIGTERM while orbax starts a save, then acts on them: an interrupt inside
+  orbax's bookkeeping could leave its threads waiting on each other."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  caught = []
+  previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    yield
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+    if caught:
+      if caught[0] == signal.SIGINT:
+        raise KeyboardInterrupt
+      raise TrainingInterrupted("terminated (SIGTERM)", caught[0])
+
+
+def _check_writable(path: Path) -> None:
+  # Found now, not when the first checkpoint is due, hours into the run.
+  existing = next(p for p in (path, *path.parents) if p.exists())
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise checkpointing.CheckpointError(f"{existing} is not writable: checkpoints cannot be saved under {path}")
+
+
+def _check_folder(path: Path) -> None:
+  if path.exists() and not path.is_dir():
+    raise checkpointing.CheckpointError(f"{path} exists and is not a folder; move it away or choose another run_name")
 
 
 def train(config: Config, *, until_step: int | None = None, progress: bool = True) -> list[dict]:
@@ -86,31 +183,64 @@ def train(config: Config, *, until_step: int | None = None, progress: bool = Tru
 
   `until_step` stops this call early (with a checkpoint) without changing the
   run: the schedule still spans `config.steps`, so a later call continues it.
+
+  Nothing in the run directory changes until the run is known to start (data
+  read, checkpoint restored into the model); a run that fails before saving a
+  checkpoint removes the folder it created. A failure, SIGINT or SIGTERM ends
+  the call with the last good checkpoint named (TrainingInterrupted for the
+  signals; a note on any other exception).
   """
+  with _stop_signals():
+    return _train(config, until_step, progress)
+
+
+def _train(config: Config, until_step: int | None, progress: bool) -> list[dict]:
   end = config.steps if until_step is None else min(until_step, config.steps)
   sharding.initialize_distributed(config)
   # Every process trains and checkpoints (orbax saves collectively); one writes the logs.
   primary = jax.process_index() == 0
   run_dir = run_directory(config)
-  run_dir.mkdir(parents=True, exist_ok=True)
-  if primary:
-    config.to_yaml(run_dir / "config.yml")
+  checkpoints = run_dir / "checkpoints"
+  _check_folder(run_dir)
+  _check_folder(checkpoints)
   trainer = _trainer_for(config)
+  sharding.check_divisible(trainer.abstract_state(), trainer.state_shardings)
   train_data = data.make_dataset(config, "train", global_batch_size(config))
   eval_data = data.make_dataset(config, "eval", global_batch_size(config)) if config.eval_interval else None
+  # Read-only with enable_checkpointing=false: the run resumes, and saves nothing.
   ckpt = (
-      checkpointing.Checkpointer(run_dir / "checkpoints", max_to_keep=config.max_to_keep)
-      if config.enable_checkpointing
+      checkpointing.Checkpointer(checkpoints, max_to_keep=config.max_to_keep, create=False)
+      if config.enable_checkpointing or checkpoints.is_dir()
       else None
   )
-  start = (ckpt.latest_step() if ckpt else None) or 0
-  if start:
-    state = trainer.from_checkpoint(ckpt.restore(start, trainer.checkpoint_target()))
-    logging.info("resumed %s from step %d", run_dir, start)
-  else:
-    state = trainer.init_state(config.seed)
-  log = MetricsLog(run_dir / "metrics.jsonl", resume_step=start) if primary else None
-  last_saved = start if start else None
+  saving = ckpt if config.enable_checkpointing else None
+  try:
+    if saving:
+      _check_writable(checkpoints)
+    start = (ckpt.latest_intact_step() if ckpt else None) or 0
+    metrics_path = run_dir / "metrics.jsonl"
+    # Every process decides the same: the run folder is shared (orbax saves into it collectively).
+    history = MetricsLog.read(metrics_path, report=primary)
+    if history and not start:
+      raise checkpointing.CheckpointError(
+          f"{metrics_path} holds {len(history)} steps of an earlier run, but {checkpoints} has no checkpoint "
+          "to resume from: training from step 0 would rewrite that history. Choose a new run_name, or move "
+          "metrics.jsonl away"
+      )
+    if start:
+      state = trainer.from_checkpoint(ckpt.restore(start, trainer.checkpoint_target()))
+      logging.info("resumed %s from step %d", run_dir, start)
+    else:
+      state = trainer.init_state(config.seed)
+  except KeyboardInterrupt as e:
+    raise _stopped(e, None, ckpt, checkpoints, None) from None
+  except BaseException:
+    if ckpt:
+      ckpt.close()
+    raise
+
+  # The run is known to start: from here on it writes into its folder.
+  new_run = not run_dir.exists()
   records = []
   bar = tqdm(
       range(start, end),
@@ -120,7 +250,16 @@ def train(config: Config, *, until_step: int | None = None, progress: bool = Tru
       unit="step",
       disable=not (progress and primary),
   )
+  step = start
   try:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if primary:
+      config.to_yaml(run_dir / "config.yml")
+    log = MetricsLog(metrics_path, history, resume_step=start) if primary else None
+    if saving:
+      checkpoints.mkdir(exist_ok=True)
+      if primary:
+        saving.remove_temporaries()
     for step in bar:
       batch = trainer.shard_batch(train_data.batch(step, jax.process_index(), jax.process_count()))
       began = time.perf_counter()
@@ -129,8 +268,7 @@ def train(config: Config, *, until_step: int | None = None, progress: bool = Tru
       seconds = time.perf_counter() - began
       loss = float(metrics["loss"])
       if not math.isfinite(loss):
-        where = f"step {last_saved} in {ckpt.directory}" if last_saved else "none was saved"
-        raise TrainingDiverged(f"loss is {loss} at step {step}; training stopped. The last good checkpoint: {where}")
+        raise TrainingDiverged(f"loss is {loss} at step {step}; training stopped")
       record = {
           "step": step,
           "loss": loss,
@@ -145,23 +283,49 @@ def train(config: Config, *, until_step: int | None = None, progress: bool = Tru
         log.append(record)
       records.append(record)
       bar.set_postfix(loss=f"{loss:.3f}")
-      if ckpt and (done % config.checkpoint_period == 0 or done == end):
+      if saving and (done % config.checkpoint_period == 0 or done == end):
         tree = trainer.to_checkpoint(state)
         # A finite loss at this step says nothing of the update it made: check
         # the state itself, so the last checkpoint is always a good one.
         if not _all_finite(tree):
-          raise TrainingDiverged(
-              f"the state became non-finite at step {step}; training stopped. The last good "
-              f"checkpoint: step {last_saved} in {ckpt.directory}"
-          )
-        ckpt.save(done, tree)
-        last_saved = done
-  finally:
+          raise TrainingDiverged(f"the state became non-finite at step {step}; training stopped")
+        with _signals_deferred():
+          saving.save(done, tree)
+    if saving:
+      saving.wait()  # the last save's failure surfaces here, not after we report success
+  except BaseException as e:
     bar.close()
-    if ckpt:
-      ckpt.wait()
-      ckpt.close()
+    raise _stopped(e, step, ckpt, checkpoints, run_dir if new_run and primary else None) from None
+  bar.close()
+  if ckpt:
+    ckpt.close()
   return records
+
+
+def _stopped(error: BaseException, step: int | None, ckpt, checkpoints: Path, created: Path | None) -> BaseException:
+  """`error`, once the save in flight has finished, saying where the run can resume from.
+
+  A run folder this call created and never checkpointed into is removed: a
+  failed new run leaves nothing behind.
+  """
+  late = ckpt.close() if ckpt else None  # waits for the save in flight, never raises
+  steps = ckpt.intact_steps() if ckpt else []
+  last_good = checkpointing.describe_last_good(checkpoints, steps)
+  removed = ""
+  if created is not None and not steps:
+    shutil.rmtree(created, ignore_errors=True)
+    removed = f"; removed the new run folder {created}"
+  if isinstance(error, KeyboardInterrupt):
+    signum = getattr(error, "signum", signal.SIGINT)
+    what = "interrupted (SIGINT)" if signum == signal.SIGINT else "terminated (SIGTERM)"
+    when = f"at step {step}" if step is not None else "before training started"
+    return TrainingInterrupted(f"{what} {when}; the last good checkpoint: {last_good}{removed}", signum)
+  if isinstance(error, TrainingDiverged):
+    return TrainingDiverged(f"{error}. The last good checkpoint: {last_good}{removed}")
+  if late is not None and not isinstance(error, checkpointing.CheckpointSaveError):
+    error.add_note(str(late))
+  error.add_note(f"the last good checkpoint: {last_good}{removed}")
+  return error
 
 
 @jax.jit

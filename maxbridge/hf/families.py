@@ -226,6 +226,33 @@ def _get(hf: Mapping[str, Any], key: str, default: Any = ..., *, where: str = CO
   return default
 
 
+def _int(hf: Mapping[str, Any], key: str, default: Any = ...) -> int:
+  """An integer field; a string, float or bool there is an error naming the field, not a guess."""
+  value = _get(hf, key, default)
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise HFError(f"{CONFIG_FILE}: {key}={value!r} must be an integer")
+  return value
+
+
+def _float(hf: Mapping[str, Any], key: str, default: Any = ...) -> float:
+  value = _get(hf, key, default)
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise HFError(f"{CONFIG_FILE}: {key}={value!r} must be a number")
+  return float(value)
+
+
+def _head_dim(hf: Mapping[str, Any], width_key: str, heads_key: str) -> int:
+  """head_dim when given, else width / heads, which must divide exactly."""
+  width, heads = _int(hf, width_key), _int(hf, heads_key)
+  if hf.get("head_dim") is not None:
+    return _int(hf, "head_dim")
+  if heads <= 0 or width % heads:
+    raise HFError(
+        f"{CONFIG_FILE}: {width_key}={width} is not a multiple of {heads_key}={heads}, and no head_dim is given"
+    )
+  return width // heads
+
+
 def _require(hf: Mapping[str, Any], key: str, supported: Any, default: Any) -> None:
   value = hf.get(key, default)
   if value is None:
@@ -238,6 +265,9 @@ def _rope_theta(hf: Mapping[str, Any]) -> int:
   """rope_theta from transformers 5's rope_parameters or the older top-level key; default RoPE only."""
   parameters = hf.get("rope_parameters") or {}
   legacy = hf.get("rope_scaling") or {}
+  for key, value in (("rope_parameters", parameters), ("rope_scaling", legacy)):
+    if not isinstance(value, Mapping):
+      raise HFError(f"{CONFIG_FILE}: {key}={value!r} must be an object")
   rope_type = parameters.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
   if rope_type != "default":
     raise HFError(
@@ -245,6 +275,8 @@ def _rope_theta(hf: Mapping[str, Any]) -> int:
         "implements the default RoPE only"
     )
   theta = parameters.get("rope_theta", hf.get("rope_theta", 10000.0))
+  if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta):
+    raise HFError(f"{CONFIG_FILE}: rope_theta={theta!r} must be a number")
   if float(theta) != int(theta):
     raise HFError(f"{CONFIG_FILE}: rope_theta={theta!r} must be a whole number (rope_max_timescale)")
   return int(theta)
@@ -263,29 +295,29 @@ def _llama_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
   _require(hf, "attention_bias", False, False)
   _require(hf, "mlp_bias", False, False)
   model_type = hf.get("model_type")
-  heads = _get(hf, "num_attention_heads")
+  heads = _int(hf, "num_attention_heads")
   values = {
       "decoder_block": _LLAMA_BLOCKS[model_type],
-      "base_emb_dim": _get(hf, "hidden_size"),
+      "base_emb_dim": _int(hf, "hidden_size"),
       "base_num_query_heads": heads,
-      "base_num_kv_heads": _get(hf, "num_key_value_heads", heads),
-      "head_dim": _get(hf, "head_dim", _get(hf, "hidden_size") // heads),
-      "base_mlp_dim": _get(hf, "intermediate_size"),
-      "base_num_decoder_layers": _get(hf, "num_hidden_layers"),
-      "vocab_size": _get(hf, "vocab_size"),
-      "normalization_layer_epsilon": _get(hf, "rms_norm_eps", 1e-6),
+      "base_num_kv_heads": _int(hf, "num_key_value_heads", heads),
+      "head_dim": _head_dim(hf, "hidden_size", "num_attention_heads"),
+      "base_mlp_dim": _int(hf, "intermediate_size"),
+      "base_num_decoder_layers": _int(hf, "num_hidden_layers"),
+      "vocab_size": _int(hf, "vocab_size"),
+      "normalization_layer_epsilon": _float(hf, "rms_norm_eps", 1e-6),
       "rope_max_timescale": _rope_theta(hf),
       "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
       "use_qk_norm": model_type == "qwen3",
       "sliding_window_size": 0,
   }
   if model_type in ("mistral", "mixtral"):
-    values["sliding_window_size"] = hf.get("sliding_window") or 0
+    values["sliding_window_size"] = _int(hf, "sliding_window", 0)
   if model_type == "mixtral":
     values.update(
-        num_experts=_get(hf, "num_local_experts"),
-        num_experts_per_tok=_get(hf, "num_experts_per_tok"),
-        load_balance_loss_weight=_get(hf, "router_aux_loss_coef", 0.0),
+        num_experts=_int(hf, "num_local_experts"),
+        num_experts_per_tok=_int(hf, "num_experts_per_tok"),
+        load_balance_loss_weight=_float(hf, "router_aux_loss_coef", 0.0),
     )
   if model_type == "qwen3" and hf.get("use_sliding_window"):
     raise HFError(f"{CONFIG_FILE}: use_sliding_window=true (Qwen3's per-layer windows) is not supported")
@@ -340,18 +372,23 @@ def _gpt2_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
   _require(hf, "scale_attn_weights", True, True)
   _require(hf, "scale_attn_by_inverse_layer_idx", False, False)
   _require(hf, "add_cross_attention", False, False)
-  width, heads = _get(hf, "n_embd"), _get(hf, "n_head")
+  width, heads = _int(hf, "n_embd"), _int(hf, "n_head")
+  if hf.get("head_dim") is not None:
+    raise HFError(f"{CONFIG_FILE}: head_dim is not a GPT-2 field; GPT-2's heads are n_embd / n_head wide")
+  positions = _int(hf, "n_positions")
   return {
       "decoder_block": "gpt3",
       "base_emb_dim": width,
       "base_num_query_heads": heads,
       "base_num_kv_heads": heads,
-      "head_dim": width // heads,
-      "base_mlp_dim": _get(hf, "n_inner", 4 * width),
-      "base_num_decoder_layers": _get(hf, "n_layer"),
-      "vocab_size": _get(hf, "vocab_size"),
-      "trainable_position_size": _get(hf, "n_positions"),
-      "normalization_layer_epsilon": _get(hf, "layer_norm_epsilon", 1e-5),
+      "head_dim": _head_dim(hf, "n_embd", "n_head"),
+      "base_mlp_dim": _int(hf, "n_inner", 4 * width),
+      "base_num_decoder_layers": _int(hf, "n_layer"),
+      "vocab_size": _int(hf, "vocab_size"),
+      "trainable_position_size": positions,
+      # The learned table bounds every sequence: no longer than n_positions.
+      "max_target_length": positions,
+      "normalization_layer_epsilon": _float(hf, "layer_norm_epsilon", 1e-5),
       "logits_via_embedding": bool(hf.get("tie_word_embeddings", True)),
   }
 
@@ -384,36 +421,36 @@ def _deepseek_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
   _require(hf, "norm_topk_prob", True, True)
   _require(hf, "scoring_func", "sigmoid", "sigmoid")  # DeepSeek's own config.json spells these out
   _require(hf, "topk_method", "noaux_tc", "noaux_tc")
-  heads = _get(hf, "num_attention_heads")
-  nope, rope = _get(hf, "qk_nope_head_dim"), _get(hf, "qk_rope_head_dim")
+  heads = _int(hf, "num_attention_heads")
+  nope, rope = _int(hf, "qk_nope_head_dim"), _int(hf, "qk_rope_head_dim")
   return {
       "decoder_block": "deepseek",
-      "base_emb_dim": _get(hf, "hidden_size"),
+      "base_emb_dim": _int(hf, "hidden_size"),
       "base_num_query_heads": heads,
-      "base_num_kv_heads": _get(hf, "num_key_value_heads", heads),
+      "base_num_kv_heads": _int(hf, "num_key_value_heads", heads),
       "head_dim": nope + rope,
-      "base_mlp_dim": _get(hf, "intermediate_size"),
-      "moe_mlp_dim": _get(hf, "moe_intermediate_size"),
-      "base_num_decoder_layers": _get(hf, "num_hidden_layers"),
-      "first_num_dense_layers": _get(hf, "first_k_dense_replace", 0),
-      "vocab_size": _get(hf, "vocab_size"),
-      "normalization_layer_epsilon": _get(hf, "rms_norm_eps", 1e-6),
+      "base_mlp_dim": _int(hf, "intermediate_size"),
+      "moe_mlp_dim": _int(hf, "moe_intermediate_size"),
+      "base_num_decoder_layers": _int(hf, "num_hidden_layers"),
+      "first_num_dense_layers": _int(hf, "first_k_dense_replace", 0),
+      "vocab_size": _int(hf, "vocab_size"),
+      "normalization_layer_epsilon": _float(hf, "rms_norm_eps", 1e-6),
       "rope_max_timescale": _rope_theta(hf),
       "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
-      "num_experts": _get(hf, "n_routed_experts"),
-      "num_experts_per_tok": _get(hf, "num_experts_per_tok"),
-      "shared_experts": _get(hf, "n_shared_experts", 0),
-      "n_routing_groups": _get(hf, "n_group", 1),
-      "topk_routing_group": _get(hf, "topk_group", 1),
-      "routed_scaling_factor": float(_get(hf, "routed_scaling_factor", 1.0)),
+      "num_experts": _int(hf, "n_routed_experts"),
+      "num_experts_per_tok": _int(hf, "num_experts_per_tok"),
+      "shared_experts": _int(hf, "n_shared_experts", 0),
+      "n_routing_groups": _int(hf, "n_group", 1),
+      "topk_routing_group": _int(hf, "topk_group", 1),
+      "routed_scaling_factor": _float(hf, "routed_scaling_factor", 1.0),
       "routed_score_func": "sigmoid",
       "routed_bias": True,
       "load_balance_loss_weight": 0.0,
-      "q_lora_rank": _get(hf, "q_lora_rank", 0),
-      "kv_lora_rank": _get(hf, "kv_lora_rank"),
+      "q_lora_rank": _int(hf, "q_lora_rank", 0),
+      "kv_lora_rank": _int(hf, "kv_lora_rank"),
       "qk_nope_head_dim": nope,
       "qk_rope_head_dim": rope,
-      "v_head_dim": _get(hf, "v_head_dim"),
+      "v_head_dim": _int(hf, "v_head_dim"),
   }
 
 

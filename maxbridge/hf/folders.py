@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 
-from maxbridge import canonical, checkpointing
+from maxbridge import canonical, checkpointing, files
 from maxbridge.config import Config, load_config
 from maxbridge.hf.families import CONFIG_FILE, HF_CONFIG_SIDECAR, INDEX_FILE, WEIGHTS_FILE, HFError
 from maxbridge.hf.mapping import LazyTensor, config_from_hf, config_to_hf, from_hf_tensors, to_hf_tensors
@@ -29,9 +28,12 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
   if not file.is_file():
     raise HFError(f"{path} is not a Hugging Face model folder: it has no {CONFIG_FILE}")
   try:
-    return json.loads(file.read_text())
-  except json.JSONDecodeError as e:
+    config = json.loads(file.read_bytes().decode("utf-8"))
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
     raise HFError(f"{file} is not valid JSON: {e}") from e
+  if not isinstance(config, dict):
+    raise HFError(f"{file} must hold a JSON object of config fields, got a {type(config).__name__}")
+  return config
 
 
 def open_hf_tensors(path: str | os.PathLike) -> dict[str, LazyTensor]:
@@ -41,9 +43,13 @@ def open_hf_tensors(path: str | os.PathLike) -> dict[str, LazyTensor]:
   path = Path(path)
   index = path / INDEX_FILE
   if index.is_file():
-    weight_map = json.loads(index.read_text()).get("weight_map")
-    if not isinstance(weight_map, dict):
-      raise HFError(f"{index} has no weight_map")
+    try:
+      weight_map = json.loads(index.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+      raise HFError(f"{index} is not valid JSON: {e}") from e
+    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+      raise HFError(f"{index} has no weight_map of tensor names to file names")
     files = sorted(set(weight_map.values()))
   elif (path / WEIGHTS_FILE).is_file():
     files = [WEIGHTS_FILE]
@@ -53,7 +59,10 @@ def open_hf_tensors(path: str | os.PathLike) -> dict[str, LazyTensor]:
   for file in files:
     if not (path / file).is_file():
       raise HFError(f"{index} lists {file}, which is not in {path}")
-    handle = safe_open(str(path / file), framework="flax")
+    try:
+      handle = safe_open(str(path / file), framework="flax")
+    except Exception as e:  # safetensors raises its own SafetensorError for a damaged file
+      raise HFError(f"{path / file} is not a readable safetensors file (truncated or damaged?): {e}") from e
     for name in handle.keys():
       tensors[name] = LazyTensor(handle, name)
   return tensors
@@ -91,15 +100,25 @@ def save_hf(
   if dtype is not None:
     cfg = cfg.replace(weight_dtype=dtype)
   out_dtype = jnp.dtype(cfg.weight_dtype)
+  # The folder must load: config.json says what the tensors are, so they must be what cfg says.
+  try:
+    canonical.check(params, abstract_params(cfg), cfg.param_scan_axis)
+  except ValueError as e:
+    raise _ParamsDisagree(f"the parameters do not match their config ({cfg.decoder_block} {cfg.model_name}): {e}") from e
   params32 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), dict(params))
   tensors = {name: jnp.asarray(value, out_dtype) for name, value in to_hf_tensors(params32, cfg).items()}
   hf_config = config_to_hf(cfg, base_config)
 
   def write(tmp: Path) -> None:
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-    (tmp / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    files.apply_umask(tmp / WEIGHTS_FILE, directory=False)  # safetensors creates it 0o600
+    files.write_text(tmp / CONFIG_FILE, json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
 
   return write_atomically(destination, write)
+
+
+class _ParamsDisagree(HFError):
+  pass
 
 
 def _refuse_existing(destination: Path) -> None:
@@ -115,7 +134,8 @@ def write_atomically(destination: str | os.PathLike, write: Callable[[Path], Non
   destination = Path(destination)
   _refuse_existing(destination)
   destination.parent.mkdir(parents=True, exist_ok=True)
-  tmp = Path(tempfile.mkdtemp(dir=destination.parent, prefix=f".{destination.name}.", suffix=".tmp"))
+  # Named for this process: the next run for `destination` removes it if a kill left it behind.
+  tmp = files.temp_dir_beside(destination, "writing")
   try:
     write(tmp)
     if destination.exists():
@@ -177,7 +197,7 @@ def import_hf(
     checkpointer.wait()
     checkpointer.close()
     cfg.to_yaml(tmp / "config.yml")
-    (tmp / HF_CONFIG_SIDECAR).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    files.write_text(tmp / HF_CONFIG_SIDECAR, json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     _copy_tokenizer_files(source, tmp)
 
   return write_atomically(destination, write)
@@ -207,7 +227,10 @@ def export_hf(source: str | os.PathLike, destination: str | os.PathLike, *, dtyp
   """Writes a maxbridge checkpoint as a Hugging Face folder (config.json + model.safetensors)."""
   cfg, params = load_checkpoint(source)
   base, folder = _sidecar(source)
-  out = save_hf(params, cfg, destination, dtype=dtype, base_config=base)
+  try:
+    out = save_hf(params, cfg, destination, dtype=dtype, base_config=base)
+  except _ParamsDisagree as e:
+    raise HFError(f"{source}: its config.yml does not describe its checkpoint; nothing was written. {e}") from e
   if folder is not None:
     _copy_tokenizer_files(folder, out)
   return out

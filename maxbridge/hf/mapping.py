@@ -17,9 +17,14 @@ from maxbridge.hf.families import HFError, Rule, family_for_config, family_for_m
 
 def config_from_hf(hf_config: Mapping[str, Any], *overrides: str, **kwargs: Any) -> Config:
   """A Config for a Hugging Face config.json (a dict); `overrides`/`kwargs` as in load_config."""
+  if not isinstance(hf_config, Mapping):
+    raise HFError(f"config.json must hold a JSON object, got a {type(hf_config).__name__}")
   family = family_for_model_type(hf_config.get("model_type"))
   values = family.config_from_hf(hf_config)
   values["model_name"] = str(hf_config.get("_name_or_path") or family.model_type)
+  # An override names a key on purpose: it wins over the one read from config.json.
+  given = {text.partition("=")[0].strip() for text in overrides}
+  values = {key: value for key, value in values.items() if key not in given}
   # Keys a Hugging Face config does not set keep base.yml's defaults.
   return load_config(str(BASE_CONFIG), *overrides, **{**values, **kwargs})
 

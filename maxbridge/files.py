@@ -1,0 +1,97 @@
+"""Writing files the safe way: atomically, with the user's umask, and cleaning up after killed runs.
+
+Pure Python (no jax), like `maxbridge.config`, which writes through it.
+
+Temporary folders are named `.<destination name>.<tag>-<host>-<pid>-<random>`
+beside their destination, so a later run for the same destination can prove
+a leftover is its own (same name, same host, a process that no longer exists)
+and remove it; one of a live process, or of another host, is never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+
+def umask() -> int:
+  """The process's umask (read without changing it where /proc allows)."""
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("Umask:"):
+          return int(line.split()[1], 8)
+  except OSError:
+    pass
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return mask
+
+
+def apply_umask(path: str | os.PathLike, directory: bool) -> None:
+  """Gives `path` the mode a plain open()/mkdir() would: 0o666 or 0o777 less the umask.
+
+  `tempfile` creates 0o600 files and 0o700 folders; once renamed into place they
+  would hide a shared run from the user's teammates.
+  """
+  os.chmod(path, (0o777 if directory else 0o666) & ~umask())
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+  """Writes `path` atomically: a reader sees the old file or the new one, never half of one."""
+  path = Path(path)
+  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+  try:
+    with os.fdopen(fd, "w") as f:
+      f.write(text)
+    apply_umask(tmp, directory=False)
+    os.replace(tmp, path)
+  except BaseException:
+    os.unlink(tmp)
+    raise
+
+
+def _host() -> str:
+  return re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())[:32] or "host"
+
+
+def temp_dir_beside(destination: str | os.PathLike, tag: str) -> Path:
+  """A new, empty folder beside `destination` for staging it; removes stale ones of earlier runs first."""
+  destination = Path(destination)
+  remove_stale_temps(destination, tag)
+  tmp = Path(tempfile.mkdtemp(dir=destination.parent, prefix=f".{destination.name}.{tag}-{_host()}-{os.getpid()}-"))
+  apply_umask(tmp, directory=True)
+  return tmp
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True  # someone else's process
+  return True
+
+
+def remove_stale_temps(destination: str | os.PathLike, tag: str) -> list[Path]:
+  """Removes the temporary folders a killed run for `destination` left: same tag, this host, dead pid."""
+  destination = Path(destination)
+  pattern = re.compile(rf"\.{re.escape(destination.name)}\.{re.escape(tag)}-{re.escape(_host())}-(\d+)-[^/]*")
+  removed = []
+  try:
+    entries = list(destination.parent.iterdir())
+  except OSError:
+    return removed
+  for entry in entries:
+    match = pattern.fullmatch(entry.name)
+    if match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
+      shutil.rmtree(entry, ignore_errors=True)
+      removed.append(entry)
+      print(f"maxbridge: removed {entry}, left by a killed run (pid {match.group(1)})", file=sys.stderr)
+  return removed
