@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 
 from maxbridge.config import load_config
@@ -264,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument(
       "--param-scan-axis",
       type=int,
+      choices=(0, 1),
       metavar="N",
       help="layer axis to stack or unstack on (default: the source config's, else 1)",
   )
@@ -364,8 +366,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   names = [name for name in ("preset", "source", "destination") if hasattr(args, name)]
   given = [getattr(args, name) for name in names] + list(args.overrides) + list(extras)
   positional = [x for x in given if not _is_override(x)]
-  if len(positional) != len(names):
-    parser.parse_args(argv)  # the usage error argparse would give for a missing argument
+  if len(positional) < len(names):
+    parser.error(f"the following arguments are required: {', '.join(names[len(positional):])}")
+  if len(positional) > len(names):
     parser.error(f"unexpected argument(s) {positional[len(names):]}; config overrides are key=value")
   for name, value in zip(names, positional):
     setattr(args, name, value)
@@ -422,7 +425,8 @@ def _drop_traceback(record: logging.LogRecord) -> bool:
 
 def _quiet_library_tracebacks() -> None:
   """Libraries log the errors of their threads with a traceback (orbax, for a failed save); the
-  command reports the error itself, in one message. Their one-line log messages stay."""
+  command reports the error itself, in one message. Their one-line log messages stay, and
+  warnings print as one line."""
   logger = logging.getLogger("absl")  # orbax and jax log through absl
   if _drop_traceback not in logger.filters:
     logger.addFilter(_drop_traceback)
@@ -438,6 +442,7 @@ def _quiet_library_tracebacks() -> None:
 
   sys.unraisablehook = lambda unraisable: one_line(unraisable.exc_type, unraisable.exc_value)
   sys.excepthook = lambda kind, value, tb: one_line(kind, value)
+  warnings.formatwarning = lambda message, category, *rest, **kw: f"maxbridge: warning: {message}\n"
 
 
 def _exit_promptly(code: int) -> None:

@@ -301,17 +301,21 @@ def _text_files(dataset_path: str) -> list[Path]:
 
 def _jsonl_documents(path: Path) -> list[np.ndarray]:
   documents = []
-  with open(path, encoding="utf-8") as f:
-    for line_number, line in enumerate(f, start=1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{line_number}: not valid JSON ({e.msg})") from e
-      if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-        raise ValueError(f'{path}:{line_number}: expected a JSON object with a string "text" field')
-      documents.append(_bytes_to_tokens(record["text"].encode("utf-8")))
+  try:
+    text = path.read_bytes().decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{path}: not UTF-8 text (byte {e.start}); .jsonl files must be UTF-8") from e
+  # Lines end at "\n" only: a JSON string may hold U+2028, which splitlines() would cut at.
+  for line_number, line in enumerate(text.split("\n"), start=1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path}:{line_number}: not valid JSON ({e.msg})") from e
+    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+      raise ValueError(f'{path}:{line_number}: expected a JSON object with a string "text" field')
+    documents.append(_bytes_to_tokens(record["text"].encode("utf-8")))
   return documents
 
 

@@ -169,8 +169,10 @@ def _signals_deferred():
 def _check_writable(path: Path) -> None:
   # Found now, not when the first checkpoint is due, hours into the run.
   existing = next(p for p in (path, *path.parents) if p.exists())
+  if not existing.is_dir():
+    raise checkpointing.CheckpointError(f"{existing} is a file, so the run folder {path} cannot be made")
   if not os.access(existing, os.W_OK | os.X_OK):
-    raise checkpointing.CheckpointError(f"{existing} is not writable: checkpoints cannot be saved under {path}")
+    raise checkpointing.CheckpointError(f"{existing} is not writable, so nothing can be saved under {path}")
 
 
 def _check_folder(path: Path) -> None:
@@ -215,8 +217,7 @@ def _train(config: Config, until_step: int | None, progress: bool) -> list[dict]
   )
   saving = ckpt if config.enable_checkpointing else None
   try:
-    if saving:
-      _check_writable(checkpoints)
+    _check_writable(checkpoints if saving else run_dir)
     start = (ckpt.latest_intact_step() if ckpt else None) or 0
     metrics_path = run_dir / "metrics.jsonl"
     # Every process decides the same: the run folder is shared (orbax saves into it collectively).

@@ -289,6 +289,7 @@ _HF_LLAMA = dict(
         (dict(num_hidden_layers="2"), "num_hidden_layers='2' must be an integer"),
         (dict(rms_norm_eps="small"), "rms_norm_eps='small' must be a number"),
         (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_type='linear' is not supported"),
+        (dict(tie_word_embeddings="false"), "tie_word_embeddings='false' must be true or false"),
     ],
 )
 def test_hugging_face_configs_we_cannot_honour_are_refused(changes, match):
@@ -372,6 +373,10 @@ def test_bad_input_exits_2_with_one_message(tmp_path, capsys):
   truncated.mkdir()
   (truncated / "config.json").write_text(json.dumps(_HF_LLAMA))
   (truncated / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+  latin1 = tmp_path / "data.jsonl"
+  latin1.write_bytes('{"text": "caf\u00e9"}\n'.encode("latin-1"))
+  a_file = tmp_path / "a-file"
+  a_file.write_text("")
   cases = [
       (["train", not_utf8], "is not UTF-8"),
       (["train", "llama-tiny", "vocab_size=100", f"base_output_directory={tmp_path}"], "vocab_size=100"),
@@ -379,6 +384,11 @@ def test_bad_input_exits_2_with_one_message(tmp_path, capsys):
       (["import-hf", truncated, tmp_path / "out"], "not a readable safetensors file"),
       (["compare", tmp_path, tmp_path], "is not a checkpoint"),
       (["shardings", "--devices", "-2", "llama-tiny"], "'-2' must be >= 0"),
+      (
+          ["train", "llama-tiny", "dataset_type=text", f"dataset_path={latin1}", f"base_output_directory={tmp_path}"],
+          "data.jsonl: not UTF-8",
+      ),
+      (["train", "llama-tiny", f"base_output_directory={a_file}"], "a-file is a file"),
   ]
   for argv, match in cases:
     code, err = _cli(argv, capsys)

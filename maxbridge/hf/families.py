@@ -241,6 +241,14 @@ def _float(hf: Mapping[str, Any], key: str, default: Any = ...) -> float:
   return float(value)
 
 
+def _bool(hf: Mapping[str, Any], key: str, default: bool) -> bool:
+  """A JSON true/false; the string "false" must not read as true."""
+  value = _get(hf, key, default)
+  if not isinstance(value, bool):
+    raise HFError(f"{CONFIG_FILE}: {key}={value!r} must be true or false")
+  return value
+
+
 def _head_dim(hf: Mapping[str, Any], width_key: str, heads_key: str) -> int:
   """head_dim when given, else width / heads, which must divide exactly."""
   width, heads = _int(hf, width_key), _int(hf, heads_key)
@@ -307,7 +315,7 @@ def _llama_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
       "vocab_size": _int(hf, "vocab_size"),
       "normalization_layer_epsilon": _float(hf, "rms_norm_eps", 1e-6),
       "rope_max_timescale": _rope_theta(hf),
-      "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
+      "logits_via_embedding": _bool(hf, "tie_word_embeddings", False),
       "use_qk_norm": model_type == "qwen3",
       "sliding_window_size": 0,
   }
@@ -319,7 +327,7 @@ def _llama_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
         num_experts_per_tok=_int(hf, "num_experts_per_tok"),
         load_balance_loss_weight=_float(hf, "router_aux_loss_coef", 0.0),
     )
-  if model_type == "qwen3" and hf.get("use_sliding_window"):
+  if model_type == "qwen3" and _bool(hf, "use_sliding_window", False):
     raise HFError(f"{CONFIG_FILE}: use_sliding_window=true (Qwen3's per-layer windows) is not supported")
   return values
 
@@ -389,7 +397,7 @@ def _gpt2_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
       # The learned table bounds every sequence: no longer than n_positions.
       "max_target_length": positions,
       "normalization_layer_epsilon": _float(hf, "layer_norm_epsilon", 1e-5),
-      "logits_via_embedding": bool(hf.get("tie_word_embeddings", True)),
+      "logits_via_embedding": _bool(hf, "tie_word_embeddings", True),
   }
 
 
@@ -436,7 +444,7 @@ def _deepseek_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
       "vocab_size": _int(hf, "vocab_size"),
       "normalization_layer_epsilon": _float(hf, "rms_norm_eps", 1e-6),
       "rope_max_timescale": _rope_theta(hf),
-      "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
+      "logits_via_embedding": _bool(hf, "tie_word_embeddings", False),
       "num_experts": _int(hf, "n_routed_experts"),
       "num_experts_per_tok": _int(hf, "num_experts_per_tok"),
       "shared_experts": _int(hf, "n_shared_experts", 0),
