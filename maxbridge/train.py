@@ -160,10 +160,12 @@ def _signals_deferred():
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)
-    if caught:
-      if caught[0] == signal.SIGINT:
-        raise KeyboardInterrupt
-      raise TrainingInterrupted("terminated (SIGTERM)", caught[0])
+    if caught:  # now acted on as it would have been
+      handler = previous[caught[0]]
+      if callable(handler):
+        handler(caught[0], None)
+      elif handler == signal.SIG_DFL:
+        os.kill(os.getpid(), caught[0])
 
 
 def _check_writable(path: Path) -> None:
