@@ -10,7 +10,7 @@ import math
 import jax
 import numpy as np
 
-from maxbridge import canonical, data, dispatch, sharding
+from maxbridge import canonical, dispatch, sharding
 from maxbridge.config import Config
 
 
@@ -83,7 +83,7 @@ def compile_train_step(config: Config) -> dict:
   rows = config.per_device_batch_size * jax.device_count() * config.gradient_accumulation_steps
   batch = {
       key: jax.ShapeDtypeStruct((rows, config.max_target_length), np.int32, sharding=trainer.batch_sharding)
-      for key in data.BATCH_KEYS
+      for key in trainer.loss.batch_keys
   }
   compiled = trainer.lower_train_step(state, batch).compile()
   memory = compiled.memory_analysis()

@@ -23,8 +23,9 @@ from linen_models import decoders as linen_decoders
 from linen_models import models as linen_models
 from maxbridge import bridge, canonical, initializers
 from maxbridge.config import Config
+from maxbridge.loss import CrossEntropy, Loss
 from maxbridge.model import LinenModel, Model, NNXModel
-from maxbridge.state import LinenTrainer, NNXTrainer, Trainer
+from maxbridge.state import AfterUpdate, LinenTrainer, NNXTrainer, Trainer
 from nnx_models import decoders as nnx_decoders
 from nnx_models import models as nnx_models
 
@@ -97,12 +98,26 @@ def _jitted_init(spec: tuple, param_scan_axis: int):
   return jax.jit(lambda seed: initializers.init_params(abstract, seed, param_scan_axis))
 
 
-def create_trainer(config: Config, mesh: Mesh | None = None) -> Trainer:
+def create_loss(config: Config) -> Loss:
+  """The training objective for `config` (SFT, DPO and GRPO will be chosen here too)."""
+  return CrossEntropy(z_loss_multiplier=config.z_loss_multiplier)
+
+
+def create_trainer(
+    config: Config,
+    mesh: Mesh | None = None,
+    *,
+    loss: Loss | None = None,
+    after_update: AfterUpdate | None = None,
+) -> Trainer:
   """The train state backend for `pure_nnx`, around the model the other two flags pick.
 
-  `mesh` defaults to one built from the config over all devices.
+  `mesh` defaults to one built from the config over all devices, `loss` to
+  `create_loss(config)`. `after_update` maps the canonical parameters after
+  every optimizer update, the same on both backends (none by default).
   """
+  hooks = dict(loss=create_loss(config) if loss is None else loss, after_update=after_update)
   if config.pure_nnx:
-    return NNXTrainer(config, functools.partial(nnx_transformer, config), mesh)
+    return NNXTrainer(config, functools.partial(nnx_transformer, config), mesh, **hooks)
   model = LinenModel(config, linen_transformer(config), sample_inputs(config))
-  return LinenTrainer(config, model, mesh)
+  return LinenTrainer(config, model, mesh, **hooks)

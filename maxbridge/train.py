@@ -11,7 +11,6 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,18 +44,18 @@ _RUN_ONLY_KEYS = frozenset(
         "dataset_path",
     }
 )
-_TRAINERS: dict[tuple, Any] = {}
 
 
-def _trainer_for(config: Config):
-  """A trainer per distinct step computation, so a resumed run in the same process
-  (a flag flip, a demo, a test) reuses the compiled steps instead of compiling again."""
-  key = tuple((k, v) for k, v in config.to_dict().items() if k not in _RUN_ONLY_KEYS)
-  if key not in _TRAINERS:
-    if len(_TRAINERS) >= 4:
-      _TRAINERS.pop(next(iter(_TRAINERS)))
-    _TRAINERS[key] = dispatch.create_trainer(config)
-  return _TRAINERS[key]
+def step_key(config: Config) -> tuple:
+  """What a train step computes, from `config`: two configs with equal keys can share a trainer."""
+  return tuple((k, v) for k, v in config.to_dict().items() if k not in _RUN_ONLY_KEYS)
+
+
+def _check_trainer(trainer, config: Config) -> None:
+  ours, theirs = dict(step_key(config)), dict(step_key(trainer.config))
+  differ = [f"{k} (trainer: {theirs.get(k)!r}, run: {ours.get(k)!r})" for k in sorted(ours) if ours[k] != theirs.get(k)]
+  if differ:
+    raise ValueError(f"trainer= was built for another config; it differs in {', '.join(differ)}")
 
 
 def global_batch_size(config: Config) -> int:
@@ -81,13 +80,19 @@ class MetricsLog:
       f.write(json.dumps(record) + "\n")
 
 
-def train(config: Config, *, until_step: int | None = None, progress: bool = True) -> list[dict]:
+def train(config: Config, *, trainer=None, until_step: int | None = None, progress: bool = True) -> list[dict]:
   """Trains `config` in its run directory (resuming if it holds checkpoints); returns this call's metrics.
 
   `until_step` stops this call early (with a checkpoint) without changing the
   run: the schedule still spans `config.steps`, so a later call continues it.
+  `trainer` (from `dispatch.create_trainer`, for a config with the same
+  `step_key`) brings its own loss and hooks, and its compiled steps: pass the
+  same one to several calls in a process (a resume, a flag flip back) to
+  compile once.
   """
   end = config.steps if until_step is None else min(until_step, config.steps)
+  if trainer is not None:
+    _check_trainer(trainer, config)
   sharding.initialize_distributed(config)
   # Every process trains and checkpoints (orbax saves collectively); one writes the logs.
   primary = jax.process_index() == 0
@@ -95,7 +100,8 @@ def train(config: Config, *, until_step: int | None = None, progress: bool = Tru
   run_dir.mkdir(parents=True, exist_ok=True)
   if primary:
     config.to_yaml(run_dir / "config.yml")
-  trainer = _trainer_for(config)
+  if trainer is None:
+    trainer = dispatch.create_trainer(config)
   train_data = data.make_dataset(config, "train", global_batch_size(config))
   eval_data = data.make_dataset(config, "eval", global_batch_size(config)) if config.eval_interval else None
   ckpt = (

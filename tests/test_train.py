@@ -14,7 +14,7 @@ import pytest
 
 import maxbridge as mb
 from maxbridge import checkpointing, data, dispatch
-from maxbridge.train import TrainingDiverged
+from maxbridge.train import TrainingDiverged, step_key
 from conftest import tiny_config
 
 LINEN = (False, False, False)
@@ -22,9 +22,21 @@ NNX = (True, True, True)
 STEPS = dict(steps=6, per_device_batch_size=4, checkpoint_period=3, eval_interval=3, eval_steps=2)
 
 
+# Owned by this module, as a user would hold a trainer: runs that compute the
+# same step (resumes, flips back) reuse its compiled step instead of compiling again.
+TRAINERS = {}
+
+
+def trainer_for(config):
+  key = step_key(config)
+  if key not in TRAINERS:
+    TRAINERS[key] = dispatch.create_trainer(config)
+  return TRAINERS[key]
+
+
 def run(tmp_path, name, flags=LINEN, until_step=None, **overrides):
   config = tiny_config(flags, base_output_directory=str(tmp_path), run_name=name, **{**STEPS, **overrides})
-  return [r["loss"] for r in mb.train(config, until_step=until_step, progress=False)]
+  return [r["loss"] for r in mb.train(config, trainer=trainer_for(config), until_step=until_step, progress=False)]
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +105,10 @@ def test_gradient_accumulation_grads_match_within_1e6():
   trainer = dispatch.create_trainer(config)
   params = trainer.params(trainer.init_state(0))
   batch = {k: jnp.asarray(v) for k, v in data.make_dataset(config, "train", 8).batch(0).items()}
+  cross_entropy = dispatch.create_loss(config)
   value_and_grad = jax.value_and_grad(
-      lambda p, b: state_lib.loss_terms(
-          trainer.model.apply(p, b["inputs"], b["inputs_position"], b["inputs_segmentation"]), b, config, {}
+      lambda p, b: cross_entropy.terms(
+          trainer.model.apply(p, b["inputs"], b["inputs_position"], b["inputs_segmentation"]), b, {}
       ),
       has_aux=True,
   )

@@ -1,0 +1,64 @@
+"""Training objectives as objects the one train step calls; `maxbridge.dispatch.create_loss` picks one.
+
+A loss reads the batch keys it declares, runs the forward pass it is given
+(as often as it needs: DPO runs it on chosen and rejected rows), and returns
+`(sum, aux)`: a sum over the batch, never a mean, with `aux["tokens"]` the
+count to divide by. Gradient accumulation adds micro-batch sums and divides
+once, so it equals the full-batch step exactly. Every other `aux` entry is
+reported per token too (`z_loss`, `moe_lb_loss`, ...).
+"""
+
+import abc
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from maxbridge.ops import losses
+
+Batch = Mapping[str, jax.Array]
+# (tokens, positions, segment_ids), each int32 [B, T] -> (logits [B, T, V], flat intermediates).
+Forward = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+class Loss(abc.ABC):
+  """What a train step minimises; subclasses set `batch_keys` and implement `__call__`."""
+
+  # Each an int32 [batch, length] array (data.py's convention), so that the
+  # data pipeline and the ahead-of-time compile know the batch from the loss.
+  batch_keys: tuple[str, ...] = ()
+  # True: the step also passes `reference`, the forward pass over parameters
+  # that no gradient flows through (DPO's reference model, GRPO's old policy).
+  needs_reference: bool = False
+
+  @abc.abstractmethod
+  def __call__(self, forward: Forward, batch: Batch, reference: Forward | None = None) -> tuple[jax.Array, dict]:
+    """(sum of the loss over the batch, aux with at least "tokens")."""
+
+
+class CrossEntropy(Loss):
+  """Next-token cross-entropy over non-padding targets, plus z-loss and the sown MoE load-balancing loss."""
+
+  batch_keys = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
+
+  def __init__(self, z_loss_multiplier: float = 0.0):
+    self.z_loss_multiplier = z_loss_multiplier
+
+  def __call__(self, forward: Forward, batch: Batch, reference: Forward | None = None) -> tuple[jax.Array, dict]:
+    logits, intermediates = forward(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+    return self.terms(logits, batch, intermediates)
+
+  def terms(self, logits: jax.Array, batch: Batch, intermediates: Mapping[str, Any]) -> tuple[jax.Array, dict]:
+    """(sum of per-token losses, {"tokens", "z_loss", "moe_lb_loss"}) over the non-padding targets.
+
+    The MoE load-balancing loss (sown by MoE decoders, already weighted) is a
+    per-batch mean, so it enters weighted by this batch's token count.
+    """
+    per_token, z_loss = losses.cross_entropy_with_z_loss(
+        logits, batch["targets"], z_loss_multiplier=self.z_loss_multiplier
+    )
+    mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
+    tokens = jnp.sum(mask)
+    moe_lb_loss = intermediates.get("decoder/moe_lb_loss", jnp.float32(0.0)) * tokens
+    aux = {"tokens": tokens, "z_loss": jnp.sum(z_loss * mask), "moe_lb_loss": moe_lb_loss}
+    return jnp.sum(per_token * mask) + moe_lb_loss, aux
