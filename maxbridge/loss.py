@@ -17,8 +17,24 @@ import jax.numpy as jnp
 from maxbridge.ops import losses
 
 Batch = Mapping[str, jax.Array]
-# (tokens, positions, segment_ids), each int32 [B, T] -> (logits [B, T, V], flat intermediates).
-Forward = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+class Forward:
+  """The forward pass of the model in training, over `params` (differentiated) and `frozen` (only read).
+
+  `forward(tokens, positions, segment_ids)`, each int32 [B, T], returns
+  (logits [B, T, V], flat intermediates). A loss that must take the
+  parameters as explicit arguments (a `custom_vjp`, as vocabulary tiling)
+  reads `params` and `frozen` and calls `apply(params, frozen, ...)` itself.
+  """
+
+  def __init__(self, apply: Callable, params: Any, frozen: Any):
+    self.apply = apply
+    self.params = params
+    self.frozen = frozen
+
+  def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array):
+    return self.apply(self.params, self.frozen, tokens, positions, segment_ids)
 
 
 class Loss(abc.ABC):

@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from maxbridge import canonical, initializers, layouts, optimizers, sharding
 from maxbridge.config import Config
-from maxbridge.loss import Loss
+from maxbridge.loss import Forward, Loss
 from maxbridge.model import LinenModel, linen_forward, nnx_forward
 
 Batch = Mapping[str, jax.Array]
@@ -198,11 +198,11 @@ class Trainer(abc.ABC):
   # --- the step, written once ---------------------------------------------
 
   def _loss(self, bound: Bound, params, batch: Batch):
-    forward = functools.partial(self._forward, bound, params)
+    apply = functools.partial(self._forward, bound)
     # The reference pass reads the parameters the step started from: a
     # constant of the differentiation, so no gradient flows through it.
-    reference = functools.partial(self._forward, bound, bound.params) if self.loss.needs_reference else None
-    return self.loss(forward, batch, reference)
+    reference = Forward(apply, bound.params, bound.frozen) if self.loss.needs_reference else None
+    return self.loss(Forward(apply, params, bound.frozen), batch, reference)
 
   def _train_step(self, state, batch: Batch):
     bound = self._bind(state)
@@ -231,8 +231,8 @@ class Trainer(abc.ABC):
     """Opens `state` for one step, split by `trainable` into trained params and the frozen rest."""
 
   @abc.abstractmethod
-  def _forward(self, bound: Bound, params, tokens, positions, segment_ids):
-    """(logits, flat intermediates) for `params` in place of `bound.params`."""
+  def _forward(self, bound: Bound, params, frozen, tokens, positions, segment_ids):
+    """(logits, flat intermediates) for `params` and `frozen` in place of `bound`'s."""
 
   @abc.abstractmethod
   def _apply_update(self, bound: Bound, grads) -> Any:
@@ -322,8 +322,8 @@ class LinenTrainer(Trainer):
     frozen = {name: value for name, value in state.params.items() if name != self.wrt}
     return Bound(params=trained, frozen=frozen, step=state.step, handle=state)
 
-  def _forward(self, bound, params, tokens, positions, segment_ids):
-    return linen_forward(self.model.module, {**bound.frozen, **params}, tokens, positions, segment_ids)
+  def _forward(self, bound, params, frozen, tokens, positions, segment_ids):
+    return linen_forward(self.model.module, {**frozen, **params}, tokens, positions, segment_ids)
 
   def _apply_update(self, bound, grads):
     return bound.handle.apply_gradients(grads=grads)
@@ -396,9 +396,9 @@ class NNXTrainer(Trainer):
     graphdef, params, rest = nnx.split(opened.model, self.wrt, ...)
     return Bound(params=params, frozen=rest, step=opened.optimizer.step[...], handle=(opened, graphdef))
 
-  def _forward(self, bound, params, tokens, positions, segment_ids):
+  def _forward(self, bound, params, frozen, tokens, positions, segment_ids):
     _, graphdef = bound.handle
-    return nnx_forward(graphdef, params, bound.frozen, tokens, positions, segment_ids)
+    return nnx_forward(graphdef, params, frozen, tokens, positions, segment_ids)
 
   def _apply_update(self, bound, grads):
     opened, _ = bound.handle
