@@ -100,7 +100,7 @@ class Trainer(abc.ABC):
     self.abstract_params = abstract_params
 
   def _initial_params(self, seed) -> dict:
-    return initializers.init_params(self.abstract_params, seed, self.config.param_scan_axis)
+    return initializers.init_params(self.abstract_params, seed, initializers.InitOptions.from_config(self.config))
 
   @functools.cached_property
   def state_shardings(self) -> Any:
