@@ -28,7 +28,6 @@ class Attention(nn.Module):
         (cfg.emb_dim,),
         (heads, head_dim),
         ("embed", "q_heads", "kv"),
-        initializers.query_kernel(),
         name="query",
         **dtypes,
     )(x)
@@ -46,27 +45,21 @@ class Attention(nn.Module):
         name="value",
         **dtypes,
     )(x)
-    query_scale = None
     if cfg.use_qk_norm:
       norm = dict(epsilon=cfg.normalization_layer_epsilon, **dtypes)
       query = RMSNorm(head_dim, name="query_norm", **norm)(query)
       key = RMSNorm(head_dim, name="key_norm", **norm)(key)
-      query_scale = head_dim**-0.5
     query = rotary.apply_rotary(query, positions, max_timescale=cfg.rope_max_timescale)
     key = rotary.apply_rotary(key, positions, max_timescale=cfg.rope_max_timescale)
     out = attention.dot_product_attention(
         query,
         key,
         value,
-        segment_ids,
+        q_segment_ids=segment_ids,
+        kv_segment_ids=segment_ids,
+        q_positions=positions,
+        kv_positions=positions,
         sliding_window_size=cfg.sliding_window_size,
-        query_scale=query_scale,
+        query_scale=None if initializers.query_kernel_carries_scale(cfg) else head_dim**-0.5,
     )
-    return DenseGeneral(
-        (heads, head_dim),
-        (cfg.emb_dim,),
-        ("heads", "kv", "embed"),
-        initializers.kernel(in_ndim=2),
-        name="out",
-        **dtypes,
-    )(out)
+    return DenseGeneral((heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out", **dtypes)(out)

@@ -57,12 +57,14 @@ class MLA(nn.Module):
     key, value = mla.latent_key_value(
         key_value, key_rope, positions, nope_dim=cfg.qk_nope_head_dim, max_timescale=cfg.rope_max_timescale
     )
-    out = attention.dot_product_attention(query, key, value, segment_ids, query_scale=qk_head_dim**-0.5)
-    return DenseGeneral(
-        (heads, cfg.v_head_dim),
-        (cfg.emb_dim,),
-        ("heads", "kv", "embed"),
-        initializers.kernel(in_ndim=2),
-        name="out",
-        **dtypes,
-    )(out)
+    out = attention.dot_product_attention(
+        query,
+        key,
+        value,
+        q_segment_ids=segment_ids,
+        kv_segment_ids=segment_ids,
+        q_positions=positions,
+        kv_positions=positions,
+        query_scale=None if initializers.query_kernel_carries_scale(cfg) else qk_head_dim**-0.5,
+    )
+    return DenseGeneral((heads, cfg.v_head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out", **dtypes)(out)

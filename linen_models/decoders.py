@@ -20,6 +20,7 @@ from linen_models.normalizations import RMSNorm
 from maxbridge import canonical
 from maxbridge.config import Config
 from maxbridge.ops import embedding as embedding_ops
+from maxbridge.ops import linear
 from maxbridge.ops import moe as moe_ops
 from maxbridge.ops import remat
 
@@ -61,6 +62,7 @@ def layer_classes(config: Config) -> dict[str, type[nn.Module]]:
 
 class Decoder(nn.Module):
   config: Config
+  dot_general: linear.DotGeneral = jax.lax.dot_general  # the tied head's matmul
 
   @nn.compact
   def __call__(
@@ -105,7 +107,7 @@ class Decoder(nn.Module):
     x = norm(cfg.emb_dim, cfg.normalization_layer_epsilon, name="decoder_norm", **dtypes)(x)
     self.sow("intermediates", "hidden_states", x)
     if cfg.logits_via_embedding:
-      return embedding_ops.attend(x, embedding, dtype=jnp.dtype(cfg.dtype))
+      return embedding_ops.attend(x, embedding, dtype=jnp.dtype(cfg.dtype), dot_general=self.dot_general)
     logits = DenseGeneral(
         (cfg.emb_dim,),
         (cfg.vocab_size,),

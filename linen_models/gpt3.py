@@ -27,13 +27,13 @@ class LayerNorm(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     scale = self.param(
         "scale",
-        nn.with_logical_partitioning(initializers.ones(), ("norm",)),
+        nn.with_logical_partitioning(initializers.placeholder, ("norm",)),
         (self.num_features,),
         self.weight_dtype,
     )
     bias = self.param(
         "bias",
-        nn.with_logical_partitioning(initializers.zeros(), ("norm",)),
+        nn.with_logical_partitioning(initializers.placeholder, ("norm",)),
         (self.num_features,),
         self.weight_dtype,
     )
@@ -58,15 +58,17 @@ class Gpt3Attention(nn.Module):
         **dtypes,
     )(x)
     query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    out = attention.dot_product_attention(query, key, value, segment_ids, query_scale=head_dim**-0.5)
-    return DenseGeneral(
-        (heads, head_dim),
-        (cfg.emb_dim,),
-        ("heads", "kv", "embed"),
-        initializers.kernel(in_ndim=2),
-        name="out",
-        **dtypes,
-    )(out)
+    out = attention.dot_product_attention(
+        query,
+        key,
+        value,
+        q_segment_ids=segment_ids,
+        kv_segment_ids=segment_ids,
+        q_positions=positions,
+        kv_positions=positions,
+        query_scale=None if initializers.query_kernel_carries_scale(cfg) else head_dim**-0.5,
+    )
+    return DenseGeneral((heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out", **dtypes)(out)
 
 
 class Gpt3Mlp(nn.Module):

@@ -18,7 +18,7 @@ class RMSNorm(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     scale = self.param(
         "scale",
-        nn.with_logical_partitioning(initializers.ones(), ("norm",)),
+        nn.with_logical_partitioning(initializers.placeholder, ("norm",)),
         (self.num_features,),
         self.weight_dtype,
     )

@@ -86,16 +86,16 @@ def create_model(config: Config, seed: int | None = None, *, params: Mapping[str
     model.load_params(params)
     return model
   spec = tuple((path, leaf.shape, leaf.dtype.name) for path, leaf in canonical.flatten(model.abstract_params()).items())
-  init = _jitted_init(spec, config.param_scan_axis)
+  init = _jitted_init(spec, initializers.InitOptions.from_config(config))
   model.load_params(init(config.seed if seed is None else seed))
   return model
 
 
 @functools.lru_cache(maxsize=16)
-def _jitted_init(spec: tuple, param_scan_axis: int):
+def _jitted_init(spec: tuple, options: initializers.InitOptions):
   """One compiled initialiser per parameter tree, shared by every flag combination."""
   abstract = canonical.unflatten({path: jax.ShapeDtypeStruct(shape, dtype) for path, shape, dtype in spec})
-  return jax.jit(lambda seed: initializers.init_params(abstract, seed, param_scan_axis))
+  return jax.jit(lambda seed: initializers.init_params(abstract, seed, options))
 
 
 def create_loss(config: Config) -> Loss:

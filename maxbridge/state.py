@@ -116,7 +116,7 @@ class Trainer(abc.ABC):
     self.wrt = self.trainable(config)
 
   def _initial_params(self, seed) -> dict:
-    return initializers.init_params(self.abstract_params, seed, self.config.param_scan_axis)
+    return initializers.init_params(self.abstract_params, seed, initializers.InitOptions.from_config(self.config))
 
   @functools.cached_property
   def state_shardings(self) -> Any:

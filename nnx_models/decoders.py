@@ -12,6 +12,7 @@ from flax import nnx
 from maxbridge import canonical
 from maxbridge.config import Config
 from maxbridge.ops import embedding as embedding_ops
+from maxbridge.ops import linear
 from maxbridge.ops import moe as moe_ops
 from maxbridge.ops import remat
 from nnx_models.attention import Attention
@@ -66,8 +67,9 @@ def layer_classes(config: Config) -> dict[str, type[nnx.Module]]:
 
 class Decoder(nnx.Module):
 
-  def __init__(self, config: Config, *, rngs: nnx.Rngs):
+  def __init__(self, config: Config, dot_general: linear.DotGeneral = jax.lax.dot_general, *, rngs: nnx.Rngs):
     cfg = self.config = config
+    self.dot_general = dot_general  # the tied head's matmul
     dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs)
     if cfg.decoder_block == "gpt3":  # learned absolute positions
       self.position_embedder = Embed(cfg.trainable_position_size, cfg.emb_dim, **dtypes)
@@ -114,7 +116,7 @@ class Decoder(nnx.Module):
     x = self.decoder_norm(x)
     self.sow(nnx.Intermediate, "hidden_states", x)
     if cfg.logits_via_embedding:
-      return embedding_ops.attend(x, embedding, dtype=jnp.dtype(cfg.dtype))
+      return embedding_ops.attend(x, embedding, dtype=jnp.dtype(cfg.dtype), dot_general=self.dot_general)
     return self.logits_dense(x).astype(jnp.float32)
 
 

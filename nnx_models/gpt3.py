@@ -28,8 +28,8 @@ class LayerNorm(nnx.Module):
       *,
       rngs: nnx.Rngs,
   ):
-    self.scale = nnx.Param(initializers.ones()(rngs.params(), (num_features,), weight_dtype), out_sharding=("norm",))
-    self.bias = nnx.Param(initializers.zeros()(rngs.params(), (num_features,), weight_dtype), out_sharding=("norm",))
+    self.scale = nnx.Param(initializers.placeholder(rngs.params(), (num_features,), weight_dtype), out_sharding=("norm",))
+    self.bias = nnx.Param(initializers.placeholder(rngs.params(), (num_features,), weight_dtype), out_sharding=("norm",))
     self.epsilon = epsilon
     self.dtype = dtype
 
@@ -45,18 +45,22 @@ class Gpt3Attention(nnx.Module):
     dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), use_bias=True, rngs=rngs)
     heads, head_dim = cfg.num_query_heads, cfg.head_dim
     self.qkv_proj = DenseGeneral((cfg.emb_dim,), (3, heads, head_dim), ("embed", "qkv", "heads", "kv"), **dtypes)
-    self.out = DenseGeneral(
-        (heads, head_dim),
-        (cfg.emb_dim,),
-        ("heads", "kv", "embed"),
-        initializers.kernel(in_ndim=2),
-        **dtypes,
-    )
+    self.out = DenseGeneral((heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), **dtypes)
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    cfg = self.config
     qkv = self.qkv_proj(x)
     query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    out = attention.dot_product_attention(query, key, value, segment_ids, query_scale=self.config.head_dim**-0.5)
+    out = attention.dot_product_attention(
+        query,
+        key,
+        value,
+        q_segment_ids=segment_ids,
+        kv_segment_ids=segment_ids,
+        q_positions=positions,
+        kv_positions=positions,
+        query_scale=None if initializers.query_kernel_carries_scale(cfg) else cfg.head_dim**-0.5,
+    )
     return self.out(out)
 
 

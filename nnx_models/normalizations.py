@@ -19,7 +19,7 @@ class RMSNorm(nnx.Module):
       *,
       rngs: nnx.Rngs,
   ):
-    self.scale = nnx.Param(initializers.ones()(rngs.params(), (num_features,), weight_dtype), out_sharding=("norm",))
+    self.scale = nnx.Param(initializers.placeholder(rngs.params(), (num_features,), weight_dtype), out_sharding=("norm",))
     self.epsilon = epsilon
     self.dtype = dtype
 
