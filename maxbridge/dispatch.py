@@ -29,6 +29,19 @@ from maxbridge.state import AfterUpdate, LinenTrainer, NNXTrainer, Trainer
 from nnx_models import decoders as nnx_decoders
 from nnx_models import models as nnx_models
 
+FLAGS = ("pure_nnx", "enable_nnx", "pure_nnx_decoder")
+# Named backends: every part in Linen, or every part in NNX.
+BACKENDS = {"linen": (False, False, False), "nnx": (True, True, True)}
+
+
+def backend_flags(backend: str | tuple[bool, bool, bool]) -> dict[str, bool]:
+  """The three flags as config keys, for a named backend ("linen", "nnx") or a tuple in `FLAGS` order."""
+  if isinstance(backend, str):
+    if backend not in BACKENDS:
+      raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+    backend = BACKENDS[backend]
+  return dict(zip(FLAGS, backend, strict=True))
+
 
 def sample_inputs(config: Config) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Smallest (tokens, positions, segment_ids) that initialise a Transformer."""

@@ -9,6 +9,7 @@ flags: both backends read and write the same checkpoint layout.
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -151,6 +152,8 @@ def train(config: Config, *, trainer=None, until_step: int | None = None, progre
         log.append(record)
       records.append(record)
       bar.set_postfix(loss=f"{loss:.3f}")
+      if done % config.log_period == 0 and not bar.disable:
+        bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in record.items() if k != "step"), sys.stderr)
       if ckpt and (done % config.checkpoint_period == 0 or done == end):
         tree = trainer.to_checkpoint(state)
         # A finite loss at this step says nothing of the update it made: check
