@@ -5,6 +5,8 @@ the stacks themselves, their names and sizes, come from `canonical.layer_stacks`
 A layer returns (x, aux): aux is its MoE load-balancing loss, or None.
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,7 @@ from linen_models.normalizations import RMSNorm
 from maxbridge import canonical
 from maxbridge.config import Config
 from maxbridge.ops import embedding as embedding_ops
+from maxbridge.ops import output_head
 from maxbridge.ops import linear
 from maxbridge.ops import moe as moe_ops
 from maxbridge.ops import remat
@@ -104,16 +107,21 @@ class Decoder(nn.Module):
     if aux_losses:
       self.sow("intermediates", "moe_lb_loss", moe_ops.mean_layer_losses(aux_losses))
     norm = LayerNorm if cfg.decoder_block == "gpt3" else RMSNorm
-    x = norm(cfg.emb_dim, cfg.normalization_layer_epsilon, name="decoder_norm", **dtypes)(x)
+    # Before the final norm, which belongs to the output head: vocabulary
+    # tiling runs that head itself, tile by tile.
     self.sow("intermediates", "hidden_states", x)
     if cfg.logits_via_embedding:
-      return embedding_ops.attend(x, embedding, dtype=jnp.dtype(cfg.dtype), dot_general=self.dot_general)
-    logits = DenseGeneral(
-        (cfg.emb_dim,),
-        (cfg.vocab_size,),
-        ("embed", "vocab"),
-        dtype=jnp.dtype(cfg.dtype),
-        weight_dtype=jnp.dtype(cfg.weight_dtype),
-        name="logits_dense",
-    )(x)
-    return logits.astype(jnp.float32)
+      project = functools.partial(
+          embedding_ops.attend, embedding=embedding, dtype=jnp.dtype(cfg.dtype), dot_general=self.dot_general
+      )
+    else:
+      project = DenseGeneral(
+          (cfg.emb_dim,),
+          (cfg.vocab_size,),
+          ("embed", "vocab"),
+          dtype=jnp.dtype(cfg.dtype),
+          weight_dtype=jnp.dtype(cfg.weight_dtype),
+          name="logits_dense",
+      )
+    decoder_norm = norm(cfg.emb_dim, cfg.normalization_layer_epsilon, name="decoder_norm", **dtypes)
+    return output_head.output_logits(x, norm=decoder_norm, project=project)

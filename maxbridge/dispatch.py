@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from linen_models import decoders as linen_decoders
 from linen_models import models as linen_models
-from maxbridge import bridge, canonical, initializers
+from maxbridge import bridge, canonical, initializers, vocab_tiling
 from maxbridge.config import Config
 from maxbridge.loss import CrossEntropy, Loss
 from maxbridge.model import LinenModel, Model, NNXModel
@@ -113,6 +113,8 @@ def _jitted_init(spec: tuple, options: initializers.InitOptions):
 
 def create_loss(config: Config) -> Loss:
   """The training objective for `config` (SFT, DPO and GRPO will be chosen here too)."""
+  if config.num_vocab_tiling > 1:
+    return vocab_tiling.TiledCrossEntropy(config)
   return CrossEntropy(z_loss_multiplier=config.z_loss_multiplier)
 
 

@@ -25,13 +25,21 @@ class Forward:
   `forward(tokens, positions, segment_ids)`, each int32 [B, T], returns
   (logits [B, T, V], flat intermediates). A loss that must take the
   parameters as explicit arguments (a `custom_vjp`, as vocabulary tiling)
-  reads `params` and `frozen` and calls `apply(params, frozen, ...)` itself.
+  reads `params` and `frozen` and calls `apply(params, frozen, ...)` itself;
+  `canonical(params)` is the same parameters as a canonical tree (traceable,
+  differentiable), for losses that read a part of the model directly.
   """
 
-  def __init__(self, apply: Callable, params: Any, frozen: Any):
+  def __init__(self, apply: Callable, params: Any, frozen: Any, canonical: Callable[[Any], dict] | None = None):
     self.apply = apply
     self.params = params
     self.frozen = frozen
+    self._canonical = canonical
+
+  def canonical(self, params: Any) -> dict:
+    if self._canonical is None:
+      raise NotImplementedError("this Forward was built without a canonical view of its parameters")
+    return self._canonical(params)
 
   def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array):
     return self.apply(self.params, self.frozen, tokens, positions, segment_ids)
@@ -65,16 +73,21 @@ class CrossEntropy(Loss):
     return self.terms(logits, batch, intermediates)
 
   def terms(self, logits: jax.Array, batch: Batch, intermediates: Mapping[str, Any]) -> tuple[jax.Array, dict]:
-    """(sum of per-token losses, {"tokens", "z_loss", "moe_lb_loss"}) over the non-padding targets.
-
-    The MoE load-balancing loss (sown by MoE decoders, already weighted) is a
-    per-batch mean, so it enters weighted by this batch's token count.
-    """
+    """(sum of per-token losses, {"tokens", "z_loss", "moe_lb_loss"}) over the non-padding targets."""
+    mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
     per_token, z_loss = losses.cross_entropy_with_z_loss(
         logits, batch["targets"], z_loss_multiplier=self.z_loss_multiplier
     )
-    mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
+    return self.total(jnp.sum(per_token * mask), jnp.sum(z_loss * mask), mask, intermediates)
+
+  @staticmethod
+  def total(token_sum: jax.Array, z_loss_sum: jax.Array, mask: jax.Array, intermediates: Mapping[str, Any]):
+    """Adds the MoE load-balancing loss to a token sum (which includes the z-loss); returns (sum, aux).
+
+    The load-balancing loss (sown by MoE decoders, already weighted) is a
+    per-batch mean, so it enters weighted by this batch's token count.
+    """
     tokens = jnp.sum(mask)
     moe_lb_loss = intermediates.get("decoder/moe_lb_loss", jnp.float32(0.0)) * tokens
-    aux = {"tokens": tokens, "z_loss": jnp.sum(z_loss * mask), "moe_lb_loss": moe_lb_loss}
-    return jnp.sum(per_token * mask) + moe_lb_loss, aux
+    aux = {"tokens": tokens, "z_loss": z_loss_sum, "moe_lb_loss": moe_lb_loss}
+    return token_sum + moe_lb_loss, aux

@@ -201,8 +201,8 @@ class Trainer(abc.ABC):
     apply = functools.partial(self._forward, bound)
     # The reference pass reads the parameters the step started from: a
     # constant of the differentiation, so no gradient flows through it.
-    reference = Forward(apply, bound.params, bound.frozen) if self.loss.needs_reference else None
-    return self.loss(Forward(apply, params, bound.frozen), batch, reference)
+    reference = Forward(apply, bound.params, bound.frozen, self._canonical) if self.loss.needs_reference else None
+    return self.loss(Forward(apply, params, bound.frozen, self._canonical), batch, reference)
 
   def _train_step(self, state, batch: Batch):
     bound = self._bind(state)
@@ -233,6 +233,10 @@ class Trainer(abc.ABC):
   @abc.abstractmethod
   def _forward(self, bound: Bound, params, frozen, tokens, positions, segment_ids):
     """(logits, flat intermediates) for `params` and `frozen` in place of `bound`'s."""
+
+  @abc.abstractmethod
+  def _canonical(self, params) -> Params:
+    """The trained parameters (`Bound.params`' form) as a canonical tree, traceably."""
 
   @abc.abstractmethod
   def _apply_update(self, bound: Bound, grads) -> Any:
@@ -322,6 +326,9 @@ class LinenTrainer(Trainer):
     frozen = {name: value for name, value in state.params.items() if name != self.wrt}
     return Bound(params=trained, frozen=frozen, step=state.step, handle=state)
 
+  def _canonical(self, params) -> Params:
+    return params[self.wrt]
+
   def _forward(self, bound, params, frozen, tokens, positions, segment_ids):
     return linen_forward(self.model.module, {**frozen, **params}, tokens, positions, segment_ids)
 
@@ -395,6 +402,9 @@ class NNXTrainer(Trainer):
     opened = nnx.merge(self.graphdef, state)
     graphdef, params, rest = nnx.split(opened.model, self.wrt, ...)
     return Bound(params=params, frozen=rest, step=opened.optimizer.step[...], handle=(opened, graphdef))
+
+  def _canonical(self, params) -> Params:
+    return nnx.to_pure_dict(params)
 
   def _forward(self, bound, params, frozen, tokens, positions, segment_ids):
     _, graphdef = bound.handle

@@ -5,6 +5,8 @@ the stacks themselves, their names and sizes, come from `canonical.layer_stacks`
 A layer returns (x, aux): aux is its MoE load-balancing loss, or None.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -12,6 +14,7 @@ from flax import nnx
 from maxbridge import canonical
 from maxbridge.config import Config
 from maxbridge.ops import embedding as embedding_ops
+from maxbridge.ops import output_head
 from maxbridge.ops import linear
 from maxbridge.ops import moe as moe_ops
 from maxbridge.ops import remat
@@ -113,11 +116,16 @@ class Decoder(nnx.Module):
     aux_losses = [aux for aux in aux_losses if aux is not None]
     if aux_losses:
       self.sow(nnx.Intermediate, "moe_lb_loss", moe_ops.mean_layer_losses(aux_losses))
-    x = self.decoder_norm(x)
+    # Before the final norm, which belongs to the output head: vocabulary
+    # tiling runs that head itself, tile by tile.
     self.sow(nnx.Intermediate, "hidden_states", x)
     if cfg.logits_via_embedding:
-      return embedding_ops.attend(x, embedding, dtype=jnp.dtype(cfg.dtype), dot_general=self.dot_general)
-    return self.logits_dense(x).astype(jnp.float32)
+      project = functools.partial(
+          embedding_ops.attend, embedding=embedding, dtype=jnp.dtype(cfg.dtype), dot_general=self.dot_general
+      )
+    else:
+      project = self.logits_dense
+    return output_head.output_logits(x, norm=self.decoder_norm, project=project)
 
 
 def _stacked_layers(layer_class, cfg: Config, count: int, rngs: nnx.Rngs) -> nnx.Module:
