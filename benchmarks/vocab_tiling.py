@@ -36,7 +36,9 @@ def main() -> None:
   args = parser.parse_args()
 
   print(f"{args.preset}, batch {args.batch} x length {args.length}, {jax.device_count()} device(s)")
-  print(f"{'vocab':>7} {'backend':>7} {'N':>3} {'temp MiB':>9} {'saved/logits':>12} {'target':>7} {'s/step':>8} {'time ratio':>10}")
+  print(
+      f"{'vocab':>7} {'backend':>7} {'N':>3} {'temp MiB':>9} {'saved/logits':>12} {'target':>7} {'s/step':>8} {'time ratio':>10}"
+  )
   for vocab in args.vocab:
     logits_bytes = args.batch * jax.device_count() * args.length * vocab * 4
     variants = {}

@@ -12,32 +12,10 @@ import jax
 import jax.numpy as jnp
 
 from linen_models.linears import DenseGeneral
+from linen_models.normalizations import norm
 from maxbridge import initializers
 from maxbridge.config import Config
-from maxbridge.ops import attention, mlp, normalization
-
-
-class LayerNorm(nn.Module):
-  num_features: int
-  epsilon: float
-  dtype: jnp.dtype = jnp.float32
-  weight_dtype: jnp.dtype = jnp.float32
-
-  @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    scale = self.param(
-        "scale",
-        nn.with_logical_partitioning(initializers.placeholder, ("norm",)),
-        (self.num_features,),
-        self.weight_dtype,
-    )
-    bias = self.param(
-        "bias",
-        nn.with_logical_partitioning(initializers.placeholder, ("norm",)),
-        (self.num_features,),
-        self.weight_dtype,
-    )
-    return normalization.layer_norm(x, scale, bias, epsilon=self.epsilon, dtype=self.dtype)
+from maxbridge.ops import attention, mlp
 
 
 class Gpt3Attention(nn.Module):
@@ -80,7 +58,7 @@ class Gpt3Mlp(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
     dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype))
-    h = LayerNorm(cfg.emb_dim, cfg.normalization_layer_epsilon, name="mlp_layer_norm", **dtypes)(x)
+    h = norm(cfg, name="mlp_layer_norm")(x)
     h = DenseGeneral((cfg.emb_dim,), (cfg.mlp_dim,), ("embed", "mlp"), name="wi", use_bias=True, **dtypes)(h)
     h = mlp.gelu_tanh(h)
     return DenseGeneral((cfg.mlp_dim,), (cfg.emb_dim,), ("mlp", "embed"), name="wo", use_bias=True, **dtypes)(h)
@@ -90,15 +68,11 @@ class Gpt3DecoderLayer(nn.Module):
   config: Config
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array):
+  def __call__(
+      self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     cfg = self.config
-    h = LayerNorm(
-        cfg.emb_dim,
-        cfg.normalization_layer_epsilon,
-        jnp.dtype(cfg.dtype),
-        jnp.dtype(cfg.weight_dtype),
-        name="pre_self_attention_norm",
-    )(x)
+    h = norm(cfg, name="pre_self_attention_norm")(x)
     x = x + Gpt3Attention(cfg, name="self_attention")(h, positions, segment_ids)
     x = x + Gpt3Mlp(cfg, name="mlp")(x)
-    return x, None
+    return x, {}

@@ -13,28 +13,9 @@ from flax import nnx
 
 from maxbridge import initializers
 from maxbridge.config import Config
-from maxbridge.ops import attention, mlp, normalization
+from maxbridge.ops import attention, mlp
 from nnx_models.linears import DenseGeneral
-
-
-class LayerNorm(nnx.Module):
-
-  def __init__(
-      self,
-      num_features: int,
-      epsilon: float,
-      dtype: jnp.dtype = jnp.float32,
-      weight_dtype: jnp.dtype = jnp.float32,
-      *,
-      rngs: nnx.Rngs,
-  ):
-    self.scale = nnx.Param(initializers.placeholder(rngs.params(), (num_features,), weight_dtype), out_sharding=("norm",))
-    self.bias = nnx.Param(initializers.placeholder(rngs.params(), (num_features,), weight_dtype), out_sharding=("norm",))
-    self.epsilon = epsilon
-    self.dtype = dtype
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    return normalization.layer_norm(x, self.scale[...], self.bias[...], epsilon=self.epsilon, dtype=self.dtype)
+from nnx_models.normalizations import norm
 
 
 class Gpt3Attention(nnx.Module):
@@ -70,7 +51,7 @@ class Gpt3Mlp(nnx.Module):
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
     cfg = config
     dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs)
-    self.mlp_layer_norm = LayerNorm(cfg.emb_dim, cfg.normalization_layer_epsilon, **dtypes)
+    self.mlp_layer_norm = norm(cfg, rngs=rngs)
     self.wi = DenseGeneral((cfg.emb_dim,), (cfg.mlp_dim,), ("embed", "mlp"), use_bias=True, **dtypes)
     self.wo = DenseGeneral((cfg.mlp_dim,), (cfg.emb_dim,), ("mlp", "embed"), use_bias=True, **dtypes)
 
@@ -81,18 +62,13 @@ class Gpt3Mlp(nnx.Module):
 class Gpt3DecoderLayer(nnx.Module):
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
-    cfg = config
-    self.pre_self_attention_norm = LayerNorm(
-        cfg.emb_dim,
-        cfg.normalization_layer_epsilon,
-        jnp.dtype(cfg.dtype),
-        jnp.dtype(cfg.weight_dtype),
-        rngs=rngs,
-    )
-    self.self_attention = Gpt3Attention(cfg, rngs=rngs)
-    self.mlp = Gpt3Mlp(cfg, rngs=rngs)
+    self.pre_self_attention_norm = norm(config, rngs=rngs)
+    self.self_attention = Gpt3Attention(config, rngs=rngs)
+    self.mlp = Gpt3Mlp(config, rngs=rngs)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array):
+  def __call__(
+      self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     x = x + self.self_attention(self.pre_self_attention_norm(x), positions, segment_ids)
     x = x + self.mlp(x)
-    return x, None
+    return x, {}

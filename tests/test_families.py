@@ -417,3 +417,25 @@ def test_query_kernel_carries_the_scale_only_where_attention_does_not_apply_it()
   np.testing.assert_allclose(std, cfg.emb_dim**-0.5, rtol=0.05)
   std, cfg = initial_std("llama-tiny")
   np.testing.assert_allclose(std, cfg.emb_dim**-0.5 * cfg.head_dim**-0.5, rtol=0.05)
+
+
+@pytest.mark.parametrize(
+    "preset, override, match",
+    [
+        ("qwen3-tiny", dict(use_qk_norm=False), "decoder_block='qwen3' normalises each query and key head"),
+        ("gpt3-tiny", dict(sliding_window_size=4), "decoder_block='gpt3' .* reads neither sliding_window_size=4"),
+        ("deepseek3-tiny", dict(use_qk_norm=True), "decoder_block='deepseek' .* nor use_qk_norm=True"),
+    ],
+)
+def test_a_family_refuses_settings_its_layers_would_ignore_or_contradict(preset, override, match):
+  with pytest.raises(mb.ConfigError, match=match):
+    family_config(preset, **override)
+
+
+def test_mistral_without_a_window_is_valid_as_in_mistral_7b_v0_2():
+  assert family_config("mistral-tiny", sliding_window_size=0).sliding_window_size == 0
+
+
+def test_learned_positions_follow_trainable_position_size_not_the_family_name():
+  llama = canonical.flatten(mb.create_model(family_config("llama-tiny", trainable_position_size=16)).abstract_params())
+  assert llama["decoder/position_embedder/embedding"].shape == (16, 64)
