@@ -24,7 +24,10 @@ class Gpt3Attention(nn.Module):
   config: Config
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+  def __call__(
+      self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(output, per-layer values: the per-head max logits when QK-Clip is on)."""
     cfg = self.config
     dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), use_bias=True)
     heads, head_dim = cfg.num_query_heads, cfg.head_dim
@@ -36,17 +39,21 @@ class Gpt3Attention(nn.Module):
         **dtypes,
     )(x)
     query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    out = attention.dot_product_attention(
-        query,
-        key,
-        value,
-        q_segment_ids=segment_ids,
-        kv_segment_ids=segment_ids,
-        q_positions=positions,
-        kv_positions=positions,
-        query_scale=None if initializers.query_kernel_carries_scale(cfg) else head_dim**-0.5,
+    out, per_layer = attention.with_layer_values(
+        attention.dot_product_attention(
+            query,
+            key,
+            value,
+            q_segment_ids=segment_ids,
+            kv_segment_ids=segment_ids,
+            q_positions=positions,
+            kv_positions=positions,
+            query_scale=None if initializers.query_kernel_carries_scale(cfg) else head_dim**-0.5,
+            return_max_logits=cfg.use_qk_clip,
+        ),
+        cfg.use_qk_clip,
     )
-    return DenseGeneral((heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out", **dtypes)(out)
+    return DenseGeneral((heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out", **dtypes)(out), per_layer
 
 
 class Gpt3Mlp(nn.Module):
@@ -73,6 +80,7 @@ class Gpt3DecoderLayer(nn.Module):
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     cfg = self.config
     h = norm(cfg, name="pre_self_attention_norm")(x)
-    x = x + Gpt3Attention(cfg, name="self_attention")(h, positions, segment_ids)
+    attended, per_layer = Gpt3Attention(cfg, name="self_attention")(h, positions, segment_ids)
+    x = x + attended
     x = x + Gpt3Mlp(cfg, name="mlp")(x)
-    return x, {}
+    return x, per_layer

@@ -27,10 +27,11 @@ class DecoderLayer(nn.Module):
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     cfg = self.config
     h = norm(cfg, name="pre_self_attention_layer_norm")(x)
-    x = x + self.attention_class(cfg, name="self_attention")(h, positions, segment_ids)
+    attended, attention_values = self.attention_class(cfg, name="self_attention")(h, positions, segment_ids)
+    x = x + attended
     h = norm(cfg, name="post_self_attention_layer_norm")(x)
     out, per_layer = self.feed_forward(h)
-    return x + out, per_layer  # (carry, output), the form nn.scan drives
+    return x + out, {**attention_values, **per_layer}  # (carry, output), the form nn.scan drives
 
   def feed_forward(self, h: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     # Called from the compact __call__, so the modules made here are this layer's.

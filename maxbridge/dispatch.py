@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from linen_models import decoders as linen_decoders
 from linen_models import models as linen_models
-from maxbridge import bridge, canonical, initializers, vocab_tiling
+from maxbridge import bridge, canonical, initializers, qk_clip, vocab_tiling
 from maxbridge.config import Config
 from maxbridge.loss import CrossEntropy, Loss
 from maxbridge.model import LinenModel, Model, NNXModel
@@ -129,8 +129,12 @@ def create_trainer(
 
   `mesh` defaults to one built from the config over all devices, `loss` to
   `create_loss(config)`. `after_update` maps the canonical parameters after
-  every optimizer update, the same on both backends (none by default).
+  every optimizer update, the same on both backends (QK-Clip when
+  `use_qk_clip`, else none).
   """
+  if after_update is None and config.use_qk_clip:
+    qk_clip.check(config)
+    after_update = functools.partial(qk_clip.after_update, config=config)
   hooks = dict(loss=create_loss(config) if loss is None else loss, after_update=after_update)
   if config.pure_nnx:
     return NNXTrainer(config, functools.partial(nnx_transformer, config), mesh, **hooks)

@@ -90,4 +90,6 @@ class CrossEntropy(Loss):
     tokens = jnp.sum(mask)
     moe_lb_loss = intermediates.get("decoder/moe_lb_loss", jnp.float32(0.0)) * tokens
     aux = {"tokens": tokens, "z_loss": z_loss_sum, "moe_lb_loss": moe_lb_loss}
+    if "decoder/max_logits" in intermediates:  # [layers, heads], sown when QK-Clip is on
+      aux["maxima"] = {"max_logits": intermediates["decoder/max_logits"]}
     return token_sum + moe_lb_loss, aux

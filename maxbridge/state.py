@@ -61,7 +61,8 @@ def accumulate_gradients(value_and_grad: Callable, params: Any, batch: Batch, nu
   """Mean loss and gradient over all tokens of `batch`, in `num_micro` sequential micro-batches.
 
   `value_and_grad` returns ((sum, aux), grads) with `aux["tokens"]` the
-  count to divide by; every other aux entry is reported per token as well.
+  count to divide by; every other aux entry is reported per token as well,
+  but `aux["maxima"]` (per-layer maxima), which is the maximum over micro-batches.
   """
   if num_micro == 1:
     (loss_sum, aux), grads = value_and_grad(params, batch)
@@ -69,14 +70,28 @@ def accumulate_gradients(value_and_grad: Callable, params: Any, batch: Batch, nu
     micro = jax.tree.map(lambda x: x.reshape(num_micro, x.shape[0] // num_micro, *x.shape[1:]), batch)
 
     def add(total, micro_batch):
-      return jax.tree.map(jnp.add, total, value_and_grad(params, micro_batch)), None
+      result = value_and_grad(params, micro_batch)
+      summed = jax.tree.map(jnp.add, total, result)
+      if "maxima" in aux_of(result):  # per-layer statistics (QK-Clip's max logits) reduce by max, not sum
+        aux_of(summed)["maxima"] = jax.tree.map(jnp.maximum, aux_of(total)["maxima"], aux_of(result)["maxima"])
+      return summed, None
 
     zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(value_and_grad, params, jax.tree.map(lambda x: x[0], micro)))
+    if "maxima" in aux_of(zeros):
+      aux_of(zeros)["maxima"] = jax.tree.map(lambda x: jnp.full_like(x, -jnp.inf), aux_of(zeros)["maxima"])
     ((loss_sum, aux), grads), _ = jax.lax.scan(add, zeros, micro)
   tokens = jnp.maximum(aux["tokens"], 1.0)
   grads = jax.tree.map(lambda g: g / tokens, grads)
-  per_token = {key: value / tokens for key, value in aux.items() if key != "tokens"}
-  return grads, {"loss": loss_sum / tokens, **per_token, "tokens": aux["tokens"]}
+  per_token = {key: value / tokens for key, value in aux.items() if key not in ("tokens", "maxima")}
+  metrics = {"loss": loss_sum / tokens, **per_token, "tokens": aux["tokens"]}
+  if "maxima" in aux:
+    metrics["maxima"] = aux["maxima"]
+  return grads, metrics
+
+
+def aux_of(result) -> dict:
+  """The aux dict of a ((loss, aux), grads) result."""
+  return result[0][1]
 
 
 def clip_gradients(grads: Any, threshold: float):

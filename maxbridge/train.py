@@ -145,6 +145,8 @@ def train(config: Config, *, trainer=None, until_step: int | None = None, progre
           "grad_norm": float(metrics["grad_norm"]),
           "tokens_per_s": float(metrics["tokens"]) / seconds,
       }
+      if "maxima" in metrics:  # QK-Clip: the largest attention logit over layers and heads, before clipping
+        record["max_logits"] = float(metrics["maxima"]["max_logits"].max())
       done = step + 1
       if eval_data is not None and (done % config.eval_interval == 0 or done == config.steps):
         record["eval_loss"] = evaluate(trainer, state, eval_data, config.eval_steps)

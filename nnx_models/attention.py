@@ -30,7 +30,10 @@ class Attention(nnx.Module):
       self.key_norm = RMSNorm(head_dim, cfg.normalization_layer_epsilon, **dtypes)
     self.out = DenseGeneral((heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), **dtypes)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+  def __call__(
+      self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(output, per-layer values: the per-head max logits when QK-Clip is on)."""
     cfg = self.config
     query = self.query(x)
     key = self.key(x)
@@ -40,15 +43,19 @@ class Attention(nnx.Module):
       key = self.key_norm(key)
     query = rotary.apply_rotary(query, positions, max_timescale=cfg.rope_max_timescale)
     key = rotary.apply_rotary(key, positions, max_timescale=cfg.rope_max_timescale)
-    out = attention.dot_product_attention(
-        query,
-        key,
-        value,
-        q_segment_ids=segment_ids,
-        kv_segment_ids=segment_ids,
-        q_positions=positions,
-        kv_positions=positions,
-        sliding_window_size=cfg.sliding_window_size,
-        query_scale=None if initializers.query_kernel_carries_scale(cfg) else cfg.head_dim**-0.5,
+    out, per_layer = attention.with_layer_values(
+        attention.dot_product_attention(
+            query,
+            key,
+            value,
+            q_segment_ids=segment_ids,
+            kv_segment_ids=segment_ids,
+            q_positions=positions,
+            kv_positions=positions,
+            sliding_window_size=cfg.sliding_window_size,
+            query_scale=None if initializers.query_kernel_carries_scale(cfg) else cfg.head_dim**-0.5,
+            return_max_logits=cfg.use_qk_clip,
+        ),
+        cfg.use_qk_clip,
     )
-    return self.out(out)
+    return self.out(out), per_layer

@@ -28,21 +28,28 @@ class Gpt3Attention(nnx.Module):
     self.qkv_proj = DenseGeneral((cfg.emb_dim,), (3, heads, head_dim), ("embed", "qkv", "heads", "kv"), **dtypes)
     self.out = DenseGeneral((heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), **dtypes)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+  def __call__(
+      self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(output, per-layer values: the per-head max logits when QK-Clip is on)."""
     cfg = self.config
     qkv = self.qkv_proj(x)
     query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    out = attention.dot_product_attention(
-        query,
-        key,
-        value,
-        q_segment_ids=segment_ids,
-        kv_segment_ids=segment_ids,
-        q_positions=positions,
-        kv_positions=positions,
-        query_scale=None if initializers.query_kernel_carries_scale(cfg) else cfg.head_dim**-0.5,
+    out, per_layer = attention.with_layer_values(
+        attention.dot_product_attention(
+            query,
+            key,
+            value,
+            q_segment_ids=segment_ids,
+            kv_segment_ids=segment_ids,
+            q_positions=positions,
+            kv_positions=positions,
+            query_scale=None if initializers.query_kernel_carries_scale(cfg) else cfg.head_dim**-0.5,
+            return_max_logits=cfg.use_qk_clip,
+        ),
+        cfg.use_qk_clip,
     )
-    return self.out(out)
+    return self.out(out), per_layer
 
 
 class Gpt3Mlp(nnx.Module):
@@ -69,6 +76,7 @@ class Gpt3DecoderLayer(nnx.Module):
   def __call__(
       self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    x = x + self.self_attention(self.pre_self_attention_norm(x), positions, segment_ids)
+    attended, per_layer = self.self_attention(self.pre_self_attention_norm(x), positions, segment_ids)
+    x = x + attended
     x = x + self.mlp(x)
-    return x, {}
+    return x, per_layer

@@ -31,10 +31,11 @@ class DecoderLayer(nnx.Module):
       self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     h = self.pre_self_attention_layer_norm(x)
-    x = x + self.self_attention(h, positions, segment_ids)
+    attended, attention_values = self.self_attention(h, positions, segment_ids)
+    x = x + attended
     h = self.post_self_attention_layer_norm(x)
     out, per_layer = self.feed_forward(h)
-    return x + out, per_layer
+    return x + out, {**attention_values, **per_layer}
 
   def init_feed_forward(self, config: Config, rngs: nnx.Rngs) -> None:
     self.mlp = MlpBlock(config, rngs=rngs)

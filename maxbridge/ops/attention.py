@@ -90,3 +90,11 @@ def dot_product_attention(
     # every pair is masked reports MASK_VALUE.
     max_logits = jnp.max(jax.lax.stop_gradient(scores), axis=(0, 3, 4)).reshape(num_heads)
     return out, max_logits
+
+
+def with_layer_values(result, returned_max_logits: bool) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """`dot_product_attention`'s result -> (output, the per-layer values a decoder layer returns)."""
+  if returned_max_logits:
+    out, max_logits = result
+    return out, {"max_logits": max_logits}
+  return result, {}
