@@ -58,7 +58,7 @@ class NNXCountingLayer(nnx_llama.DecoderLayer):
 
 def decoder_params(config):
   abstract = jax.eval_shape(linen_decoders.Decoder(config).init, jax.random.key(0), X, POSITIONS, SEGMENT_IDS)
-  return initializers.init_params(nn.unbox(abstract["params"]), 0, config.param_scan_axis)
+  return initializers.init_params(nn.unbox(abstract["params"]), 0, initializers.InitOptions.from_config(config))
 
 
 def run_linen(config, params):
