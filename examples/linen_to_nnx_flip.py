@@ -23,6 +23,7 @@ import matplotlib.pyplot as plt
 from matplotlib import ticker
 
 import maxbridge as mb
+from maxbridge import dispatch
 
 NNX_FLAGS = dict(pure_nnx=True, enable_nnx=True, pure_nnx_decoder=True)
 LINEN_ONLY, FLIPPED = "linen-only", "linen-to-nnx"
@@ -186,13 +187,16 @@ def main() -> None:
   clear_demo_runs(args.output)
   began = time.perf_counter()
 
-  # Run A: pure Linen from start to finish.
-  linen_only = mb.train(make_config(LINEN_ONLY, args.output, steps), progress=True)
+  # Run A: pure Linen from start to finish. Its trainer (the compiled Linen
+  # step) serves run B's Linen half too: the two configs differ in run_name only.
+  linen_config = make_config(LINEN_ONLY, args.output, steps)
+  linen = dispatch.create_trainer(linen_config)
+  linen_only = mb.train(linen_config, trainer=linen, progress=True)
 
   # Run B: Linen up to the halfway checkpoint, then the same run directory
   # with every part in NNX. until_step stops the call without shortening the
   # LR schedule, so the second call continues the same run.
-  linen_part = mb.train(make_config(FLIPPED, args.output, steps), until_step=flip, progress=True)
+  linen_part = mb.train(make_config(FLIPPED, args.output, steps), trainer=linen, until_step=flip, progress=True)
   nnx_part = mb.train(make_config(FLIPPED, args.output, steps, **NNX_FLAGS), progress=True)
   flipped = linen_part + nnx_part
   if [r["step"] for r in flipped] != list(range(steps)):

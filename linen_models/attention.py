@@ -20,7 +20,10 @@ class Attention(nn.Module):
   config: Config
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+  def __call__(
+      self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(output, per-layer values: the per-head max logits when QK-Clip is on)."""
     cfg = self.config
     dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype))
     heads, kv_heads, head_dim = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
@@ -28,7 +31,6 @@ class Attention(nn.Module):
         (cfg.emb_dim,),
         (heads, head_dim),
         ("embed", "q_heads", "kv"),
-        initializers.query_kernel(),
         name="query",
         **dtypes,
     )(x)
@@ -46,27 +48,25 @@ class Attention(nn.Module):
         name="value",
         **dtypes,
     )(x)
-    query_scale = None
     if cfg.use_qk_norm:
       norm = dict(epsilon=cfg.normalization_layer_epsilon, **dtypes)
       query = RMSNorm(head_dim, name="query_norm", **norm)(query)
       key = RMSNorm(head_dim, name="key_norm", **norm)(key)
-      query_scale = head_dim**-0.5
     query = rotary.apply_rotary(query, positions, max_timescale=cfg.rope_max_timescale)
     key = rotary.apply_rotary(key, positions, max_timescale=cfg.rope_max_timescale)
-    out = attention.dot_product_attention(
-        query,
-        key,
-        value,
-        segment_ids,
-        sliding_window_size=cfg.sliding_window_size,
-        query_scale=query_scale,
+    out, per_layer = attention.with_layer_values(
+        attention.dot_product_attention(
+            query,
+            key,
+            value,
+            q_segment_ids=segment_ids,
+            kv_segment_ids=segment_ids,
+            q_positions=positions,
+            kv_positions=positions,
+            sliding_window_size=cfg.sliding_window_size,
+            query_scale=None if initializers.query_kernel_carries_scale(cfg) else head_dim**-0.5,
+            return_max_logits=cfg.use_qk_clip,
+        ),
+        cfg.use_qk_clip,
     )
-    return DenseGeneral(
-        (heads, head_dim),
-        (cfg.emb_dim,),
-        ("heads", "kv", "embed"),
-        initializers.kernel(in_ndim=2),
-        name="out",
-        **dtypes,
-    )(out)
+    return DenseGeneral((heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out", **dtypes)(out), per_layer

@@ -23,7 +23,10 @@ class MLA(nn.Module):
   config: Config
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+  def __call__(
+      self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(output, per-layer values: the per-head max logits when QK-Clip is on)."""
     cfg = self.config
     dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype))
     norm = dict(epsilon=mla.LATENT_NORM_EPSILON, **dtypes)
@@ -57,12 +60,21 @@ class MLA(nn.Module):
     key, value = mla.latent_key_value(
         key_value, key_rope, positions, nope_dim=cfg.qk_nope_head_dim, max_timescale=cfg.rope_max_timescale
     )
-    out = attention.dot_product_attention(query, key, value, segment_ids, query_scale=qk_head_dim**-0.5)
-    return DenseGeneral(
-        (heads, cfg.v_head_dim),
-        (cfg.emb_dim,),
-        ("heads", "kv", "embed"),
-        initializers.kernel(in_ndim=2),
-        name="out",
-        **dtypes,
-    )(out)
+    out, per_layer = attention.with_layer_values(
+        attention.dot_product_attention(
+            query,
+            key,
+            value,
+            q_segment_ids=segment_ids,
+            kv_segment_ids=segment_ids,
+            q_positions=positions,
+            kv_positions=positions,
+            query_scale=None if initializers.query_kernel_carries_scale(cfg) else qk_head_dim**-0.5,
+            return_max_logits=cfg.use_qk_clip,
+        ),
+        cfg.use_qk_clip,
+    )
+    return (
+        DenseGeneral((heads, cfg.v_head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out", **dtypes)(out),
+        per_layer,
+    )

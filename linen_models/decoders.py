@@ -1,45 +1,30 @@
-"""Llama decoder layer and the decoder stack (layers, final norm, output head).
+"""The decoder stack: learned positions (when the family has them), layers, final norm, output head.
 
 `config.decoder_block` picks the layer class of each stack (`layer_classes`);
 the stacks themselves, their names and sizes, come from `canonical.layer_stacks`.
-A layer returns (x, aux): aux is its MoE load-balancing loss, or None.
+A layer returns (x, per-layer values); each value is stacked over the layers
+and sown as `decoder/<key>`.
 """
+
+import functools
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from linen_models.attention import Attention
 from linen_models.deepseek import DeepSeekDenseLayer, DeepSeekMoELayer
 from linen_models.embeddings import Embed
-from linen_models.gpt3 import Gpt3DecoderLayer, LayerNorm
+from linen_models.gpt3 import Gpt3DecoderLayer
 from linen_models.linears import DenseGeneral
+from linen_models.llama import DecoderLayer
 from linen_models.mixtral import MixtralDecoderLayer
-from linen_models.mlp import MlpBlock
-from linen_models.normalizations import RMSNorm
+from linen_models.normalizations import norm
 from maxbridge import canonical
 from maxbridge.config import Config
 from maxbridge.ops import embedding as embedding_ops
-from maxbridge.ops import moe as moe_ops
+from maxbridge.ops import linear
+from maxbridge.ops import output_head
 from maxbridge.ops import remat
-
-
-class DecoderLayer(nn.Module):
-  config: Config
-
-  @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array):
-    cfg = self.config
-    norm = dict(
-        epsilon=cfg.normalization_layer_epsilon,
-        dtype=jnp.dtype(cfg.dtype),
-        weight_dtype=jnp.dtype(cfg.weight_dtype),
-    )
-    h = RMSNorm(cfg.emb_dim, name="pre_self_attention_layer_norm", **norm)(x)
-    x = x + Attention(cfg, name="self_attention")(h, positions, segment_ids)
-    h = RMSNorm(cfg.emb_dim, name="post_self_attention_layer_norm", **norm)(x)
-    x = x + MlpBlock(cfg, name="mlp")(h)
-    return x, None  # (carry, output) so that nn.scan can drive it
 
 
 def layer_classes(config: Config) -> dict[str, type[nn.Module]]:
@@ -61,6 +46,7 @@ def layer_classes(config: Config) -> dict[str, type[nn.Module]]:
 
 class Decoder(nn.Module):
   config: Config
+  dot_general: linear.DotGeneral = jax.lax.dot_general  # the tied head's matmul
 
   @nn.compact
   def __call__(
@@ -73,10 +59,10 @@ class Decoder(nn.Module):
     """Embedded tokens [B, T, D] -> float32 logits [B, T, V]; `embedding` ties the head."""
     cfg = self.config
     dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype))
-    if cfg.decoder_block == "gpt3":  # learned absolute positions
+    if cfg.trainable_position_size:
       x = x + Embed(cfg.trainable_position_size, cfg.emb_dim, name="position_embedder", **dtypes)(positions)
     classes = layer_classes(cfg)
-    aux_losses = []
+    per_stack = []
     for name, count in canonical.layer_stacks(cfg):
       layer = classes[name]
       if cfg.remat_policy != "none":
@@ -86,32 +72,41 @@ class Decoder(nn.Module):
       if cfg.scan_layers:
         stack = nn.scan(
             layer,
-            variable_axes={"params": cfg.param_scan_axis},
+            # Layer state other than parameters (caches, what a layer sows) is
+            # per layer too; it stacks on axis 0, as MaxText's does.
+            variable_axes={"params": cfg.param_scan_axis, "cache": 0, "intermediates": 0},
             split_rngs={"params": True},
             in_axes=(nn.broadcast, nn.broadcast),
             length=count,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        x, aux = stack(cfg, name=name)(x, positions, segment_ids)
-        aux_losses.append(aux)
+        x, outputs = stack(cfg, name=name)(x, positions, segment_ids)
       else:
+        layer_outputs = []
         for i in range(count):
-          x, aux = layer(cfg, name=f"{name}_{i}")(x, positions, segment_ids)
-          aux_losses.append(aux)
-    aux_losses = [aux for aux in aux_losses if aux is not None]
-    if aux_losses:
-      self.sow("intermediates", "moe_lb_loss", moe_ops.mean_layer_losses(aux_losses))
-    norm = LayerNorm if cfg.decoder_block == "gpt3" else RMSNorm
-    x = norm(cfg.emb_dim, cfg.normalization_layer_epsilon, name="decoder_norm", **dtypes)(x)
+          x, out = layer(cfg, name=f"{name}_{i}")(x, positions, segment_ids)
+          layer_outputs.append(out)
+        outputs = canonical.stack_layer_values(layer_outputs)
+      per_stack.append(outputs)
+    per_layer = canonical.concat_layer_stacks(per_stack)
+    for key, value in per_layer.items():
+      self.sow("intermediates", key, value)
+    if "moe_lb_losses" in per_layer:  # what the training loss adds: the mean over MoE layers
+      self.sow("intermediates", "moe_lb_loss", jnp.mean(per_layer["moe_lb_losses"]))
+    # Before the final norm, which belongs to the output head: vocabulary
+    # tiling runs that head itself, tile by tile.
     self.sow("intermediates", "hidden_states", x)
     if cfg.logits_via_embedding:
-      return embedding_ops.attend(x, embedding, dtype=jnp.dtype(cfg.dtype))
-    logits = DenseGeneral(
-        (cfg.emb_dim,),
-        (cfg.vocab_size,),
-        ("embed", "vocab"),
-        dtype=jnp.dtype(cfg.dtype),
-        weight_dtype=jnp.dtype(cfg.weight_dtype),
-        name="logits_dense",
-    )(x)
-    return logits.astype(jnp.float32)
+      project = functools.partial(
+          embedding_ops.attend, embedding=embedding, dtype=jnp.dtype(cfg.dtype), dot_general=self.dot_general
+      )
+    else:
+      project = DenseGeneral(
+          (cfg.emb_dim,),
+          (cfg.vocab_size,),
+          ("embed", "vocab"),
+          dtype=jnp.dtype(cfg.dtype),
+          weight_dtype=jnp.dtype(cfg.weight_dtype),
+          name="logits_dense",
+      )
+    return output_head.output_logits(x, norm=norm(cfg, name="decoder_norm"), project=project)

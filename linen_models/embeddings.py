@@ -17,7 +17,7 @@ class Embed(nn.Module):
   def setup(self):
     self.embedding = self.param(
         "embedding",
-        nn.with_logical_partitioning(initializers.embedding(), ("vocab", "embed")),
+        nn.with_logical_partitioning(initializers.placeholder, ("vocab", "embed")),
         (self.num_embeddings, self.features),
         self.weight_dtype,
     )

@@ -12,32 +12,10 @@ import jax
 import jax.numpy as jnp
 
 from linen_models.linears import DenseGeneral
+from linen_models.normalizations import norm
 from maxbridge import initializers
 from maxbridge.config import Config
-from maxbridge.ops import attention, mlp, normalization
-
-
-class LayerNorm(nn.Module):
-  num_features: int
-  epsilon: float
-  dtype: jnp.dtype = jnp.float32
-  weight_dtype: jnp.dtype = jnp.float32
-
-  @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    scale = self.param(
-        "scale",
-        nn.with_logical_partitioning(initializers.ones(), ("norm",)),
-        (self.num_features,),
-        self.weight_dtype,
-    )
-    bias = self.param(
-        "bias",
-        nn.with_logical_partitioning(initializers.zeros(), ("norm",)),
-        (self.num_features,),
-        self.weight_dtype,
-    )
-    return normalization.layer_norm(x, scale, bias, epsilon=self.epsilon, dtype=self.dtype)
+from maxbridge.ops import attention, mlp
 
 
 class Gpt3Attention(nn.Module):
@@ -46,7 +24,10 @@ class Gpt3Attention(nn.Module):
   config: Config
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+  def __call__(
+      self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(output, per-layer values: the per-head max logits when QK-Clip is on)."""
     cfg = self.config
     dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), use_bias=True)
     heads, head_dim = cfg.num_query_heads, cfg.head_dim
@@ -58,15 +39,21 @@ class Gpt3Attention(nn.Module):
         **dtypes,
     )(x)
     query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    out = attention.dot_product_attention(query, key, value, segment_ids, query_scale=head_dim**-0.5)
-    return DenseGeneral(
-        (heads, head_dim),
-        (cfg.emb_dim,),
-        ("heads", "kv", "embed"),
-        initializers.kernel(in_ndim=2),
-        name="out",
-        **dtypes,
-    )(out)
+    out, per_layer = attention.with_layer_values(
+        attention.dot_product_attention(
+            query,
+            key,
+            value,
+            q_segment_ids=segment_ids,
+            kv_segment_ids=segment_ids,
+            q_positions=positions,
+            kv_positions=positions,
+            query_scale=None if initializers.query_kernel_carries_scale(cfg) else head_dim**-0.5,
+            return_max_logits=cfg.use_qk_clip,
+        ),
+        cfg.use_qk_clip,
+    )
+    return DenseGeneral((heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out", **dtypes)(out), per_layer
 
 
 class Gpt3Mlp(nn.Module):
@@ -78,7 +65,7 @@ class Gpt3Mlp(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
     dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype))
-    h = LayerNorm(cfg.emb_dim, cfg.normalization_layer_epsilon, name="mlp_layer_norm", **dtypes)(x)
+    h = norm(cfg, name="mlp_layer_norm")(x)
     h = DenseGeneral((cfg.emb_dim,), (cfg.mlp_dim,), ("embed", "mlp"), name="wi", use_bias=True, **dtypes)(h)
     h = mlp.gelu_tanh(h)
     return DenseGeneral((cfg.mlp_dim,), (cfg.emb_dim,), ("mlp", "embed"), name="wo", use_bias=True, **dtypes)(h)
@@ -88,15 +75,12 @@ class Gpt3DecoderLayer(nn.Module):
   config: Config
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array):
+  def __call__(
+      self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     cfg = self.config
-    h = LayerNorm(
-        cfg.emb_dim,
-        cfg.normalization_layer_epsilon,
-        jnp.dtype(cfg.dtype),
-        jnp.dtype(cfg.weight_dtype),
-        name="pre_self_attention_norm",
-    )(x)
-    x = x + Gpt3Attention(cfg, name="self_attention")(h, positions, segment_ids)
+    h = norm(cfg, name="pre_self_attention_norm")(x)
+    attended, per_layer = Gpt3Attention(cfg, name="self_attention")(h, positions, segment_ids)
+    x = x + attended
     x = x + Gpt3Mlp(cfg, name="mlp")(x)
-    return x, None
+    return x, per_layer

@@ -1,4 +1,8 @@
-"""DenseGeneral: a kernel of shape in_features + out_features with logical axes."""
+"""DenseGeneral: a kernel of shape in_features + out_features with logical axes.
+
+`dot_general` is the matmul (`jax.lax.dot_general`, or a quantized one, as
+flax's `Dense` takes it). Initial values come from `maxbridge.initializers`.
+"""
 
 import flax.linen as nn
 import jax
@@ -12,16 +16,16 @@ class DenseGeneral(nn.Module):
   in_features: tuple[int, ...]
   out_features: tuple[int, ...]
   logical_axes: tuple[str, ...]
-  kernel_init: initializers.Initializer = initializers.kernel()
   dtype: jnp.dtype = jnp.float32
   weight_dtype: jnp.dtype = jnp.float32
   use_bias: bool = False
+  dot_general: linear.DotGeneral = jax.lax.dot_general
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     kernel = self.param(
         "kernel",
-        nn.with_logical_partitioning(self.kernel_init, self.logical_axes),
+        nn.with_logical_partitioning(initializers.placeholder, self.logical_axes),
         self.in_features + self.out_features,
         self.weight_dtype,
     )
@@ -29,8 +33,10 @@ class DenseGeneral(nn.Module):
     if self.use_bias:
       bias = self.param(
           "bias",
-          nn.with_logical_partitioning(initializers.zeros(), self.logical_axes[len(self.in_features) :]),
+          nn.with_logical_partitioning(initializers.placeholder, self.logical_axes[len(self.in_features) :]),
           self.out_features,
           self.weight_dtype,
       )
-    return linear.dense_general(x, kernel, in_ndim=len(self.in_features), dtype=self.dtype, bias=bias)
+    return linear.dense_general(
+        x, kernel, in_ndim=len(self.in_features), dtype=self.dtype, bias=bias, dot_general=self.dot_general
+    )

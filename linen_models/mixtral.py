@@ -1,28 +1,18 @@
-"""Mixtral decoder layer: Llama's attention and norms, the MLP replaced by routed experts (`MoeBlock_0`)."""
+"""Mixtral decoder layer: Llama's, the MLP replaced by routed experts (`MoeBlock_0`)."""
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
-from linen_models.attention import Attention
+from linen_models.llama import DecoderLayer
 from linen_models.moe import RoutedMoE
-from linen_models.normalizations import RMSNorm
-from maxbridge.config import Config
 
 
-class MixtralDecoderLayer(nn.Module):
-  config: Config
+class MixtralDecoderLayer(DecoderLayer):
 
-  @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array):
-    cfg = self.config
-    norm = dict(
-        epsilon=cfg.normalization_layer_epsilon,
-        dtype=jnp.dtype(cfg.dtype),
-        weight_dtype=jnp.dtype(cfg.weight_dtype),
-    )
-    h = RMSNorm(cfg.emb_dim, name="pre_self_attention_layer_norm", **norm)(x)
-    x = x + Attention(cfg, name="self_attention")(h, positions, segment_ids)
-    h = RMSNorm(cfg.emb_dim, name="post_self_attention_layer_norm", **norm)(x)
-    out, aux = RoutedMoE(cfg, cfg.mlp_dim, name="MoeBlock_0")(h)
-    return x + out, aux
+  def feed_forward(self, h: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    out, loss = RoutedMoE(self.config, self.config.mlp_dim, name="MoeBlock_0")(h)
+    return out, moe_per_layer(loss)
+
+
+def moe_per_layer(load_balance_loss: jax.Array | None) -> dict[str, jax.Array]:
+  """A MoE layer's per-layer values: its load-balancing loss, when there is one (weight > 0)."""
+  return {} if load_balance_loss is None else {"moe_lb_losses": load_balance_loss}

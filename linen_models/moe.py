@@ -2,7 +2,9 @@
 
 Routed experts keep bare [experts, in, out] parameters `wi_0`, `wi_1`, `wo`
 beside a `gate` router; all routing and expert math is `maxbridge.ops.moe`.
-A block returns (output, load-balancing loss or None).
+A block returns (output, load-balancing loss or None). The router and the
+experts take injectable matmuls (`dot_general`, and `ragged_dot` for the
+dropless experts), as `DenseGeneral` does.
 """
 
 import flax.linen as nn
@@ -20,6 +22,7 @@ class GateLogit(nn.Module):
   """Router logits x @ kernel [D, E]; with `routed_bias`, DeepSeek's score-correction `bias` [E]."""
 
   config: Config
+  dot_general: linear.DotGeneral = jax.lax.dot_general
 
   @nn.compact
   def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
@@ -27,7 +30,7 @@ class GateLogit(nn.Module):
     weight_dtype = jnp.dtype(cfg.weight_dtype)
     kernel = self.param(
         "kernel",
-        nn.with_logical_partitioning(initializers.kernel(), ("embed", None)),
+        nn.with_logical_partitioning(initializers.placeholder, ("embed", None)),
         (cfg.emb_dim, cfg.num_experts),
         weight_dtype,
     )
@@ -35,31 +38,44 @@ class GateLogit(nn.Module):
     if cfg.routed_bias:
       bias = self.param(
           "bias",
-          nn.with_logical_partitioning(initializers.zeros(), (None,)),
+          nn.with_logical_partitioning(initializers.placeholder, (None,)),
           (cfg.num_experts,),
           weight_dtype,
       )
-    return linear.dense_general(x, kernel, in_ndim=1, dtype=jnp.dtype(cfg.dtype)), bias
+    logits = linear.dense_general(x, kernel, in_ndim=1, dtype=jnp.dtype(cfg.dtype), dot_general=self.dot_general)
+    return logits, bias
 
 
 class RoutedMoE(nn.Module):
   config: Config
   intermediate_dim: int
+  dot_general: linear.DotGeneral = jax.lax.dot_general
+  ragged_dot: moe_ops.RaggedDot = jax.lax.ragged_dot
 
   @nn.compact
   def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
     cfg = self.config
     experts, width, hidden = cfg.num_experts, cfg.emb_dim, self.intermediate_dim
     weight_dtype = jnp.dtype(cfg.weight_dtype)
-    logits, correction_bias = GateLogit(cfg, name="gate")(x)
+    logits, correction_bias = GateLogit(cfg, self.dot_general, name="gate")(x)
 
     def expert_param(name, shape, axes):
-      return self.param(name, nn.with_logical_partitioning(initializers.expert_kernel(), axes), shape, weight_dtype)
+      return self.param(name, nn.with_logical_partitioning(initializers.placeholder, axes), shape, weight_dtype)
 
     wi_0 = expert_param("wi_0", (experts, width, hidden), ("exp", "embed_no_exp", "mlp"))
     wi_1 = expert_param("wi_1", (experts, width, hidden), ("exp", "embed_no_exp", "mlp"))
     wo = expert_param("wo", (experts, hidden, width), ("exp", "mlp", "embed_no_exp"))
-    return moe_ops.routed_moe(x, logits, correction_bias, wi_0, wi_1, wo, **moe_options(cfg))
+    return moe_ops.routed_moe(
+        x,
+        logits,
+        correction_bias,
+        wi_0,
+        wi_1,
+        wo,
+        dot_general=self.dot_general,
+        ragged_dot=self.ragged_dot,
+        **moe_ops.moe_options(cfg),
+    )
 
 
 class RoutedAndSharedMoE(nn.Module):
@@ -73,17 +89,3 @@ class RoutedAndSharedMoE(nn.Module):
     routed, aux = RoutedMoE(cfg, cfg.moe_mlp_dim, name="MoeBlock_0")(x)
     shared = MlpBlock(cfg, cfg.shared_experts * cfg.moe_mlp_dim, name="shared_experts")(x)
     return routed + shared, aux
-
-
-def moe_options(cfg: Config) -> dict:
-  """The config's routing settings, as `ops.moe.routed_moe` takes them."""
-  return dict(
-      num_experts_per_tok=cfg.num_experts_per_tok,
-      score_func=cfg.routed_score_func,
-      n_groups=cfg.n_routing_groups,
-      top_groups=cfg.topk_routing_group,
-      scaling_factor=cfg.routed_scaling_factor,
-      sparse=cfg.sparse_matmul,
-      load_balance_loss_weight=cfg.load_balance_loss_weight,
-      dtype=jnp.dtype(cfg.dtype),
-  )

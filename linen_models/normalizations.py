@@ -1,10 +1,11 @@
-"""RMSNorm with a logically partitioned scale."""
+"""RMSNorm and LayerNorm with logically partitioned parameters, and the config's choice of the two."""
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from maxbridge import initializers
+from maxbridge.config import Config
 from maxbridge.ops import normalization
 
 
@@ -18,8 +19,45 @@ class RMSNorm(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     scale = self.param(
         "scale",
-        nn.with_logical_partitioning(initializers.ones(), ("norm",)),
+        nn.with_logical_partitioning(initializers.placeholder, ("norm",)),
         (self.num_features,),
         self.weight_dtype,
     )
     return normalization.rms_norm(x, scale, epsilon=self.epsilon, dtype=self.dtype)
+
+
+class LayerNorm(nn.Module):
+  """GPT-2's: a `scale` that is the multiplier itself, and a `bias`."""
+
+  num_features: int
+  epsilon: float
+  dtype: jnp.dtype = jnp.float32
+  weight_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    scale = self.param(
+        "scale",
+        nn.with_logical_partitioning(initializers.placeholder, ("norm",)),
+        (self.num_features,),
+        self.weight_dtype,
+    )
+    bias = self.param(
+        "bias",
+        nn.with_logical_partitioning(initializers.placeholder, ("norm",)),
+        (self.num_features,),
+        self.weight_dtype,
+    )
+    return normalization.layer_norm(x, scale, bias, epsilon=self.epsilon, dtype=self.dtype)
+
+
+def norm(config: Config, *, name: str) -> nn.Module:
+  """The family's norm over the model width (`config.normalization`), with the config's epsilon and dtypes."""
+  norm_class = LayerNorm if config.normalization == "layer_norm" else RMSNorm
+  return norm_class(
+      config.emb_dim,
+      config.normalization_layer_epsilon,
+      jnp.dtype(config.dtype),
+      jnp.dtype(config.weight_dtype),
+      name=name,
+  )

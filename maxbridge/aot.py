@@ -10,7 +10,7 @@ import math
 import jax
 import numpy as np
 
-from maxbridge import canonical, data, dispatch, sharding
+from maxbridge import canonical, dispatch, sharding
 from maxbridge.config import Config
 
 
@@ -72,6 +72,17 @@ def format_table(rows: list[dict], mesh_shape: tuple[int, ...]) -> str:
   )
 
 
+def model_flops(config: Config, num_params: int, tokens: int) -> float:
+  """Training FLOPs for `tokens` tokens: 6*N*tokens + 12*L*T*H*tokens, the standard estimate.
+
+  N all parameters, L layers, T sequence length, H query heads * head dim:
+  forward and backward matmuls of the weights, plus the attention scores and
+  their weighted sum over the full T x T (no causal skipping is compiled).
+  """
+  attention_width = config.num_query_heads * config.head_dim
+  return (6 * num_params + 12 * config.num_decoder_layers * config.max_target_length * attention_width) * tokens
+
+
 def compile_train_step(config: Config) -> dict:
   """Lowers and compiles the train step on abstract, sharded inputs; returns its costs."""
   trainer = dispatch.create_trainer(config)
@@ -84,7 +95,7 @@ def compile_train_step(config: Config) -> dict:
   rows = config.per_device_batch_size * jax.device_count() * config.gradient_accumulation_steps
   batch = {
       key: jax.ShapeDtypeStruct((rows, config.max_target_length), np.int32, sharding=trainer.batch_sharding)
-      for key in data.BATCH_KEYS
+      for key in trainer.loss.batch_keys
   }
   compiled = trainer.lower_train_step(state, batch).compile()
   memory = compiled.memory_analysis()
@@ -92,9 +103,8 @@ def compile_train_step(config: Config) -> dict:
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   tokens = rows * config.max_target_length
   num_params = sum(math.prod(leaf.shape) for leaf in canonical.flatten(trainer.abstract_params).values())
-  attention = 12 * config.num_decoder_layers * config.emb_dim * config.max_target_length * tokens
   return {
-      "model_flops": 6 * num_params * tokens + attention,
+      "model_flops": model_flops(config, num_params, tokens),
       "devices": jax.device_count(),
       "mesh": dict(zip(sharding.MESH_AXES, trainer.mesh.devices.shape)),
       "argument_bytes": memory.argument_size_in_bytes,

@@ -6,7 +6,7 @@ stacked on `param_scan_axis`) relate to unscanned ones (`decoder/layers_i`).
 """
 
 import re
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +58,25 @@ def layer_path(stacked: str, index: int) -> str:
 def layer_paths(config) -> list[str]:
   """Unscanned canonical path of every decoder layer, in depth order (`decoder/layers_0`, ...)."""
   return [f"decoder/{name}_{i}" for name, count in layer_stacks(config) for i in range(count)]
+
+
+def stack_layer_values(per_layer: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+  """Per-layer values, one dict per layer in depth order -> each stacked on a leading layer axis.
+
+  The unscanned form of what a scanned stack returns (lax.scan stacks on axis 0).
+  """
+  keys = per_layer[0] if per_layer else {}
+  return {key: jnp.stack([values[key] for values in per_layer]) for key in keys}
+
+
+def concat_layer_stacks(per_stack: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+  """One dict of [layers, ...] values per stack, in depth order -> one [all layers, ...] value per key.
+
+  A key that only some stacks return (DeepSeek's dense layers have no MoE loss)
+  covers the layers of those stacks.
+  """
+  keys = dict.fromkeys(key for values in per_stack for key in values)
+  return {key: jnp.concatenate([values[key] for values in per_stack if key in values]) for key in keys}
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

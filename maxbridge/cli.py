@@ -24,9 +24,6 @@ from maxbridge.config import load_config
 
 Handler = Callable[[argparse.Namespace], int]
 
-# Exit status of a verb that is declared but not built yet: argparse's
-# "usage error" code, so scripts can tell it from success.
-NOT_YET = 2
 BAD_INPUT = 2
 INTERNAL = 1
 DEBUG_ENV = "MAXBRIDGE_DEBUG"
@@ -35,11 +32,11 @@ EXIT_GRACE_S = 5.0
 
 
 def _train(args: argparse.Namespace) -> int:
+  config = load_config(args.preset, *args.overrides)  # a bad key fails here, before JAX starts
   # Imported here: jax loads only for the verbs that need it. (maxbridge.train
   # the function shadows the module of that name on the package.)
   from maxbridge.train import run_directory, train
 
-  config = load_config(args.preset, *args.overrides)
   records = train(config)
   run_dir = run_directory(config)
   if records:
@@ -131,7 +128,7 @@ def _generate(args: argparse.Namespace) -> int:
 
   from maxbridge import dispatch, hf
 
-  flags = dict(zip(("pure_nnx", "enable_nnx", "pure_nnx_decoder"), hf.BACKENDS[args.backend]))
+  flags = dispatch.backend_flags(args.backend)
   if Path(args.source).is_dir():
     config, params = hf.load_pretrained(args.source, *args.overrides, **flags)
     model = dispatch.create_model(config, params=params)
@@ -182,22 +179,22 @@ def _virtual_devices(args: argparse.Namespace) -> None:
 
 
 def _shardings(args: argparse.Namespace) -> int:
+  config = load_config(args.preset, *args.overrides)
   _virtual_devices(args)
   import jax
 
   from maxbridge import aot, sharding
 
-  config = load_config(args.preset, *args.overrides)
   rows = aot.sharding_rows(config)
   print(aot.format_table(rows, sharding.mesh_shape(config, jax.device_count())))
   return 0
 
 
 def _compile(args: argparse.Namespace) -> int:
+  config = load_config(args.preset, *args.overrides)
   _virtual_devices(args)
   from maxbridge import aot
 
-  config = load_config(args.preset, *args.overrides)
   result = aot.compile_train_step(config)
   gib = 2**30
   mesh = " x ".join(f"{k}={v}" for k, v in result["mesh"].items())
@@ -211,12 +208,12 @@ def _compile(args: argparse.Namespace) -> int:
   return 0
 
 
-def _later(verb: str) -> Handler:
-  def handler(args: argparse.Namespace) -> int:
-    print(f"{verb}: arrives in a later issue", file=sys.stderr)
-    return NOT_YET
+def _bench(args: argparse.Namespace) -> int:
+  load_config(args.preset, *args.overrides)  # a bad key fails here, before JAX starts
+  from maxbridge import bench
 
-  return handler
+  bench.step_time(args.preset, *args.overrides, steps=args.steps, warmup=args.warmup, combos=args.combos, scan=args.scan)
+  return 0
 
 
 HANDLERS: dict[str, Handler] = {
@@ -228,7 +225,7 @@ HANDLERS: dict[str, Handler] = {
     "import-hf": _import_hf,
     "export-hf": _export_hf,
     "generate": _generate,
-    "bench": _later("bench"),
+    "bench": _bench,
 }
 
 
@@ -337,8 +334,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=_count, default=0, help="virtual CPU devices to stand in for the mesh")
     _overrides(p)
 
-  p = verbs.add_parser("bench", help="time Linen, NNX and mixed backends side by side")
+  p = verbs.add_parser(
+      "bench",
+      help="time the train step of Linen, NNX and mixed backends side by side",
+      description="Times one train step of each flag combination per round, interleaved, and prints "
+      "step and compile time as ratios to pure Linen (benchmarks/step_time.py runs the same).",
+  )
   p.add_argument("preset", help="preset name or path to a YAML config")
+  p.add_argument("--steps", type=int, default=15, help="timed rounds, one step per combination (default 15)")
+  p.add_argument("--warmup", type=int, default=3, help="untimed steps after the first call (default 3)")
+  p.add_argument("--combos", choices=["all", "minimal"], default="all", help="all 8, or the pure ends and two flips")
+  p.add_argument("--scan", choices=["both", "true", "false"], default="both", help="scan_layers settings to time")
   _overrides(p)
 
   for sub in verbs.choices.values():

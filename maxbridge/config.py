@@ -150,6 +150,11 @@ class Config:
   def num_decoder_layers(self) -> int:
     return self.base_num_decoder_layers
 
+  @property
+  def normalization(self) -> str:
+    """The layers' and final norm: "layer_norm" (GPT-2/3, with a bias) or "rms_norm" (every other family)."""
+    return "layer_norm" if self.decoder_block == "gpt3" else "rms_norm"
+
   def replace(self, **changes: Any) -> Config:
     """A new Config with `changes` applied and validated."""
     _check_known(changes, source="replace()")
@@ -363,6 +368,18 @@ def _validate_family(cfg: Config) -> None:
     raise ConfigError(
         f"decoder_block={block!r} has no grouped-query attention: base_num_kv_heads="
         f"{cfg.base_num_kv_heads} must equal base_num_query_heads={cfg.base_num_query_heads}"
+    )
+  if block == "qwen3" and not cfg.use_qk_norm:
+    raise ConfigError(
+        "decoder_block='qwen3' normalises each query and key head: set use_qk_norm=true "
+        "(without it the model is decoder_block='llama2')"
+    )
+  # No such rule for mistral: Mistral 7B v0.2 and later have no window
+  # (Hugging Face's sliding_window: null), and import as sliding_window_size=0.
+  if block in ("gpt3", "deepseek") and (cfg.sliding_window_size or cfg.use_qk_norm):
+    raise ConfigError(
+        f"decoder_block={block!r} has its own attention, which reads neither sliding_window_size="
+        f"{cfg.sliding_window_size} nor use_qk_norm={cfg.use_qk_norm}: leave them at 0 and false"
     )
   if block == "gpt3" and cfg.trainable_position_size == 0:
     raise ConfigError(

@@ -28,6 +28,8 @@ import numpy as np
 
 from maxbridge.config import Config
 
+# What `pack` makes. A loss declares the keys it reads (`maxbridge.loss`); a
+# Dataset carries whatever keys its rows have.
 BATCH_KEYS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
 SPLITS = ("train", "eval")
 DATASET_TYPES = ("embedded", "synthetic", "text")
@@ -113,9 +115,11 @@ class Dataset:
   """
 
   def __init__(self, rows: dict[str, np.ndarray], batch_size: int, seed: int, name: str = "dataset"):
-    if set(rows) != set(BATCH_KEYS):
-      raise ValueError(f"{name}: rows must have exactly the keys {BATCH_KEYS}, got {sorted(rows)}")
-    shapes = {key: rows[key].shape for key in BATCH_KEYS}
+    if "inputs" not in rows:
+      raise ValueError(
+          f"{name}: rows must include 'inputs' (and what the loss reads, e.g. {BATCH_KEYS}), got {sorted(rows)}"
+      )
+    shapes = {key: value.shape for key, value in rows.items()}
     if len(set(shapes.values())) != 1 or len(rows["inputs"].shape) != 2:
       raise ValueError(f"{name}: rows must all be [num_rows, length] with one shape, got {shapes}")
     if rows["inputs"].shape[0] == 0:
@@ -176,7 +180,7 @@ class Dataset:
       here = epochs == epoch
       row_ids[here] = _permutation(self.seed, int(epoch), self.num_rows)[offsets[here]]
     # Fancy indexing copies, so the caller may modify the batch freely.
-    return {key: self.rows[key][row_ids] for key in BATCH_KEYS}
+    return {key: value[row_ids] for key, value in self.rows.items()}
 
   def __repr__(self) -> str:
     return (

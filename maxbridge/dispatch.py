@@ -21,12 +21,26 @@ from jax.sharding import Mesh
 
 from linen_models import decoders as linen_decoders
 from linen_models import models as linen_models
-from maxbridge import bridge, canonical, initializers
+from maxbridge import bridge, canonical, initializers, qk_clip, vocab_tiling
 from maxbridge.config import Config
+from maxbridge.loss import CrossEntropy, Loss
 from maxbridge.model import LinenModel, Model, NNXModel
-from maxbridge.state import LinenTrainer, NNXTrainer, Trainer
+from maxbridge.state import AfterUpdate, LinenTrainer, NNXTrainer, Trainer
 from nnx_models import decoders as nnx_decoders
 from nnx_models import models as nnx_models
+
+FLAGS = ("pure_nnx", "enable_nnx", "pure_nnx_decoder")
+# Named backends: every part in Linen, or every part in NNX.
+BACKENDS = {"linen": (False, False, False), "nnx": (True, True, True)}
+
+
+def backend_flags(backend: str | tuple[bool, bool, bool]) -> dict[str, bool]:
+  """The three flags as config keys, for a named backend ("linen", "nnx") or a tuple in `FLAGS` order."""
+  if isinstance(backend, str):
+    if backend not in BACKENDS:
+      raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+    backend = BACKENDS[backend]
+  return dict(zip(FLAGS, backend, strict=True))
 
 
 def sample_inputs(config: Config) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -85,24 +99,44 @@ def create_model(config: Config, seed: int | None = None, *, params: Mapping[str
     model.load_params(params)
     return model
   spec = tuple((path, leaf.shape, leaf.dtype.name) for path, leaf in canonical.flatten(model.abstract_params()).items())
-  init = _jitted_init(spec, config.param_scan_axis)
+  init = _jitted_init(spec, initializers.InitOptions.from_config(config))
   model.load_params(init(config.seed if seed is None else seed))
   return model
 
 
 @functools.lru_cache(maxsize=16)
-def _jitted_init(spec: tuple, param_scan_axis: int):
+def _jitted_init(spec: tuple, options: initializers.InitOptions):
   """One compiled initialiser per parameter tree, shared by every flag combination."""
   abstract = canonical.unflatten({path: jax.ShapeDtypeStruct(shape, dtype) for path, shape, dtype in spec})
-  return jax.jit(lambda seed: initializers.init_params(abstract, seed, param_scan_axis))
+  return jax.jit(lambda seed: initializers.init_params(abstract, seed, options))
 
 
-def create_trainer(config: Config, mesh: Mesh | None = None) -> Trainer:
+def create_loss(config: Config) -> Loss:
+  """The training objective for `config` (SFT, DPO and GRPO will be chosen here too)."""
+  if config.num_vocab_tiling > 1:
+    return vocab_tiling.TiledCrossEntropy(config)
+  return CrossEntropy(z_loss_multiplier=config.z_loss_multiplier)
+
+
+def create_trainer(
+    config: Config,
+    mesh: Mesh | None = None,
+    *,
+    loss: Loss | None = None,
+    after_update: AfterUpdate | None = None,
+) -> Trainer:
   """The train state backend for `pure_nnx`, around the model the other two flags pick.
 
-  `mesh` defaults to one built from the config over all devices.
+  `mesh` defaults to one built from the config over all devices, `loss` to
+  `create_loss(config)`. `after_update` maps the canonical parameters after
+  every optimizer update, the same on both backends (QK-Clip when
+  `use_qk_clip`, else none).
   """
+  if after_update is None and config.use_qk_clip:
+    qk_clip.check(config)
+    after_update = functools.partial(qk_clip.after_update, config=config)
+  hooks = dict(loss=create_loss(config) if loss is None else loss, after_update=after_update)
   if config.pure_nnx:
-    return NNXTrainer(config, functools.partial(nnx_transformer, config), mesh)
+    return NNXTrainer(config, functools.partial(nnx_transformer, config), mesh, **hooks)
   model = LinenModel(config, linen_transformer(config), sample_inputs(config))
-  return LinenTrainer(config, model, mesh)
+  return LinenTrainer(config, model, mesh, **hooks)

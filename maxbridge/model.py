@@ -101,7 +101,7 @@ class Model(abc.ABC):
     """int32 [B, T] -> float32 [B, T, V] with the current parameters."""
     tokens, positions, segment_ids = default_inputs(tokens, positions, segment_ids)
     check_inputs(self.config, tokens, positions)
-    return _jitted_apply(self)(self.params(), tokens, positions, segment_ids)
+    return self._jitted_apply(self.params(), tokens, positions, segment_ids)
 
   def generate(self, prompt, max_new_tokens: int = 8, *, temperature: float = 0.0, seed: int = 0) -> jax.Array:
     """Continues int prompts [B, T] (or one prompt [T]); returns prompt + continuation [B, T + N].
@@ -143,38 +143,45 @@ class Model(abc.ABC):
       )
     if max_new_tokens == 0:
       return prompt[0] if single else prompt
-    loop = _jitted_generate(self, int(max_new_tokens), temperature > 0)
-    out = loop(self.params(), prompt.astype(jnp.int32), jnp.float32(temperature), jax.random.key(seed))
+    out = self._jitted_generate(
+        self.params(),
+        prompt.astype(jnp.int32),
+        jnp.float32(temperature),
+        jax.random.key(seed),
+        max_new_tokens=int(max_new_tokens),
+        sample=temperature > 0,
+    )
     return out[0] if single else out
 
+  # Compiled functions live on the instance: a module-level cache keyed by
+  # models would keep every model it has seen (and its parameters) alive.
+  @functools.cached_property
+  def _jitted_apply(self):
+    return jax.jit(self.apply)
 
-@functools.lru_cache(maxsize=32)
-def _jitted_apply(model: Model):
-  return jax.jit(model.apply)
+  @functools.cached_property
+  def _jitted_generate(self):
+    return jax.jit(functools.partial(_generate, self.apply), static_argnames=("max_new_tokens", "sample"))
 
 
-@functools.lru_cache(maxsize=32)
-def _jitted_generate(model: Model, max_new_tokens: int, sample: bool):
-  def loop(params, prompt, temperature, key):
-    batch, length = prompt.shape
-    buffer = jnp.zeros((batch, length + max_new_tokens), jnp.int32).at[:, :length].set(prompt)
+def _generate(apply, params, prompt, temperature, key, *, max_new_tokens: int, sample: bool):
+  batch, length = prompt.shape
+  buffer = jnp.zeros((batch, length + max_new_tokens), jnp.int32).at[:, :length].set(prompt)
 
-    def step(i, carry):
-      buffer, key = carry
-      logits = model.apply(params, buffer)
-      last = jax.lax.dynamic_index_in_dim(logits, length + i - 1, axis=1, keepdims=False)  # [B, V]
-      if sample:
-        key, subkey = jax.random.split(key)
-        token = jax.random.categorical(subkey, last / temperature, axis=-1)
-      else:
-        token = jnp.argmax(last, axis=-1)
-      buffer = jax.lax.dynamic_update_index_in_dim(buffer, token.astype(jnp.int32), length + i, axis=1)
-      return buffer, key
+  def step(i, carry):
+    buffer, key = carry
+    logits = apply(params, buffer)
+    last = jax.lax.dynamic_index_in_dim(logits, length + i - 1, axis=1, keepdims=False)  # [B, V]
+    if sample:
+      key, subkey = jax.random.split(key)
+      token = jax.random.categorical(subkey, last / temperature, axis=-1)
+    else:
+      token = jnp.argmax(last, axis=-1)
+    buffer = jax.lax.dynamic_update_index_in_dim(buffer, token.astype(jnp.int32), length + i, axis=1)
+    return buffer, key
 
-    buffer, _ = jax.lax.fori_loop(0, max_new_tokens, step, (buffer, key))
-    return buffer
-
-  return jax.jit(loop)
+  buffer, _ = jax.lax.fori_loop(0, max_new_tokens, step, (buffer, key))
+  return buffer
 
 
 def flat_intermediates(tree: Mapping[str, Any]) -> dict[str, jax.Array]:
@@ -214,8 +221,7 @@ class LinenModel(Model):
     self._params = params
 
   def _forward(self, params, tokens, positions, segment_ids):
-    logits, state = self.module.apply({"params": params}, tokens, positions, segment_ids, mutable=["intermediates"])
-    return logits, flat_intermediates(state.get("intermediates", {}))
+    return linen_forward(self.module, {"params": params}, tokens, positions, segment_ids)
 
 
 class NNXModel(Model):
@@ -242,9 +248,26 @@ class NNXModel(Model):
     nnx.update(self.module, params)
 
   def _forward(self, params, tokens, positions, segment_ids):
-    graphdef, state = nnx.split(self.module, nnx.Param)
+    # Parameters plus the rest (caches, statistics, anything not a Param): the
+    # forward pass reads them all. Replacing the parameters makes new
+    # Variables, so the module's own are never touched.
+    graphdef, state, rest = nnx.split(self.module, nnx.Param, ...)
     nnx.replace_by_pure_dict(state, params)
-    module = nnx.merge(graphdef, state)
-    logits = module(tokens, positions, segment_ids)
-    intermediates = nnx.to_pure_dict(nnx.state(module, nnx.Intermediate))
-    return logits, flat_intermediates(intermediates)
+    return nnx_forward(graphdef, state, rest, tokens, positions, segment_ids)
+
+
+def linen_forward(module: nn.Module, variables: Mapping[str, Any], tokens, positions, segment_ids):
+  """(logits, flat intermediates) of a Linen top-level module: the one forward pass of `Model` and the trainer."""
+  logits, state = module.apply(variables, tokens, positions, segment_ids, mutable=["intermediates"])
+  return logits, flat_intermediates(state.get("intermediates", {}))
+
+
+def nnx_forward(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, tokens, positions, segment_ids):
+  """(logits, flat intermediates) of an NNX top-level module given as split state: the one forward pass of
+  `Model` and the trainer. `params` is the state differentiated, `rest` everything else the module holds."""
+  # copy=True: the forward pass writes (sown values, layer state) into the
+  # module it runs, and `rest` belongs to the caller: a live model, or an
+  # outer trace whose Variables must not receive this trace's values.
+  module = nnx.merge(graphdef, params, rest, copy=True)
+  logits = module(tokens, positions, segment_ids)
+  return logits, flat_intermediates(nnx.to_pure_dict(nnx.state(module, nnx.Intermediate)))

@@ -128,3 +128,13 @@ def clip(params: Mapping[str, Any], max_logits: Mapping[str, jax.Array], config:
 def _apply(leaf, scales, head_axis, layer_axis, pieces):
   multiplier = _multiplier(leaf.shape, scales, head_axis, layer_axis, pieces)
   return (leaf.astype(jnp.float32) * multiplier).astype(leaf.dtype)
+
+
+def after_update(params: Mapping[str, Any], metrics: Mapping[str, Any], *, config: Config) -> dict:
+  """The train step's after-update hook: clip by this step's per-layer maxima ([all layers, heads], depth order)."""
+  maxima = metrics["maxima"]["max_logits"]
+  per_stack, start = {}, 0
+  for stack, count in canonical.layer_stacks(config):
+    per_stack[stack] = maxima[start : start + count]
+    start += count
+  return clip(params, per_stack, config)

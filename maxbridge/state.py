@@ -1,4 +1,9 @@
-"""Train state and train step for both backends, behind one interface.
+"""Train state and the one train step, for both backends.
+
+`Trainer` owns the step: loss -> gradient accumulation -> clipping -> metrics
+-> update -> after-update hook. A backend supplies three hooks: `trainable`
+and `_bind` (what is trained, and the state opened for one step), `_forward`
+(logits and intermediates) and `_apply_update`.
 
 Linen: flax's `TrainState`, its params under a {"params": ...} collection level
 as MaxText keeps them. NNX: `TrainStateNNX(model, optimizer)`; the step lives
@@ -8,13 +13,13 @@ in the `nnx.Optimizer`. Both speak the same on-disk layout (MaxText's):
      "opt_state": [{"count", "mu": {"params": ...}, "nu": {"params": ...}}, None, {"count"}],
      "step": int32}
 
-`maxbridge.dispatch.create_trainer` picks the backend; nothing else here reads
-a flag.
+`maxbridge.dispatch.create_trainer` picks the backend and the loss; nothing
+else here reads a flag.
 """
 
 import abc
 import functools
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +31,13 @@ from jax.sharding import Mesh, NamedSharding
 
 from maxbridge import canonical, initializers, layouts, optimizers, sharding
 from maxbridge.config import Config
-from maxbridge.model import LinenModel, flat_intermediates
-from maxbridge.ops import losses
+from maxbridge.loss import Forward, Loss
+from maxbridge.model import LinenModel, linen_forward, nnx_forward
 
 Batch = Mapping[str, jax.Array]
+Params = dict[str, Any]
+# (canonical parameters after the update, this step's metrics) -> canonical parameters.
+AfterUpdate = Callable[[Params, dict], Params]
 
 
 class TrainStateNNX(nnx.Module):
@@ -40,40 +48,50 @@ class TrainStateNNX(nnx.Module):
     self.optimizer = optimizer
 
 
-def loss_terms(logits: jax.Array, batch: Batch, config: Config, intermediates: Mapping[str, Any]):
-  """(sum of per-token losses, {"tokens", "z_loss", "moe_lb_loss"}) over the non-padding targets.
+class Bound(NamedTuple):
+  """A train state opened for one step by a backend's `_bind`."""
 
-  Sums, not means: gradient accumulation adds these up and divides once by
-  the total token count, which makes it the same update as the full batch.
-  The MoE load-balancing loss (sown by MoE decoders, already weighted) is a
-  per-batch mean, so it enters weighted by this batch's token count.
-  """
-  per_token, z_loss = losses.cross_entropy_with_z_loss(
-      logits, batch["targets"], z_loss_multiplier=config.z_loss_multiplier
-  )
-  mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
-  tokens = jnp.sum(mask)
-  moe_lb_loss = intermediates.get("decoder/moe_lb_loss", jnp.float32(0.0)) * tokens
-  aux = {"tokens": tokens, "z_loss": jnp.sum(z_loss * mask), "moe_lb_loss": moe_lb_loss}
-  return jnp.sum(per_token * mask) + moe_lb_loss, aux
+  params: Any  # what the step differentiates: the parameters the `trainable` filter selects
+  frozen: Any  # what the forward pass also reads, never differentiated
+  step: jax.Array  # the optimizer step this update makes (it sets the learning rate)
+  handle: Any  # the backend's own, for `_forward` and `_apply_update`
 
 
 def accumulate_gradients(value_and_grad: Callable, params: Any, batch: Batch, num_micro: int):
-  """Mean loss and gradient over all tokens of `batch`, in `num_micro` sequential micro-batches."""
+  """Mean loss and gradient over all tokens of `batch`, in `num_micro` sequential micro-batches.
+
+  `value_and_grad` returns ((sum, aux), grads) with `aux["tokens"]` the
+  count to divide by; every other aux entry is reported per token as well,
+  but `aux["maxima"]` (per-layer maxima), which is the maximum over micro-batches.
+  """
   if num_micro == 1:
     (loss_sum, aux), grads = value_and_grad(params, batch)
   else:
     micro = jax.tree.map(lambda x: x.reshape(num_micro, x.shape[0] // num_micro, *x.shape[1:]), batch)
 
     def add(total, micro_batch):
-      return jax.tree.map(jnp.add, total, value_and_grad(params, micro_batch)), None
+      result = value_and_grad(params, micro_batch)
+      summed = jax.tree.map(jnp.add, total, result)
+      if "maxima" in aux_of(result):  # per-layer statistics (QK-Clip's max logits) reduce by max, not sum
+        aux_of(summed)["maxima"] = jax.tree.map(jnp.maximum, aux_of(total)["maxima"], aux_of(result)["maxima"])
+      return summed, None
 
     zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(value_and_grad, params, jax.tree.map(lambda x: x[0], micro)))
+    if "maxima" in aux_of(zeros):
+      aux_of(zeros)["maxima"] = jax.tree.map(lambda x: jnp.full_like(x, -jnp.inf), aux_of(zeros)["maxima"])
     ((loss_sum, aux), grads), _ = jax.lax.scan(add, zeros, micro)
   tokens = jnp.maximum(aux["tokens"], 1.0)
   grads = jax.tree.map(lambda g: g / tokens, grads)
-  metrics = {"loss": loss_sum / tokens, "z_loss": aux["z_loss"] / tokens, "tokens": aux["tokens"]}
-  return grads, {**metrics, "moe_lb_loss": aux["moe_lb_loss"] / tokens}
+  per_token = {key: value / tokens for key, value in aux.items() if key not in ("tokens", "maxima")}
+  metrics = {"loss": loss_sum / tokens, **per_token, "tokens": aux["tokens"]}
+  if "maxima" in aux:
+    metrics["maxima"] = aux["maxima"]
+  return grads, metrics
+
+
+def aux_of(result) -> dict:
+  """The aux dict of a ((loss, aux), grads) result."""
+  return result[0][1]
 
 
 def clip_gradients(grads: Any, threshold: float):
@@ -85,22 +103,35 @@ def clip_gradients(grads: Any, threshold: float):
 
 
 class Trainer(abc.ABC):
-  """Backend-specific state handling; `train.py` drives either one the same way.
+  """The train step, written once; `train.py` drives either backend the same way.
 
   The state lives on `mesh`, each leaf sharded by its logical axes through
   the config's `logical_axis_rules`; batches are split on the batch axes.
+  `loss` is what the step minimises; `after_update`, if given, maps the
+  canonical parameters after each update (QK-Clip), the same on both backends.
   """
 
-  def __init__(self, config: Config, abstract_params: dict, mesh: Mesh | None = None):
+  def __init__(
+      self,
+      config: Config,
+      abstract_params: dict,
+      mesh: Mesh | None = None,
+      *,
+      loss: Loss,
+      after_update: AfterUpdate | None = None,
+  ):
     self.config = config
     self.mesh = sharding.create_mesh(config) if mesh is None else mesh
     self.rules = config.logical_axis_rules
     self.tx = optimizers.adamw(config)
     self.schedule = optimizers.learning_rate_schedule(config)
     self.abstract_params = abstract_params
+    self.loss = loss
+    self.after_update = after_update
+    self.wrt = self.trainable(config)
 
   def _initial_params(self, seed) -> dict:
-    return initializers.init_params(self.abstract_params, seed, self.config.param_scan_axis)
+    return initializers.init_params(self.abstract_params, seed, initializers.InitOptions.from_config(self.config))
 
   @functools.cached_property
   def state_shardings(self) -> Any:
@@ -126,24 +157,35 @@ class Trainer(abc.ABC):
   def train_step(self, state, batch: Batch):
     """(state, global batch) -> (new state, metrics); `state` is donated."""
     with sharding.active(self.mesh, self.rules):
-      return self._jitted_train_step(state, batch)
+      return self._jitted_train_step(state, self.loss_batch(batch))
 
   def lower_train_step(self, state, batch: Batch):
     """The train step lowered for (possibly abstract, sharded) inputs: `.compile()` it."""
     with sharding.active(self.mesh, self.rules):
-      return self._jitted_train_step.lower(state, batch)
+      return self._jitted_train_step.lower(state, self.loss_batch(batch))
 
   def eval_step(self, state, batch: Batch) -> dict:
     with sharding.active(self.mesh, self.rules):
-      return self._jitted_eval_step(state, batch)
+      return self._jitted_eval_step(state, self.loss_batch(batch))
 
   def init_state(self, seed: int):
     """The initial state, created directly in its shardings (never whole on one device)."""
     with sharding.active(self.mesh, self.rules):
       return jax.jit(self._init, out_shardings=self.state_shardings)(seed)
 
-  def shard_batch(self, local_batch: dict) -> dict:
+  def loss_batch(self, batch: Mapping[str, Any]) -> dict:
+    """The entries of `batch` the loss declares (others are never sent to a device); names any missing."""
+    missing = [key for key in self.loss.batch_keys if key not in batch]
+    if missing:
+      raise KeyError(
+          f"{type(self.loss).__name__} needs batch keys {list(self.loss.batch_keys)}; the batch lacks "
+          f"{missing} (it has {sorted(batch)})"
+      )
+    return {key: batch[key] for key in self.loss.batch_keys}
+
+  def shard_batch(self, local_batch: Mapping[str, Any]) -> dict:
     """This process's rows -> global arrays split over the mesh's batch axes."""
+    local_batch = self.loss_batch(local_batch)
     rows = next(iter(local_batch.values())).shape[0] * jax.process_count()
     return {
         key: jax.make_array_from_process_local_data(self.batch_sharding, value, (rows, *value.shape[1:]))
@@ -168,8 +210,54 @@ class Trainer(abc.ABC):
         self.to_checkpoint(self.state_shardings),
     )
 
-  def _step_metrics(self, step, grads_metrics, grad_norm) -> dict:
-    return {**grads_metrics, "grad_norm": grad_norm, "lr": self.schedule(step)}
+  # --- the step, written once ---------------------------------------------
+
+  def _loss(self, bound: Bound, params, batch: Batch):
+    apply = functools.partial(self._forward, bound)
+    # The reference pass reads the parameters the step started from: a
+    # constant of the differentiation, so no gradient flows through it.
+    reference = Forward(apply, bound.params, bound.frozen, self._canonical) if self.loss.needs_reference else None
+    return self.loss(Forward(apply, params, bound.frozen, self._canonical), batch, reference)
+
+  def _train_step(self, state, batch: Batch):
+    bound = self._bind(state)
+    value_and_grad = jax.value_and_grad(functools.partial(self._loss, bound), has_aux=True)
+    grads, metrics = accumulate_gradients(value_and_grad, bound.params, batch, self.config.gradient_accumulation_steps)
+    grads, grad_norm = clip_gradients(grads, self.config.gradient_clipping_threshold)
+    metrics = {**metrics, "grad_norm": grad_norm, "lr": self.schedule(bound.step)}
+    state = self._apply_update(bound, grads)
+    if self.after_update is not None:
+      state = self._replace_params(state, self.after_update(self.params(state), metrics))
+    return state, metrics
+
+  def _eval_step(self, state, batch: Batch):
+    bound = self._bind(state)
+    loss_sum, aux = self._loss(bound, bound.params, batch)
+    return {"loss": loss_sum / jnp.maximum(aux["tokens"], 1.0), "tokens": aux["tokens"]}
+
+  # --- backend hooks ---------------------------------------------------------
+
+  @abc.abstractmethod
+  def trainable(self, config: Config) -> Any:
+    """The backend's filter for the parameters the optimizer trains (LoRA: the adapters only)."""
+
+  @abc.abstractmethod
+  def _bind(self, state) -> Bound:
+    """Opens `state` for one step, split by `trainable` into trained params and the frozen rest."""
+
+  @abc.abstractmethod
+  def _forward(self, bound: Bound, params, frozen, tokens, positions, segment_ids):
+    """(logits, flat intermediates) for `params` and `frozen` in place of `bound`'s."""
+
+  @abc.abstractmethod
+  def _canonical(self, params) -> Params:
+    """The trained parameters (`Bound.params`' form) as a canonical tree, traceably."""
+
+  @abc.abstractmethod
+  def _apply_update(self, bound: Bound, grads) -> Any:
+    """The new state: the optimizer applied to `grads` (the tree of `bound.params`)."""
+
+  # --- the state's other faces -----------------------------------------------
 
   @abc.abstractmethod
   def abstract_state(self) -> Any:
@@ -185,7 +273,11 @@ class Trainer(abc.ABC):
 
   @abc.abstractmethod
   def params(self, state) -> dict:
-    """Canonical parameters of a state."""
+    """Canonical parameters of a state (traceable)."""
+
+  @abc.abstractmethod
+  def _replace_params(self, state, params: Params) -> Any:
+    """`state` with its canonical parameters replaced (traceable); the optimizer state is kept."""
 
   @abc.abstractmethod
   def step(self, state) -> int:
@@ -199,20 +291,17 @@ class Trainer(abc.ABC):
   def from_checkpoint(self, tree: dict) -> Any:
     ...
 
-  @abc.abstractmethod
-  def _train_step(self, state, batch: Batch):
-    ...
-
-  @abc.abstractmethod
-  def _eval_step(self, state, batch: Batch):
-    ...
-
 
 class LinenTrainer(Trainer):
 
-  def __init__(self, config: Config, model: LinenModel, mesh: Mesh | None = None):
+  def __init__(self, config: Config, model: LinenModel, mesh: Mesh | None = None, **hooks):
     self.model = model
-    super().__init__(config, model.abstract_params(), mesh)
+    super().__init__(config, model.abstract_params(), mesh, **hooks)
+
+  def trainable(self, config: Config) -> str:
+    # A Linen collection. A narrower choice (LoRA adapters in a collection of
+    # their own) also builds the TrainState's `tx` over that collection only.
+    return "params"
 
   def _create(self, params: dict) -> train_state.TrainState:
     return train_state.TrainState.create(apply_fn=self.model.apply, params={"params": params}, tx=self.tx)
@@ -230,6 +319,9 @@ class LinenTrainer(Trainer):
   def params(self, state) -> dict:
     return canonical.unflatten(canonical.flatten(state.params["params"]))
 
+  def _replace_params(self, state, params: Params):
+    return state.replace(params={**state.params, "params": params})
+
   def step(self, state) -> int:
     return int(state.step)
 
@@ -244,22 +336,19 @@ class LinenTrainer(Trainer):
         step=jnp.asarray(tree["step"], jnp.int32),
     )
 
-  def _loss(self, params, batch):
-    logits, intermediates = self.model.apply_with_intermediates(
-        params["params"], batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"]
-    )
-    return loss_terms(logits, batch, self.config, intermediates)
+  def _bind(self, state) -> Bound:
+    trained = {self.wrt: state.params[self.wrt]}
+    frozen = {name: value for name, value in state.params.items() if name != self.wrt}
+    return Bound(params=trained, frozen=frozen, step=state.step, handle=state)
 
-  def _train_step(self, state, batch):
-    value_and_grad = jax.value_and_grad(self._loss, has_aux=True)
-    grads, metrics = accumulate_gradients(value_and_grad, state.params, batch, self.config.gradient_accumulation_steps)
-    grads, grad_norm = clip_gradients(grads, self.config.gradient_clipping_threshold)
-    metrics = self._step_metrics(state.step, metrics, grad_norm)
-    return state.apply_gradients(grads=grads), metrics
+  def _canonical(self, params) -> Params:
+    return params[self.wrt]
 
-  def _eval_step(self, state, batch):
-    loss_sum, aux = self._loss(state.params, batch)
-    return {"loss": loss_sum / jnp.maximum(aux["tokens"], 1.0), "tokens": aux["tokens"]}
+  def _forward(self, bound, params, frozen, tokens, positions, segment_ids):
+    return linen_forward(self.model.module, {**frozen, **params}, tokens, positions, segment_ids)
+
+  def _apply_update(self, bound, grads):
+    return bound.handle.apply_gradients(grads=grads)
 
 
 class NNXTrainer(Trainer):
@@ -269,22 +358,25 @@ class NNXTrainer(Trainer):
   several times the step itself on small models; a static GraphDef does not.
   """
 
-  def __init__(self, config: Config, build_model: Callable[[nnx.Rngs], nnx.Module], mesh: Mesh | None = None):
+  def __init__(self, config: Config, build_model: Callable[[nnx.Rngs], nnx.Module], mesh: Mesh | None = None, **hooks):
     self.build_model = build_model
     abstract_model = nnx.eval_shape(lambda: build_model(nnx.Rngs(params=0)))
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
         nnx.to_pure_dict(nnx.state(abstract_model, nnx.Param)),
     )
-    super().__init__(config, canonical.unflatten(canonical.flatten(abstract)), mesh)
+    super().__init__(config, canonical.unflatten(canonical.flatten(abstract)), mesh, **hooks)
     self.graphdef, self._abstract_state = nnx.split(nnx.eval_shape(lambda: self._create(0)))
+
+  def trainable(self, config: Config) -> nnx.filterlib.Filter:
+    return nnx.Param
 
   def _create(self, seed) -> TrainStateNNX:
     # Built inside jit or eval_shape only: the module's own random initial
     # values are dead code once the canonical ones are written over them.
     model = self.build_model(nnx.Rngs(params=0))
     nnx.update(model, self._initial_params(seed))
-    return TrainStateNNX(model, nnx.Optimizer(model, self.tx, wrt=nnx.Param))
+    return TrainStateNNX(model, nnx.Optimizer(model, self.tx, wrt=self.wrt))
 
   def abstract_state(self):
     return self._abstract_state
@@ -300,6 +392,11 @@ class NNXTrainer(Trainer):
     pure = nnx.to_pure_dict(state)["model"]
     return canonical.unflatten(canonical.flatten(pure))
 
+  def _replace_params(self, state, params: Params):
+    state = jax.tree.map(lambda x: x, state)  # a fresh State: the caller's stays as it was
+    nnx.replace_by_pure_dict(state, {"model": params})
+    return state
+
   def step(self, state) -> int:
     return int(nnx.to_pure_dict(state)["optimizer"]["step"])
 
@@ -314,35 +411,26 @@ class NNXTrainer(Trainer):
     nnx.replace_by_pure_dict(state, pure)
     return state
 
-  def _split_model(self, state):
-    train_state = nnx.merge(self.graphdef, state)
-    graphdef, params, rest = nnx.split(train_state.model, nnx.Param, ...)
-    return train_state, graphdef, params, rest
+  def _bind(self, state) -> Bound:
+    # No copy: `state` is this trace's own input, and the optimizer update
+    # must write into exactly these Variables for `_apply_update` to read back.
+    opened = nnx.merge(self.graphdef, state)
+    graphdef, params, rest = nnx.split(opened.model, self.wrt, ...)
+    return Bound(params=params, frozen=rest, step=opened.optimizer.step[...], handle=(opened, graphdef))
 
-  def _loss_fn(self, graphdef, rest):
-    def loss(params, batch):
-      model = nnx.merge(graphdef, params, rest)
-      logits = model(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
-      intermediates = flat_intermediates(nnx.to_pure_dict(nnx.state(model, nnx.Intermediate)))
-      return loss_terms(logits, batch, self.config, intermediates)
+  def _canonical(self, params) -> Params:
+    return nnx.to_pure_dict(params)
 
-    return loss
+  def _forward(self, bound, params, frozen, tokens, positions, segment_ids):
+    _, graphdef = bound.handle
+    return nnx_forward(graphdef, params, frozen, tokens, positions, segment_ids)
 
-  def _train_step(self, state, batch):
-    train_state, graphdef, params, rest = self._split_model(state)
-    value_and_grad = jax.value_and_grad(self._loss_fn(graphdef, rest), has_aux=True)
-    grads, metrics = accumulate_gradients(value_and_grad, params, batch, self.config.gradient_accumulation_steps)
-    grads, grad_norm = clip_gradients(grads, self.config.gradient_clipping_threshold)
-    metrics = self._step_metrics(train_state.optimizer.step[...], metrics, grad_norm)
-    train_state.optimizer.update(train_state.model, grads)
+  def _apply_update(self, bound, grads):
+    opened, _ = bound.handle
+    opened.optimizer.update(opened.model, grads)
     # Sown intermediates would make the output tree differ from the input
     # (and break donation); they are never state.
-    return nnx.state(train_state, nnx.Not(nnx.Intermediate)), metrics
-
-  def _eval_step(self, state, batch):
-    _, graphdef, params, rest = self._split_model(state)
-    loss_sum, aux = self._loss_fn(graphdef, rest)(params, batch)
-    return {"loss": loss_sum / jnp.maximum(aux["tokens"], 1.0), "tokens": aux["tokens"]}
+    return nnx.state(opened, nnx.Not(nnx.Intermediate))
 
 
 # --- the on-disk step ---------------------------------------------------

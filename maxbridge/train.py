@@ -16,7 +16,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -50,18 +49,18 @@ _RUN_ONLY_KEYS = frozenset(
         "dataset_path",
     }
 )
-_TRAINERS: dict[tuple, Any] = {}
 
 
-def _trainer_for(config: Config):
-  """A trainer per distinct step computation, so a resumed run in the same process
-  (a flag flip, a demo, a test) reuses the compiled steps instead of compiling again."""
-  key = tuple((k, v) for k, v in config.to_dict().items() if k not in _RUN_ONLY_KEYS)
-  if key not in _TRAINERS:
-    if len(_TRAINERS) >= 4:
-      _TRAINERS.pop(next(iter(_TRAINERS)))
-    _TRAINERS[key] = dispatch.create_trainer(config)
-  return _TRAINERS[key]
+def step_key(config: Config) -> tuple:
+  """What a train step computes, from `config`: two configs with equal keys can share a trainer."""
+  return tuple((k, v) for k, v in config.to_dict().items() if k not in _RUN_ONLY_KEYS)
+
+
+def _check_trainer(trainer, config: Config) -> None:
+  ours, theirs = dict(step_key(config)), dict(step_key(trainer.config))
+  differ = [f"{k} (trainer: {theirs.get(k)!r}, run: {ours.get(k)!r})" for k in sorted(ours) if ours[k] != theirs.get(k)]
+  if differ:
+    raise ValueError(f"trainer= was built for another config; it differs in {', '.join(differ)}")
 
 
 def global_batch_size(config: Config) -> int:
@@ -182,11 +181,15 @@ def _check_folder(path: Path) -> None:
     raise checkpointing.CheckpointError(f"{path} exists and is not a folder; move it away or choose another run_name")
 
 
-def train(config: Config, *, until_step: int | None = None, progress: bool = True) -> list[dict]:
+def train(config: Config, *, trainer=None, until_step: int | None = None, progress: bool = True) -> list[dict]:
   """Trains `config` in its run directory (resuming if it holds checkpoints); returns this call's metrics.
 
   `until_step` stops this call early (with a checkpoint) without changing the
   run: the schedule still spans `config.steps`, so a later call continues it.
+  `trainer` (from `dispatch.create_trainer`, for a config with the same
+  `step_key`) brings its own loss and hooks, and its compiled steps: pass the
+  same one to several calls in a process (a resume, a flag flip back) to
+  compile once.
 
   Nothing in the run directory changes until the run is known to start (data
   read, checkpoint restored into the model); a run that fails before saving a
@@ -195,11 +198,13 @@ def train(config: Config, *, until_step: int | None = None, progress: bool = Tru
   signals; a note on any other exception).
   """
   with _stop_signals():
-    return _train(config, until_step, progress)
+    return _train(config, trainer, until_step, progress)
 
 
-def _train(config: Config, until_step: int | None, progress: bool) -> list[dict]:
+def _train(config: Config, trainer, until_step: int | None, progress: bool) -> list[dict]:
   end = config.steps if until_step is None else min(until_step, config.steps)
+  if trainer is not None:
+    _check_trainer(trainer, config)
   sharding.initialize_distributed(config)
   # Every process trains and checkpoints (orbax saves collectively); one writes the logs.
   primary = jax.process_index() == 0
@@ -207,7 +212,8 @@ def _train(config: Config, until_step: int | None, progress: bool) -> list[dict]
   checkpoints = run_dir / "checkpoints"
   _check_folder(run_dir)
   _check_folder(checkpoints)
-  trainer = _trainer_for(config)
+  if trainer is None:
+    trainer = dispatch.create_trainer(config)
   sharding.check_divisible(trainer.abstract_state(), trainer.state_shardings)
   train_data = data.make_dataset(config, "train", global_batch_size(config))
   eval_data = data.make_dataset(config, "eval", global_batch_size(config)) if config.eval_interval else None
@@ -279,6 +285,8 @@ def _train(config: Config, until_step: int | None, progress: bool) -> list[dict]
           "grad_norm": float(metrics["grad_norm"]),
           "tokens_per_s": float(metrics["tokens"]) / seconds,
       }
+      if "maxima" in metrics:  # QK-Clip: the largest attention logit over layers and heads, before clipping
+        record["max_logits"] = float(metrics["maxima"]["max_logits"].max())
       done = step + 1
       if eval_data is not None and (done % config.eval_interval == 0 or done == config.steps):
         record["eval_loss"] = evaluate(trainer, state, eval_data, config.eval_steps)
@@ -286,6 +294,8 @@ def _train(config: Config, until_step: int | None, progress: bool) -> list[dict]
         log.append(record)
       records.append(record)
       bar.set_postfix(loss=f"{loss:.3f}")
+      if done % config.log_period == 0 and not bar.disable:
+        bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in record.items() if k != "step"), sys.stderr)
       if saving and (done % config.checkpoint_period == 0 or done == end):
         tree = trainer.to_checkpoint(state)
         # A finite loss at this step says nothing of the update it made: check

@@ -13,15 +13,16 @@ exactly the [B, T, V] buffer tiling exists to avoid.
 """
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from maxbridge import sharding
-from maxbridge.config import ConfigError
-from maxbridge.ops import losses
+from maxbridge.config import Config, ConfigError
+from maxbridge.loss import CrossEntropy, Forward
+from maxbridge.ops import embedding, linear, losses, normalization, output_head
 
 # head(trainable, frozen, hidden [rows, D]) -> float32 logits [rows, V]
 Head = Callable[[Any, Any, jax.Array], jax.Array]
@@ -139,3 +140,73 @@ def tiled_cross_entropy(
         f"tiled_cross_entropy: targets {targets.shape} and weights {weights.shape} must be {hidden.shape[:2]}"
     )
   return _tiled_loss(head, trainable, frozen, hidden, targets, weights.astype(jnp.float32), num_tiles, z_loss_multiplier)
+
+
+def head_params(config: Config, params: Mapping[str, Any]) -> dict:
+  """The canonical subtree the output head reads: the final norm and the projection (or the tied table)."""
+  head = {"decoder": {"decoder_norm": params["decoder"]["decoder_norm"]}}
+  if config.logits_via_embedding:
+    head["token_embedder"] = {"embedding": params["token_embedder"]["embedding"]}
+  else:
+    head["decoder"]["logits_dense"] = params["decoder"]["logits_dense"]
+  return head
+
+
+def canonical_head(config: Config) -> Head:
+  """`ops.output_head.output_logits` bound to canonical head parameters: the decoders' own head, as a function."""
+  dtype = jnp.dtype(config.dtype)
+
+  def head(trainable, frozen, hidden):
+    del frozen  # the head reads nothing else
+    x = hidden[:, None, :]  # [rows, 1, D]: the ops take [batch, length, D]
+    norm_params = trainable["decoder"]["decoder_norm"]
+    if config.decoder_block == "gpt3":  # LayerNorm with a bias
+      norm = functools.partial(
+          normalization.layer_norm,
+          scale=norm_params["scale"],
+          bias=norm_params["bias"],
+          epsilon=config.normalization_layer_epsilon,
+          dtype=dtype,
+      )
+    else:
+      norm = functools.partial(
+          normalization.rms_norm, scale=norm_params["scale"], epsilon=config.normalization_layer_epsilon, dtype=dtype
+      )
+    if config.logits_via_embedding:
+      project = functools.partial(embedding.attend, embedding=trainable["token_embedder"]["embedding"], dtype=dtype)
+    else:
+      kernel = trainable["decoder"]["logits_dense"]["kernel"]
+      project = functools.partial(linear.dense_general, kernel=kernel, in_ndim=1, dtype=dtype)
+    return output_head.output_logits(x, norm=norm, project=project)[:, 0, :]
+
+  return head
+
+
+class TiledCrossEntropy(CrossEntropy):
+  """`CrossEntropy`'s numbers, with the logits computed `num_vocab_tiling` row tiles at a time.
+
+  The forward pass still builds its own logits, but nothing reads them, so
+  XLA drops that computation: the step never holds [B, T, V]. The head's
+  parameters enter the custom_vjp as a canonical subtree, and nothing else of
+  the model does, so no other parameter needs a cotangent from it.
+  """
+
+  def __init__(self, config: Config):
+    super().__init__(config.z_loss_multiplier)
+    self.config = config
+    self.head = canonical_head(config)
+
+  def __call__(self, forward: Forward, batch, reference: Forward | None = None):
+    _, intermediates = forward(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+    mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
+    token_sum, z_loss_sum = tiled_cross_entropy(
+        self.head,
+        head_params(self.config, forward.canonical(forward.params)),
+        {},
+        intermediates["decoder/hidden_states"],
+        batch["targets"],
+        mask,
+        num_tiles=self.config.num_vocab_tiling,
+        z_loss_multiplier=self.z_loss_multiplier,
+    )
+    return self.total(token_sum, z_loss_sum, mask, intermediates)

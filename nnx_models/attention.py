@@ -22,44 +22,40 @@ class Attention(nnx.Module):
     cfg = self.config = config
     dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs)
     heads, kv_heads, head_dim = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
-    self.query = DenseGeneral(
-        (cfg.emb_dim,),
-        (heads, head_dim),
-        ("embed", "q_heads", "kv"),
-        initializers.query_kernel(),
-        **dtypes,
-    )
+    self.query = DenseGeneral((cfg.emb_dim,), (heads, head_dim), ("embed", "q_heads", "kv"), **dtypes)
     self.key = DenseGeneral((cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), **dtypes)
     self.value = DenseGeneral((cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), **dtypes)
     if cfg.use_qk_norm:
       self.query_norm = RMSNorm(head_dim, cfg.normalization_layer_epsilon, **dtypes)
       self.key_norm = RMSNorm(head_dim, cfg.normalization_layer_epsilon, **dtypes)
-    self.out = DenseGeneral(
-        (heads, head_dim),
-        (cfg.emb_dim,),
-        ("heads", "kv", "embed"),
-        initializers.kernel(in_ndim=2),
-        **dtypes,
-    )
+    self.out = DenseGeneral((heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), **dtypes)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+  def __call__(
+      self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(output, per-layer values: the per-head max logits when QK-Clip is on)."""
     cfg = self.config
     query = self.query(x)
     key = self.key(x)
     value = self.value(x)
-    query_scale = None
     if cfg.use_qk_norm:
       query = self.query_norm(query)
       key = self.key_norm(key)
-      query_scale = cfg.head_dim**-0.5
     query = rotary.apply_rotary(query, positions, max_timescale=cfg.rope_max_timescale)
     key = rotary.apply_rotary(key, positions, max_timescale=cfg.rope_max_timescale)
-    out = attention.dot_product_attention(
-        query,
-        key,
-        value,
-        segment_ids,
-        sliding_window_size=cfg.sliding_window_size,
-        query_scale=query_scale,
+    out, per_layer = attention.with_layer_values(
+        attention.dot_product_attention(
+            query,
+            key,
+            value,
+            q_segment_ids=segment_ids,
+            kv_segment_ids=segment_ids,
+            q_positions=positions,
+            kv_positions=positions,
+            sliding_window_size=cfg.sliding_window_size,
+            query_scale=None if initializers.query_kernel_carries_scale(cfg) else cfg.head_dim**-0.5,
+            return_max_logits=cfg.use_qk_clip,
+        ),
+        cfg.use_qk_clip,
     )
-    return self.out(out)
+    return self.out(out), per_layer

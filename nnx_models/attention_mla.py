@@ -43,15 +43,12 @@ class MLA(nnx.Module):
         ("kv_lora", "kv_heads", "kv_head_dim"),
         **dtypes,
     )
-    self.out = DenseGeneral(
-        (heads, cfg.v_head_dim),
-        (cfg.emb_dim,),
-        ("heads", "kv", "embed"),
-        initializers.kernel(in_ndim=2),
-        **dtypes,
-    )
+    self.out = DenseGeneral((heads, cfg.v_head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), **dtypes)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+  def __call__(
+      self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(output, per-layer values: the per-head max logits when QK-Clip is on)."""
     cfg = self.config
     if cfg.q_lora_rank == 0:
       query = self.query(x)
@@ -64,5 +61,18 @@ class MLA(nnx.Module):
         key_value, key_rope, positions, nope_dim=cfg.qk_nope_head_dim, max_timescale=cfg.rope_max_timescale
     )
     qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    out = attention.dot_product_attention(query, key, value, segment_ids, query_scale=qk_head_dim**-0.5)
-    return self.out(out)
+    out, per_layer = attention.with_layer_values(
+        attention.dot_product_attention(
+            query,
+            key,
+            value,
+            q_segment_ids=segment_ids,
+            kv_segment_ids=segment_ids,
+            q_positions=positions,
+            kv_positions=positions,
+            query_scale=None if initializers.query_kernel_carries_scale(cfg) else qk_head_dim**-0.5,
+            return_max_logits=cfg.use_qk_clip,
+        ),
+        cfg.use_qk_clip,
+    )
+    return self.out(out), per_layer

@@ -1,9 +1,12 @@
-"""Llama decoder layer and the decoder stack (layers, final norm, output head).
+"""The decoder stack: learned positions (when the family has them), layers, final norm, output head.
 
 `config.decoder_block` picks the layer class of each stack (`layer_classes`);
 the stacks themselves, their names and sizes, come from `canonical.layer_stacks`.
-A layer returns (x, aux): aux is its MoE load-balancing loss, or None.
+A layer returns (x, per-layer values); each value is stacked over the layers
+and sown as `decoder/<key>`.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,39 +15,16 @@ from flax import nnx
 from maxbridge import canonical
 from maxbridge.config import Config
 from maxbridge.ops import embedding as embedding_ops
-from maxbridge.ops import moe as moe_ops
+from maxbridge.ops import linear
+from maxbridge.ops import output_head
 from maxbridge.ops import remat
-from nnx_models.attention import Attention
 from nnx_models.deepseek import DeepSeekDenseLayer, DeepSeekMoELayer
 from nnx_models.embeddings import Embed
-from nnx_models.gpt3 import Gpt3DecoderLayer, LayerNorm
+from nnx_models.gpt3 import Gpt3DecoderLayer
 from nnx_models.linears import DenseGeneral
+from nnx_models.llama import DecoderLayer
 from nnx_models.mixtral import MixtralDecoderLayer
-from nnx_models.mlp import MlpBlock
-from nnx_models.normalizations import RMSNorm
-
-
-class DecoderLayer(nnx.Module):
-
-  def __init__(self, config: Config, *, rngs: nnx.Rngs):
-    cfg = config
-    norm = dict(
-        epsilon=cfg.normalization_layer_epsilon,
-        dtype=jnp.dtype(cfg.dtype),
-        weight_dtype=jnp.dtype(cfg.weight_dtype),
-        rngs=rngs,
-    )
-    self.pre_self_attention_layer_norm = RMSNorm(cfg.emb_dim, **norm)
-    self.self_attention = Attention(cfg, rngs=rngs)
-    self.post_self_attention_layer_norm = RMSNorm(cfg.emb_dim, **norm)
-    self.mlp = MlpBlock(cfg, rngs=rngs)
-
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array):
-    h = self.pre_self_attention_layer_norm(x)
-    x = x + self.self_attention(h, positions, segment_ids)
-    h = self.post_self_attention_layer_norm(x)
-    x = x + self.mlp(h)
-    return x, None  # (carry, output), as the Linen layer returns for nn.scan
+from nnx_models.normalizations import norm
 
 
 def layer_classes(config: Config) -> dict[str, type[nnx.Module]]:
@@ -66,10 +46,11 @@ def layer_classes(config: Config) -> dict[str, type[nnx.Module]]:
 
 class Decoder(nnx.Module):
 
-  def __init__(self, config: Config, *, rngs: nnx.Rngs):
+  def __init__(self, config: Config, dot_general: linear.DotGeneral = jax.lax.dot_general, *, rngs: nnx.Rngs):
     cfg = self.config = config
+    self.dot_general = dot_general  # the tied head's matmul
     dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs)
-    if cfg.decoder_block == "gpt3":  # learned absolute positions
+    if cfg.trainable_position_size:
       self.position_embedder = Embed(cfg.trainable_position_size, cfg.emb_dim, **dtypes)
     classes = layer_classes(cfg)
     for name, count in canonical.layer_stacks(cfg):
@@ -78,8 +59,7 @@ class Decoder(nnx.Module):
       else:
         for i in range(count):
           setattr(self, f"{name}_{i}", classes[name](cfg, rngs=rngs))
-    norm = LayerNorm if cfg.decoder_block == "gpt3" else RMSNorm
-    self.decoder_norm = norm(cfg.emb_dim, cfg.normalization_layer_epsilon, **dtypes)
+    self.decoder_norm = norm(cfg, rngs=rngs)
     if not cfg.logits_via_embedding:
       self.logits_dense = DenseGeneral((cfg.emb_dim,), (cfg.vocab_size,), ("embed", "vocab"), **dtypes)
 
@@ -92,34 +72,38 @@ class Decoder(nnx.Module):
   ) -> jax.Array:
     """Embedded tokens [B, T, D] -> float32 logits [B, T, V]; `embedding` ties the head."""
     cfg = self.config
-    if cfg.decoder_block == "gpt3":
+    if cfg.trainable_position_size:
       x = x + self.position_embedder(positions)
-    aux_losses = []
+    per_stack = []
     for name, count in canonical.layer_stacks(cfg):
       if cfg.scan_layers:
-        graphdef, state = nnx.split(getattr(self, name))
-        step = _layer_step(graphdef, cfg, positions, segment_ids)
-        # lax.scan walks the leading axis; the stack lives on param_scan_axis.
-        state = jax.tree.map(lambda a: jnp.moveaxis(a, cfg.param_scan_axis, 0), state)
-        x, aux = jax.lax.scan(lambda carry, layer: step(layer, carry), x, state)
-        aux_losses.append(aux)
+        x, outputs = _scan_layers(getattr(self, name), cfg, x, positions, segment_ids)
       else:
+        layer_outputs = []
         for i in range(count):
-          graphdef, state = nnx.split(getattr(self, f"{name}_{i}"))
-          x, aux = _layer_step(graphdef, cfg, positions, segment_ids)(state, x)
-          aux_losses.append(aux)
-    aux_losses = [aux for aux in aux_losses if aux is not None]
-    if aux_losses:
-      self.sow(nnx.Intermediate, "moe_lb_loss", moe_ops.mean_layer_losses(aux_losses))
-    x = self.decoder_norm(x)
+          x, out = _call_layer(getattr(self, f"{name}_{i}"), cfg, x, positions, segment_ids)
+          layer_outputs.append(out)
+        outputs = canonical.stack_layer_values(layer_outputs)
+      per_stack.append(outputs)
+    per_layer = canonical.concat_layer_stacks(per_stack)
+    for key, value in per_layer.items():
+      self.sow(nnx.Intermediate, key, value)
+    if "moe_lb_losses" in per_layer:  # what the training loss adds: the mean over MoE layers
+      self.sow(nnx.Intermediate, "moe_lb_loss", jnp.mean(per_layer["moe_lb_losses"]))
+    # Before the final norm, which belongs to the output head: vocabulary
+    # tiling runs that head itself, tile by tile.
     self.sow(nnx.Intermediate, "hidden_states", x)
     if cfg.logits_via_embedding:
-      return embedding_ops.attend(x, embedding, dtype=jnp.dtype(cfg.dtype))
-    return self.logits_dense(x).astype(jnp.float32)
+      project = functools.partial(
+          embedding_ops.attend, embedding=embedding, dtype=jnp.dtype(cfg.dtype), dot_general=self.dot_general
+      )
+    else:
+      project = self.logits_dense
+    return output_head.output_logits(x, norm=self.decoder_norm, project=project)
 
 
 def _stacked_layers(layer_class, cfg: Config, count: int, rngs: nnx.Rngs) -> nnx.Module:
-  """`count` layers, one per split key, stacked on param_scan_axis.
+  """`count` layers, one per split key: parameters stacked on param_scan_axis, other state on axis 0.
 
   The "layers" logical axis is inserted there, as Linen's nn.scan does.
   """
@@ -127,7 +111,7 @@ def _stacked_layers(layer_class, cfg: Config, count: int, rngs: nnx.Rngs) -> nnx
   @nnx.split_rngs(splits=count)
   @nnx.vmap(
       in_axes=0,
-      out_axes=cfg.param_scan_axis,
+      out_axes=nnx.StateAxes({nnx.Param: cfg.param_scan_axis, ...: 0}),
       transform_metadata={nnx.PARTITION_NAME: "layers"},
   )
   def make_layers(rngs: nnx.Rngs) -> nnx.Module:
@@ -136,14 +120,44 @@ def _stacked_layers(layer_class, cfg: Config, count: int, rngs: nnx.Rngs) -> nnx
   return make_layers(rngs)
 
 
-def _layer_step(graphdef, cfg: Config, positions: jax.Array, segment_ids: jax.Array):
-  """(layer state, x) -> (x, aux) as a pure function, so jax.checkpoint and lax.scan see plain arrays."""
+def _layer_step(graphdef: nnx.GraphDef, cfg: Config, positions: jax.Array, segment_ids: jax.Array):
+  """(params, other state, x) -> (x, per-layer values, other state after the call), as a pure function.
 
-  def step(state, x):
-    return nnx.merge(graphdef, state)(x, positions, segment_ids)
+  So jax.checkpoint and lax.scan see plain arrays, and what a layer writes
+  (a cache, a sown value) comes back out to be stored, scanned or not.
+  """
+
+  def step(params: nnx.State, state: nnx.State, x: jax.Array):
+    # The layer lives only inside this trace, so merge's fresh copy is the one
+    # we want: its state is read back out below, never aliased.
+    layer = nnx.merge(graphdef, params, state)
+    x, per_layer = layer(x, positions, segment_ids)
+    return x, per_layer, nnx.state(layer, nnx.Not(nnx.Param))
 
   if cfg.remat_policy == "none":
     return step
   # prevent_cse only matters outside scan, where XLA could otherwise merge the
   # recomputation back into the forward pass (the same choice nn.remat gets).
   return jax.checkpoint(step, policy=remat.checkpoint_policy(cfg.remat_policy), prevent_cse=not cfg.scan_layers)
+
+
+def _call_layer(layer: nnx.Module, cfg: Config, x: jax.Array, positions: jax.Array, segment_ids: jax.Array):
+  graphdef, params, state = nnx.split(layer, nnx.Param, ...)
+  x, per_layer, state = _layer_step(graphdef, cfg, positions, segment_ids)(params, state, x)
+  nnx.update(layer, state)
+  return x, per_layer
+
+
+def _scan_layers(stack: nnx.Module, cfg: Config, x: jax.Array, positions: jax.Array, segment_ids: jax.Array):
+  graphdef, params, state = nnx.split(stack, nnx.Param, ...)
+  step = _layer_step(graphdef, cfg, positions, segment_ids)
+  # lax.scan walks the leading axis; parameters are stacked on param_scan_axis.
+  params = jax.tree.map(lambda a: jnp.moveaxis(a, cfg.param_scan_axis, 0), params)
+
+  def body(x, layer):
+    x, per_layer, state = step(*layer, x)
+    return x, (per_layer, state)
+
+  x, (per_layer, state) = jax.lax.scan(body, x, (params, state))
+  nnx.update(stack, state)
+  return x, per_layer

@@ -20,7 +20,7 @@ class Embed(nnx.Module):
       rngs: nnx.Rngs,
   ):
     self.embedding = nnx.Param(
-        initializers.embedding()(rngs.params(), (num_embeddings, features), weight_dtype),
+        initializers.placeholder(rngs.params(), (num_embeddings, features), weight_dtype),
         out_sharding=("vocab", "embed"),
     )
     self.dtype = dtype

@@ -13,28 +13,9 @@ from flax import nnx
 
 from maxbridge import initializers
 from maxbridge.config import Config
-from maxbridge.ops import attention, mlp, normalization
+from maxbridge.ops import attention, mlp
 from nnx_models.linears import DenseGeneral
-
-
-class LayerNorm(nnx.Module):
-
-  def __init__(
-      self,
-      num_features: int,
-      epsilon: float,
-      dtype: jnp.dtype = jnp.float32,
-      weight_dtype: jnp.dtype = jnp.float32,
-      *,
-      rngs: nnx.Rngs,
-  ):
-    self.scale = nnx.Param(initializers.ones()(rngs.params(), (num_features,), weight_dtype), out_sharding=("norm",))
-    self.bias = nnx.Param(initializers.zeros()(rngs.params(), (num_features,), weight_dtype), out_sharding=("norm",))
-    self.epsilon = epsilon
-    self.dtype = dtype
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    return normalization.layer_norm(x, self.scale[...], self.bias[...], epsilon=self.epsilon, dtype=self.dtype)
+from nnx_models.normalizations import norm
 
 
 class Gpt3Attention(nnx.Module):
@@ -45,19 +26,30 @@ class Gpt3Attention(nnx.Module):
     dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), use_bias=True, rngs=rngs)
     heads, head_dim = cfg.num_query_heads, cfg.head_dim
     self.qkv_proj = DenseGeneral((cfg.emb_dim,), (3, heads, head_dim), ("embed", "qkv", "heads", "kv"), **dtypes)
-    self.out = DenseGeneral(
-        (heads, head_dim),
-        (cfg.emb_dim,),
-        ("heads", "kv", "embed"),
-        initializers.kernel(in_ndim=2),
-        **dtypes,
-    )
+    self.out = DenseGeneral((heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), **dtypes)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+  def __call__(
+      self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(output, per-layer values: the per-head max logits when QK-Clip is on)."""
+    cfg = self.config
     qkv = self.qkv_proj(x)
     query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    out = attention.dot_product_attention(query, key, value, segment_ids, query_scale=self.config.head_dim**-0.5)
-    return self.out(out)
+    out, per_layer = attention.with_layer_values(
+        attention.dot_product_attention(
+            query,
+            key,
+            value,
+            q_segment_ids=segment_ids,
+            kv_segment_ids=segment_ids,
+            q_positions=positions,
+            kv_positions=positions,
+            query_scale=None if initializers.query_kernel_carries_scale(cfg) else cfg.head_dim**-0.5,
+            return_max_logits=cfg.use_qk_clip,
+        ),
+        cfg.use_qk_clip,
+    )
+    return self.out(out), per_layer
 
 
 class Gpt3Mlp(nnx.Module):
@@ -66,7 +58,7 @@ class Gpt3Mlp(nnx.Module):
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
     cfg = config
     dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs)
-    self.mlp_layer_norm = LayerNorm(cfg.emb_dim, cfg.normalization_layer_epsilon, **dtypes)
+    self.mlp_layer_norm = norm(cfg, rngs=rngs)
     self.wi = DenseGeneral((cfg.emb_dim,), (cfg.mlp_dim,), ("embed", "mlp"), use_bias=True, **dtypes)
     self.wo = DenseGeneral((cfg.mlp_dim,), (cfg.emb_dim,), ("mlp", "embed"), use_bias=True, **dtypes)
 
@@ -77,18 +69,14 @@ class Gpt3Mlp(nnx.Module):
 class Gpt3DecoderLayer(nnx.Module):
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
-    cfg = config
-    self.pre_self_attention_norm = LayerNorm(
-        cfg.emb_dim,
-        cfg.normalization_layer_epsilon,
-        jnp.dtype(cfg.dtype),
-        jnp.dtype(cfg.weight_dtype),
-        rngs=rngs,
-    )
-    self.self_attention = Gpt3Attention(cfg, rngs=rngs)
-    self.mlp = Gpt3Mlp(cfg, rngs=rngs)
+    self.pre_self_attention_norm = norm(config, rngs=rngs)
+    self.self_attention = Gpt3Attention(config, rngs=rngs)
+    self.mlp = Gpt3Mlp(config, rngs=rngs)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array):
-    x = x + self.self_attention(self.pre_self_attention_norm(x), positions, segment_ids)
+  def __call__(
+      self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    attended, per_layer = self.self_attention(self.pre_self_attention_norm(x), positions, segment_ids)
+    x = x + attended
     x = x + self.mlp(x)
-    return x, None
+    return x, per_layer

@@ -1,4 +1,8 @@
-"""DenseGeneral: a kernel of shape in_features + out_features with logical axes."""
+"""DenseGeneral: a kernel of shape in_features + out_features with logical axes.
+
+`dot_general` is the matmul (`jax.lax.dot_general`, or a quantized one, as
+flax's `Linear` takes it). Initial values come from `maxbridge.initializers`.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +10,6 @@ from flax import nnx
 
 from maxbridge import initializers
 from maxbridge.ops import linear
-
-_DEFAULT_KERNEL_INIT = initializers.kernel()
 
 
 class DenseGeneral(nnx.Module):
@@ -17,24 +19,29 @@ class DenseGeneral(nnx.Module):
       in_features: tuple[int, ...],
       out_features: tuple[int, ...],
       logical_axes: tuple[str, ...],
-      kernel_init: initializers.Initializer = _DEFAULT_KERNEL_INIT,
       dtype: jnp.dtype = jnp.float32,
       weight_dtype: jnp.dtype = jnp.float32,
       use_bias: bool = False,
+      dot_general: linear.DotGeneral = jax.lax.dot_general,
       *,
       rngs: nnx.Rngs,
   ):
     shape = tuple(in_features) + tuple(out_features)
-    self.kernel = nnx.Param(kernel_init(rngs.params(), shape, weight_dtype), out_sharding=tuple(logical_axes))
+    self.kernel = nnx.Param(
+        initializers.placeholder(rngs.params(), shape, weight_dtype), out_sharding=tuple(logical_axes)
+    )
     if use_bias:
       self.bias = nnx.Param(
-          initializers.zeros()(rngs.params(), tuple(out_features), weight_dtype),
+          initializers.placeholder(rngs.params(), tuple(out_features), weight_dtype),
           out_sharding=tuple(logical_axes[len(in_features) :]),
       )
     self.use_bias = use_bias
     self.in_ndim = len(in_features)
     self.dtype = dtype
+    self.dot_general = dot_general
 
   def __call__(self, x: jax.Array) -> jax.Array:
     bias = self.bias[...] if self.use_bias else None
-    return linear.dense_general(x, self.kernel[...], in_ndim=self.in_ndim, dtype=self.dtype, bias=bias)
+    return linear.dense_general(
+        x, self.kernel[...], in_ndim=self.in_ndim, dtype=self.dtype, bias=bias, dot_general=self.dot_general
+    )

@@ -108,8 +108,7 @@ def test_converted_checkpoint_restores_into_a_trainer(source, tmp_path):
   ckpt = checkpointing.Checkpointer(tmp_path / "ckpt")
   restored = trainer.params(trainer.from_checkpoint(ckpt.restore(6, trainer.checkpoint_target())))
   expected, _ = converters.load_params(source)
-  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(expected)):
-    np.testing.assert_array_equal(a, b)
+  chex.assert_trees_all_equal(restored, expected)
 
 
 def test_params_only_bfloat16_unscanned(source, tmp_path, capsys):
@@ -162,8 +161,7 @@ def test_older_nnx_checkpoint_with_value_wrappers_and_integer_layer_keys(source,
   assert code == 0, out
   # And in memory: the same normalisation.
   back = converters.to_linen(tree, scan_layers=True)
-  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(linen)):
-    np.testing.assert_array_equal(a, b)
+  chex.assert_trees_all_equal(back, linen)
 
 
 def test_in_memory_converters_fill_an_nnx_train_state():
@@ -177,8 +175,7 @@ def test_in_memory_converters_fill_an_nnx_train_state():
   assert pure["optimizer"]["step"].dtype == jnp.uint32 and set(pure["optimizer"]["opt_state"]) == {0, 2}
   fresh = jax.tree.map(lambda x: x, trainer.abstract_state())
   nnx.replace_by_pure_dict(fresh, pure)
-  for a, b in zip(jax.tree.leaves(fresh), jax.tree.leaves(state)):
-    np.testing.assert_array_equal(a, b)
+  chex.assert_trees_all_equal(nnx.to_pure_dict(fresh), nnx.to_pure_dict(state))
   params = converters.to_linen(state)["params"]["params"]
   stacked = converters.stack_layers(params, 1)
   assert stacked["decoder"]["layers"]["mlp"]["wi_0"]["kernel"].shape[1] == 2  # llama-tiny's two layers

@@ -7,15 +7,18 @@ share one compiled executable. Each combination is still traced, lowered and
 run; only XLA's compile of an identical program is reused.
 """
 
+import contextlib
 import hashlib
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import maxbridge as mb
-from maxbridge import canonical
+from maxbridge import canonical, initializers
 from maxbridge.ops import attention, losses
 from maxbridge.ops import moe as moe_ops
 from conftest import FLAG_COMBINATIONS, flag_id
@@ -101,13 +104,16 @@ def test_scanned_parameters_are_the_unscanned_layers_stacked(preset):
 
 def test_sliding_window_mask_sees_the_last_w_positions_of_its_segment():
   segments = jnp.array([[1, 1, 1, 1, 1, 2, 2, 2]])
-  mask = np.asarray(attention.attention_mask(segments, sliding_window_size=3))[0, 0, 0]
+  indices = jnp.arange(8)[None]  # positions that do not restart per segment: the loop below is by index
+  mask = np.asarray(attention.attention_mask(segments, segments, indices, indices, sliding_window_size=3))[0, 0, 0]
   for i in range(8):
     for j in range(8):
       want = j <= i and i - j < 3 and segments[0, i] == segments[0, j]
       assert mask[i, j] == want, (i, j)
-  full = np.asarray(attention.attention_mask(segments))[0, 0, 0]
-  np.testing.assert_array_equal(full, np.asarray(attention.attention_mask(segments, 8))[0, 0, 0])
+  full = np.asarray(attention.attention_mask(segments, segments, indices, indices))[0, 0, 0]
+  np.testing.assert_array_equal(
+      full, np.asarray(attention.attention_mask(segments, segments, indices, indices, 8))[0, 0, 0]
+  )
 
 
 def test_mistral_is_llama_when_the_window_covers_the_sequence():
@@ -309,3 +315,127 @@ def test_deepseek_has_dense_then_moe_stacks_and_latent_attention():
 def test_bad_family_settings_name_the_keys(override, match):
   with pytest.raises(mb.ConfigError, match=match):
     family_config("deepseek3-tiny", **override)
+
+
+class CountingMatmuls:
+  """jax.lax.dot_general and ragged_dot that record each weight (right-hand operand) shape."""
+
+  def __init__(self):
+    self.weights = []
+
+  def dot_general(self, lhs, rhs, dimension_numbers, **kwargs):
+    self.weights.append(tuple(rhs.shape))
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, **kwargs)
+
+  def ragged_dot(self, lhs, rhs, group_sizes, **kwargs):
+    self.weights.append(tuple(rhs.shape))
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, **kwargs)
+
+
+def inject_matmuls(model: mb.Model, matmuls: CountingMatmuls):
+  """Gives every module that owns a weight matmul (a `dot_general`/`ragged_dot` attribute) the counting ones."""
+  seams = ("dot_general", "ragged_dot")
+  if isinstance(model.module, nnx.Module):
+    for _, node in nnx.iter_graph(model.module):
+      for seam in seams:
+        if isinstance(node, nnx.Module) and hasattr(node, seam):
+          setattr(node, seam, getattr(matmuls, seam))
+    return contextlib.nullcontext()
+
+  def interceptor(next_fun, args, kwargs, context):
+    module = context.module
+    swap = {
+        seam: getattr(matmuls, seam)
+        for seam in seams
+        if getattr(module, seam, None) not in (None, getattr(matmuls, seam))
+    }
+    if context.method_name != "__call__" or not swap:
+      return next_fun(*args, **kwargs)
+    # A Linen module's attributes are fixed by its parent; a clone bound to the
+    # same scope (the same parameters) takes the counting matmuls instead.
+    return module.clone(parent=module.scope, **swap)(*args, **kwargs)
+
+  return nn.intercept_methods(interceptor)
+
+
+@pytest.mark.parametrize("backend", ["linen", "nnx"])
+@pytest.mark.parametrize(
+    "preset, overrides",
+    [
+        ("llama-tiny", {}),
+        ("gpt3-tiny", {}),  # biases and the tied head
+        ("mixtral-tiny", {}),  # dropless experts: ragged_dot
+        ("mixtral-tiny", {"sparse_matmul": False}),
+        ("deepseek3-tiny", {}),
+        ("deepseek3-tiny", {"q_lora_rank": 0}),
+    ],
+    ids=["llama", "gpt3", "mixtral", "mixtral-dense", "deepseek", "deepseek-no-q-lora"],
+)
+def test_every_weight_matmul_goes_through_the_injected_dot_general(preset, overrides, backend):
+  flags = (True, True, True) if backend == "nnx" else (False, False, False)
+  model = mb.create_model(family_config(preset, flags, scan_layers=False, **overrides), seed=0)
+  want = model.logits(TOKENS)
+  matmuls = CountingMatmuls()
+  with inject_matmuls(model, matmuls):
+    got = jax.jit(lambda params: model.apply(params, TOKENS))(model.params())  # counted once, while tracing
+  np.testing.assert_array_equal(got, want)
+  # One matmul per weight matrix: every parameter but biases, norm scales and
+  # lookup tables (the token embedding is a weight matrix too when it is the head).
+  lookups = ("decoder/position_embedder/embedding",)
+  if not model.config.logits_via_embedding:
+    lookups += ("token_embedder/embedding",)
+  weights = [
+      tuple(leaf.shape)
+      for path, leaf in canonical.flatten(model.params()).items()
+      if path.rsplit("/", 1)[-1] not in ("bias", "scale") and path not in lookups
+  ]
+  assert sorted(matmuls.weights) == sorted(weights)
+
+
+def test_query_kernel_carries_the_scale_only_where_attention_does_not_apply_it():
+  carries = {
+      preset: initializers.query_kernel_carries_scale(family_config(preset)) for preset in ["llama-tiny", *FAMILIES]
+  }
+  assert carries == {
+      "llama-tiny": True,
+      "mistral-tiny": True,
+      "mixtral-tiny": True,
+      "qwen3-tiny": False,  # query/key norms would undo it
+      "gpt3-tiny": False,  # fused qkv_proj, scaled at run time
+      "deepseek3-tiny": False,  # MLA scales at run time
+  }
+
+  def initial_std(preset, **overrides):
+    model = mb.create_model(family_config(preset, scan_layers=False, **overrides), seed=0)
+    stack = canonical.layer_paths(model.config)[0]
+    kernel = canonical.flatten(model.params())[f"{stack}/self_attention/query/kernel"]
+    return float(np.std(np.asarray(kernel))), model.config
+
+  # MLA's own query kernel (no query LoRA) starts at the fan-in std, not pre-scaled by
+  # 1/sqrt(head_dim) on top of the scale attention applies at run time.
+  std, cfg = initial_std("deepseek3-tiny", q_lora_rank=0)
+  np.testing.assert_allclose(std, cfg.emb_dim**-0.5, rtol=0.05)
+  std, cfg = initial_std("llama-tiny")
+  np.testing.assert_allclose(std, cfg.emb_dim**-0.5 * cfg.head_dim**-0.5, rtol=0.05)
+
+
+@pytest.mark.parametrize(
+    "preset, override, match",
+    [
+        ("qwen3-tiny", dict(use_qk_norm=False), "decoder_block='qwen3' normalises each query and key head"),
+        ("gpt3-tiny", dict(sliding_window_size=4), "decoder_block='gpt3' .* reads neither sliding_window_size=4"),
+        ("deepseek3-tiny", dict(use_qk_norm=True), "decoder_block='deepseek' .* nor use_qk_norm=True"),
+    ],
+)
+def test_a_family_refuses_settings_its_layers_would_ignore_or_contradict(preset, override, match):
+  with pytest.raises(mb.ConfigError, match=match):
+    family_config(preset, **override)
+
+
+def test_mistral_without_a_window_is_valid_as_in_mistral_7b_v0_2():
+  assert family_config("mistral-tiny", sliding_window_size=0).sliding_window_size == 0
+
+
+def test_learned_positions_follow_trainable_position_size_not_the_family_name():
+  llama = canonical.flatten(mb.create_model(family_config("llama-tiny", trainable_position_size=16)).abstract_params())
+  assert llama["decoder/position_embedder/embedding"].shape == (16, 64)

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 MAXBRIDGE = Path(__file__).resolve().parent.parent / "maxbridge"
 
 
@@ -34,5 +36,26 @@ def test_no_core_module_imports_converters():
 
 def test_loading_a_checkpoint_from_the_core_does_not_load_converters():
   code = "import sys, maxbridge.hf, maxbridge.checkpointing, maxbridge.train; print('converters' in sys.modules)"
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-  assert out.strip() == "False"
+  assert _run(code) == "False"
+
+
+def _run(code: str) -> str:
+  return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_reading_a_config_does_not_import_jax():
+  assert _run("import sys, maxbridge.config; print('jax' in sys.modules)") == "False"
+
+
+@pytest.mark.parametrize("verb", ["train", "bench", "compile"])
+def test_the_cli_rejects_a_bad_key_before_jax_starts(verb):
+  code = (
+      f"import sys; from maxbridge import cli; print(cli.main(['{verb}', 'llama-tiny', 'stepz=5']), 'jax' in sys.modules)"
+  )
+  assert _run(code) == "2 False"
+
+
+def test_mb_train_stays_the_function_after_its_module_is_imported():
+  # Importing the submodule maxbridge.train binds it on the package, over the function of the same name.
+  code = "import maxbridge as mb; from maxbridge.train import run_directory; print(callable(mb.train), mb.train.__name__)"
+  assert _run(code) == "True train"

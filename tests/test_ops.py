@@ -1,10 +1,11 @@
 """The shared math against straightforward numpy references."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxbridge.ops import attention, embedding, losses, normalization, rotary
+from maxbridge.ops import attention, embedding, linear, losses, normalization, rotary
 
 rng = np.random.default_rng(0)
 
@@ -59,8 +60,110 @@ def test_grouped_query_attention_with_segments_matches_naive_loop():
   k = rng.normal(size=(2, 6, 2, 8)).astype(np.float32)
   v = rng.normal(size=(2, 6, 2, 8)).astype(np.float32)
   segment_ids = np.array([[1, 1, 1, 2, 2, 2], [1, 1, 1, 1, 1, 0]])
-  got = attention.dot_product_attention(q, k, v, segment_ids)
+  positions = np.broadcast_to(np.arange(6), (2, 6))  # the loop's causality is by index
+  mask = dict(q_segment_ids=segment_ids, kv_segment_ids=segment_ids, q_positions=positions, kv_positions=positions)
+  got = attention.dot_product_attention(q, k, v, **mask)
   np.testing.assert_allclose(got, naive_attention(q, k, v, segment_ids), rtol=1e-5, atol=1e-5)
+
+
+# Two packed documents then padding; positions restart with each document.
+PACKED_SEGMENTS = np.array([[1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]])
+PACKED_POSITIONS = np.array([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 0], list(range(12))])
+
+
+@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize("rows", [slice(9, 12), slice(4, 7), slice(11, 12)], ids=["last3", "middle", "last"])
+def test_masks_from_distinct_query_and_key_positions_are_the_full_mask_sliced(rows, window):
+  seg, pos = PACKED_SEGMENTS, PACKED_POSITIONS
+  full = np.asarray(attention.attention_mask(seg, seg, pos, pos, window))
+  sliced = np.asarray(attention.attention_mask(seg[:, rows], seg, pos[:, rows], pos, window))
+  assert sliced.shape == (2, 1, 1, rows.stop - rows.start, 12)
+  np.testing.assert_array_equal(sliced, full[..., rows, :])
+  # Keys not yet seen (a cache filled up to the query block) leave the visible ones unchanged.
+  prefix = np.asarray(
+      attention.attention_mask(seg[:, rows], seg[:, : rows.stop], pos[:, rows], pos[:, : rows.stop], window)
+  )
+  np.testing.assert_array_equal(prefix, full[..., rows, : rows.stop])
+
+
+def test_attention_of_a_query_block_against_all_keys_is_full_attention_sliced():
+  q = rng.normal(size=(2, 12, 4, 8)).astype(np.float32)
+  k = rng.normal(size=(2, 12, 2, 8)).astype(np.float32)
+  v = rng.normal(size=(2, 12, 2, 8)).astype(np.float32)
+  seg, pos = PACKED_SEGMENTS, PACKED_POSITIONS
+  full = attention.dot_product_attention(
+      q, k, v, q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos, kv_positions=pos, sliding_window_size=4
+  )
+  rows = slice(8, 12)
+  block = attention.dot_product_attention(
+      q[:, rows],
+      k,
+      v,
+      q_segment_ids=seg[:, rows],
+      kv_segment_ids=seg,
+      q_positions=pos[:, rows],
+      kv_positions=pos,
+      sliding_window_size=4,
+  )
+  np.testing.assert_allclose(block, np.asarray(full)[:, rows], rtol=1e-6, atol=1e-6)
+
+
+def test_attention_mask_names_mismatched_shapes():
+  seg = np.ones((2, 5), np.int32)
+  with pytest.raises(ValueError, match=r"segment ids and positions differ in shape: queries \(2, 5\) vs \(2, 4\)"):
+    attention.attention_mask(seg, seg, seg[:, :4], seg)
+  with pytest.raises(ValueError, match=r"q_positions \(2, 5\) and kv_positions \(1, 5\) must be"):
+    attention.attention_mask(seg, seg, seg, seg[:1])
+
+
+def test_max_logits_are_each_heads_largest_visible_score():
+  q = rng.normal(size=(2, 6, 4, 8)).astype(np.float32)
+  k = rng.normal(size=(2, 6, 2, 8)).astype(np.float32)
+  v = rng.normal(size=(2, 6, 2, 8)).astype(np.float32)
+  seg = np.array([[1, 1, 1, 2, 2, 2], [1, 1, 1, 1, 1, 0]])
+  pos = np.array([[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 0]])
+  mask = dict(q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos, kv_positions=pos)
+  out, max_logits = attention.dot_product_attention(q, k, v, query_scale=0.5, return_max_logits=True, **mask)
+  np.testing.assert_array_equal(out, attention.dot_product_attention(q, k, v, query_scale=0.5, **mask))
+  want = np.full(4, -np.inf)
+  for b in range(2):
+    for h in range(4):
+      for t in range(6):
+        for s in range(6):
+          if seg[b, s] == seg[b, t] and pos[b, s] <= pos[b, t]:
+            want[h] = max(want[h], 0.5 * q[b, t, h] @ k[b, s, h // 2])
+  assert max_logits.shape == (4,) and max_logits.dtype == jnp.float32
+  np.testing.assert_allclose(max_logits, want, rtol=1e-5)
+  # Masked pairs score higher for some head here, so ignoring the mask would show.
+  all_scores = 0.5 * np.einsum("BTKGH,BSKH->BKGTS", q.reshape(2, 6, 2, 2, 8), k)
+  assert np.any(all_scores.max(axis=(0, 3, 4)).reshape(4) > want)
+  grad = jax.grad(lambda q: attention.dot_product_attention(q, k, v, return_max_logits=True, **mask)[1].sum())(q)
+  assert not np.any(grad)
+
+
+class CountingDotGeneral:
+  """jax.lax.dot_general that records the shape of each right-hand operand (the weight)."""
+
+  def __init__(self):
+    self.weights = []
+
+  def __call__(self, lhs, rhs, dimension_numbers, **kwargs):
+    self.weights.append(tuple(rhs.shape))
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, **kwargs)
+
+
+def test_dense_general_goes_through_the_given_dot_general_in_its_dtype():
+  x = rng.normal(size=(2, 3, 4, 5)).astype(np.float32)
+  kernel = rng.normal(size=(4, 5, 6, 7)).astype(np.float32)
+  bias = rng.normal(size=(6, 7)).astype(np.float32)
+  counting = CountingDotGeneral()
+  got = linear.dense_general(x, kernel, in_ndim=2, dtype=jnp.float32, bias=bias, dot_general=counting)
+  assert counting.weights == [(4, 5, 6, 7)]
+  np.testing.assert_allclose(got, np.tensordot(x, kernel, axes=2) + bias, rtol=1e-5, atol=1e-5)
+  half = linear.dense_general(x, kernel, in_ndim=2, dtype=jnp.bfloat16, bias=bias)
+  assert half.dtype == jnp.bfloat16
+  with pytest.raises(ValueError, match=r"input trailing shape \(4, 5\) does not match kernel leading shape \(5, 4\)"):
+    linear.dense_general(x, kernel.reshape(5, 4, 6, 7), in_ndim=2, dtype=jnp.float32)
 
 
 def test_cross_entropy_and_z_loss_match_formula():
@@ -84,4 +187,6 @@ def test_embed_rejects_float_tokens_and_attend_is_the_transpose():
   with pytest.raises(TypeError, match="tokens must be integers"):
     embedding.embed(jnp.zeros((1, 2)), table, dtype=jnp.float32)
   x = rng.normal(size=(1, 2, 4)).astype(np.float32)
-  np.testing.assert_allclose(embedding.attend(x, table, dtype=jnp.float32), x @ table.T, rtol=1e-5)
+  counting = CountingDotGeneral()
+  np.testing.assert_allclose(embedding.attend(x, table, dtype=jnp.float32, dot_general=counting), x @ table.T, rtol=1e-5)
+  assert counting.weights == [(10, 4)]

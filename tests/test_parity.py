@@ -2,6 +2,7 @@
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,12 +42,10 @@ def reference(scan_layers: bool, remat_policy: str):
 
 
 def assert_trees_close(got, want, tol, what):
+  # Flat paths as keys: chex then names a differing leaf by its canonical path.
   got, want = canonical.flatten(got), canonical.flatten(want)
-  assert sorted(got) == sorted(want), f"{what}: paths differ: {sorted(set(got) ^ set(want))}"
-  for path in want:
-    assert got[path].shape == want[path].shape, f"{what} {path}: {got[path].shape} != {want[path].shape}"
-    diff = float(np.max(np.abs(np.asarray(got[path]) - np.asarray(want[path]))))
-    assert diff <= tol, f"{what} {path}: max abs diff {diff} > {tol}"
+  chex.assert_trees_all_equal_shapes(got, want, custom_message=what)
+  chex.assert_trees_all_close(got, want, atol=tol, rtol=0, custom_message=what)
 
 
 @pytest.mark.parametrize("remat_policy", ["none", "full"])

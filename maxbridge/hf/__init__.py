@@ -14,7 +14,6 @@ claims, or one the model needs but the folder lacks, is an error naming it.
 
 from maxbridge.hf.families import FAMILIES, Family, HFError, Rule, family_for_config, family_for_model_type
 from maxbridge.hf.folders import (
-    BACKENDS,
     abstract_params,
     export_hf,
     from_pretrained,
@@ -38,7 +37,6 @@ from maxbridge.hf.mapping import (
 )
 
 __all__ = [
-    "BACKENDS",
     "FAMILIES",
     "Family",
     "HFError",

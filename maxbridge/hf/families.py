@@ -15,6 +15,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Mapping
 
+from maxbridge import initializers
 from maxbridge.config import Config
 
 CONFIG_FILE = "config.json"
@@ -86,9 +87,8 @@ class Linear:
 
 
 def _query_scale(cfg: Config) -> float | None:
-  # With query/key norms the kernel cannot carry the factor (the norm would
-  # undo it); attention applies it at run time instead.
-  return None if cfg.use_qk_norm else cfg.head_dim**-0.5
+  # Where the kernel cannot carry the factor, attention applies it at run time instead.
+  return cfg.head_dim**-0.5 if initializers.query_kernel_carries_scale(cfg) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,8 +142,7 @@ DEEPSEEK_RULES = (
     _LLAMA_COMMON
     + _GATED_MLP
     + (
-        # Multi-head latent attention: no query scaling (MLA scales at run time).
-        Rule("model.layers.{layer}.self_attn.q_proj.weight", f"{_MLA}/query/kernel", Linear()),
+        Rule("model.layers.{layer}.self_attn.q_proj.weight", f"{_MLA}/query/kernel", Linear(scale=_query_scale)),
         Rule("model.layers.{layer}.self_attn.q_a_proj.weight", f"{_MLA}/wq_a/kernel", Linear()),
         Rule("model.layers.{layer}.self_attn.q_a_layernorm.weight", f"{_MLA}/q_norm/scale"),
         Rule("model.layers.{layer}.self_attn.q_b_proj.weight", f"{_MLA}/wq_b/kernel", Linear()),

@@ -236,9 +236,6 @@ def export_hf(source: str | os.PathLike, destination: str | os.PathLike, *, dtyp
   return out
 
 
-BACKENDS = {"linen": (False, False, False), "nnx": (True, True, True)}
-
-
 def from_pretrained(path: str | os.PathLike, backend: str = "linen", **overrides: Any):
   """An `mb.Model` from a Hugging Face folder (config.json + safetensors) or a maxbridge checkpoint.
 
@@ -247,10 +244,7 @@ def from_pretrained(path: str | os.PathLike, backend: str = "linen", **overrides
   """
   from maxbridge import dispatch  # pylint: disable=import-outside-toplevel
 
-  if backend not in BACKENDS:
-    raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
-  flags = dict(zip(("pure_nnx", "enable_nnx", "pure_nnx_decoder"), BACKENDS[backend]))
-  cfg, params = load_pretrained(path, **{**flags, **overrides})
+  cfg, params = load_pretrained(path, **{**dispatch.backend_flags(backend), **overrides})
   return dispatch.create_model(cfg, params=params)
 
 

@@ -1,4 +1,8 @@
-"""Causal grouped-query dot-product attention with packed-sequence (segment) masking."""
+"""Grouped-query dot-product attention, masked by query and key positions and segments.
+
+The mask is built from positions, not from array indices, so queries and keys
+may differ in length and offset (a query block against a cache of keys).
+"""
 
 import jax
 import jax.numpy as jnp
@@ -10,36 +14,60 @@ from maxbridge import sharding
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def attention_mask(segment_ids: jax.Array, sliding_window_size: int = 0) -> jax.Array:
-  """[B, T] segment ids -> [B, 1, 1, T, S] boolean: causal and within one segment.
+def attention_mask(
+    q_segment_ids: jax.Array,
+    kv_segment_ids: jax.Array,
+    q_positions: jax.Array,
+    kv_positions: jax.Array,
+    sliding_window_size: int = 0,
+) -> jax.Array:
+  """Query [B, T] and key [B, S] segment ids and positions -> [B, 1, 1, T, S] boolean.
 
-  With `sliding_window_size` W > 0, query i also sees only keys j > i - W (the
-  last W positions, itself included), as Mistral and Hugging Face define it.
+  Query i sees key j when both are in one segment and kv_pos[j] <= q_pos[i];
+  with `sliding_window_size` W > 0, also q_pos[i] - kv_pos[j] < W (the last
+  W positions, itself included), as Mistral and Hugging Face define it.
   """
-  length = segment_ids.shape[1]
-  distance = jnp.arange(length)[:, None] - jnp.arange(length)[None, :]
-  causal = distance >= 0
+  for name, q, kv in (("segment_ids", q_segment_ids, kv_segment_ids), ("positions", q_positions, kv_positions)):
+    if q.ndim != 2 or kv.ndim != 2 or q.shape[0] != kv.shape[0]:
+      raise ValueError(f"attention_mask: q_{name} {q.shape} and kv_{name} {kv.shape} must be [B, T] and [B, S]")
+  if q_segment_ids.shape != q_positions.shape or kv_segment_ids.shape != kv_positions.shape:
+    raise ValueError(
+        f"attention_mask: segment ids and positions differ in shape: queries {q_segment_ids.shape} vs "
+        f"{q_positions.shape}, keys {kv_segment_ids.shape} vs {kv_positions.shape}"
+    )
+  distance = q_positions[:, :, None] - kv_positions[:, None, :]  # [B, T, S]
+  visible = distance >= 0
   if sliding_window_size:
-    causal &= distance < sliding_window_size
-  same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
-  return (causal[None] & same_segment)[:, None, None]
+    visible &= distance < sliding_window_size
+  visible &= q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
+  return visible[:, None, None]
 
 
 def dot_product_attention(
     query: jax.Array,
     key: jax.Array,
     value: jax.Array,
-    segment_ids: jax.Array,
     *,
+    q_segment_ids: jax.Array,
+    kv_segment_ids: jax.Array,
+    q_positions: jax.Array,
+    kv_positions: jax.Array,
     sliding_window_size: int = 0,
     query_scale: float | None = None,
-) -> jax.Array:
-  """query [B, T, N, H], key [B, S, K, H], value [B, S, K, Hv], segment_ids [B, T] -> [B, T, N, Hv].
+    return_max_logits: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """query [B, T, N, H], key [B, S, K, H], value [B, S, K, Hv] -> [B, T, N, Hv].
 
-  Query head j reads kv head j // (N / K). For Llama the 1/sqrt(H) factor
-  lives in the query kernel (as in MaxText), so scores are not scaled here;
-  families that cannot fold it (query/key norms, MLA, GPT-3) pass
-  `query_scale`, applied to the query before the product as MaxText does.
+  Masked by `attention_mask` of the query [B, T] and key [B, S] segment ids
+  and positions. Query head j reads kv head j // (N / K). For Llama the
+  1/sqrt(H) factor lives in the query kernel (as in MaxText), so scores are
+  not scaled here; families that cannot fold it (`initializers.query_kernel_carries_scale`)
+  pass `query_scale`, applied to the query before the product as MaxText does.
+
+  With `return_max_logits`, also returns float32 [N]: each query head's largest
+  pre-softmax score over the batch and every visible (query, key) pair, as
+  QK-Clip needs it (MuonClip rescales a head's query and key weights by it).
+  It carries no gradient.
   """
   batch, length, num_heads, head_dim = query.shape
   num_kv_heads = key.shape[2]
@@ -50,8 +78,23 @@ def dot_product_attention(
       query = query * jnp.asarray(query_scale, query.dtype)
     query = query.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", query, key).astype(jnp.float32)
-    scores = jnp.where(attention_mask(segment_ids, sliding_window_size), scores, MASK_VALUE)
+    mask = attention_mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions, sliding_window_size)
+    scores = jnp.where(mask, scores, MASK_VALUE)
     weights = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", weights, value)
     out = out.reshape(batch, length, num_heads, value.shape[-1])
-    return sharding.constrain(out, ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
+    out = sharding.constrain(out, ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
+    if not return_max_logits:
+      return out
+    # Masked scores are MASK_VALUE already, below any real one; a head whose
+    # every pair is masked reports MASK_VALUE.
+    max_logits = jnp.max(jax.lax.stop_gradient(scores), axis=(0, 3, 4)).reshape(num_heads)
+    return out, max_logits
+
+
+def with_layer_values(result, returned_max_logits: bool) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """`dot_product_attention`'s result -> (output, the per-layer values a decoder layer returns)."""
+  if returned_max_logits:
+    out, max_logits = result
+    return out, {"max_logits": max_logits}
+  return result, {}

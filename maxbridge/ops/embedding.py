@@ -2,8 +2,10 @@
 
 import jax
 import jax.numpy as jnp
+from flax.nnx.nn.dtypes import promote_dtype
 
 from maxbridge import sharding
+from maxbridge.ops.linear import DotGeneral
 
 
 def embed(tokens: jax.Array, embedding: jax.Array, *, dtype: jnp.dtype) -> jax.Array:
@@ -15,9 +17,12 @@ def embed(tokens: jax.Array, embedding: jax.Array, *, dtype: jnp.dtype) -> jax.A
     return sharding.constrain(x, ("activation_batch", "activation_length", "activation_embed"))
 
 
-def attend(x: jax.Array, embedding: jax.Array, *, dtype: jnp.dtype) -> jax.Array:
-  """Tied output head: [B, T, D] x [V, D] -> float32 logits [B, T, V]."""
+def attend(
+    x: jax.Array, embedding: jax.Array, *, dtype: jnp.dtype, dot_general: DotGeneral = jax.lax.dot_general
+) -> jax.Array:
+  """Tied output head: [B, T, D] x [V, D] -> float32 logits [B, T, V]; a weight matmul like `linear.dense_general`."""
   with jax.named_scope("attend"):
-    logits = jnp.einsum("BTD,VD->BTV", x.astype(dtype), embedding.astype(dtype))
+    x, embedding = promote_dtype((x, embedding), dtype=dtype)
+    logits = dot_general(x, embedding, (((x.ndim - 1,), (1,)), ((), ())))
     logits = logits.astype(jnp.float32)
     return sharding.constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))

@@ -4,8 +4,15 @@ Shapes: tokens are flattened to T = batch * length; D model width, E experts,
 F expert hidden width, K experts per token.
 """
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
+from flax.nnx.nn.dtypes import promote_dtype
+
+from maxbridge.ops.linear import DotGeneral
+
+RaggedDot = Callable[..., jax.Array]
 
 
 def top_k_softmax(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -68,9 +75,10 @@ def mean_layer_losses(losses: list[jax.Array]) -> jax.Array:
 
 
 def _expert_mlp(x, wi_0, wi_1, wo, matmul, dtype):
-  gate = matmul(x, wi_0.astype(dtype))
-  up = matmul(x, wi_1.astype(dtype))
-  return matmul(jax.nn.silu(gate) * up, wo.astype(dtype))
+  x, wi_0, wi_1, wo = promote_dtype((x, wi_0, wi_1, wo), dtype=dtype)
+  gate = matmul(x, wi_0)
+  up = matmul(x, wi_1)
+  return matmul(jax.nn.silu(gate) * up, wo)
 
 
 def dropless_experts(
@@ -82,23 +90,25 @@ def dropless_experts(
     wo: jax.Array,
     *,
     dtype: jnp.dtype,
+    ragged_dot: RaggedDot = jax.lax.ragged_dot,
 ) -> jax.Array:
   """x [T, D] through each token's K experts (SwiGLU, wi_* [E, D, F], wo [E, F, D]) -> [T, D].
 
   Dropless: every (token, expert) pair is computed, none dropped for capacity.
   Pairs are sorted by expert so that each expert's rows are contiguous, and
-  `jax.lax.ragged_dot` multiplies each group by its expert's kernel.
+  `ragged_dot` (`jax.lax.ragged_dot`, or a quantized one) multiplies each
+  group by its expert's kernel.
   """
   tokens, k = indices.shape
   num_experts = wi_0.shape[0]
   with jax.named_scope("dropless_experts"):
     flat_experts = indices.reshape(-1)  # [T*K], pair p = token p // K
     order = jnp.argsort(flat_experts, stable=True)
-    rows = jnp.take(x.astype(dtype), order // k, axis=0)  # [T*K, D] grouped by expert
+    rows = jnp.take(x, order // k, axis=0)  # [T*K, D] grouped by expert
     group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
 
     def matmul(lhs, rhs):
-      return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+      return ragged_dot(lhs, rhs, group_sizes)
 
     out = _expert_mlp(rows, wi_0, wi_1, wo, matmul, dtype)  # [T*K, D]
     out = jnp.take(out, jnp.argsort(order), axis=0).reshape(tokens, k, -1)  # back to pair order
@@ -115,15 +125,17 @@ def dense_experts(
     wo: jax.Array,
     *,
     dtype: jnp.dtype,
+    dot_general: DotGeneral = jax.lax.dot_general,
 ) -> jax.Array:
   """The reference path: every token through every expert, unchosen ones weighted 0 -> [T, D]."""
   num_experts = wi_0.shape[0]
   with jax.named_scope("dense_experts"):
-    x = x.astype(dtype)
 
     def matmul(lhs, rhs):
-      spec = "TD,EDF->TEF" if lhs.ndim == 2 else "TEF,EFD->TED"
-      return jnp.einsum(spec, lhs, rhs)
+      if lhs.ndim == 2:  # TD,EDF->TEF
+        return dot_general(lhs, rhs, (((1,), (1,)), ((), ())))
+      # TEF,EFD->TED: experts are a batch axis, which dot_general puts first.
+      return jnp.swapaxes(dot_general(lhs, rhs, (((2,), (1,)), ((1,), (0,)))), 0, 1)
 
     out = _expert_mlp(x, wi_0, wi_1, wo, matmul, dtype)  # [T, E, D]
     combine = jnp.einsum(
@@ -148,13 +160,17 @@ def routed_moe(
     sparse: bool = True,
     load_balance_loss_weight: float = 0.0,
     dtype: jnp.dtype = jnp.float32,
+    dot_general: DotGeneral = jax.lax.dot_general,
+    ragged_dot: RaggedDot = jax.lax.ragged_dot,
 ) -> tuple[jax.Array, jax.Array | None]:
   """x [B, T, D], router logits [B, T, E] -> (routed experts' output [B, T, D], weighted aux loss or None).
 
   `score_func` "" routes Mixtral's way (softmax over the top-k logits),
   "sigmoid" DeepSeek-V3's (`group_limited_sigmoid`). `sparse` picks the
   dropless grouped matmul, else the dense reference path; both compute the
-  same function. The load-balancing loss is computed only when its weight is > 0.
+  same function; the expert matmuls go through `ragged_dot` or `dot_general`
+  respectively (the router's is the caller's). The load-balancing loss is
+  computed only when its weight is > 0.
   """
   batch, length, width = x.shape
   num_experts = logits.shape[-1]
@@ -177,8 +193,11 @@ def routed_moe(
       weights = weights * scaling_factor if scaling_factor != 1.0 else weights
     else:
       raise ValueError(f"unknown router score_func {score_func!r}; valid: '', 'sigmoid'")
-  experts = dropless_experts if sparse else dense_experts
-  out = experts(flat_x, weights, indices, wi_0, wi_1, wo, dtype=dtype).reshape(batch, length, width)
+  if sparse:
+    out = dropless_experts(flat_x, weights, indices, wi_0, wi_1, wo, dtype=dtype, ragged_dot=ragged_dot)
+  else:
+    out = dense_experts(flat_x, weights, indices, wi_0, wi_1, wo, dtype=dtype, dot_general=dot_general)
+  out = out.reshape(batch, length, width)
   aux = None
   if load_balance_loss_weight > 0:
     scores = flat_logits.astype(jnp.float32)
@@ -189,3 +208,17 @@ def routed_moe(
       probs = jax.nn.softmax(scores, axis=-1)
     aux = load_balance_loss_weight * load_balance_loss(probs, indices, num_experts)
   return out, aux
+
+
+def moe_options(config) -> dict:
+  """The config's routing settings, as `routed_moe` takes them."""
+  return dict(
+      num_experts_per_tok=config.num_experts_per_tok,
+      score_func=config.routed_score_func,
+      n_groups=config.n_routing_groups,
+      top_groups=config.topk_routing_group,
+      scaling_factor=config.routed_scaling_factor,
+      sparse=config.sparse_matmul,
+      load_balance_loss_weight=config.load_balance_loss_weight,
+      dtype=jnp.dtype(config.dtype),
+  )

@@ -1,0 +1,86 @@
+"""Vocabulary tiling: the train step's compiled temporary memory and step time, tiled vs untiled, side by side.
+
+    .venv/bin/python benchmarks/vocab_tiling.py [--vocab 32768 131072] [--tiles 4 8] [--steps 3]
+                                                [--batch 4] [--length 256] [--preset llama-small]
+
+For each vocabulary size and backend (pure Linen, pure NNX), the untiled step
+and the tiled ones (num_vocab_tiling = N) are compiled and timed in one
+process. `temp` is XLA's `memory_analysis().temp_size_in_bytes` of the whole
+train step; `saved` is how much of the float32 logits' size [B, T, V] x 4
+bytes tiling removed from it. Targets: saved >= (N-1)/N of the logits, and
+time <= 1.1x untiled. Step times are medians of interleaved rounds (each
+round runs every variant once), so machine noise lands on all alike.
+"""
+
+import argparse
+import statistics
+import time
+
+import jax
+import numpy as np
+
+import maxbridge as mb
+from maxbridge import aot, data, dispatch
+
+BACKENDS = {"linen": (False, False, False), "nnx": (True, True, True)}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--preset", default="llama-small")
+  parser.add_argument("--vocab", type=int, nargs="+", default=[32768, 131072])
+  parser.add_argument("--tiles", type=int, nargs="+", default=[4, 8])
+  parser.add_argument("--batch", type=int, default=4, help="per_device_batch_size")
+  parser.add_argument("--length", type=int, default=256, help="max_target_length")
+  parser.add_argument("--steps", type=int, default=3, help="timed rounds")
+  args = parser.parse_args()
+
+  print(f"{args.preset}, batch {args.batch} x length {args.length}, {jax.device_count()} device(s)")
+  print(
+      f"{'vocab':>7} {'backend':>7} {'N':>3} {'temp MiB':>9} {'saved/logits':>12} {'target':>7} {'s/step':>8} {'time ratio':>10}"
+  )
+  for vocab in args.vocab:
+    logits_bytes = args.batch * jax.device_count() * args.length * vocab * 4
+    variants = {}
+    for backend, flags in BACKENDS.items():
+      for tiles in [1, *args.tiles]:
+        pure_nnx, enable_nnx, decoder = flags
+        config = mb.load_config(
+            args.preset,
+            vocab_size=vocab,
+            per_device_batch_size=args.batch,
+            max_target_length=args.length,
+            num_vocab_tiling=tiles,
+            pure_nnx=pure_nnx,
+            enable_nnx=enable_nnx,
+            pure_nnx_decoder=decoder,
+            dataset_type="synthetic",
+        )
+        temp = aot.compile_train_step(config)["temp_bytes"]
+        trainer = dispatch.create_trainer(config)
+        batch = trainer.shard_batch(data.make_dataset(config, "train", args.batch * jax.device_count()).batch(0))
+        state = trainer.init_state(0)
+        state, _ = trainer.train_step(state, batch)  # compile outside the timing
+        variants[backend, tiles] = {"temp": temp, "trainer": trainer, "state": state, "batch": batch, "times": []}
+    for _ in range(args.steps):
+      for key in np.random.permutation(len(variants)):
+        variant = list(variants.values())[key]
+        start = time.perf_counter()
+        variant["state"], metrics = variant["trainer"].train_step(variant["state"], variant["batch"])
+        jax.block_until_ready(metrics)
+        variant["times"].append(time.perf_counter() - start)
+    for (backend, tiles), variant in variants.items():
+      untiled = variants[backend, 1]
+      seconds = statistics.median(variant["times"])
+      ratio = statistics.median(t / u for t, u in zip(variant["times"], untiled["times"]))
+      saved = (untiled["temp"] - variant["temp"]) / logits_bytes
+      target = f"{(tiles - 1) / tiles:.2f}" if tiles > 1 else "-"
+      print(
+          f"{vocab:>7} {backend:>7} {tiles:>3} {variant['temp'] / 2**20:>9.1f} {saved:>12.2f} {target:>7} "
+          f"{seconds:>8.3f} {ratio:>10.3f}"
+      )
+    del variants
+
+
+if __name__ == "__main__":
+  main()
