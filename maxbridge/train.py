@@ -192,8 +192,8 @@ def train(config: Config, *, trainer=None, until_step: int | None = None, progre
   compile once.
 
   Nothing in the run directory changes until the run is known to start (data
-  read, checkpoint restored into the model); a run that fails before saving a
-  checkpoint removes the folder it created. A failure, SIGINT or SIGTERM ends
+  read, checkpoint restored into the model, first step compiled and run); a
+  run that fails before saving a checkpoint removes the folder it created. A failure, SIGINT or SIGTERM ends
   the call with the last good checkpoint named (TrainingInterrupted for the
   signals; a note on any other exception).
   """
@@ -248,7 +248,6 @@ def _train(config: Config, trainer, until_step: int | None, progress: bool) -> l
       ckpt.close()
     raise
 
-  # The run is known to start: from here on it writes into its folder.
   new_run = not run_dir.exists()
   records = []
   bar = tqdm(
@@ -259,22 +258,18 @@ def _train(config: Config, trainer, until_step: int | None, progress: bool) -> l
       unit="step",
       disable=not (progress and primary),
   )
-  step = start
+  step, log = start, None
   try:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if primary:
-      config.to_yaml(run_dir / "config.yml")
-    log = MetricsLog(metrics_path, history, resume_step=start) if primary else None
-    if saving:
-      checkpoints.mkdir(exist_ok=True)
-      if primary:
-        saving.remove_temporaries()
     for step in bar:
       batch = trainer.shard_batch(train_data.batch(step, jax.process_index(), jax.process_count()))
       began = time.perf_counter()
       state, metrics = trainer.train_step(state, batch)
       metrics = jax.device_get(metrics)  # also waits for the step: the timing below is real
       seconds = time.perf_counter() - began
+      if step == start:
+        # The first step compiled and ran (a step that cannot be built fails above): the run has
+        # started, and from here on it writes into its folder.
+        log = _open_run(config, run_dir, history, start, saving, primary)
       loss = float(metrics["loss"])
       if not math.isfinite(loss):
         raise TrainingDiverged(f"loss is {loss} at step {step}; training stopped")
@@ -313,6 +308,19 @@ def _train(config: Config, trainer, until_step: int | None, progress: bool) -> l
   if ckpt:
     ckpt.close()
   return records
+
+
+def _open_run(config: Config, run_dir: Path, history: list[str], start: int, saving, primary: bool):
+  """Writes the run's config.yml and makes its folders; returns its metrics log (None off the primary)."""
+  run_dir.mkdir(parents=True, exist_ok=True)
+  if saving:
+    Path(saving.directory).mkdir(exist_ok=True)
+  if not primary:
+    return None
+  config.to_yaml(run_dir / "config.yml")
+  if saving:
+    saving.remove_temporaries()
+  return MetricsLog(run_dir / "metrics.jsonl", history, resume_step=start)
 
 
 def _stopped(error: BaseException, step: int | None, ckpt, checkpoints: Path, created: Path | None) -> BaseException:

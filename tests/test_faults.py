@@ -185,6 +185,16 @@ def test_a_failing_command_on_a_damaged_run_leaves_it_byte_identical(trained, tm
   assert _snapshot(run) == before
 
 
+def test_a_resume_whose_first_step_fails_leaves_the_run_folder_byte_identical(trained, tmp_path):
+  # The checkpoint fits (tiling changes no parameter); the step itself cannot be built.
+  run = _copy(trained, tmp_path)
+  before = _snapshot(run)
+  with pytest.raises(ConfigError, match=r"num_vocab_tiling=3 does not divide the \d+ rows") as raised:
+    _train(tmp_path, num_vocab_tiling=3)
+  assert "the last good checkpoint: step 2" in str(raised.value.__notes__)
+  assert _snapshot(run) == before
+
+
 def test_training_without_checkpointing_on_an_existing_run_keeps_its_history(trained, tmp_path):
   run = _copy(trained, tmp_path)
   records = _train(tmp_path, enable_checkpointing=False)
