@@ -54,19 +54,15 @@ class Attention(nn.Module):
       key = RMSNorm(head_dim, name="key_norm", **norm)(key)
     query = rotary.apply_rotary(query, positions, max_timescale=cfg.rope_max_timescale)
     key = rotary.apply_rotary(key, positions, max_timescale=cfg.rope_max_timescale)
-    out, per_layer = attention.with_layer_values(
-        attention.dot_product_attention(
-            query,
-            key,
-            value,
-            q_segment_ids=segment_ids,
-            kv_segment_ids=segment_ids,
-            q_positions=positions,
-            kv_positions=positions,
-            sliding_window_size=cfg.sliding_window_size,
-            query_scale=None if initializers.query_kernel_carries_scale(cfg) else head_dim**-0.5,
-            return_max_logits=cfg.use_qk_clip,
-        ),
-        cfg.use_qk_clip,
+    scale = None if initializers.query_kernel_carries_scale(cfg) else head_dim**-0.5
+    out, per_layer = attention.self_attention(
+        query,
+        key,
+        value,
+        segment_ids,
+        positions,
+        sliding_window_size=cfg.sliding_window_size,
+        query_scale=scale,
+        with_max_logits=cfg.use_qk_clip,
     )
     return DenseGeneral((heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out", **dtypes)(out), per_layer

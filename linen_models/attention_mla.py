@@ -60,19 +60,9 @@ class MLA(nn.Module):
     key, value = mla.latent_key_value(
         key_value, key_rope, positions, nope_dim=cfg.qk_nope_head_dim, max_timescale=cfg.rope_max_timescale
     )
-    out, per_layer = attention.with_layer_values(
-        attention.dot_product_attention(
-            query,
-            key,
-            value,
-            q_segment_ids=segment_ids,
-            kv_segment_ids=segment_ids,
-            q_positions=positions,
-            kv_positions=positions,
-            query_scale=None if initializers.query_kernel_carries_scale(cfg) else qk_head_dim**-0.5,
-            return_max_logits=cfg.use_qk_clip,
-        ),
-        cfg.use_qk_clip,
+    scale = None if initializers.query_kernel_carries_scale(cfg) else qk_head_dim**-0.5
+    out, per_layer = attention.self_attention(
+        query, key, value, segment_ids, positions, query_scale=scale, with_max_logits=cfg.use_qk_clip
     )
     return (
         DenseGeneral((heads, cfg.v_head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out", **dtypes)(out),
