@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from linen_models.linears import DenseGeneral
+from linen_models.linears import dense
 from linen_models.normalizations import RMSNorm
 from maxbridge import initializers
 from maxbridge.config import Config
@@ -27,27 +27,9 @@ class Attention(nn.Module):
     cfg = self.config
     dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype))
     heads, kv_heads, head_dim = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
-    query = DenseGeneral(
-        (cfg.emb_dim,),
-        (heads, head_dim),
-        ("embed", "q_heads", "kv"),
-        name="query",
-        **dtypes,
-    )(x)
-    key = DenseGeneral(
-        (cfg.emb_dim,),
-        (kv_heads, head_dim),
-        ("embed", "kv_heads", "kv_head_dim"),
-        name="key",
-        **dtypes,
-    )(x)
-    value = DenseGeneral(
-        (cfg.emb_dim,),
-        (kv_heads, head_dim),
-        ("embed", "kv_heads", "kv_head_dim"),
-        name="value",
-        **dtypes,
-    )(x)
+    query = dense(cfg, (cfg.emb_dim,), (heads, head_dim), ("embed", "q_heads", "kv"), name="query")(x)
+    key = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), name="key")(x)
+    value = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), name="value")(x)
     if cfg.use_qk_norm:
       norm = dict(epsilon=cfg.normalization_layer_epsilon, **dtypes)
       query = RMSNorm(head_dim, name="query_norm", **norm)(query)
@@ -65,4 +47,4 @@ class Attention(nn.Module):
         query_scale=scale,
         with_max_logits=cfg.use_qk_clip,
     )
-    return DenseGeneral((heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out", **dtypes)(out), per_layer
+    return dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out")(out), per_layer

@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from linen_models.linears import DenseGeneral
+from linen_models.linears import dense
 from linen_models.normalizations import RMSNorm
 from maxbridge import initializers
 from maxbridge.config import Config
@@ -33,29 +33,19 @@ class MLA(nn.Module):
     heads = cfg.num_query_heads
     qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     if cfg.q_lora_rank == 0:
-      query = DenseGeneral((cfg.emb_dim,), (heads, qk_head_dim), ("embed", "q_heads", "kv"), name="query", **dtypes)(x)
+      query = dense(cfg, (cfg.emb_dim,), (heads, qk_head_dim), ("embed", "q_heads", "kv"), name="query")(x)
     else:
-      low_rank = DenseGeneral((cfg.emb_dim,), (cfg.q_lora_rank,), ("embed", "q_lora_up_proj"), name="wq_a", **dtypes)(x)
+      low_rank = dense(cfg, (cfg.emb_dim,), (cfg.q_lora_rank,), ("embed", "q_lora_up_proj"), name="wq_a")(x)
       low_rank = RMSNorm(cfg.q_lora_rank, name="q_norm", **norm)(low_rank)
-      query = DenseGeneral((cfg.q_lora_rank,), (heads, qk_head_dim), ("q_lora", "q_heads", "kv"), name="wq_b", **dtypes)(
-          low_rank
-      )
+      query = dense(cfg, (cfg.q_lora_rank,), (heads, qk_head_dim), ("q_lora", "q_heads", "kv"), name="wq_b")(low_rank)
     query = mla.rope_query(query, positions, nope_dim=cfg.qk_nope_head_dim, max_timescale=cfg.rope_max_timescale)
-    latent = DenseGeneral(
-        (cfg.emb_dim,),
-        (cfg.kv_lora_rank + cfg.qk_rope_head_dim,),
-        ("embed", "kv_lora_up_proj"),
-        name="wkv_a",
-        **dtypes,
-    )(x)
+    latent_dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    latent = dense(cfg, (cfg.emb_dim,), (latent_dim,), ("embed", "kv_lora_up_proj"), name="wkv_a")(x)
     latent, key_rope = jnp.split(latent, [cfg.kv_lora_rank], axis=-1)
     latent = RMSNorm(cfg.kv_lora_rank, name="kv_norm", **norm)(latent)
-    key_value = DenseGeneral(
-        (cfg.kv_lora_rank,),
-        (heads, cfg.qk_nope_head_dim + cfg.v_head_dim),
-        ("kv_lora", "kv_heads", "kv_head_dim"),
-        name="wkv_b",
-        **dtypes,
+    key_value_dim = cfg.qk_nope_head_dim + cfg.v_head_dim
+    key_value = dense(
+        cfg, (cfg.kv_lora_rank,), (heads, key_value_dim), ("kv_lora", "kv_heads", "kv_head_dim"), name="wkv_b"
     )(latent)
     key, value = mla.latent_key_value(
         key_value, key_rope, positions, nope_dim=cfg.qk_nope_head_dim, max_timescale=cfg.rope_max_timescale
@@ -64,7 +54,4 @@ class MLA(nn.Module):
     out, per_layer = attention.self_attention(
         query, key, value, segment_ids, positions, query_scale=scale, with_max_logits=cfg.use_qk_clip
     )
-    return (
-        DenseGeneral((heads, cfg.v_head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out", **dtypes)(out),
-        per_layer,
-    )
+    return dense(cfg, (heads, cfg.v_head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out")(out), per_layer

@@ -12,7 +12,7 @@ from flax import nnx
 from maxbridge import initializers
 from maxbridge.config import Config
 from maxbridge.ops import attention, rotary
-from nnx_models.linears import DenseGeneral
+from nnx_models.linears import dense
 from nnx_models.normalizations import RMSNorm
 
 
@@ -22,13 +22,13 @@ class Attention(nnx.Module):
     cfg = self.config = config
     dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs)
     heads, kv_heads, head_dim = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
-    self.query = DenseGeneral((cfg.emb_dim,), (heads, head_dim), ("embed", "q_heads", "kv"), **dtypes)
-    self.key = DenseGeneral((cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), **dtypes)
-    self.value = DenseGeneral((cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), **dtypes)
+    self.query = dense(cfg, (cfg.emb_dim,), (heads, head_dim), ("embed", "q_heads", "kv"), rngs=rngs)
+    self.key = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), rngs=rngs)
+    self.value = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), rngs=rngs)
     if cfg.use_qk_norm:
       self.query_norm = RMSNorm(head_dim, cfg.normalization_layer_epsilon, **dtypes)
       self.key_norm = RMSNorm(head_dim, cfg.normalization_layer_epsilon, **dtypes)
-    self.out = DenseGeneral((heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), **dtypes)
+    self.out = dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), rngs=rngs)
 
   def __call__(
       self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array

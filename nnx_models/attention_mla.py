@@ -15,7 +15,7 @@ from flax import nnx
 from maxbridge import initializers
 from maxbridge.config import Config
 from maxbridge.ops import attention, mla
-from nnx_models.linears import DenseGeneral
+from nnx_models.linears import dense
 from nnx_models.normalizations import RMSNorm
 
 
@@ -28,22 +28,19 @@ class MLA(nnx.Module):
     heads = cfg.num_query_heads
     qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     if cfg.q_lora_rank == 0:
-      self.query = DenseGeneral((cfg.emb_dim,), (heads, qk_head_dim), ("embed", "q_heads", "kv"), **dtypes)
+      self.query = dense(cfg, (cfg.emb_dim,), (heads, qk_head_dim), ("embed", "q_heads", "kv"), rngs=rngs)
     else:
-      self.wq_a = DenseGeneral((cfg.emb_dim,), (cfg.q_lora_rank,), ("embed", "q_lora_up_proj"), **dtypes)
+      self.wq_a = dense(cfg, (cfg.emb_dim,), (cfg.q_lora_rank,), ("embed", "q_lora_up_proj"), rngs=rngs)
       self.q_norm = RMSNorm(cfg.q_lora_rank, eps, **dtypes)
-      self.wq_b = DenseGeneral((cfg.q_lora_rank,), (heads, qk_head_dim), ("q_lora", "q_heads", "kv"), **dtypes)
-    self.wkv_a = DenseGeneral(
-        (cfg.emb_dim,), (cfg.kv_lora_rank + cfg.qk_rope_head_dim,), ("embed", "kv_lora_up_proj"), **dtypes
-    )
+      self.wq_b = dense(cfg, (cfg.q_lora_rank,), (heads, qk_head_dim), ("q_lora", "q_heads", "kv"), rngs=rngs)
+    latent_dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    self.wkv_a = dense(cfg, (cfg.emb_dim,), (latent_dim,), ("embed", "kv_lora_up_proj"), rngs=rngs)
     self.kv_norm = RMSNorm(cfg.kv_lora_rank, eps, **dtypes)
-    self.wkv_b = DenseGeneral(
-        (cfg.kv_lora_rank,),
-        (heads, cfg.qk_nope_head_dim + cfg.v_head_dim),
-        ("kv_lora", "kv_heads", "kv_head_dim"),
-        **dtypes,
+    key_value_dim = cfg.qk_nope_head_dim + cfg.v_head_dim
+    self.wkv_b = dense(
+        cfg, (cfg.kv_lora_rank,), (heads, key_value_dim), ("kv_lora", "kv_heads", "kv_head_dim"), rngs=rngs
     )
-    self.out = DenseGeneral((heads, cfg.v_head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), **dtypes)
+    self.out = dense(cfg, (heads, cfg.v_head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), rngs=rngs)
 
   def __call__(
       self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array

@@ -8,13 +8,12 @@ live in the decoder (`position_embedder`, `logits_via_embedding`).
 """
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from maxbridge import initializers
 from maxbridge.config import Config
 from maxbridge.ops import attention, mlp
-from nnx_models.linears import DenseGeneral
+from nnx_models.linears import dense
 from nnx_models.normalizations import norm
 
 
@@ -23,10 +22,11 @@ class Gpt3Attention(nnx.Module):
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
     cfg = self.config = config
-    dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), use_bias=True, rngs=rngs)
     heads, head_dim = cfg.num_query_heads, cfg.head_dim
-    self.qkv_proj = DenseGeneral((cfg.emb_dim,), (3, heads, head_dim), ("embed", "qkv", "heads", "kv"), **dtypes)
-    self.out = DenseGeneral((heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), **dtypes)
+    self.qkv_proj = dense(
+        cfg, (cfg.emb_dim,), (3, heads, head_dim), ("embed", "qkv", "heads", "kv"), use_bias=True, rngs=rngs
+    )
+    self.out = dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), use_bias=True, rngs=rngs)
 
   def __call__(
       self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
@@ -47,10 +47,9 @@ class Gpt3Mlp(nnx.Module):
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
     cfg = config
-    dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs)
     self.mlp_layer_norm = norm(cfg, rngs=rngs)
-    self.wi = DenseGeneral((cfg.emb_dim,), (cfg.mlp_dim,), ("embed", "mlp"), use_bias=True, **dtypes)
-    self.wo = DenseGeneral((cfg.mlp_dim,), (cfg.emb_dim,), ("mlp", "embed"), use_bias=True, **dtypes)
+    self.wi = dense(cfg, (cfg.emb_dim,), (cfg.mlp_dim,), ("embed", "mlp"), use_bias=True, rngs=rngs)
+    self.wo = dense(cfg, (cfg.mlp_dim,), (cfg.emb_dim,), ("mlp", "embed"), use_bias=True, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.wo(mlp.gelu_tanh(self.wi(self.mlp_layer_norm(x))))
