@@ -3,6 +3,10 @@
 Also Mistral's (sliding_window_size) and Qwen3's (use_qk_norm: per-head
 RMSNorm `query_norm`/`key_norm` before RoPE; the query kernel then cannot
 carry 1/sqrt(head_dim), which the norm would undo, so it is applied at run time).
+
+Decoding: given a "cache" collection (`maxbridge.engine`), attention appends
+its keys and values to it and reads all of it (`update_cache`); training never
+passes one, so no layer ever creates a cache.
 """
 
 import flax.linen as nn
@@ -13,7 +17,7 @@ from linen_models.linears import dense
 from linen_models.normalizations import RMSNorm
 from maxbridge import initializers
 from maxbridge.config import Config
-from maxbridge.ops import attention, rotary
+from maxbridge.ops import attention, kv_cache, rotary
 
 
 class Attention(nn.Module):
@@ -37,6 +41,10 @@ class Attention(nn.Module):
     query = rotary.apply_rotary(query, positions, max_timescale=cfg.rope_max_timescale)
     key = rotary.apply_rotary(key, positions, max_timescale=cfg.rope_max_timescale)
     scale = None if initializers.query_kernel_carries_scale(cfg) else head_dim**-0.5
+    kv = {}
+    if cache := update_cache(self, {"cached_key": key, "cached_value": value}, positions, segment_ids):
+      key, value = cache["cached_key"], cache["cached_value"]
+      kv = dict(kv_segment_ids=cache[kv_cache.SEGMENT_IDS], kv_positions=cache[kv_cache.POSITIONS])
     out, per_layer = attention.self_attention(
         query,
         key,
@@ -46,5 +54,19 @@ class Attention(nn.Module):
         sliding_window_size=cfg.sliding_window_size,
         query_scale=scale,
         with_max_logits=cfg.use_qk_clip,
+        **kv,
     )
     return dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out")(out), per_layer
+
+
+def update_cache(
+    module: nn.Module, new: dict[str, jax.Array], positions: jax.Array, segment_ids: jax.Array
+) -> dict[str, jax.Array] | None:
+  """While decoding, appends `new` ({name: [B, T, ...]}) to `module`'s cache and returns all of it; else None."""
+  if not module.has_variable("cache", kv_cache.INDEX):
+    return None
+  names = (*new, kv_cache.POSITIONS, kv_cache.SEGMENT_IDS, kv_cache.INDEX)
+  cache = kv_cache.append({name: module.get_variable("cache", name) for name in names}, new, positions, segment_ids)
+  for name, value in cache.items():
+    module.put_variable("cache", name, value)
+  return cache

@@ -10,11 +10,12 @@ live in the decoder (`position_embedder`, `logits_via_embedding`).
 import flax.linen as nn
 import jax
 
+from linen_models.attention import update_cache
 from linen_models.linears import dense
 from linen_models.normalizations import norm
 from maxbridge import initializers
 from maxbridge.config import Config
-from maxbridge.ops import attention, mlp
+from maxbridge.ops import attention, kv_cache, mlp
 
 
 class Gpt3Attention(nn.Module):
@@ -34,8 +35,12 @@ class Gpt3Attention(nn.Module):
     )(x)
     query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     scale = None if initializers.query_kernel_carries_scale(cfg) else head_dim**-0.5
+    kv = {}
+    if cache := update_cache(self, {"cached_key": key, "cached_value": value}, positions, segment_ids):
+      key, value = cache["cached_key"], cache["cached_value"]
+      kv = dict(kv_segment_ids=cache[kv_cache.SEGMENT_IDS], kv_positions=cache[kv_cache.POSITIONS])
     out, per_layer = attention.self_attention(
-        query, key, value, segment_ids, positions, query_scale=scale, with_max_logits=cfg.use_qk_clip
+        query, key, value, segment_ids, positions, query_scale=scale, with_max_logits=cfg.use_qk_clip, **kv
     )
     out = dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out", use_bias=True)(out)
     return out, per_layer

@@ -108,6 +108,12 @@ class Config:
   checkpoint_period: int
   max_to_keep: int
   log_period: int
+  # inference (maxbridge.engine)
+  max_prefill_predict_length: int
+  decode_sampling_strategy: str
+  decode_sampling_temperature: float
+  decode_sampling_top_k: int
+  decode_sampling_nucleus_p: float
   # sharding
   ici_data_parallelism: int
   ici_fsdp_parallelism: int
@@ -306,6 +312,10 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("cosine_learning_rate_final_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("adam_b1", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("adam_b2", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("max_prefill_predict_length", _positive, "a positive integer"),
+    ("decode_sampling_temperature", lambda v: 0 <= v < float("inf"), ">= 0 (0 is greedy)"),
+    ("decode_sampling_top_k", lambda v: v >= 0, ">= 0"),
+    ("decode_sampling_nucleus_p", lambda v: v == -1 or 0 < v <= 1, "in (0, 1], or -1 when unused"),
 )
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
@@ -316,6 +326,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "remat_policy": ("none", "full", "minimal"),
     "param_scan_axis": (0, 1),
     "dataset_type": ("embedded", "synthetic", "text"),
+    "decode_sampling_strategy": ("greedy", "weighted", "topk", "nucleus"),
 }
 
 

@@ -3,6 +3,10 @@
 Also Mistral's (sliding_window_size) and Qwen3's (use_qk_norm: per-head
 RMSNorm `query_norm`/`key_norm` before RoPE; the query kernel then cannot
 carry 1/sqrt(head_dim), which the norm would undo, so it is applied at run time).
+
+Decoding: given `nnx.Cache` variables (`maxbridge.engine` adds them to a
+copy of the model), attention appends its keys and values to them and reads
+all of it (`update_cache`); a model built for training never has any.
 """
 
 import jax
@@ -11,7 +15,7 @@ from flax import nnx
 
 from maxbridge import initializers
 from maxbridge.config import Config
-from maxbridge.ops import attention, rotary
+from maxbridge.ops import attention, kv_cache, rotary
 from nnx_models.linears import dense
 from nnx_models.normalizations import RMSNorm
 
@@ -44,6 +48,10 @@ class Attention(nnx.Module):
     query = rotary.apply_rotary(query, positions, max_timescale=cfg.rope_max_timescale)
     key = rotary.apply_rotary(key, positions, max_timescale=cfg.rope_max_timescale)
     scale = None if initializers.query_kernel_carries_scale(cfg) else cfg.head_dim**-0.5
+    kv = {}
+    if cache := update_cache(self, {"cached_key": key, "cached_value": value}, positions, segment_ids):
+      key, value = cache["cached_key"], cache["cached_value"]
+      kv = dict(kv_segment_ids=cache[kv_cache.SEGMENT_IDS], kv_positions=cache[kv_cache.POSITIONS])
     out, per_layer = attention.self_attention(
         query,
         key,
@@ -53,5 +61,19 @@ class Attention(nnx.Module):
         sliding_window_size=cfg.sliding_window_size,
         query_scale=scale,
         with_max_logits=cfg.use_qk_clip,
+        **kv,
     )
     return self.out(out), per_layer
+
+
+def update_cache(
+    module: nnx.Module, new: dict[str, jax.Array], positions: jax.Array, segment_ids: jax.Array
+) -> dict[str, jax.Array] | None:
+  """While decoding, appends `new` ({name: [B, T, ...]}) to `module`'s cache and returns all of it; else None."""
+  if not hasattr(module, kv_cache.INDEX):
+    return None
+  names = (*new, kv_cache.POSITIONS, kv_cache.SEGMENT_IDS, kv_cache.INDEX)
+  cache = kv_cache.append({name: getattr(module, name)[...] for name in names}, new, positions, segment_ids)
+  for name, value in cache.items():
+    getattr(module, name)[...] = value
+  return cache

@@ -6,6 +6,8 @@ Queries: `query`, or with `q_lora_rank` > 0 the low-rank path `wq_a` -> `q_norm`
 are whole kernels [rank, heads, dims], as QK-Clip needs them. The softmax
 scale 1/sqrt(nope + rope) is applied at run time (as MaxText and Hugging Face do).
 The latent norms keep DeepSeek's own epsilon (`ops.mla.LATENT_NORM_EPSILON`).
+A decode cache keeps the normed latent and the rotated rope key, not the
+expanded keys and values; every read expands the whole cache with `wkv_b`.
 """
 
 import jax
@@ -14,7 +16,8 @@ from flax import nnx
 
 from maxbridge import initializers
 from maxbridge.config import Config
-from maxbridge.ops import attention, mla
+from maxbridge.ops import attention, kv_cache, mla
+from nnx_models.attention import update_cache
 from nnx_models.linears import dense
 from nnx_models.normalizations import RMSNorm
 
@@ -53,13 +56,16 @@ class MLA(nnx.Module):
       query = self.wq_b(self.q_norm(self.wq_a(x)))
     query = mla.rope_query(query, positions, nope_dim=cfg.qk_nope_head_dim, max_timescale=cfg.rope_max_timescale)
     latent, key_rope = jnp.split(self.wkv_a(x), [cfg.kv_lora_rank], axis=-1)
-    key_value = self.wkv_b(self.kv_norm(latent))
-    key, value = mla.latent_key_value(
-        key_value, key_rope, positions, nope_dim=cfg.qk_nope_head_dim, max_timescale=cfg.rope_max_timescale
-    )
+    latent = self.kv_norm(latent)
+    key_rope = mla.rope_key(key_rope, positions, max_timescale=cfg.rope_max_timescale)
+    kv = {}
+    if cache := update_cache(self, {"cached_latent": latent, "cached_key_rope": key_rope}, positions, segment_ids):
+      latent, key_rope = cache["cached_latent"], cache["cached_key_rope"]
+      kv = dict(kv_segment_ids=cache[kv_cache.SEGMENT_IDS], kv_positions=cache[kv_cache.POSITIONS])
+    key, value = mla.latent_key_value(self.wkv_b(latent), key_rope, nope_dim=cfg.qk_nope_head_dim)
     qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     scale = None if initializers.query_kernel_carries_scale(cfg) else qk_head_dim**-0.5
     out, per_layer = attention.self_attention(
-        query, key, value, segment_ids, positions, query_scale=scale, with_max_logits=cfg.use_qk_clip
+        query, key, value, segment_ids, positions, query_scale=scale, with_max_logits=cfg.use_qk_clip, **kv
     )
     return self.out(out), per_layer
