@@ -6,6 +6,13 @@
     state = engine.insert(prefix, state, slot)
     state, tokens = engine.generate(state)          # one token for every slot
 
+Also MaxText's serving features: `prefill_multisampling` (several first tokens
+from one prefill, for `bulk_insert`), `prefill_concat` (several prompts packed
+into one prefill, split back into one prefix each), chunked prefill
+(`prefill(..., existing_prefix=prefix)` goes on where a prefix stopped), and
+`stack_prefill_result_cache` (a prefix cache stacked on a layer axis for either
+`scan_layers`: the scanned cache tree, unstacked again on insert).
+
 The cache is one canonical tree on both backends (`abstract_cache`), given to
 the model's attention layers as Linen's "cache" collection or as `nnx.Cache`
 variables (`Model.cached_forward`); the model itself never holds one. Every
@@ -31,7 +38,7 @@ class Prefix(NamedTuple):
   """What `prefill` gives `insert`: one prompt's cache (batch 1), its first sampled token and where decoding goes on."""
 
   cache: Params
-  token: jax.Array  # int32 []
+  token: jax.Array  # int32 [], or [num_samples] from prefill_multisampling
   next_pos: jax.Array  # int32 []: the prompt's length, the position of `token`
   logits: jax.Array  # float32 [V]: the logits `token` was sampled from
 
@@ -96,7 +103,8 @@ class Engine:
     self.params = model.params()
     self._rng = jax.random.key(config.seed)
     self._batch_axis = 1 if config.scan_layers else 0  # of every cache leaf
-    self._prefill = jax.jit(self._prefill_impl, static_argnames=("padded_length",))
+    self._prefill = jax.jit(self._prefill_impl, static_argnames=("num_samples",))
+    self._prefill_concat = jax.jit(self._prefill_concat_impl)
     self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
     self._generate = jax.jit(self._generate_impl, donate_argnums=(1,))
 
@@ -134,21 +142,58 @@ class Engine:
 
   # --- prefill ----------------------------------------------------------------------------------
 
-  def prefill(self, tokens, true_length: int | None = None, *, params: Params | None = None, rng=None) -> Prefix:
+  def prefill(
+      self,
+      tokens,
+      true_length: int | None = None,
+      *,
+      existing_prefix: Prefix | None = None,
+      params: Params | None = None,
+      rng=None,
+  ) -> Prefix:
     """One prompt (int [T], the first `true_length` real, the rest padding) -> its `Prefix`.
 
-    The prompt is padded to a power of two (at most max_prefill_predict_length),
-    so prompts of nearby lengths share one compiled prefill.
+    With `existing_prefix`, a chunk that continues that prefix (chunked
+    prefill): its tokens take the positions after the prefix's. The prompt is
+    padded to a power of two (at most max_prefill_predict_length), so prompts
+    of nearby lengths share one compiled prefill.
     """
+    return self._run_prefill(tokens, true_length, existing_prefix, params, rng, num_samples=0)
+
+  def prefill_multisampling(
+      self, tokens, true_length: int | None = None, num_samples: int = 1, *, params: Params | None = None, rng=None
+  ) -> Prefix:
+    """One prefill, `num_samples` first tokens drawn from its logits (`Prefix.token` [num_samples]).
+
+    `bulk_insert` of the prefix into `num_samples` slots gives each slot its own token.
+    """
+    if num_samples < 1:
+      raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    return self._run_prefill(tokens, true_length, None, params, rng, num_samples=int(num_samples))
+
+  def _run_prefill(self, tokens, true_length, existing_prefix, params, rng, *, num_samples: int) -> Prefix:
     tokens = self._check_prompt(tokens)
     true_length = len(tokens) if true_length is None else int(true_length)
     if not 0 < true_length <= len(tokens):
       raise ValueError(f"true_length={true_length} must be in [1, {len(tokens)}] (the prompt's length)")
-    padded_length = min(max(16, 1 << (len(tokens) - 1).bit_length()), self.config.max_prefill_predict_length)
-    padded = np.zeros((padded_length,), np.int32)
-    padded[: len(tokens)] = tokens
+    padded = self._pad(tokens)
+    cache, start = None, np.int32(0)
+    if existing_prefix is not None:
+      cache, start = self._unstacked(existing_prefix.cache), existing_prefix.next_pos
+      if int(start) + len(padded) > self.config.max_target_length:
+        raise ValueError(
+            f"a chunk of {len(padded)} tokens (padded) after {int(start)} exceeds max_target_length="
+            f"{self.config.max_target_length}, the tokens a cache holds"
+        )
     params = self.params if params is None else params
-    return self._prefill(params, padded, np.int32(true_length), self._next_rng(rng), padded_length=padded_length)
+    rng = self._next_rng(rng)
+    return self._prefill(params, padded, np.int32(true_length), rng, cache, start, num_samples=num_samples)
+
+  def _pad(self, tokens: np.ndarray) -> np.ndarray:
+    length = min(max(16, 1 << (len(tokens) - 1).bit_length()), self.config.max_prefill_predict_length)
+    padded = np.zeros((length,), np.int32)
+    padded[: len(tokens)] = tokens
+    return padded
 
   def _check_prompt(self, tokens) -> np.ndarray:
     tokens = np.asarray(tokens)
@@ -167,15 +212,65 @@ class Engine:
       )
     return tokens.astype(np.int32)
 
-  def _prefill_impl(self, params, tokens, true_length, rng, *, padded_length: int):
-    cache = init_cache(self.config, 1, self.config.max_target_length)
-    positions = jnp.arange(padded_length, dtype=jnp.int32)[None]
+  def _prefill_impl(self, params, tokens, true_length, rng, cache, start, *, num_samples: int):
+    if cache is None:
+      cache = init_cache(self.config, 1, self.config.max_target_length)
+    offsets = jnp.arange(tokens.shape[0], dtype=jnp.int32)[None]
     # Padding gets segment 0: no real token ever sees it, and decoding writes over it.
-    segment_ids = (positions < true_length).astype(jnp.int32)
-    logits, cache = self.model.cached_forward(params, cache, tokens[None], positions, segment_ids)
-    cache = _set_cache_index(cache, true_length)
+    segment_ids = (offsets < true_length).astype(jnp.int32)
+    logits, cache = self.model.cached_forward(params, cache, tokens[None], start + offsets, segment_ids)
+    next_pos = start + true_length
+    cache = _set_cache_index(cache, next_pos)
     last = logits[0, true_length - 1]
-    return Prefix(cache, self._sample(last, rng), true_length, last)
+    token = self._sample(jnp.broadcast_to(last, (num_samples, last.shape[0])) if num_samples else last, rng)
+    return Prefix(self._stacked(cache), token, next_pos, last)
+
+  def prefill_concat(self, prompts, *, params: Params | None = None, rng=None) -> list[Prefix]:
+    """Several prompts packed into one prefill (segment ids and positions per prompt) -> one `Prefix` each.
+
+    Together they must fit max_prefill_predict_length. Each prefix is the one
+    a separate `prefill` gives, up to float rounding.
+    """
+    prompts = [self._check_prompt(prompt) for prompt in prompts]
+    lengths = [len(prompt) for prompt in prompts]
+    if not prompts or sum(lengths) > self.config.max_prefill_predict_length:
+      raise ValueError(
+          f"prefill_concat packs 1 or more prompts into max_prefill_predict_length="
+          f"{self.config.max_prefill_predict_length} tokens; got {len(prompts)} prompts of {sum(lengths)} tokens"
+      )
+    tokens = self._pad(np.concatenate(prompts))
+    positions, segment_ids = np.zeros_like(tokens), np.zeros_like(tokens)
+    offsets = np.cumsum([0, *lengths[:-1]]).astype(np.int32)
+    for i, (offset, length) in enumerate(zip(offsets, lengths)):
+      positions[offset : offset + length] = np.arange(length)
+      segment_ids[offset : offset + length] = i + 1
+    params = self.params if params is None else params
+    rng = self._next_rng(rng)
+    lengths = np.asarray(lengths, np.int32)
+    return self._prefill_concat(params, tokens, positions, segment_ids, offsets, lengths, rng)
+
+  def _prefill_concat_impl(self, params, tokens, positions, segment_ids, offsets, lengths, rng):
+    cache = init_cache(self.config, 1, self.config.max_target_length)
+    logits, cache = self.model.cached_forward(params, cache, tokens[None], positions[None], segment_ids[None])
+    prefixes = []
+    for i, rng in enumerate(jax.random.split(rng, len(offsets))):
+      last = logits[0, offsets[i] + lengths[i] - 1]
+      one = _split_packed(cache, offsets[i], lengths[i], sequence_axis=self._batch_axis + 1)
+      prefixes.append(Prefix(self._stacked(one), self._sample(last, rng), lengths[i], last))
+    return prefixes
+
+  # --- the prefix cache's layout ------------------------------------------------------------------
+
+  def _stacked(self, cache: Params) -> Params:
+    """With stack_prefill_result_cache, unscanned layers' caches stacked on a leading layer axis (the scanned tree)."""
+    if self.config.stack_prefill_result_cache and not self.config.scan_layers:
+      return canonical.stack_layers(cache, axis=0)
+    return cache
+
+  def _unstacked(self, cache: Params) -> Params:
+    if self.config.stack_prefill_result_cache and not self.config.scan_layers:
+      return canonical.unstack_layers(cache, axis=0)
+    return cache
 
   # --- decode slots -----------------------------------------------------------------------------
 
@@ -196,6 +291,9 @@ class Engine:
   def bulk_insert(self, prefix: Prefix, decode_state: DecodeState, slots) -> DecodeState:
     """`prefix` into each of `slots` (one compiled insert per number of slots); `decode_state` is donated."""
     slots = tuple(int(s) for s in slots)
+    samples = np.shape(prefix.token)
+    if samples and samples[0] != len(slots):
+      raise ValueError(f"a prefix of {samples[0]} samples goes into as many slots, got {len(slots)} slots {slots}")
     count = self.max_concurrent_decodes
     for slot in slots:
       if not 0 <= slot < count:
@@ -204,13 +302,14 @@ class Engine:
 
   def _insert_impl(self, prefix, state, slots):
     cache, tokens, next_pos, logits = state
-    for slot in slots:  # traced slots: one compiled insert per number of slots
+    prefix_cache = self._unstacked(prefix.cache)
+    for i, slot in enumerate(slots):  # traced slots: one compiled insert per number of slots
       cache = jax.tree.map(
           lambda whole, one, slot=slot: jax.lax.dynamic_update_slice_in_dim(whole, one, slot, self._batch_axis),
           cache,
-          prefix.cache,
+          prefix_cache,
       )
-      tokens = tokens.at[slot].set(prefix.token)
+      tokens = tokens.at[slot].set(prefix.token[i] if prefix.token.ndim else prefix.token)
       next_pos = next_pos.at[slot].set(prefix.next_pos)
       logits = logits.at[slot].set(prefix.logits)
     return DecodeState(cache, tokens, next_pos, logits)
@@ -233,6 +332,26 @@ class Engine:
     logits = logits[:, 0]
     new = self._sample(logits, rng)
     return DecodeState(cache, new, next_pos + 1, logits), new
+
+
+def _split_packed(cache: Params, offset, length, *, sequence_axis: int) -> Params:
+  """One prompt's cache out of a packed prefill: its entries moved to the front, the rest cleared.
+
+  Its segment becomes 1, the one decoding reads; positions are its own already.
+  """
+  flat = canonical.flatten(cache)
+  for path, leaf in flat.items():
+    if path.endswith("/" + kv_cache.INDEX):
+      flat[path] = jnp.full_like(leaf, length)
+      continue
+    shape = [1] * leaf.ndim
+    shape[sequence_axis] = leaf.shape[sequence_axis]
+    visible = jnp.arange(leaf.shape[sequence_axis]).reshape(shape) < length
+    if path.endswith("/" + kv_cache.SEGMENT_IDS):
+      flat[path] = jnp.broadcast_to(visible, leaf.shape).astype(leaf.dtype)
+    else:
+      flat[path] = jnp.where(visible, jnp.roll(leaf, -offset, axis=sequence_axis), jnp.zeros((), leaf.dtype))
+  return canonical.unflatten(flat)
 
 
 def _set_cache_index(cache: Params, value) -> Params:

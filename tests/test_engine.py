@@ -10,7 +10,7 @@ from flax import nnx
 
 import maxbridge as mb
 from maxbridge import canonical, engine
-from maxbridge.ops import sampling
+from maxbridge.ops import kv_cache, sampling
 
 FAMILIES = ("llama-tiny", "mistral-tiny", "qwen3-tiny", "gpt3-tiny", "mixtral-tiny", "deepseek3-tiny")
 LINEN, NNX, MIX = (False, False, False), (True, True, True), (True, True, False)  # MIX: NNX model, bridged Linen decoder
@@ -157,3 +157,86 @@ def test_model_generate_runs_on_the_cache_and_matches_the_recompute_reference():
     if not sample:
       np.testing.assert_array_equal(got, want)
     assert got.shape == (2, 11)
+
+
+# --- serving features: multisampling, packed prefill, chunked prefill, the stacked prefix cache -------
+
+
+def visible_entries(cache) -> dict:
+  """Each cache leaf where its segment is nonzero (what decoding can read), plus the segments and indices."""
+  flat = canonical.flatten(cache)
+  out = {}
+  for path, leaf in flat.items():
+    layer, name = path.rsplit("/", 1)
+    segments = np.asarray(flat[f"{layer}/{kv_cache.SEGMENT_IDS}"])
+    if name in (kv_cache.SEGMENT_IDS, kv_cache.INDEX):
+      out[path] = np.asarray(leaf)
+    else:
+      shape = segments.shape + (1,) * (leaf.ndim - segments.ndim)
+      out[path] = np.where(segments.reshape(shape) != 0, np.asarray(leaf), 0)
+  return out
+
+
+def assert_same_prefix(got, want, atol=1e-5):
+  assert int(got.next_pos) == int(want.next_pos)
+  np.testing.assert_array_equal(got.token, want.token)
+  np.testing.assert_allclose(got.logits, want.logits, atol=atol, rtol=atol)
+  got_cache, want_cache = visible_entries(got.cache), visible_entries(want.cache)
+  assert sorted(got_cache) == sorted(want_cache)
+  for path, leaf in want_cache.items():
+    np.testing.assert_allclose(got_cache[path], leaf, atol=atol, err_msg=path)
+
+
+def test_multisampling_at_temperature_0_repeats_the_greedy_token_and_is_reproducible_when_sampling():
+  base = decode("llama-tiny", NNX)["engine"]
+  greedy = engine.Engine(base.config.replace(decode_sampling_temperature=0.0), model=base.model)
+  prefix = greedy.prefill_multisampling(PROMPTS[0], num_samples=4)
+  np.testing.assert_array_equal(prefix.token, np.full(4, decode("llama-tiny", NNX)["tokens"][0, 0]))
+  sampler = engine.Engine(
+      base.config.replace(decode_sampling_strategy="weighted", decode_sampling_temperature=5.0), model=base.model
+  )
+  draws = [sampler.prefill_multisampling(PROMPTS[0], num_samples=8, rng=jax.random.key(s)).token for s in (7, 7, 8)]
+  np.testing.assert_array_equal(draws[0], draws[1])
+  assert len(set(np.asarray(draws[0]).tolist())) > 1  # at temperature 5 the 8 draws differ
+  state = greedy.bulk_insert(greedy.prefill_multisampling(PROMPTS[0], num_samples=2), greedy.init_decode_state(), [0, 1])
+  np.testing.assert_array_equal(state.tokens, np.asarray(prefix.token[:2]))
+  with pytest.raises(ValueError, match="a prefix of 4 samples goes into as many slots"):
+    greedy.bulk_insert(prefix, greedy.init_decode_state(), [0, 1])
+
+
+def test_prefill_concat_splits_into_the_prefixes_of_separate_prefills():
+  result = decode("mistral-tiny", LINEN)
+  packed = result["engine"].prefill_concat(PROMPTS)
+  assert len(packed) == 2
+  for got, want in zip(packed, result["prefixes"]):
+    assert_same_prefix(got, want)
+
+
+@pytest.mark.parametrize("flags", [LINEN, NNX])
+def test_chunked_prefill_equals_one_shot_prefill(flags):
+  eng = decode("deepseek3-tiny", flags)["engine"]
+  first = eng.prefill(PROMPTS[1][:6])
+  chunked = eng.prefill(PROMPTS[1][6:], existing_prefix=first)
+  assert_same_prefix(chunked, decode("deepseek3-tiny", flags)["prefixes"][1])
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_stacked_prefix_caches_round_trip_for_both_scan_layers(scan_layers):
+  base = decode("llama-tiny", LINEN)["engine"]
+  config = base.config.replace(scan_layers=scan_layers, stack_prefill_result_cache=True)
+  eng = engine.Engine(config, base.params)
+  prefix = eng.prefill(PROMPTS[0])
+  # Stacked, whatever scan_layers is: the scanned tree, leaves [layers, 1, ...].
+  assert sorted(canonical.flatten(prefix.cache)) == sorted(
+      canonical.flatten(decode("llama-tiny", LINEN)["prefixes"][0].cache)
+  )
+  for path, leaf in canonical.flatten(prefix.cache).items():
+    np.testing.assert_allclose(
+        leaf, canonical.flatten(decode("llama-tiny", LINEN)["prefixes"][0].cache)[path], atol=1e-6, err_msg=path
+    )
+  state = eng.insert(prefix, eng.init_decode_state(), 1)
+  unstacked = eng._unstacked(prefix.cache)  # pylint: disable=protected-access
+  batch_axis = 1 if scan_layers else 0
+  for path, leaf in canonical.flatten(state.cache).items():
+    np.testing.assert_array_equal(np.take(leaf, [1], axis=batch_axis), canonical.flatten(unstacked)[path], err_msg=path)
+  assert sorted(canonical.flatten(eng._stacked(unstacked))) == sorted(canonical.flatten(prefix.cache))  # pylint: disable=protected-access
