@@ -3,17 +3,21 @@
 Also Mistral's (sliding_window_size) and Qwen3's (use_qk_norm: per-head
 RMSNorm `query_norm`/`key_norm` before RoPE; the query kernel then cannot
 carry 1/sqrt(head_dim), which the norm would undo, so it is applied at run time).
+
+Decoding: given a "cache" collection (`maxbridge.engine`), attention appends
+its keys and values to it and reads all of it (`update_cache`); training never
+passes one, so no layer ever creates a cache.
 """
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from linen_models.linears import DenseGeneral
+from linen_models.linears import dense
 from linen_models.normalizations import RMSNorm
 from maxbridge import initializers
 from maxbridge.config import Config
-from maxbridge.ops import attention, rotary
+from maxbridge.ops import attention, kv_cache, rotary
 
 
 class Attention(nn.Module):
@@ -27,46 +31,42 @@ class Attention(nn.Module):
     cfg = self.config
     dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype))
     heads, kv_heads, head_dim = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
-    query = DenseGeneral(
-        (cfg.emb_dim,),
-        (heads, head_dim),
-        ("embed", "q_heads", "kv"),
-        name="query",
-        **dtypes,
-    )(x)
-    key = DenseGeneral(
-        (cfg.emb_dim,),
-        (kv_heads, head_dim),
-        ("embed", "kv_heads", "kv_head_dim"),
-        name="key",
-        **dtypes,
-    )(x)
-    value = DenseGeneral(
-        (cfg.emb_dim,),
-        (kv_heads, head_dim),
-        ("embed", "kv_heads", "kv_head_dim"),
-        name="value",
-        **dtypes,
-    )(x)
+    query = dense(cfg, (cfg.emb_dim,), (heads, head_dim), ("embed", "q_heads", "kv"), name="query")(x)
+    key = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), name="key")(x)
+    value = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), name="value")(x)
     if cfg.use_qk_norm:
       norm = dict(epsilon=cfg.normalization_layer_epsilon, **dtypes)
       query = RMSNorm(head_dim, name="query_norm", **norm)(query)
       key = RMSNorm(head_dim, name="key_norm", **norm)(key)
     query = rotary.apply_rotary(query, positions, max_timescale=cfg.rope_max_timescale)
     key = rotary.apply_rotary(key, positions, max_timescale=cfg.rope_max_timescale)
-    out, per_layer = attention.with_layer_values(
-        attention.dot_product_attention(
-            query,
-            key,
-            value,
-            q_segment_ids=segment_ids,
-            kv_segment_ids=segment_ids,
-            q_positions=positions,
-            kv_positions=positions,
-            sliding_window_size=cfg.sliding_window_size,
-            query_scale=None if initializers.query_kernel_carries_scale(cfg) else head_dim**-0.5,
-            return_max_logits=cfg.use_qk_clip,
-        ),
-        cfg.use_qk_clip,
+    scale = None if initializers.query_kernel_carries_scale(cfg) else head_dim**-0.5
+    kv = {}
+    if cache := update_cache(self, {"cached_key": key, "cached_value": value}, positions, segment_ids):
+      key, value = cache["cached_key"], cache["cached_value"]
+      kv = dict(kv_segment_ids=cache[kv_cache.SEGMENT_IDS], kv_positions=cache[kv_cache.POSITIONS])
+    out, per_layer = attention.self_attention(
+        query,
+        key,
+        value,
+        segment_ids,
+        positions,
+        sliding_window_size=cfg.sliding_window_size,
+        query_scale=scale,
+        with_max_logits=cfg.use_qk_clip,
+        **kv,
     )
-    return DenseGeneral((heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out", **dtypes)(out), per_layer
+    return dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out")(out), per_layer
+
+
+def update_cache(
+    module: nn.Module, new: dict[str, jax.Array], positions: jax.Array, segment_ids: jax.Array
+) -> dict[str, jax.Array] | None:
+  """While decoding, appends `new` ({name: [B, T, ...]}) to `module`'s cache and returns all of it; else None."""
+  if not module.has_variable("cache", kv_cache.INDEX):
+    return None
+  names = (*new, kv_cache.POSITIONS, kv_cache.SEGMENT_IDS, kv_cache.INDEX)
+  cache = kv_cache.append({name: module.get_variable("cache", name) for name in names}, new, positions, segment_ids)
+  for name, value in cache.items():
+    module.put_variable("cache", name, value)
+  return cache

@@ -6,17 +6,20 @@ Queries: `query`, or with `q_lora_rank` > 0 the low-rank path `wq_a` -> `q_norm`
 are whole kernels [rank, heads, dims], as QK-Clip needs them. The softmax
 scale 1/sqrt(nope + rope) is applied at run time (as MaxText and Hugging Face do).
 The latent norms keep DeepSeek's own epsilon (`ops.mla.LATENT_NORM_EPSILON`).
+A decode cache keeps the normed latent and the rotated rope key, not the
+expanded keys and values; every read expands the whole cache with `wkv_b`.
 """
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from linen_models.linears import DenseGeneral
+from linen_models.attention import update_cache
+from linen_models.linears import dense
 from linen_models.normalizations import RMSNorm
 from maxbridge import initializers
 from maxbridge.config import Config
-from maxbridge.ops import attention, mla
+from maxbridge.ops import attention, kv_cache, mla
 
 
 class MLA(nn.Module):
@@ -33,48 +36,28 @@ class MLA(nn.Module):
     heads = cfg.num_query_heads
     qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     if cfg.q_lora_rank == 0:
-      query = DenseGeneral((cfg.emb_dim,), (heads, qk_head_dim), ("embed", "q_heads", "kv"), name="query", **dtypes)(x)
+      query = dense(cfg, (cfg.emb_dim,), (heads, qk_head_dim), ("embed", "q_heads", "kv"), name="query")(x)
     else:
-      low_rank = DenseGeneral((cfg.emb_dim,), (cfg.q_lora_rank,), ("embed", "q_lora_up_proj"), name="wq_a", **dtypes)(x)
+      low_rank = dense(cfg, (cfg.emb_dim,), (cfg.q_lora_rank,), ("embed", "q_lora_up_proj"), name="wq_a")(x)
       low_rank = RMSNorm(cfg.q_lora_rank, name="q_norm", **norm)(low_rank)
-      query = DenseGeneral((cfg.q_lora_rank,), (heads, qk_head_dim), ("q_lora", "q_heads", "kv"), name="wq_b", **dtypes)(
-          low_rank
-      )
+      query = dense(cfg, (cfg.q_lora_rank,), (heads, qk_head_dim), ("q_lora", "q_heads", "kv"), name="wq_b")(low_rank)
     query = mla.rope_query(query, positions, nope_dim=cfg.qk_nope_head_dim, max_timescale=cfg.rope_max_timescale)
-    latent = DenseGeneral(
-        (cfg.emb_dim,),
-        (cfg.kv_lora_rank + cfg.qk_rope_head_dim,),
-        ("embed", "kv_lora_up_proj"),
-        name="wkv_a",
-        **dtypes,
-    )(x)
+    latent_dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    latent = dense(cfg, (cfg.emb_dim,), (latent_dim,), ("embed", "kv_lora_up_proj"), name="wkv_a")(x)
     latent, key_rope = jnp.split(latent, [cfg.kv_lora_rank], axis=-1)
     latent = RMSNorm(cfg.kv_lora_rank, name="kv_norm", **norm)(latent)
-    key_value = DenseGeneral(
-        (cfg.kv_lora_rank,),
-        (heads, cfg.qk_nope_head_dim + cfg.v_head_dim),
-        ("kv_lora", "kv_heads", "kv_head_dim"),
-        name="wkv_b",
-        **dtypes,
+    key_rope = mla.rope_key(key_rope, positions, max_timescale=cfg.rope_max_timescale)
+    kv = {}
+    if cache := update_cache(self, {"cached_latent": latent, "cached_key_rope": key_rope}, positions, segment_ids):
+      latent, key_rope = cache["cached_latent"], cache["cached_key_rope"]
+      kv = dict(kv_segment_ids=cache[kv_cache.SEGMENT_IDS], kv_positions=cache[kv_cache.POSITIONS])
+    key_value_dim = cfg.qk_nope_head_dim + cfg.v_head_dim
+    key_value = dense(
+        cfg, (cfg.kv_lora_rank,), (heads, key_value_dim), ("kv_lora", "kv_heads", "kv_head_dim"), name="wkv_b"
     )(latent)
-    key, value = mla.latent_key_value(
-        key_value, key_rope, positions, nope_dim=cfg.qk_nope_head_dim, max_timescale=cfg.rope_max_timescale
+    key, value = mla.latent_key_value(key_value, key_rope, nope_dim=cfg.qk_nope_head_dim)
+    scale = None if initializers.query_kernel_carries_scale(cfg) else qk_head_dim**-0.5
+    out, per_layer = attention.self_attention(
+        query, key, value, segment_ids, positions, query_scale=scale, with_max_logits=cfg.use_qk_clip, **kv
     )
-    out, per_layer = attention.with_layer_values(
-        attention.dot_product_attention(
-            query,
-            key,
-            value,
-            q_segment_ids=segment_ids,
-            kv_segment_ids=segment_ids,
-            q_positions=positions,
-            kv_positions=positions,
-            query_scale=None if initializers.query_kernel_carries_scale(cfg) else qk_head_dim**-0.5,
-            return_max_logits=cfg.use_qk_clip,
-        ),
-        cfg.use_qk_clip,
-    )
-    return (
-        DenseGeneral((heads, cfg.v_head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out", **dtypes)(out),
-        per_layer,
-    )
+    return dense(cfg, (heads, cfg.v_head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out")(out), per_layer

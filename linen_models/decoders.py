@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from linen_models.deepseek import DeepSeekDenseLayer, DeepSeekMoELayer
 from linen_models.embeddings import Embed
 from linen_models.gpt3 import Gpt3DecoderLayer
-from linen_models.linears import DenseGeneral
+from linen_models.linears import dense
 from linen_models.llama import DecoderLayer
 from linen_models.mixtral import MixtralDecoderLayer
 from linen_models.normalizations import norm
@@ -26,22 +26,18 @@ from maxbridge.ops import linear
 from maxbridge.ops import output_head
 from maxbridge.ops import remat
 
+LAYER_CLASSES = {
+    "llama": DecoderLayer,
+    "gpt3": Gpt3DecoderLayer,
+    "mixtral": MixtralDecoderLayer,
+    "deepseek_dense": DeepSeekDenseLayer,
+    "deepseek_moe": DeepSeekMoELayer,
+}
+
 
 def layer_classes(config: Config) -> dict[str, type[nn.Module]]:
-  """Stack name -> layer class for `config.decoder_block` (llama2, mistral and qwen3 share one).
-
-  DeepSeek has two stacks, `dense_layers` then `moe_layers` (`canonical.layer_stacks`).
-  """
-  block = config.decoder_block
-  if block in ("llama2", "mistral", "qwen3"):
-    return {"layers": DecoderLayer}
-  if block == "gpt3":
-    return {"layers": Gpt3DecoderLayer}
-  if block == "mixtral":
-    return {"layers": MixtralDecoderLayer}
-  if block == "deepseek":
-    return {"dense_layers": DeepSeekDenseLayer, "moe_layers": DeepSeekMoELayer}
-  raise NotImplementedError(f"decoder_block {block!r} has no Linen decoder layer")
+  """Stack name -> layer class (`canonical.layer_kinds`)."""
+  return {stack: LAYER_CLASSES[kind] for stack, kind in canonical.layer_kinds(config).items()}
 
 
 class Decoder(nn.Module):
@@ -101,12 +97,5 @@ class Decoder(nn.Module):
           embedding_ops.attend, embedding=embedding, dtype=jnp.dtype(cfg.dtype), dot_general=self.dot_general
       )
     else:
-      project = DenseGeneral(
-          (cfg.emb_dim,),
-          (cfg.vocab_size,),
-          ("embed", "vocab"),
-          dtype=jnp.dtype(cfg.dtype),
-          weight_dtype=jnp.dtype(cfg.weight_dtype),
-          name="logits_dense",
-      )
+      project = dense(cfg, (cfg.emb_dim,), (cfg.vocab_size,), ("embed", "vocab"), name="logits_dense")
     return output_head.output_logits(x, norm=norm(cfg, name="decoder_norm"), project=project)

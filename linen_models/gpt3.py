@@ -9,13 +9,13 @@ live in the decoder (`position_embedder`, `logits_via_embedding`).
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
-from linen_models.linears import DenseGeneral
+from linen_models.attention import update_cache
+from linen_models.linears import dense
 from linen_models.normalizations import norm
 from maxbridge import initializers
 from maxbridge.config import Config
-from maxbridge.ops import attention, mlp
+from maxbridge.ops import attention, kv_cache, mlp
 
 
 class Gpt3Attention(nn.Module):
@@ -29,31 +29,21 @@ class Gpt3Attention(nn.Module):
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(output, per-layer values: the per-head max logits when QK-Clip is on)."""
     cfg = self.config
-    dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), use_bias=True)
     heads, head_dim = cfg.num_query_heads, cfg.head_dim
-    qkv = DenseGeneral(
-        (cfg.emb_dim,),
-        (3, heads, head_dim),
-        ("embed", "qkv", "heads", "kv"),
-        name="qkv_proj",
-        **dtypes,
+    qkv = dense(
+        cfg, (cfg.emb_dim,), (3, heads, head_dim), ("embed", "qkv", "heads", "kv"), name="qkv_proj", use_bias=True
     )(x)
     query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    out, per_layer = attention.with_layer_values(
-        attention.dot_product_attention(
-            query,
-            key,
-            value,
-            q_segment_ids=segment_ids,
-            kv_segment_ids=segment_ids,
-            q_positions=positions,
-            kv_positions=positions,
-            query_scale=None if initializers.query_kernel_carries_scale(cfg) else head_dim**-0.5,
-            return_max_logits=cfg.use_qk_clip,
-        ),
-        cfg.use_qk_clip,
+    scale = None if initializers.query_kernel_carries_scale(cfg) else head_dim**-0.5
+    kv = {}
+    if cache := update_cache(self, {"cached_key": key, "cached_value": value}, positions, segment_ids):
+      key, value = cache["cached_key"], cache["cached_value"]
+      kv = dict(kv_segment_ids=cache[kv_cache.SEGMENT_IDS], kv_positions=cache[kv_cache.POSITIONS])
+    out, per_layer = attention.self_attention(
+        query, key, value, segment_ids, positions, query_scale=scale, with_max_logits=cfg.use_qk_clip, **kv
     )
-    return DenseGeneral((heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out", **dtypes)(out), per_layer
+    out = dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out", use_bias=True)(out)
+    return out, per_layer
 
 
 class Gpt3Mlp(nn.Module):
@@ -64,11 +54,10 @@ class Gpt3Mlp(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
-    dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype))
     h = norm(cfg, name="mlp_layer_norm")(x)
-    h = DenseGeneral((cfg.emb_dim,), (cfg.mlp_dim,), ("embed", "mlp"), name="wi", use_bias=True, **dtypes)(h)
+    h = dense(cfg, (cfg.emb_dim,), (cfg.mlp_dim,), ("embed", "mlp"), name="wi", use_bias=True)(h)
     h = mlp.gelu_tanh(h)
-    return DenseGeneral((cfg.mlp_dim,), (cfg.emb_dim,), ("mlp", "embed"), name="wo", use_bias=True, **dtypes)(h)
+    return dense(cfg, (cfg.mlp_dim,), (cfg.emb_dim,), ("mlp", "embed"), name="wo", use_bias=True)(h)
 
 
 class Gpt3DecoderLayer(nn.Module):

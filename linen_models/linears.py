@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from maxbridge import initializers
+from maxbridge.config import Config
 from maxbridge.ops import linear
 
 
@@ -40,3 +41,17 @@ class DenseGeneral(nn.Module):
     return linear.dense_general(
         x, kernel, in_ndim=len(self.in_features), dtype=self.dtype, bias=bias, dot_general=self.dot_general
     )
+
+
+def dense(
+    config: Config, in_features: tuple[int, ...], out_features: tuple[int, ...], logical_axes: tuple[str, ...], **kwargs
+) -> DenseGeneral:
+  """A `DenseGeneral` with the config's dtypes: the one place a layer's matmul settings come from."""
+  return DenseGeneral(
+      in_features,
+      out_features,
+      logical_axes,
+      dtype=jnp.dtype(config.dtype),
+      weight_dtype=jnp.dtype(config.weight_dtype),
+      **kwargs,
+  )

@@ -9,45 +9,31 @@ from maxbridge.config import Config
 from maxbridge.ops import normalization
 
 
-class RMSNorm(nn.Module):
+class _Norm(nn.Module):
   num_features: int
   epsilon: float
   dtype: jnp.dtype = jnp.float32
   weight_dtype: jnp.dtype = jnp.float32
 
+  def vector(self, name: str) -> jax.Array:
+    """A per-feature parameter, on the logical axis `norm`."""
+    partitioned = nn.with_logical_partitioning(initializers.placeholder, ("norm",))
+    return self.param(name, partitioned, (self.num_features,), self.weight_dtype)
+
+
+class RMSNorm(_Norm):
+
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    scale = self.param(
-        "scale",
-        nn.with_logical_partitioning(initializers.placeholder, ("norm",)),
-        (self.num_features,),
-        self.weight_dtype,
-    )
-    return normalization.rms_norm(x, scale, epsilon=self.epsilon, dtype=self.dtype)
+    return normalization.rms_norm(x, self.vector("scale"), epsilon=self.epsilon, dtype=self.dtype)
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(_Norm):
   """GPT-2's: a `scale` that is the multiplier itself, and a `bias`."""
 
-  num_features: int
-  epsilon: float
-  dtype: jnp.dtype = jnp.float32
-  weight_dtype: jnp.dtype = jnp.float32
-
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    scale = self.param(
-        "scale",
-        nn.with_logical_partitioning(initializers.placeholder, ("norm",)),
-        (self.num_features,),
-        self.weight_dtype,
-    )
-    bias = self.param(
-        "bias",
-        nn.with_logical_partitioning(initializers.placeholder, ("norm",)),
-        (self.num_features,),
-        self.weight_dtype,
-    )
+    scale, bias = self.vector("scale"), self.vector("bias")
     return normalization.layer_norm(x, scale, bias, epsilon=self.epsilon, dtype=self.dtype)
 
 

@@ -13,6 +13,7 @@ _PUBLIC = {
     "load_config": "maxbridge.config",
     "Model": "maxbridge.model",
     "create_model": "maxbridge.dispatch",
+    "Engine": "maxbridge.engine",
     "from_pretrained": "maxbridge.hf",
     "train": "maxbridge.train",
 }
@@ -22,6 +23,7 @@ __all__ = list(_PUBLIC)
 if typing.TYPE_CHECKING:  # what type checkers and editors read; at run time, __getattr__ below
   from maxbridge.config import Config, ConfigError, load_config
   from maxbridge.dispatch import create_model
+  from maxbridge.engine import Engine
   from maxbridge.hf import from_pretrained
   from maxbridge.model import Model
   from maxbridge.train import train

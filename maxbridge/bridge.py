@@ -58,7 +58,9 @@ class ToNNX(flax_bridge.ToNNX):
   def __call__(self, *args, mutable: Any = None, **kwargs):
     outside_linen = bridge_wrappers.current_linen_module() is None and bridge_module.current_module() is None
     if mutable is None and outside_linen:
-      mutable = ["intermediates"]
+      # "cache": a decode cache (maxbridge.engine) given to the NNX side must
+      # reach the Linen layers writable; without one, nothing is written.
+      mutable = ["intermediates", "cache"]
     return super().__call__(*args, mutable=mutable, **kwargs)
 
 
@@ -108,8 +110,10 @@ class ToLinen(flax_bridge.ToLinen):
           f"ToLinen({self.nnx_class.__name__}) at {where!r} was given parameters that do not "
           "match the module (flax would silently re-initialise the missing ones):\n" + "\n".join(lines)
       )
-    for tree in collections.values():
-      nnx.update(module, tree)
+    for name, tree in collections.items():
+      # As typed Variables: a collection the module does not declare (a decode
+      # cache) is then added as its NNX type (nnx.Cache), not as raw arrays.
+      nnx.update(module, nnx.State(jax.tree.map(lambda x, name=name: bridge_variables.to_nnx_var(name, x), tree)))
     leftover = [
         "/".join(map(str, path))
         for path, value in nnx.to_flat_state(nnx.state(module))

@@ -29,6 +29,17 @@ def layer_stacks(config) -> tuple[tuple[str, int], ...]:
   return (("layers", config.num_decoder_layers),)
 
 
+def layer_kinds(config) -> dict[str, str]:
+  """Stack name -> the kind of layer it holds; each backend's `layer_classes` maps a kind to its class.
+
+  Llama 2, Mistral and Qwen3 share one layer: what differs between them is config.
+  """
+  if config.decoder_block == "deepseek":
+    return {"dense_layers": "deepseek_dense", "moe_layers": "deepseek_moe"}
+  shared = config.decoder_block in ("llama2", "mistral", "qwen3")
+  return {"layers": "llama" if shared else config.decoder_block}
+
+
 def layer_of(path: str) -> tuple[str, int] | None:
   """`.../layers_3/x` -> (`.../layers/x`, 3); None for a path outside unscanned layers."""
   match = _LAYER.match(path)

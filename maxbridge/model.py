@@ -85,6 +85,14 @@ class Model(abc.ABC):
   def _forward(self, params, tokens, positions, segment_ids):
     """(logits, flat intermediates) as a pure function of canonical params."""
 
+  @abc.abstractmethod
+  def cached_forward(self, params: Params, cache: Params, tokens, positions, segment_ids) -> tuple[jax.Array, Params]:
+    """(logits, updated cache): a forward pass that appends to and reads a canonical decode cache.
+
+    A pure function of canonical `params` and `cache` (see `maxbridge.engine`),
+    for a jitted decode step; the model itself never holds a cache.
+    """
+
   def load_params(self, tree: Mapping[str, Any]) -> None:
     """Loads a canonical tree, scanned or unscanned; errors name any bad path."""
     self._set_params(canonical.conform(tree, self.abstract_params(), self.config.param_scan_axis))
@@ -107,9 +115,8 @@ class Model(abc.ABC):
     """Continues int prompts [B, T] (or one prompt [T]); returns prompt + continuation [B, T + N].
 
     Greedy (argmax) at temperature 0, else sampled from softmax(logits / temperature)
-    with `seed`. Each new token recomputes the whole sequence, in one compiled
-    loop over a buffer of fixed size: simple and right for every family, since
-    causal attention never reads the empty slots ahead (a cached engine is faster).
+    with `seed`. Runs on the engine's KV cache (`maxbridge.engine.generate_tokens`):
+    one prefill, then one cached step per token, in one compiled loop.
     """
     prompt = jnp.asarray(prompt)
     single = prompt.ndim == 1
@@ -161,10 +168,18 @@ class Model(abc.ABC):
 
   @functools.cached_property
   def _jitted_generate(self):
-    return jax.jit(functools.partial(_generate, self.apply), static_argnames=("max_new_tokens", "sample"))
+    from maxbridge import engine  # pylint: disable=import-outside-toplevel  (engine builds on this module)
+
+    generate = functools.partial(engine.generate_tokens, self)
+    return jax.jit(generate, static_argnames=("max_new_tokens", "sample"))
 
 
-def _generate(apply, params, prompt, temperature, key, *, max_new_tokens: int, sample: bool):
+def generate_by_recompute(apply, params, prompt, temperature, key, *, max_new_tokens: int, sample: bool):
+  """The reference for cached decoding (tests, benchmarks): each new token recomputes the whole sequence.
+
+  One compiled loop over a buffer of fixed size; causal attention never reads
+  the empty slots ahead. `apply` is `Model.apply`.
+  """
   batch, length = prompt.shape
   buffer = jnp.zeros((batch, length + max_new_tokens), jnp.int32).at[:, :length].set(prompt)
 
@@ -223,6 +238,11 @@ class LinenModel(Model):
   def _forward(self, params, tokens, positions, segment_ids):
     return linen_forward(self.module, {"params": params}, tokens, positions, segment_ids)
 
+  def cached_forward(self, params, cache, tokens, positions, segment_ids):
+    variables = {"params": params, "cache": cache}
+    logits, state = self.module.apply(variables, tokens, positions, segment_ids, mutable=["cache"])
+    return logits, canonical.unflatten(canonical.flatten(nn.unbox(state["cache"])))
+
 
 class NNXModel(Model):
   """An NNX top-level module; it holds its own parameters."""
@@ -254,6 +274,17 @@ class NNXModel(Model):
     graphdef, state, rest = nnx.split(self.module, nnx.Param, ...)
     nnx.replace_by_pure_dict(state, params)
     return nnx_forward(graphdef, state, rest, tokens, positions, segment_ids)
+
+  def cached_forward(self, params, cache, tokens, positions, segment_ids):
+    graphdef, state, rest = nnx.split(self.module, nnx.Param, ...)
+    nnx.replace_by_pure_dict(state, params)
+    module = nnx.merge(graphdef, state, rest, copy=True)
+    # The cache joins this trace's copy as nnx.Cache variables at their
+    # canonical paths; the live model never gets any.
+    nnx.update(module, nnx.State(jax.tree.map(nnx.Cache, cache)))
+    logits = module(tokens, positions, segment_ids)
+    pure = nnx.to_pure_dict(nnx.state(module, nnx.Cache))
+    return logits, canonical.unflatten(canonical.flatten(pure))
 
 
 def linen_forward(module: nn.Module, variables: Mapping[str, Any], tokens, positions, segment_ids):

@@ -3,6 +3,10 @@
 Also Mistral's (sliding_window_size) and Qwen3's (use_qk_norm: per-head
 RMSNorm `query_norm`/`key_norm` before RoPE; the query kernel then cannot
 carry 1/sqrt(head_dim), which the norm would undo, so it is applied at run time).
+
+Decoding: given `nnx.Cache` variables (`maxbridge.engine` adds them to a
+copy of the model), attention appends its keys and values to them and reads
+all of it (`update_cache`); a model built for training never has any.
 """
 
 import jax
@@ -11,8 +15,8 @@ from flax import nnx
 
 from maxbridge import initializers
 from maxbridge.config import Config
-from maxbridge.ops import attention, rotary
-from nnx_models.linears import DenseGeneral
+from maxbridge.ops import attention, kv_cache, rotary
+from nnx_models.linears import dense
 from nnx_models.normalizations import RMSNorm
 
 
@@ -22,13 +26,13 @@ class Attention(nnx.Module):
     cfg = self.config = config
     dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs)
     heads, kv_heads, head_dim = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
-    self.query = DenseGeneral((cfg.emb_dim,), (heads, head_dim), ("embed", "q_heads", "kv"), **dtypes)
-    self.key = DenseGeneral((cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), **dtypes)
-    self.value = DenseGeneral((cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), **dtypes)
+    self.query = dense(cfg, (cfg.emb_dim,), (heads, head_dim), ("embed", "q_heads", "kv"), rngs=rngs)
+    self.key = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), rngs=rngs)
+    self.value = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), rngs=rngs)
     if cfg.use_qk_norm:
       self.query_norm = RMSNorm(head_dim, cfg.normalization_layer_epsilon, **dtypes)
       self.key_norm = RMSNorm(head_dim, cfg.normalization_layer_epsilon, **dtypes)
-    self.out = DenseGeneral((heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), **dtypes)
+    self.out = dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), rngs=rngs)
 
   def __call__(
       self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
@@ -43,19 +47,33 @@ class Attention(nnx.Module):
       key = self.key_norm(key)
     query = rotary.apply_rotary(query, positions, max_timescale=cfg.rope_max_timescale)
     key = rotary.apply_rotary(key, positions, max_timescale=cfg.rope_max_timescale)
-    out, per_layer = attention.with_layer_values(
-        attention.dot_product_attention(
-            query,
-            key,
-            value,
-            q_segment_ids=segment_ids,
-            kv_segment_ids=segment_ids,
-            q_positions=positions,
-            kv_positions=positions,
-            sliding_window_size=cfg.sliding_window_size,
-            query_scale=None if initializers.query_kernel_carries_scale(cfg) else cfg.head_dim**-0.5,
-            return_max_logits=cfg.use_qk_clip,
-        ),
-        cfg.use_qk_clip,
+    scale = None if initializers.query_kernel_carries_scale(cfg) else cfg.head_dim**-0.5
+    kv = {}
+    if cache := update_cache(self, {"cached_key": key, "cached_value": value}, positions, segment_ids):
+      key, value = cache["cached_key"], cache["cached_value"]
+      kv = dict(kv_segment_ids=cache[kv_cache.SEGMENT_IDS], kv_positions=cache[kv_cache.POSITIONS])
+    out, per_layer = attention.self_attention(
+        query,
+        key,
+        value,
+        segment_ids,
+        positions,
+        sliding_window_size=cfg.sliding_window_size,
+        query_scale=scale,
+        with_max_logits=cfg.use_qk_clip,
+        **kv,
     )
     return self.out(out), per_layer
+
+
+def update_cache(
+    module: nnx.Module, new: dict[str, jax.Array], positions: jax.Array, segment_ids: jax.Array
+) -> dict[str, jax.Array] | None:
+  """While decoding, appends `new` ({name: [B, T, ...]}) to `module`'s cache and returns all of it; else None."""
+  if not hasattr(module, kv_cache.INDEX):
+    return None
+  names = (*new, kv_cache.POSITIONS, kv_cache.SEGMENT_IDS, kv_cache.INDEX)
+  cache = kv_cache.append({name: getattr(module, name)[...] for name in names}, new, positions, segment_ids)
+  for name, value in cache.items():
+    getattr(module, name)[...] = value
+  return cache

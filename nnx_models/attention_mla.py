@@ -6,6 +6,8 @@ Queries: `query`, or with `q_lora_rank` > 0 the low-rank path `wq_a` -> `q_norm`
 are whole kernels [rank, heads, dims], as QK-Clip needs them. The softmax
 scale 1/sqrt(nope + rope) is applied at run time (as MaxText and Hugging Face do).
 The latent norms keep DeepSeek's own epsilon (`ops.mla.LATENT_NORM_EPSILON`).
+A decode cache keeps the normed latent and the rotated rope key, not the
+expanded keys and values; every read expands the whole cache with `wkv_b`.
 """
 
 import jax
@@ -14,8 +16,9 @@ from flax import nnx
 
 from maxbridge import initializers
 from maxbridge.config import Config
-from maxbridge.ops import attention, mla
-from nnx_models.linears import DenseGeneral
+from maxbridge.ops import attention, kv_cache, mla
+from nnx_models.attention import update_cache
+from nnx_models.linears import dense
 from nnx_models.normalizations import RMSNorm
 
 
@@ -28,22 +31,19 @@ class MLA(nnx.Module):
     heads = cfg.num_query_heads
     qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     if cfg.q_lora_rank == 0:
-      self.query = DenseGeneral((cfg.emb_dim,), (heads, qk_head_dim), ("embed", "q_heads", "kv"), **dtypes)
+      self.query = dense(cfg, (cfg.emb_dim,), (heads, qk_head_dim), ("embed", "q_heads", "kv"), rngs=rngs)
     else:
-      self.wq_a = DenseGeneral((cfg.emb_dim,), (cfg.q_lora_rank,), ("embed", "q_lora_up_proj"), **dtypes)
+      self.wq_a = dense(cfg, (cfg.emb_dim,), (cfg.q_lora_rank,), ("embed", "q_lora_up_proj"), rngs=rngs)
       self.q_norm = RMSNorm(cfg.q_lora_rank, eps, **dtypes)
-      self.wq_b = DenseGeneral((cfg.q_lora_rank,), (heads, qk_head_dim), ("q_lora", "q_heads", "kv"), **dtypes)
-    self.wkv_a = DenseGeneral(
-        (cfg.emb_dim,), (cfg.kv_lora_rank + cfg.qk_rope_head_dim,), ("embed", "kv_lora_up_proj"), **dtypes
-    )
+      self.wq_b = dense(cfg, (cfg.q_lora_rank,), (heads, qk_head_dim), ("q_lora", "q_heads", "kv"), rngs=rngs)
+    latent_dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    self.wkv_a = dense(cfg, (cfg.emb_dim,), (latent_dim,), ("embed", "kv_lora_up_proj"), rngs=rngs)
     self.kv_norm = RMSNorm(cfg.kv_lora_rank, eps, **dtypes)
-    self.wkv_b = DenseGeneral(
-        (cfg.kv_lora_rank,),
-        (heads, cfg.qk_nope_head_dim + cfg.v_head_dim),
-        ("kv_lora", "kv_heads", "kv_head_dim"),
-        **dtypes,
+    key_value_dim = cfg.qk_nope_head_dim + cfg.v_head_dim
+    self.wkv_b = dense(
+        cfg, (cfg.kv_lora_rank,), (heads, key_value_dim), ("kv_lora", "kv_heads", "kv_head_dim"), rngs=rngs
     )
-    self.out = DenseGeneral((heads, cfg.v_head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), **dtypes)
+    self.out = dense(cfg, (heads, cfg.v_head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), rngs=rngs)
 
   def __call__(
       self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
@@ -56,23 +56,16 @@ class MLA(nnx.Module):
       query = self.wq_b(self.q_norm(self.wq_a(x)))
     query = mla.rope_query(query, positions, nope_dim=cfg.qk_nope_head_dim, max_timescale=cfg.rope_max_timescale)
     latent, key_rope = jnp.split(self.wkv_a(x), [cfg.kv_lora_rank], axis=-1)
-    key_value = self.wkv_b(self.kv_norm(latent))
-    key, value = mla.latent_key_value(
-        key_value, key_rope, positions, nope_dim=cfg.qk_nope_head_dim, max_timescale=cfg.rope_max_timescale
-    )
+    latent = self.kv_norm(latent)
+    key_rope = mla.rope_key(key_rope, positions, max_timescale=cfg.rope_max_timescale)
+    kv = {}
+    if cache := update_cache(self, {"cached_latent": latent, "cached_key_rope": key_rope}, positions, segment_ids):
+      latent, key_rope = cache["cached_latent"], cache["cached_key_rope"]
+      kv = dict(kv_segment_ids=cache[kv_cache.SEGMENT_IDS], kv_positions=cache[kv_cache.POSITIONS])
+    key, value = mla.latent_key_value(self.wkv_b(latent), key_rope, nope_dim=cfg.qk_nope_head_dim)
     qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    out, per_layer = attention.with_layer_values(
-        attention.dot_product_attention(
-            query,
-            key,
-            value,
-            q_segment_ids=segment_ids,
-            kv_segment_ids=segment_ids,
-            q_positions=positions,
-            kv_positions=positions,
-            query_scale=None if initializers.query_kernel_carries_scale(cfg) else qk_head_dim**-0.5,
-            return_max_logits=cfg.use_qk_clip,
-        ),
-        cfg.use_qk_clip,
+    scale = None if initializers.query_kernel_carries_scale(cfg) else qk_head_dim**-0.5
+    out, per_layer = attention.self_attention(
+        query, key, value, segment_ids, positions, query_scale=scale, with_max_logits=cfg.use_qk_clip, **kv
     )
     return self.out(out), per_layer

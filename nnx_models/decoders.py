@@ -21,27 +21,23 @@ from maxbridge.ops import remat
 from nnx_models.deepseek import DeepSeekDenseLayer, DeepSeekMoELayer
 from nnx_models.embeddings import Embed
 from nnx_models.gpt3 import Gpt3DecoderLayer
-from nnx_models.linears import DenseGeneral
+from nnx_models.linears import dense
 from nnx_models.llama import DecoderLayer
 from nnx_models.mixtral import MixtralDecoderLayer
 from nnx_models.normalizations import norm
 
+LAYER_CLASSES = {
+    "llama": DecoderLayer,
+    "gpt3": Gpt3DecoderLayer,
+    "mixtral": MixtralDecoderLayer,
+    "deepseek_dense": DeepSeekDenseLayer,
+    "deepseek_moe": DeepSeekMoELayer,
+}
+
 
 def layer_classes(config: Config) -> dict[str, type[nnx.Module]]:
-  """Stack name -> layer class for `config.decoder_block` (llama2, mistral and qwen3 share one).
-
-  DeepSeek has two stacks, `dense_layers` then `moe_layers` (`canonical.layer_stacks`).
-  """
-  block = config.decoder_block
-  if block in ("llama2", "mistral", "qwen3"):
-    return {"layers": DecoderLayer}
-  if block == "gpt3":
-    return {"layers": Gpt3DecoderLayer}
-  if block == "mixtral":
-    return {"layers": MixtralDecoderLayer}
-  if block == "deepseek":
-    return {"dense_layers": DeepSeekDenseLayer, "moe_layers": DeepSeekMoELayer}
-  raise NotImplementedError(f"decoder_block {block!r} has no NNX decoder layer")
+  """Stack name -> layer class (`canonical.layer_kinds`)."""
+  return {stack: LAYER_CLASSES[kind] for stack, kind in canonical.layer_kinds(config).items()}
 
 
 class Decoder(nnx.Module):
@@ -61,7 +57,7 @@ class Decoder(nnx.Module):
           setattr(self, f"{name}_{i}", classes[name](cfg, rngs=rngs))
     self.decoder_norm = norm(cfg, rngs=rngs)
     if not cfg.logits_via_embedding:
-      self.logits_dense = DenseGeneral((cfg.emb_dim,), (cfg.vocab_size,), ("embed", "vocab"), **dtypes)
+      self.logits_dense = dense(cfg, (cfg.emb_dim,), (cfg.vocab_size,), ("embed", "vocab"), rngs=rngs)
 
   def __call__(
       self,

@@ -8,13 +8,13 @@ live in the decoder (`position_embedder`, `logits_via_embedding`).
 """
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from maxbridge import initializers
 from maxbridge.config import Config
-from maxbridge.ops import attention, mlp
-from nnx_models.linears import DenseGeneral
+from maxbridge.ops import attention, kv_cache, mlp
+from nnx_models.attention import update_cache
+from nnx_models.linears import dense
 from nnx_models.normalizations import norm
 
 
@@ -23,10 +23,11 @@ class Gpt3Attention(nnx.Module):
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
     cfg = self.config = config
-    dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), use_bias=True, rngs=rngs)
     heads, head_dim = cfg.num_query_heads, cfg.head_dim
-    self.qkv_proj = DenseGeneral((cfg.emb_dim,), (3, heads, head_dim), ("embed", "qkv", "heads", "kv"), **dtypes)
-    self.out = DenseGeneral((heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), **dtypes)
+    self.qkv_proj = dense(
+        cfg, (cfg.emb_dim,), (3, heads, head_dim), ("embed", "qkv", "heads", "kv"), use_bias=True, rngs=rngs
+    )
+    self.out = dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), use_bias=True, rngs=rngs)
 
   def __call__(
       self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
@@ -35,19 +36,13 @@ class Gpt3Attention(nnx.Module):
     cfg = self.config
     qkv = self.qkv_proj(x)
     query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    out, per_layer = attention.with_layer_values(
-        attention.dot_product_attention(
-            query,
-            key,
-            value,
-            q_segment_ids=segment_ids,
-            kv_segment_ids=segment_ids,
-            q_positions=positions,
-            kv_positions=positions,
-            query_scale=None if initializers.query_kernel_carries_scale(cfg) else cfg.head_dim**-0.5,
-            return_max_logits=cfg.use_qk_clip,
-        ),
-        cfg.use_qk_clip,
+    scale = None if initializers.query_kernel_carries_scale(cfg) else cfg.head_dim**-0.5
+    kv = {}
+    if cache := update_cache(self, {"cached_key": key, "cached_value": value}, positions, segment_ids):
+      key, value = cache["cached_key"], cache["cached_value"]
+      kv = dict(kv_segment_ids=cache[kv_cache.SEGMENT_IDS], kv_positions=cache[kv_cache.POSITIONS])
+    out, per_layer = attention.self_attention(
+        query, key, value, segment_ids, positions, query_scale=scale, with_max_logits=cfg.use_qk_clip, **kv
     )
     return self.out(out), per_layer
 
@@ -57,10 +52,9 @@ class Gpt3Mlp(nnx.Module):
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
     cfg = config
-    dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs)
     self.mlp_layer_norm = norm(cfg, rngs=rngs)
-    self.wi = DenseGeneral((cfg.emb_dim,), (cfg.mlp_dim,), ("embed", "mlp"), use_bias=True, **dtypes)
-    self.wo = DenseGeneral((cfg.mlp_dim,), (cfg.emb_dim,), ("mlp", "embed"), use_bias=True, **dtypes)
+    self.wi = dense(cfg, (cfg.emb_dim,), (cfg.mlp_dim,), ("embed", "mlp"), use_bias=True, rngs=rngs)
+    self.wo = dense(cfg, (cfg.mlp_dim,), (cfg.emb_dim,), ("mlp", "embed"), use_bias=True, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.wo(mlp.gelu_tanh(self.wi(self.mlp_layer_norm(x))))

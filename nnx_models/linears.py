@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxbridge import initializers
+from maxbridge.config import Config
 from maxbridge.ops import linear
 
 
@@ -45,3 +46,17 @@ class DenseGeneral(nnx.Module):
     return linear.dense_general(
         x, self.kernel[...], in_ndim=self.in_ndim, dtype=self.dtype, bias=bias, dot_general=self.dot_general
     )
+
+
+def dense(
+    config: Config, in_features: tuple[int, ...], out_features: tuple[int, ...], logical_axes: tuple[str, ...], **kwargs
+) -> DenseGeneral:
+  """A `DenseGeneral` with the config's dtypes: the one place a layer's matmul settings come from."""
+  return DenseGeneral(
+      in_features,
+      out_features,
+      logical_axes,
+      dtype=jnp.dtype(config.dtype),
+      weight_dtype=jnp.dtype(config.weight_dtype),
+      **kwargs,
+  )

@@ -1,5 +1,7 @@
 """RMSNorm and LayerNorm with logically partitioned parameters, and the config's choice of the two."""
 
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -9,7 +11,8 @@ from maxbridge.config import Config
 from maxbridge.ops import normalization
 
 
-class RMSNorm(nnx.Module):
+class _Norm(nnx.Module):
+  has_bias: ClassVar[bool] = False
 
   def __init__(
       self,
@@ -20,33 +23,30 @@ class RMSNorm(nnx.Module):
       *,
       rngs: nnx.Rngs,
   ):
-    self.scale = nnx.Param(initializers.placeholder(rngs.params(), (num_features,), weight_dtype), out_sharding=("norm",))
+    def vector() -> nnx.Param:  # a per-feature parameter, on the logical axis `norm`
+      return nnx.Param(initializers.placeholder(rngs.params(), (num_features,), weight_dtype), out_sharding=("norm",))
+
+    self.scale = vector()
+    if self.has_bias:
+      self.bias = vector()
     self.epsilon = epsilon
     self.dtype = dtype
+
+
+class RMSNorm(_Norm):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return normalization.rms_norm(x, self.scale[...], epsilon=self.epsilon, dtype=self.dtype)
 
 
-class LayerNorm(nnx.Module):
+class LayerNorm(_Norm):
   """GPT-2's: a `scale` that is the multiplier itself, and a `bias`."""
 
-  def __init__(
-      self,
-      num_features: int,
-      epsilon: float,
-      dtype: jnp.dtype = jnp.float32,
-      weight_dtype: jnp.dtype = jnp.float32,
-      *,
-      rngs: nnx.Rngs,
-  ):
-    self.scale = nnx.Param(initializers.placeholder(rngs.params(), (num_features,), weight_dtype), out_sharding=("norm",))
-    self.bias = nnx.Param(initializers.placeholder(rngs.params(), (num_features,), weight_dtype), out_sharding=("norm",))
-    self.epsilon = epsilon
-    self.dtype = dtype
+  has_bias = True
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return normalization.layer_norm(x, self.scale[...], self.bias[...], epsilon=self.epsilon, dtype=self.dtype)
+    scale, bias = self.scale[...], self.bias[...]
+    return normalization.layer_norm(x, scale, bias, epsilon=self.epsilon, dtype=self.dtype)
 
 
 def norm(config: Config, *, rngs: nnx.Rngs) -> nnx.Module:

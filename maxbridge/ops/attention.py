@@ -92,9 +92,39 @@ def dot_product_attention(
     return out, max_logits
 
 
-def with_layer_values(result, returned_max_logits: bool) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """`dot_product_attention`'s result -> (output, the per-layer values a decoder layer returns)."""
-  if returned_max_logits:
+def self_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    segment_ids: jax.Array,
+    positions: jax.Array,
+    *,
+    sliding_window_size: int = 0,
+    query_scale: float | None = None,
+    with_max_logits: bool = False,
+    kv_segment_ids: jax.Array | None = None,
+    kv_positions: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Attention of a sequence over itself: (output, the per-layer values a decoder layer returns).
+
+  While decoding, keys and values are a cache's and carry their own
+  `kv_segment_ids` and `kv_positions` [B, S] (`ops.kv_cache`); by default
+  they are the queries'. The values hold the per-head max logits
+  (`decoder/max_logits`) when QK-Clip asks for them.
+  """
+  result = dot_product_attention(
+      query,
+      key,
+      value,
+      q_segment_ids=segment_ids,
+      kv_segment_ids=segment_ids if kv_segment_ids is None else kv_segment_ids,
+      q_positions=positions,
+      kv_positions=positions if kv_positions is None else kv_positions,
+      sliding_window_size=sliding_window_size,
+      query_scale=query_scale,
+      return_max_logits=with_max_logits,
+  )
+  if with_max_logits:
     out, max_logits = result
     return out, {"max_logits": max_logits}
   return result, {}

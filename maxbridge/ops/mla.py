@@ -22,15 +22,17 @@ def rope_query(query: jax.Array, positions: jax.Array, *, nope_dim: int, max_tim
   return jnp.concatenate([nope, rope], axis=-1)
 
 
-def latent_key_value(
-    key_value: jax.Array, key_rope: jax.Array, positions: jax.Array, *, nope_dim: int, max_timescale: float
-) -> tuple[jax.Array, jax.Array]:
-  """Up-projected latents [B, T, N, nope + v] and the shared key rope part [B, T, rope] -> (key, value).
+def rope_key(key_rope: jax.Array, positions: jax.Array, *, max_timescale: float) -> jax.Array:
+  """The shared key rope part [B, T, rope], rotated by `positions` [B, T] (what a decode cache keeps)."""
+  return rotary.apply_rotary(key_rope[:, :, None, :], positions, max_timescale=max_timescale, interleave=True)[:, :, 0]
 
-  key [B, T, N, nope + rope] is each head's nope part joined to the one
-  rotated rope part; value [B, T, N, v].
+
+def latent_key_value(key_value: jax.Array, rotated_key_rope: jax.Array, *, nope_dim: int) -> tuple[jax.Array, jax.Array]:
+  """Up-projected latents [B, S, N, nope + v] and the rotated shared key rope part [B, S, rope] -> (key, value).
+
+  key [B, S, N, nope + rope] is each head's nope part joined to the one
+  rotated rope part; value [B, S, N, v].
   """
   key_nope, value = jnp.split(key_value, [nope_dim], axis=-1)
-  key_rope = rotary.apply_rotary(key_rope[:, :, None, :], positions, max_timescale=max_timescale, interleave=True)
-  key_rope = jnp.broadcast_to(key_rope, (*key_nope.shape[:3], key_rope.shape[-1]))
+  key_rope = jnp.broadcast_to(rotated_key_rope[:, :, None, :], (*key_nope.shape[:3], rotated_key_rope.shape[-1]))
   return jnp.concatenate([key_nope, key_rope], axis=-1), value

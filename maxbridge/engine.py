@@ -1,0 +1,391 @@
+"""`mb.Engine`: prefill, insert and generate over decode slots with a KV cache, on MaxText's MaxEngine shape.
+
+    engine = mb.Engine(config, params)              # or mb.Engine.from_pretrained(path)
+    prefix = engine.prefill(tokens, true_length)    # cache, first token, next_pos, logits
+    state = engine.init_decode_state()              # per_device_batch_size slots per device
+    state = engine.insert(prefix, state, slot)
+    state, tokens = engine.generate(state)          # one token for every slot
+
+Also MaxText's serving features: `prefill_multisampling` (several first tokens
+from one prefill, for `bulk_insert`), `prefill_concat` (several prompts packed
+into one prefill, split back into one prefix each), chunked prefill
+(`prefill(..., existing_prefix=prefix)` goes on where a prefix stopped), and
+`stack_prefill_result_cache` (a prefix cache stacked on a layer axis for either
+`scan_layers`: the scanned cache tree, unstacked again on insert).
+
+The cache is one canonical tree on both backends (`abstract_cache`), given to
+the model's attention layers as Linen's "cache" collection or as `nnx.Cache`
+variables (`Model.cached_forward`); the model itself never holds one. Every
+step is jitted once per shape and donates the decode state it replaces.
+"""
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxbridge import canonical
+from maxbridge.config import Config
+from maxbridge.model import Model
+from maxbridge.ops import kv_cache, sampling
+
+Params = dict[str, Any]
+
+
+class Prefix(NamedTuple):
+  """What `prefill` gives `insert`: one prompt's cache (batch 1), its first sampled token and where decoding goes on."""
+
+  cache: Params
+  token: jax.Array  # int32 [], or [num_samples] from prefill_multisampling
+  next_pos: jax.Array  # int32 []: the prompt's length, the position of `token`
+  logits: jax.Array  # float32 [V]: the logits `token` was sampled from
+
+
+class DecodeState(NamedTuple):
+  """Every slot's cache, its last token (the next step's input) and that token's position."""
+
+  cache: Params
+  tokens: jax.Array  # int32 [slots]
+  next_pos: jax.Array  # int32 [slots]
+  logits: jax.Array  # float32 [slots, V]: the logits each slot's last token was sampled from
+
+
+def abstract_cache(config: Config, batch: int, length: int) -> Params:
+  """The canonical decode cache tree of `config` for `batch` rows of `length` tokens, as shapes.
+
+  `decoder/<stack>/self_attention/<entry>` (`ops.kv_cache`), stacked on a
+  leading layer axis when `scan_layers` (where nn.scan and the NNX stack keep
+  layer state), else one `<stack>_<i>` per layer: the same on both backends.
+  """
+  layer = kv_cache.abstract(config, batch, length)
+  flat = {}
+  for stack, count in canonical.layer_stacks(config):
+    for name, leaf in layer.items():
+      if config.scan_layers:
+        flat[f"decoder/{stack}/self_attention/{name}"] = jax.ShapeDtypeStruct((count, *leaf.shape), leaf.dtype)
+      else:
+        for i in range(count):
+          flat[f"decoder/{stack}_{i}/self_attention/{name}"] = leaf
+  return canonical.unflatten(flat)
+
+
+def cache_logical_axes(config: Config) -> Params:
+  """Logical axis names of every cache leaf ("layers" first when stacked), for sharding."""
+  stacked = ("layers",) if config.scan_layers else ()
+  flat = canonical.flatten(abstract_cache(config, 1, 1))
+  return canonical.unflatten({path: stacked + kv_cache.logical_axes(path.rsplit("/", 1)[1]) for path in flat})
+
+
+def init_cache(config: Config, batch: int, length: int) -> Params:
+  """An empty cache: zeros, so segment 0 everywhere and nothing visible."""
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract_cache(config, batch, length))
+
+
+class Engine:
+  """Prefill, insert and generate over `per_device_batch_size` slots per device; see the module docstring."""
+
+  def __init__(self, config: Config, params: Params | None = None, *, model: Model | None = None):
+    from maxbridge import dispatch  # pylint: disable=import-outside-toplevel  (dispatch imports this module's users)
+
+    if not 0 < config.max_prefill_predict_length < config.max_target_length:
+      raise ValueError(
+          f"max_prefill_predict_length={config.max_prefill_predict_length} must be in [1, max_target_length="
+          f"{config.max_target_length}): the cache holds max_target_length tokens, prompt and continuation"
+      )
+    if model is None:
+      model = dispatch.create_model(config, params=params)
+    elif params is not None:
+      model.load_params(params)
+    self.config = config
+    self.model = model
+    self.params = model.params()
+    self._rng = jax.random.key(config.seed)
+    self._batch_axis = 1 if config.scan_layers else 0  # of every cache leaf
+    self._prefill = jax.jit(self._prefill_impl, static_argnames=("num_samples",))
+    self._prefill_concat = jax.jit(self._prefill_concat_impl)
+    self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
+    self._generate = jax.jit(self._generate_impl, donate_argnums=(1,))
+
+  @classmethod
+  def from_pretrained(cls, path, backend: str = "linen", **overrides) -> "Engine":
+    """An engine on a maxbridge checkpoint or a Hugging Face folder (`mb.from_pretrained`)."""
+    from maxbridge import hf  # pylint: disable=import-outside-toplevel
+
+    model = hf.from_pretrained(path, backend=backend, **overrides)
+    return cls(model.config, model=model)
+
+  @property
+  def max_concurrent_decodes(self) -> int:
+    return self.config.per_device_batch_size * jax.device_count()
+
+  # --- sampling ---------------------------------------------------------------------------------
+
+  def _next_rng(self, rng):
+    if rng is not None:
+      return rng
+    self._rng, rng = jax.random.split(self._rng)
+    return rng
+
+  def _sample(self, logits, rng):
+    cfg = self.config
+    strategy = "greedy" if cfg.decode_sampling_temperature == 0 else cfg.decode_sampling_strategy
+    return sampling.sample(
+        logits,
+        rng,
+        strategy=strategy,
+        temperature=cfg.decode_sampling_temperature,
+        top_k=cfg.decode_sampling_top_k,
+        nucleus_p=cfg.decode_sampling_nucleus_p,
+    )
+
+  # --- prefill ----------------------------------------------------------------------------------
+
+  def prefill(
+      self,
+      tokens,
+      true_length: int | None = None,
+      *,
+      existing_prefix: Prefix | None = None,
+      params: Params | None = None,
+      rng=None,
+  ) -> Prefix:
+    """One prompt (int [T], the first `true_length` real, the rest padding) -> its `Prefix`.
+
+    With `existing_prefix`, a chunk that continues that prefix (chunked
+    prefill): its tokens take the positions after the prefix's. The prompt is
+    padded to a power of two (at most max_prefill_predict_length), so prompts
+    of nearby lengths share one compiled prefill.
+    """
+    return self._run_prefill(tokens, true_length, existing_prefix, params, rng, num_samples=0)
+
+  def prefill_multisampling(
+      self, tokens, true_length: int | None = None, num_samples: int = 1, *, params: Params | None = None, rng=None
+  ) -> Prefix:
+    """One prefill, `num_samples` first tokens drawn from its logits (`Prefix.token` [num_samples]).
+
+    `bulk_insert` of the prefix into `num_samples` slots gives each slot its own token.
+    """
+    if num_samples < 1:
+      raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    return self._run_prefill(tokens, true_length, None, params, rng, num_samples=int(num_samples))
+
+  def _run_prefill(self, tokens, true_length, existing_prefix, params, rng, *, num_samples: int) -> Prefix:
+    tokens = self._check_prompt(tokens)
+    true_length = len(tokens) if true_length is None else int(true_length)
+    if not 0 < true_length <= len(tokens):
+      raise ValueError(f"true_length={true_length} must be in [1, {len(tokens)}] (the prompt's length)")
+    padded = self._pad(tokens)
+    cache, start = None, np.int32(0)
+    if existing_prefix is not None:
+      cache, start = self._unstacked(existing_prefix.cache), existing_prefix.next_pos
+      if int(start) + len(padded) > self.config.max_target_length:
+        raise ValueError(
+            f"a chunk of {len(padded)} tokens (padded) after {int(start)} exceeds max_target_length="
+            f"{self.config.max_target_length}, the tokens a cache holds"
+        )
+    params = self.params if params is None else params
+    rng = self._next_rng(rng)
+    return self._prefill(params, padded, np.int32(true_length), rng, cache, start, num_samples=num_samples)
+
+  def _pad(self, tokens: np.ndarray) -> np.ndarray:
+    length = min(max(16, 1 << (len(tokens) - 1).bit_length()), self.config.max_prefill_predict_length)
+    padded = np.zeros((length,), np.int32)
+    padded[: len(tokens)] = tokens
+    return padded
+
+  def _check_prompt(self, tokens) -> np.ndarray:
+    tokens = np.asarray(tokens)
+    limit = self.config.max_prefill_predict_length
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+      raise ValueError(f"a prompt must be int tokens [length], got {tokens.dtype} {tokens.shape}")
+    if tokens.size == 0:
+      raise ValueError("a prompt must hold at least one token, got an empty one")
+    if tokens.size > limit:
+      raise ValueError(f"the prompt has {tokens.size} tokens, more than max_prefill_predict_length={limit}")
+    vocab = self.config.vocab_size
+    bad = np.flatnonzero((tokens < 0) | (tokens >= vocab))
+    if bad.size:
+      raise ValueError(
+          f"prompt token {int(tokens[bad[0]])} at index {int(bad[0])} is outside the vocabulary [0, {vocab})"
+      )
+    return tokens.astype(np.int32)
+
+  def _prefill_impl(self, params, tokens, true_length, rng, cache, start, *, num_samples: int):
+    if cache is None:
+      cache = init_cache(self.config, 1, self.config.max_target_length)
+    offsets = jnp.arange(tokens.shape[0], dtype=jnp.int32)[None]
+    # Padding gets segment 0: no real token ever sees it, and decoding writes over it.
+    segment_ids = (offsets < true_length).astype(jnp.int32)
+    logits, cache = self.model.cached_forward(params, cache, tokens[None], start + offsets, segment_ids)
+    next_pos = start + true_length
+    cache = _set_cache_index(cache, next_pos)
+    last = logits[0, true_length - 1]
+    token = self._sample(jnp.broadcast_to(last, (num_samples, last.shape[0])) if num_samples else last, rng)
+    return Prefix(self._stacked(cache), token, next_pos, last)
+
+  def prefill_concat(self, prompts, *, params: Params | None = None, rng=None) -> list[Prefix]:
+    """Several prompts packed into one prefill (segment ids and positions per prompt) -> one `Prefix` each.
+
+    Together they must fit max_prefill_predict_length. Each prefix is the one
+    a separate `prefill` gives, up to float rounding.
+    """
+    prompts = [self._check_prompt(prompt) for prompt in prompts]
+    lengths = [len(prompt) for prompt in prompts]
+    if not prompts or sum(lengths) > self.config.max_prefill_predict_length:
+      raise ValueError(
+          f"prefill_concat packs 1 or more prompts into max_prefill_predict_length="
+          f"{self.config.max_prefill_predict_length} tokens; got {len(prompts)} prompts of {sum(lengths)} tokens"
+      )
+    tokens = self._pad(np.concatenate(prompts))
+    positions, segment_ids = np.zeros_like(tokens), np.zeros_like(tokens)
+    offsets = np.cumsum([0, *lengths[:-1]]).astype(np.int32)
+    for i, (offset, length) in enumerate(zip(offsets, lengths)):
+      positions[offset : offset + length] = np.arange(length)
+      segment_ids[offset : offset + length] = i + 1
+    params = self.params if params is None else params
+    rng = self._next_rng(rng)
+    lengths = np.asarray(lengths, np.int32)
+    return self._prefill_concat(params, tokens, positions, segment_ids, offsets, lengths, rng)
+
+  def _prefill_concat_impl(self, params, tokens, positions, segment_ids, offsets, lengths, rng):
+    cache = init_cache(self.config, 1, self.config.max_target_length)
+    logits, cache = self.model.cached_forward(params, cache, tokens[None], positions[None], segment_ids[None])
+    prefixes = []
+    for i, rng in enumerate(jax.random.split(rng, len(offsets))):
+      last = logits[0, offsets[i] + lengths[i] - 1]
+      one = _split_packed(cache, offsets[i], lengths[i], sequence_axis=self._batch_axis + 1)
+      prefixes.append(Prefix(self._stacked(one), self._sample(last, rng), lengths[i], last))
+    return prefixes
+
+  # --- the prefix cache's layout ------------------------------------------------------------------
+
+  def _stacked(self, cache: Params) -> Params:
+    """With stack_prefill_result_cache, unscanned layers' caches stacked on a leading layer axis (the scanned tree)."""
+    if self.config.stack_prefill_result_cache and not self.config.scan_layers:
+      return canonical.stack_layers(cache, axis=0)
+    return cache
+
+  def _unstacked(self, cache: Params) -> Params:
+    if self.config.stack_prefill_result_cache and not self.config.scan_layers:
+      return canonical.unstack_layers(cache, axis=0)
+    return cache
+
+  # --- decode slots -----------------------------------------------------------------------------
+
+  def init_decode_state(self) -> DecodeState:
+    """`max_concurrent_decodes` empty slots, each with a cache of max_target_length tokens."""
+    slots = self.max_concurrent_decodes
+    return DecodeState(
+        init_cache(self.config, slots, self.config.max_target_length),
+        jnp.zeros((slots,), jnp.int32),
+        jnp.zeros((slots,), jnp.int32),
+        jnp.zeros((slots, self.config.vocab_size), jnp.float32),
+    )
+
+  def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
+    """`prefix` into `slot`, replacing what the slot held; `decode_state` is donated."""
+    return self.bulk_insert(prefix, decode_state, [slot])
+
+  def bulk_insert(self, prefix: Prefix, decode_state: DecodeState, slots) -> DecodeState:
+    """`prefix` into each of `slots` (one compiled insert per number of slots); `decode_state` is donated."""
+    slots = tuple(int(s) for s in slots)
+    samples = np.shape(prefix.token)
+    if samples and samples[0] != len(slots):
+      raise ValueError(f"a prefix of {samples[0]} samples goes into as many slots, got {len(slots)} slots {slots}")
+    count = self.max_concurrent_decodes
+    for slot in slots:
+      if not 0 <= slot < count:
+        raise ValueError(f"slot {slot} is out of range: this engine has {count} slots, 0..{count - 1}")
+    return self._insert(prefix, decode_state, jnp.asarray(slots, jnp.int32))
+
+  def _insert_impl(self, prefix, state, slots):
+    cache, tokens, next_pos, logits = state
+    prefix_cache = self._unstacked(prefix.cache)
+    for i, slot in enumerate(slots):  # traced slots: one compiled insert per number of slots
+      cache = jax.tree.map(
+          lambda whole, one, slot=slot: jax.lax.dynamic_update_slice_in_dim(whole, one, slot, self._batch_axis),
+          cache,
+          prefix_cache,
+      )
+      tokens = tokens.at[slot].set(prefix.token[i] if prefix.token.ndim else prefix.token)
+      next_pos = next_pos.at[slot].set(prefix.next_pos)
+      logits = logits.at[slot].set(prefix.logits)
+    return DecodeState(cache, tokens, next_pos, logits)
+
+  def generate(
+      self, decode_state: DecodeState, *, params: Params | None = None, rng=None
+  ) -> tuple[DecodeState, jax.Array]:
+    """One step for every slot: (new state, int32 [slots] the tokens sampled); `decode_state` is donated.
+
+    A slot must not run past max_target_length tokens (its cache would keep
+    only the last ones); `Model.generate` bounds this for its prompts.
+    """
+    params = self.params if params is None else params
+    return self._generate(params, decode_state, self._next_rng(rng))
+
+  def _generate_impl(self, params, state, rng):
+    cache, tokens, next_pos, _ = state
+    ones = jnp.ones_like(tokens)[:, None]
+    logits, cache = self.model.cached_forward(params, cache, tokens[:, None], next_pos[:, None], ones)
+    logits = logits[:, 0]
+    new = self._sample(logits, rng)
+    return DecodeState(cache, new, next_pos + 1, logits), new
+
+
+def _split_packed(cache: Params, offset, length, *, sequence_axis: int) -> Params:
+  """One prompt's cache out of a packed prefill: its entries moved to the front, the rest cleared.
+
+  Its segment becomes 1, the one decoding reads; positions are its own already.
+  """
+  flat = canonical.flatten(cache)
+  for path, leaf in flat.items():
+    if path.endswith("/" + kv_cache.INDEX):
+      flat[path] = jnp.full_like(leaf, length)
+      continue
+    shape = [1] * leaf.ndim
+    shape[sequence_axis] = leaf.shape[sequence_axis]
+    visible = jnp.arange(leaf.shape[sequence_axis]).reshape(shape) < length
+    if path.endswith("/" + kv_cache.SEGMENT_IDS):
+      flat[path] = jnp.broadcast_to(visible, leaf.shape).astype(leaf.dtype)
+    else:
+      flat[path] = jnp.where(visible, jnp.roll(leaf, -offset, axis=sequence_axis), jnp.zeros((), leaf.dtype))
+  return canonical.unflatten(flat)
+
+
+def _set_cache_index(cache: Params, value) -> Params:
+  """Every layer's next write index set to `value` (after a padded prefill: the true length)."""
+  flat = canonical.flatten(cache)
+  for path, leaf in flat.items():
+    if path.endswith("/" + kv_cache.INDEX):
+      flat[path] = jnp.full_like(leaf, value)
+  return canonical.unflatten(flat)
+
+
+def generate_tokens(
+    model: Model, params: Params, prompt: jax.Array, temperature, rng: jax.Array, *, max_new_tokens: int, sample: bool
+) -> jax.Array:
+  """int32 prompts [B, T] (all T real) -> prompt + continuation [B, T + N], with a cache of T + N tokens.
+
+  `Model.generate`'s loop: one prefill of the whole batch, then N - 1 cached
+  steps in one compiled loop. Weighted at `temperature` when `sample`, else greedy.
+  """
+  batch, length = prompt.shape
+  sample = functools.partial(sampling.sample, strategy="weighted" if sample else "greedy", temperature=temperature)
+  cache = init_cache(model.config, batch, length + max_new_tokens)
+  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), prompt.shape)
+  logits, cache = model.cached_forward(params, cache, prompt, positions, jnp.ones_like(prompt))
+  rng, step_rng = jax.random.split(rng)
+  tokens = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(sample(logits[:, -1], step_rng))
+  ones = jnp.ones((batch, 1), jnp.int32)
+
+  def step(i, carry):
+    tokens, cache, rng = carry
+    last = jax.lax.dynamic_slice_in_dim(tokens, i - 1, 1, axis=1)
+    logits, cache = model.cached_forward(params, cache, last, ones * (length + i - 1), ones)
+    rng, step_rng = jax.random.split(rng)
+    return jax.lax.dynamic_update_slice_in_dim(tokens, sample(logits, step_rng), i, axis=1), cache, rng
+
+  tokens, _, _ = jax.lax.fori_loop(1, max_new_tokens, step, (tokens, cache, rng))
+  return jnp.concatenate([prompt, tokens], axis=1)

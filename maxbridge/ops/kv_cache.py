@@ -1,0 +1,79 @@
+"""The decode cache of one attention layer, as pure functions over a dict of arrays.
+
+Per batch row, a cache holds what the tokens seen so far give attention (keys
+and values; for MLA the compressed latent and the rotated RoPE key) together
+with their positions and segment ids, so the mask of a cached read is built
+from positions exactly as an uncached one is (`ops.attention.attention_mask`).
+Entries never written have segment 0, which no query has: they are invisible.
+`cache_index` [B] is where a row's next tokens are written, so a row may hold
+several packed prompts, or prompt padding that decoding writes over.
+"""
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+
+POSITIONS = "cache_positions"
+SEGMENT_IDS = "cache_segment_ids"
+INDEX = "cache_index"
+
+# Each entry's shape after [batch, length], and its logical axes with them.
+_ENTRY_AXES = {
+    "cached_key": ("cache_batch", "cache_sequence", "cache_kv_heads", "cache_kv"),
+    "cached_value": ("cache_batch", "cache_sequence", "cache_kv_heads", "cache_kv"),
+    "cached_latent": ("cache_batch", "cache_sequence", "cache_kv_lora"),
+    "cached_key_rope": ("cache_batch", "cache_sequence", "cache_kv"),
+    POSITIONS: ("cache_batch", "cache_sequence"),
+    SEGMENT_IDS: ("cache_batch", "cache_sequence"),
+    INDEX: ("cache_batch",),
+}
+
+
+def entries(config) -> dict[str, tuple[int, ...]]:
+  """Name -> per-token shape of what one attention layer of `config` caches.
+
+  MLA (DeepSeek) caches the normed latent and the rotated shared rope key, as
+  DeepSeek does, and expands them to keys and values on every read.
+  """
+  if config.decoder_block == "deepseek":
+    return {"cached_latent": (config.kv_lora_rank,), "cached_key_rope": (config.qk_rope_head_dim,)}
+  kv_heads = config.num_query_heads if config.decoder_block == "gpt3" else config.num_kv_heads
+  return {"cached_key": (kv_heads, config.head_dim), "cached_value": (kv_heads, config.head_dim)}
+
+
+def abstract(config, batch: int, length: int) -> dict[str, jax.ShapeDtypeStruct]:
+  """One layer's empty cache of `length` tokens per row, as shapes."""
+  dtype = jnp.dtype(config.dtype)
+  out = {name: jax.ShapeDtypeStruct((batch, length, *shape), dtype) for name, shape in entries(config).items()}
+  out[POSITIONS] = out[SEGMENT_IDS] = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+  out[INDEX] = jax.ShapeDtypeStruct((batch,), jnp.int32)
+  return out
+
+
+def logical_axes(name: str) -> tuple[str, ...]:
+  return _ENTRY_AXES[name]
+
+
+def append(
+    cache: Mapping[str, jax.Array], new: Mapping[str, jax.Array], positions: jax.Array, segment_ids: jax.Array
+) -> dict[str, jax.Array]:
+  """Writes `new` ({name: [B, T, ...]}) and the tokens' positions and segment ids [B, T] at each row's index.
+
+  Returns the whole updated cache; the caller attends over all of it. A row
+  written past its end keeps its last entries (dynamic_update_slice clamps);
+  the engine bounds lengths so that never happens.
+  """
+  index = cache[INDEX]
+
+  def write(buffer: jax.Array, values: jax.Array) -> jax.Array:
+    row = lambda b, v, i: jax.lax.dynamic_update_slice_in_dim(b, v, i, axis=0)
+    return jax.vmap(row)(buffer, values.astype(buffer.dtype), index)
+
+  out = dict(cache)
+  for name, values in new.items():
+    out[name] = write(cache[name], values)
+  out[POSITIONS] = write(cache[POSITIONS], positions)
+  out[SEGMENT_IDS] = write(cache[SEGMENT_IDS], segment_ids)
+  out[INDEX] = index + positions.shape[1]
+  return out

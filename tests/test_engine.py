@@ -1,0 +1,242 @@
+"""The KV-cache engine: cached decoding equals the full forward, on both backends and a bridged mix, every family."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import maxbridge as mb
+from maxbridge import canonical, engine
+from maxbridge.ops import kv_cache, sampling
+
+FAMILIES = ("llama-tiny", "mistral-tiny", "qwen3-tiny", "gpt3-tiny", "mixtral-tiny", "deepseek3-tiny")
+LINEN, NNX, MIX = (False, False, False), (True, True, True), (True, True, False)  # MIX: NNX model, bridged Linen decoder
+# Of different lengths, so the slots decode at different positions; mistral-tiny's
+# window (8) is shorter than both sequences, so decode reads are window-bounded.
+PROMPTS = (np.array([5, 9, 3, 77, 12]), np.arange(1, 12))
+STEPS = 5
+
+
+def make_engine(preset: str, flags, **overrides) -> engine.Engine:
+  config = mb.load_config(
+      preset,
+      pure_nnx=flags[0],
+      enable_nnx=flags[1],
+      pure_nnx_decoder=flags[2],
+      per_device_batch_size=2,
+      max_prefill_predict_length=16,
+      max_target_length=32,
+      **overrides,
+  )
+  return engine.Engine(config, mb.create_model(config, seed=0).params())
+
+
+@functools.lru_cache(maxsize=None)
+def decode(preset: str, flags) -> dict:
+  """Both prompts prefilled and inserted (the longer into slot 0), then STEPS steps of generate."""
+  eng = make_engine(preset, flags)
+  prefixes = [eng.prefill(prompt) for prompt in PROMPTS]
+  state = eng.init_decode_state()
+  state = eng.insert(prefixes[1], state, 0)
+  state = eng.insert(prefixes[0], state, 1)
+  tokens, logits = [state.tokens[::-1]], [state.logits[::-1]]
+  for _ in range(STEPS):
+    state, new = eng.generate(state)
+    tokens.append(new[::-1])
+    logits.append(state.logits[::-1])
+  return dict(
+      engine=eng,
+      prefixes=prefixes,
+      tokens=np.stack(tokens, axis=1),  # [prompt, step]
+      logits=np.stack(logits, axis=1),  # [prompt, step, V]
+  )
+
+
+CASES = [(preset, LINEN) for preset in FAMILIES] + [(preset, NNX) for preset in FAMILIES] + [("llama-tiny", MIX)]
+
+
+@pytest.mark.parametrize(
+    "preset, flags", CASES, ids=[f"{p}-{ {LINEN: 'linen', NNX: 'nnx', MIX: 'mix'}[f]}" for p, f in CASES]
+)
+def test_cached_decoding_is_the_full_forward_in_two_slots_of_different_lengths(preset, flags):
+  result = decode(preset, flags)
+  sequences = [np.concatenate([prompt, tokens]) for prompt, tokens in zip(PROMPTS, result["tokens"])]
+  # Causal: the full forward of the finished sequence at t is what a full recompute saw at
+  # t, and right padding (to batch both in one call) changes nothing before it.
+  batch = np.zeros((2, max(map(len, sequences))), np.int32)
+  for i, sequence in enumerate(sequences):
+    batch[i, : len(sequence)] = sequence
+  all_logits = np.asarray(result["engine"].model.logits(batch))
+  for i, prompt in enumerate(PROMPTS):
+    full = all_logits[i, len(prompt) - 1 : len(prompt) + STEPS]
+    np.testing.assert_array_equal(result["tokens"][i], np.argmax(full, axis=-1), err_msg=f"prompt {i}")
+    np.testing.assert_allclose(result["logits"][i], full, atol=1e-5, rtol=1e-5, err_msg=f"prompt {i}")
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "deepseek3-tiny"])
+def test_the_cache_tree_is_identical_on_linen_and_nnx(preset):
+  linen, nnx_ = (canonical.flatten(decode(preset, flags)["prefixes"][1].cache) for flags in (LINEN, NNX))
+  want = canonical.flatten(engine.abstract_cache(decode(preset, LINEN)["engine"].config, 1, 32))
+  assert sorted(linen) == sorted(nnx_) == sorted(want)
+  for path, leaf in linen.items():
+    assert leaf.shape == want[path].shape and leaf.dtype == want[path].dtype, path
+    np.testing.assert_allclose(nnx_[path], leaf, atol=1e-6, err_msg=path)
+  if preset == "deepseek3-tiny":  # MLA caches the latent and the rope key, not expanded keys and values
+    assert {path.rsplit("/", 1)[1] for path in linen} >= {"cached_latent", "cached_key_rope"}
+    assert not any("cached_key/" in path or path.endswith("cached_value") for path in linen)
+
+
+def test_caches_never_enter_the_parameters_or_the_model():
+  for flags in (LINEN, NNX, MIX):
+    eng = decode("llama-tiny", flags)["engine"]
+    assert not any("cache" in path for path in canonical.flatten(eng.model.params())), flags
+    if flags[0]:
+      assert not nnx.state(eng.model.module, nnx.Cache), flags
+
+
+def test_bulk_insert_equals_repeated_insert():
+  eng = decode("llama-tiny", LINEN)["engine"]
+  prefix = eng.prefill(PROMPTS[0])
+  one_by_one = eng.insert(prefix, eng.insert(prefix, eng.init_decode_state(), 0), 1)
+  bulk = eng.bulk_insert(prefix, eng.init_decode_state(), [0, 1])
+  jax.tree.map(np.testing.assert_array_equal, bulk, one_by_one)
+
+
+def test_a_slot_reused_for_a_shorter_prompt_forgets_the_longer_one():
+  eng = decode("llama-tiny", NNX)["engine"]
+  state = eng.insert(eng.prefill(PROMPTS[1]), eng.init_decode_state(), 0)
+  state, _ = eng.generate(state)
+  state = eng.insert(eng.prefill(PROMPTS[0]), state, 0)
+  state, tokens = eng.generate(state)
+  assert int(tokens[0]) == int(decode("llama-tiny", NNX)["tokens"][0, 1])
+
+
+def test_sampling_with_a_fixed_rng_is_reproducible_and_topk_1_is_greedy():
+  logits = jax.random.normal(jax.random.key(0), (4, 256))
+  greedy = sampling.sample(logits, jax.random.key(1), strategy="greedy")
+  for strategy, options in (("topk", dict(top_k=1)), ("nucleus", dict(nucleus_p=1e-6))):
+    np.testing.assert_array_equal(sampling.sample(logits, jax.random.key(1), strategy=strategy, **options), greedy)
+  draws = [sampling.sample(logits, jax.random.key(s), strategy="weighted", temperature=2.0) for s in (1, 1, 2)]
+  np.testing.assert_array_equal(draws[0], draws[1])
+  assert not np.array_equal(draws[0], draws[2]) or not np.array_equal(draws[0], greedy)
+  top3 = np.argsort(np.asarray(logits), axis=-1)[:, -3:]
+  for seed in range(8):
+    drawn = np.asarray(sampling.sample(logits, jax.random.key(seed), strategy="topk", top_k=3))
+    assert all(token in row for token, row in zip(drawn, top3))
+
+
+def test_bad_input_is_refused_with_what_would_be_valid():
+  eng = decode("llama-tiny", LINEN)["engine"]
+  with pytest.raises(ValueError, match="17 tokens, more than max_prefill_predict_length=16"):
+    eng.prefill(np.ones(17, np.int32))
+  with pytest.raises(ValueError, match="at least one token"):
+    eng.prefill(np.zeros(0, np.int32))
+  with pytest.raises(ValueError, match=r"token 256 at index 1 is outside the vocabulary \[0, 256\)"):
+    eng.prefill(np.array([3, 256, 4]))
+  with pytest.raises(ValueError, match=r"true_length=4 must be in \[1, 3\]"):
+    eng.prefill(np.array([3, 5, 4]), true_length=4)
+  state = eng.init_decode_state()
+  with pytest.raises(ValueError, match=r"slot 2 is out of range: this engine has 2 slots, 0..1"):
+    eng.insert(decode("llama-tiny", LINEN)["prefixes"][0], state, 2)
+  with pytest.raises(ValueError, match="max_prefill_predict_length=32 must be in"):
+    engine.Engine(eng.config.replace(max_prefill_predict_length=32), model=eng.model)
+
+
+def test_model_generate_runs_on_the_cache_and_matches_the_recompute_reference():
+  model = decode("qwen3-tiny", NNX)["engine"].model
+  prompt = jnp.asarray(np.stack([PROMPTS[0], PROMPTS[1][:5]]), jnp.int32)
+  params = model.params()
+  for sample, temperature in ((False, 0.0), (True, 0.7)):
+    got = model.generate(prompt, 6, temperature=temperature, seed=3)
+    want = jax.jit(
+        functools.partial(mb.model.generate_by_recompute, model.apply), static_argnames=("max_new_tokens", "sample")
+    )(params, prompt, jnp.float32(temperature), jax.random.key(3), max_new_tokens=6, sample=sample)
+    if not sample:
+      np.testing.assert_array_equal(got, want)
+    assert got.shape == (2, 11)
+
+
+# --- serving features: multisampling, packed prefill, chunked prefill, the stacked prefix cache -------
+
+
+def visible_entries(cache) -> dict:
+  """Each cache leaf where its segment is nonzero (what decoding can read), plus the segments and indices."""
+  flat = canonical.flatten(cache)
+  out = {}
+  for path, leaf in flat.items():
+    layer, name = path.rsplit("/", 1)
+    segments = np.asarray(flat[f"{layer}/{kv_cache.SEGMENT_IDS}"])
+    if name in (kv_cache.SEGMENT_IDS, kv_cache.INDEX):
+      out[path] = np.asarray(leaf)
+    else:
+      shape = segments.shape + (1,) * (leaf.ndim - segments.ndim)
+      out[path] = np.where(segments.reshape(shape) != 0, np.asarray(leaf), 0)
+  return out
+
+
+def assert_same_prefix(got, want, atol=1e-5):
+  assert int(got.next_pos) == int(want.next_pos)
+  np.testing.assert_array_equal(got.token, want.token)
+  np.testing.assert_allclose(got.logits, want.logits, atol=atol, rtol=atol)
+  got_cache, want_cache = visible_entries(got.cache), visible_entries(want.cache)
+  assert sorted(got_cache) == sorted(want_cache)
+  for path, leaf in want_cache.items():
+    np.testing.assert_allclose(got_cache[path], leaf, atol=atol, err_msg=path)
+
+
+def test_multisampling_at_temperature_0_repeats_the_greedy_token_and_is_reproducible_when_sampling():
+  base = decode("llama-tiny", NNX)["engine"]
+  greedy = engine.Engine(base.config.replace(decode_sampling_temperature=0.0), model=base.model)
+  prefix = greedy.prefill_multisampling(PROMPTS[0], num_samples=4)
+  np.testing.assert_array_equal(prefix.token, np.full(4, decode("llama-tiny", NNX)["tokens"][0, 0]))
+  sampler = engine.Engine(
+      base.config.replace(decode_sampling_strategy="weighted", decode_sampling_temperature=5.0), model=base.model
+  )
+  draws = [sampler.prefill_multisampling(PROMPTS[0], num_samples=8, rng=jax.random.key(s)).token for s in (7, 7, 8)]
+  np.testing.assert_array_equal(draws[0], draws[1])
+  assert len(set(np.asarray(draws[0]).tolist())) > 1  # at temperature 5 the 8 draws differ
+  state = greedy.bulk_insert(greedy.prefill_multisampling(PROMPTS[0], num_samples=2), greedy.init_decode_state(), [0, 1])
+  np.testing.assert_array_equal(state.tokens, np.asarray(prefix.token[:2]))
+  with pytest.raises(ValueError, match="a prefix of 4 samples goes into as many slots"):
+    greedy.bulk_insert(prefix, greedy.init_decode_state(), [0, 1])
+
+
+def test_prefill_concat_splits_into_the_prefixes_of_separate_prefills():
+  result = decode("mistral-tiny", LINEN)
+  packed = result["engine"].prefill_concat(PROMPTS)
+  assert len(packed) == 2
+  for got, want in zip(packed, result["prefixes"]):
+    assert_same_prefix(got, want)
+
+
+@pytest.mark.parametrize("flags", [LINEN, NNX])
+def test_chunked_prefill_equals_one_shot_prefill(flags):
+  eng = decode("deepseek3-tiny", flags)["engine"]
+  first = eng.prefill(PROMPTS[1][:6])
+  chunked = eng.prefill(PROMPTS[1][6:], existing_prefix=first)
+  assert_same_prefix(chunked, decode("deepseek3-tiny", flags)["prefixes"][1])
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_stacked_prefix_caches_round_trip_for_both_scan_layers(scan_layers):
+  base = decode("llama-tiny", LINEN)["engine"]
+  config = base.config.replace(scan_layers=scan_layers, stack_prefill_result_cache=True)
+  eng = engine.Engine(config, base.params)
+  prefix = eng.prefill(PROMPTS[0])
+  # Stacked, whatever scan_layers is: the scanned tree, leaves [layers, 1, ...].
+  assert sorted(canonical.flatten(prefix.cache)) == sorted(
+      canonical.flatten(decode("llama-tiny", LINEN)["prefixes"][0].cache)
+  )
+  for path, leaf in canonical.flatten(prefix.cache).items():
+    np.testing.assert_allclose(
+        leaf, canonical.flatten(decode("llama-tiny", LINEN)["prefixes"][0].cache)[path], atol=1e-6, err_msg=path
+    )
+  state = eng.insert(prefix, eng.init_decode_state(), 1)
+  unstacked = eng._unstacked(prefix.cache)  # pylint: disable=protected-access
+  batch_axis = 1 if scan_layers else 0
+  for path, leaf in canonical.flatten(state.cache).items():
+    np.testing.assert_array_equal(np.take(leaf, [1], axis=batch_axis), canonical.flatten(unstacked)[path], err_msg=path)
+  assert sorted(canonical.flatten(eng._stacked(unstacked))) == sorted(canonical.flatten(prefix.cache))  # pylint: disable=protected-access
