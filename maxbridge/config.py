@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
-import tempfile
 import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from maxbridge import files
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 BASE_CONFIG = CONFIG_DIR / "base.yml"
@@ -172,14 +174,7 @@ class Config:
     """Write every key to `path`; a reader never sees a half-written file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-      with os.fdopen(fd, "w") as f:
-        yaml.safe_dump(self.to_dict(), f, sort_keys=False)
-      os.replace(tmp, path)
-    except BaseException:
-      os.unlink(tmp)
-      raise
+    files.write_text(path, yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
 _FIELD_TYPES: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
@@ -337,6 +332,10 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
 
 
 def _validate(cfg: Config) -> None:
+  for key, kind in _FIELD_TYPES.items():
+    value = getattr(cfg, key)
+    if kind is float and not math.isfinite(value):
+      raise ConfigError(f"config key {key!r} = {value!r} is invalid; it must be a finite number")
   for key, ok, valid in _RULES:
     value = getattr(cfg, key)
     if not ok(value):  # written as "not ok" so NaN fails too
@@ -350,6 +349,18 @@ def _validate(cfg: Config) -> None:
     raise ConfigError(
         f"base_num_query_heads={cfg.base_num_query_heads} must be a multiple of "
         f"base_num_kv_heads={cfg.base_num_kv_heads}: each kv head serves an equal group of query heads"
+    )
+  if cfg.max_target_length < 2:
+    # One token has no next token to predict: every loss would be over zero targets.
+    raise ConfigError(
+        f"max_target_length={cfg.max_target_length} is too short to train on; it must be >= 2 "
+        "(each token predicts the next)"
+    )
+  if cfg.trainable_position_size and cfg.max_target_length > cfg.trainable_position_size:
+    raise ConfigError(
+        f"max_target_length={cfg.max_target_length} exceeds trainable_position_size="
+        f"{cfg.trainable_position_size}: the learned position table has no row for positions past "
+        f"{cfg.trainable_position_size - 1}; lower max_target_length or raise trainable_position_size"
     )
   if cfg.process_id >= cfg.num_processes:
     raise ConfigError(f"process_id={cfg.process_id} must be below num_processes={cfg.num_processes}")
@@ -422,11 +433,38 @@ def _check_known(values: Mapping[str, Any], source: str) -> None:
     raise ConfigError(f"unknown config key {key!r}; {hint} (from {source})")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+  """safe_load, except that a key given twice is an error: YAML would silently keep the last."""
+
+  def construct_mapping(self, node, deep=False):
+    seen = {}
+    for key_node, _ in node.value:
+      key = self.construct_object(key_node, deep=deep)
+      if key in seen:
+        raise yaml.constructor.ConstructorError(
+            None,
+            None,
+            f"key {key!r} appears twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1})",
+            key_node.start_mark,
+        )
+      seen[key] = key_node.start_mark.line
+    return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
   try:
-    data = yaml.safe_load(path.read_text())
+    text = path.read_bytes().decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}); YAML configs must be UTF-8") from e
+  except OSError as e:
+    raise ConfigError(f"{path} cannot be read: {e.strerror or e}") from e
+  try:
+    data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: builds plain data only
+  except yaml.MarkedYAMLError as e:
+    where = f"{path}:{e.problem_mark.line + 1}" if e.problem_mark else str(path)
+    raise ConfigError(f"{where}: not valid YAML: {e.problem}") from e
   except yaml.YAMLError as e:
-    raise ConfigError(f"{path} is not valid YAML: {e}") from e
+    raise ConfigError(f"{path} is not valid YAML: {' '.join(str(e).split())}") from e
   if data is None:
     return {}
   if not isinstance(data, dict):
