@@ -26,6 +26,8 @@ BACKENDS = {
     "linen-state/nnx-model/linen-decoder": (False, True, False),
 }
 STEPS = 3
+# Vocabulary tiling and QK-Clip together, with a threshold low enough that heads are clipped.
+FEATURES = dict(num_vocab_tiling=4, use_qk_clip=True, qk_clip_threshold=0.5, gradient_accumulation_steps=2)
 
 
 def config(flags, shape=(1, 8, 1), **overrides):
@@ -76,6 +78,13 @@ def main():
       report["specs"][f"{name}@{mesh_name}"] = specs(trainer)
       if name in ("linen", "nnx") or mesh_name == "2x2x2":
         _, report["losses"][f"{name}@{mesh_name}"] = train(trainer, STEPS)
+
+  # The large-model training features, sharded with fsdp and tensor on, on both backends.
+  report["features"] = {}
+  for name in ("linen", "nnx"):
+    one = dispatch.create_trainer(config(BACKENDS[name], **FEATURES), single_device_mesh())
+    _, report["features"][f"{name}@1"] = train(one, STEPS)
+    _, report["features"][f"{name}@2x2x2"] = train(dispatch.create_trainer(config(BACKENDS[name], (2, 2, 2), **FEATURES)), STEPS)
 
   # Save on one mesh with Linen, restore onto another with NNX, and go on.
   with tempfile.TemporaryDirectory() as tmp:

@@ -63,6 +63,15 @@ def test_partition_specs_follow_the_logical_rules(report):
   assert specs["['step']"] == "P()"
 
 
+@pytest.mark.parametrize("backend", ["linen", "nnx"])
+def test_vocab_tiling_and_qk_clip_train_sharded_to_the_one_device_losses(report, backend):
+  features = report["features"]
+  np.testing.assert_allclose(features[f"{backend}@2x2x2"], features["linen@1"], rtol=1e-4)
+  np.testing.assert_allclose(features[f"{backend}@1"], features["linen@1"], rtol=1e-6)
+  # The features change the numbers (QK-Clip clips), so the comparison above is not the plain run's.
+  assert features["linen@1"][1:] != report["losses"]["linen@1"][1:]
+
+
 def test_restore_onto_another_mesh_and_backend_continues_exactly(report):
   assert report["restore"]["shardings_as_target"]
   np.testing.assert_allclose(report["restore"]["losses"], report["losses"]["linen@1"], rtol=1e-4)
