@@ -372,6 +372,11 @@ def _validate(cfg: Config) -> None:
 def _validate_family(cfg: Config) -> None:
   """Cross-key rules of the decoder families; each message names the keys at fault."""
   block = cfg.decoder_block
+  if cfg.use_qk_clip and cfg.use_qk_norm:
+    raise ConfigError(
+        "use_qk_clip=true with use_qk_norm=true: the query/key RMSNorm undoes any scaling of the "
+        "query kernel, and already bounds the logits; set use_qk_clip=false"
+    )
   if cfg.num_experts_per_tok > cfg.num_experts:
     raise ConfigError(f"num_experts_per_tok={cfg.num_experts_per_tok} must be at most num_experts={cfg.num_experts}")
   if block in ("mixtral", "deepseek") and cfg.num_experts < 2:

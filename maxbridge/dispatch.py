@@ -133,7 +133,6 @@ def create_trainer(
   `use_qk_clip`, else none).
   """
   if after_update is None and config.use_qk_clip:
-    qk_clip.check(config)
     after_update = functools.partial(qk_clip.after_update, config=config)
   hooks = dict(loss=create_loss(config) if loss is None else loss, after_update=after_update)
   if config.pure_nnx:

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from maxbridge import canonical
-from maxbridge.config import Config, ConfigError
+from maxbridge.config import Config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,11 +40,6 @@ class _Piece:
 
 def _targets(config: Config) -> dict[str, tuple[int, tuple[_Piece, ...]]]:
   """Path under a layer -> (head axis, pieces), in the unscanned leaf's axes."""
-  if config.use_qk_norm:
-    raise ConfigError(
-        "use_qk_clip=true with use_qk_norm=true: the query/key RMSNorm undoes any scaling of the "
-        "query kernel, and already bounds the logits; set use_qk_clip=false"
-    )
   if config.decoder_block == "deepseek":  # MLA
     nope, rope = config.qk_nope_head_dim, config.qk_rope_head_dim
     query = "self_attention/query/kernel" if config.q_lora_rank == 0 else "self_attention/wq_b/kernel"
@@ -58,11 +53,6 @@ def _targets(config: Config) -> dict[str, tuple[int, tuple[_Piece, ...]]]:
         "self_attention/qkv_proj/bias": (1, (_Piece(0, 0, 1, 1.0),)),
     }
   return {"self_attention/query/kernel": (1, (_Piece(2, 0, config.head_dim, 1.0),))}
-
-
-def check(config: Config) -> None:
-  """Raises ConfigError if QK-Clip cannot apply to `config`'s attention."""
-  _targets(config)
 
 
 def head_scales(max_logits: jax.Array, threshold: float) -> jax.Array:

@@ -65,9 +65,9 @@ def test_mla_scales_nope_by_sqrt_and_rope_by_s_and_leaves_values():
   np.testing.assert_array_equal(clipped[kv][..., nope:], before[kv][..., nope:])  # values
 
 
-def test_qk_norm_refuses_qk_clip_with_the_reason():
-  with pytest.raises(ConfigError, match="use_qk_norm"):
-    qk_clip.check(mb.load_config("qwen3-tiny"))
+def test_qk_norm_refuses_qk_clip_when_the_config_loads_with_the_reason():
+  with pytest.raises(ConfigError, match="use_qk_norm=true: the query/key RMSNorm undoes"):
+    mb.load_config("qwen3-tiny", use_qk_clip=True)
 
 
 # --- through the model and the train step ----------------------------------
