@@ -118,7 +118,7 @@ def _import_hf(args: argparse.Namespace) -> int:
 def _export_hf(args: argparse.Namespace) -> int:
   from maxbridge import hf
 
-  out = hf.export_hf(args.source, args.destination, dtype=args.dtype)
+  out = hf.export_hf(args.source, args.destination, dtype=args.dtype, config=args.config)
   print(f"{out}: config.json + model.safetensors")
   return 0
 
@@ -130,7 +130,7 @@ def _generate(args: argparse.Namespace) -> int:
 
   flags = dispatch.backend_flags(args.backend)
   if Path(args.source).is_dir():
-    config, params = hf.load_pretrained(args.source, *args.overrides, **flags)
+    config, params = hf.load_pretrained(args.source, *args.overrides, config=args.config, **flags)
     model = dispatch.create_model(config, params=params)
   else:  # a preset or YAML file: a randomly initialised model, handy for smoke tests
     model = dispatch.create_model(load_config(args.source, *args.overrides, **flags))
@@ -229,6 +229,9 @@ HANDLERS: dict[str, Handler] = {
 }
 
 
+_CONFIG_HELP = "preset or YAML file describing a checkpoint that has no config.yml (MaxText's)"
+
+
 def _overrides(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. steps=20 pure_nnx=true")
 
@@ -310,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("source", help="checkpoint or run directory (with its config.yml)")
   p.add_argument("destination", help="new Hugging Face folder to write")
   p.add_argument("--dtype", choices=["float32", "bfloat16"], help="tensor dtype (default: the checkpoint's)")
+  p.add_argument("--config", help=_CONFIG_HELP)
 
   p = verbs.add_parser(
       "generate",
@@ -323,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--temperature", type=_tolerance, default=0.0, help="0 is greedy (default); > 0 samples")
   p.add_argument("--seed", type=int, default=0, help="sampling seed")
   p.add_argument("--backend", choices=["linen", "nnx"], default="linen", help="model backend (default linen)")
+  p.add_argument("--config", help=_CONFIG_HELP)
   _overrides(p)
 
   for verb, text in (
@@ -372,6 +377,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   names = [name for name in ("preset", "source", "destination") if hasattr(args, name)]
   given = [getattr(args, name) for name in names] + list(args.overrides) + list(extras)
   positional = [x for x in given if not _is_override(x)]
+  named = [x.partition("=")[2] for x in given if _is_override(x) and x.startswith("model_name=")]
+  if names[:1] == ["preset"] and not positional and named:
+    positional = named[-1:]  # MaxText's model_name=<preset> in place of the preset
   if len(positional) < len(names):
     parser.error(f"the following arguments are required: {', '.join(names[len(positional):])}")
   if len(positional) > len(names):

@@ -88,6 +88,7 @@ class Config:
   steps: int
   per_device_batch_size: int
   learning_rate: float
+  learning_rate_schedule_steps: int
   warmup_steps_fraction: float
   cosine_learning_rate_final_fraction: float
   adam_b1: float
@@ -108,6 +109,8 @@ class Config:
   checkpoint_period: int
   max_to_keep: int
   log_period: int
+  load_parameters_path: str
+  load_full_state_path: str
   # inference (maxbridge.engine)
   max_prefill_predict_length: int
   decode_sampling_strategy: str
@@ -161,6 +164,11 @@ class Config:
   def normalization(self) -> str:
     """The layers' and final norm: "layer_norm" (GPT-2/3, with a bias) or "rms_norm" (every other family)."""
     return "layer_norm" if self.decoder_block == "gpt3" else "rms_norm"
+
+  @property
+  def schedule_steps(self) -> int:
+    """The steps the learning-rate schedule spans: learning_rate_schedule_steps, or steps when -1."""
+    return self.steps if self.learning_rate_schedule_steps == -1 else self.learning_rate_schedule_steps
 
   def replace(self, **changes: Any) -> Config:
     """A new Config with `changes` applied and validated."""
@@ -277,6 +285,11 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ),
     ("num_processes", _positive, "a positive integer"),
     ("process_id", lambda v: v >= 0, ">= 0"),
+    (
+        "learning_rate_schedule_steps",
+        lambda v: v == -1 or v > 0,
+        "a positive integer (the steps the schedule spans), or -1 for steps",
+    ),
     *(
         (key, _positive, "a positive integer")
         for key in (
@@ -361,6 +374,12 @@ def _validate(cfg: Config) -> None:
         f"max_target_length={cfg.max_target_length} exceeds trainable_position_size="
         f"{cfg.trainable_position_size}: the learned position table has no row for positions past "
         f"{cfg.trainable_position_size - 1}; lower max_target_length or raise trainable_position_size"
+    )
+  if cfg.load_parameters_path and cfg.load_full_state_path:
+    raise ConfigError(
+        "load_parameters_path and load_full_state_path are both set: a new run starts from one checkpoint; "
+        "set load_parameters_path for its parameters only, or load_full_state_path for parameters, "
+        "optimizer state and step"
     )
   if cfg.process_id >= cfg.num_processes:
     raise ConfigError(f"process_id={cfg.process_id} must be below num_processes={cfg.num_processes}")
@@ -503,13 +522,23 @@ def _resolve(preset_or_path: str) -> Path:
   return preset
 
 
-def load_config(preset_or_path: str, *overrides: str, **kwargs: Any) -> Config:
+def load_config(preset_or_path: str | None = None, *overrides: str, **kwargs: Any) -> Config:
   """Build a Config from base.yml, a preset name or YAML path, then overrides.
 
   Later sources win: base.yml < preset/file < "key=value" strings < kwargs.
+  As in MaxText, `model_name=<preset>` may name the preset instead.
 
       load_config("llama-tiny", "steps=20", pure_nnx=True)
+      load_config(model_name="llama-tiny", steps=20)
   """
+  if preset_or_path is None:
+    named = [value for key, value in map(_parse_override, overrides) if key == "model_name"]
+    named += [kwargs["model_name"]] if "model_name" in kwargs else []
+    if not named:
+      raise ConfigError(
+          f"no model given: pass a preset or YAML path, or model_name=<preset>; presets: {', '.join(available_presets())}"
+      )
+    preset_or_path = str(named[-1])
   values = _read_yaml(BASE_CONFIG)
   if set(values) != set(_FIELD_TYPES):
     # Guards the promise that base.yml documents every key.

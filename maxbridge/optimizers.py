@@ -6,12 +6,15 @@ from maxbridge.config import Config
 
 
 def learning_rate_schedule(config: Config) -> optax.Schedule:
-  """Linear warmup from 0 to learning_rate, then cosine down to final_fraction * learning_rate."""
-  warmup_steps = int(config.warmup_steps_fraction * config.steps)
+  """Linear warmup from 0 to learning_rate, then cosine down to final_fraction * learning_rate.
+
+  Planned over `config.schedule_steps`, which may exceed `steps`: a run can stop early on a longer schedule.
+  """
+  warmup_steps = int(config.warmup_steps_fraction * config.schedule_steps)
   warmup = optax.linear_schedule(0.0, config.learning_rate, max(warmup_steps, 1))
   cosine = optax.cosine_decay_schedule(
       config.learning_rate,
-      max(config.steps - warmup_steps, 1),
+      max(config.schedule_steps - warmup_steps, 1),
       alpha=config.cosine_learning_rate_final_fraction,
   )
   return optax.join_schedules([warmup, cosine], [warmup_steps])

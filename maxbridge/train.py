@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from absl import logging
 from tqdm import tqdm
 
-from maxbridge import checkpointing, data, dispatch, files, sharding
+from maxbridge import canonical, checkpointing, data, dispatch, files, layouts, sharding
 from maxbridge.config import Config
 
 
@@ -47,6 +47,8 @@ _RUN_ONLY_KEYS = frozenset(
         "log_period",
         "dataset_type",
         "dataset_path",
+        "load_parameters_path",
+        "load_full_state_path",
     }
 )
 
@@ -237,10 +239,12 @@ def _train(config: Config, trainer, until_step: int | None, progress: bool) -> l
           "metrics.jsonl away"
       )
     if start:
+      # As in MaxText, a run's own checkpoints win over load_parameters_path / load_full_state_path.
       state = trainer.from_checkpoint(ckpt.restore(start, trainer.checkpoint_target()))
       logging.info("resumed %s from step %d", run_dir, start)
     else:
-      state = trainer.init_state(config.seed)
+      state = initial_state(config, trainer)
+      start = trainer.step(state)
   except KeyboardInterrupt as e:
     raise _stopped(e, None, ckpt, checkpoints, None) from None
   except BaseException:
@@ -347,6 +351,72 @@ def _stopped(error: BaseException, step: int | None, ckpt, checkpoints: Path, cr
     error.add_note(str(late))
   error.add_note(f"the last good checkpoint: {last_good}{removed}")
   return error
+
+
+def initial_state(config: Config, trainer):
+  """A new run's first state: MaxText's load_full_state_path (parameters, optimizer state and step)
+  or load_parameters_path (parameters; a fresh optimizer at step 0), else initialised from the seed.
+
+  Either path is a `<step>/items` or step folder in any layout `maxbridge.layouts` reads,
+  scanned or not: the layers are stacked or unstacked to fit this run.
+  """
+  if config.load_full_state_path:
+    return _full_state(config.load_full_state_path, trainer)
+  state = trainer.init_state(config.seed)
+  if config.load_parameters_path:
+    where = f"load_parameters_path={config.load_parameters_path!r}"
+    params = _fit(_named(where, checkpointing.load_params, config.load_parameters_path)[0], trainer, where)
+    with sharding.active(trainer.mesh, trainer.rules):
+      replace = jax.jit(trainer._replace_params, out_shardings=trainer.state_shardings, donate_argnums=0)
+      state = replace(state, params)
+  return state
+
+
+def _named(where: str, read, path):
+  try:
+    return read(path)
+  except checkpointing.CheckpointError as e:
+    raise checkpointing.CheckpointError(f"{where}: {e}") from e
+
+
+def _fit(params, trainer, where: str) -> dict:
+  try:
+    return canonical.conform(params, trainer.abstract_params, trainer.config.param_scan_axis)
+  except ValueError as e:
+    raise checkpointing.CheckpointError(f"{where}: {e}") from e
+
+
+def _full_state(path: str, trainer):
+  where = f"load_full_state_path={path!r}"
+  # Read array by array on the host, so that any layout and either scan form can be
+  # reshaped to this run's before the arrays go to their shardings.
+  reader = _named(where, checkpointing.CheckpointReader, path)
+  if reader.layout.params_only:
+    raise checkpointing.CheckpointError(
+        f"{where}: {reader.items} holds parameters only ({reader.layout.describe()}); "
+        "start from it with load_parameters_path instead"
+    )
+  tree = layouts.build_tree({p: reader.read(p) for p in reader.leaves}, layouts.LINEN)
+  tree["params"]["params"] = _fit(tree["params"]["params"], trainer, where)
+  for entry in tree.get("opt_state") or []:
+    for field, value in (entry or {}).items():
+      if isinstance(value, dict) and set(value) == {"params"}:  # Adam's mu and nu, shaped like the parameters
+        entry[field] = {"params": _fit(value["params"], trainer, f"{where}, optimizer state {field}")}
+  target = trainer.checkpoint_target()
+  got, want = _leaf_paths(tree), _leaf_paths(target)
+  if set(got) != set(want):
+    lines = [f"  missing: {p}" for p in sorted(set(want) - set(got))[:20]]
+    lines += [f"  unexpected: {p}" for p in sorted(set(got) - set(want))[:20]]
+    raise checkpointing.CheckpointError(
+        f"{where}: {reader.items} holds another optimizer's state than this run's (adamw):\n" + "\n".join(lines)
+    )
+  placed = {p: jax.device_put(jnp.asarray(got[p], want[p].dtype), want[p].sharding) for p in want}
+  leaves = [placed[p] for p in _leaf_paths(target)]
+  return trainer.from_checkpoint(jax.tree.unflatten(jax.tree.structure(target), leaves))
+
+
+def _leaf_paths(tree) -> dict:
+  return {layouts.keypath_str(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 @jax.jit

@@ -203,14 +203,23 @@ def import_hf(
   return write_atomically(destination, write)
 
 
-def load_checkpoint(path: str | os.PathLike, *overrides: str, **kwargs: Any) -> tuple[Config, dict]:
-  """(Config, canonical params) of a maxbridge checkpoint or run directory, in any layout."""
+def load_checkpoint(
+    path: str | os.PathLike, *overrides: str, config: str | os.PathLike | None = None, **kwargs: Any
+) -> tuple[Config, dict]:
+  """(Config, canonical params) of a maxbridge or MaxText checkpoint or run directory, in any layout.
+
+  `config` (a preset name or YAML path) describes the model, in place of the
+  run's config.yml: MaxText's checkpoints have none beside them.
+  """
   params, info = checkpointing.load_params(path)
+  if config is not None:
+    return load_config(os.fspath(config), *overrides, **kwargs), params
   config_file = checkpointing.find_config(info.items)
   if config_file is None:
     raise HFError(
-        f"{path} has no config.yml beside its checkpoints (or in its run directory): the model "
-        "it holds cannot be rebuilt"
+        f"{path} has no config.yml beside its checkpoints (or in its run directory), so the model it holds "
+        "cannot be rebuilt; say which model it is with a preset or YAML file: config='llama2-7b' "
+        "(or config='path/to.yml') in Python, --config llama2-7b on the command line"
     )
   return load_config(str(config_file), *overrides, **kwargs), params
 
@@ -223,9 +232,18 @@ def _sidecar(path: str | os.PathLike) -> tuple[dict[str, Any] | None, Path | Non
   return json.loads((config_file.parent / HF_CONFIG_SIDECAR).read_text()), config_file.parent
 
 
-def export_hf(source: str | os.PathLike, destination: str | os.PathLike, *, dtype: str | None = None) -> Path:
-  """Writes a maxbridge checkpoint as a Hugging Face folder (config.json + model.safetensors)."""
-  cfg, params = load_checkpoint(source)
+def export_hf(
+    source: str | os.PathLike,
+    destination: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    config: str | os.PathLike | None = None,
+) -> Path:
+  """Writes a maxbridge checkpoint as a Hugging Face folder (config.json + model.safetensors).
+
+  `config`: a preset or YAML path, for a checkpoint without config.yml (MaxText's).
+  """
+  cfg, params = load_checkpoint(source, config=config)
   base, folder = _sidecar(source)
   try:
     out = save_hf(params, cfg, destination, dtype=dtype, base_config=base)
@@ -236,24 +254,32 @@ def export_hf(source: str | os.PathLike, destination: str | os.PathLike, *, dtyp
   return out
 
 
-def from_pretrained(path: str | os.PathLike, backend: str = "linen", **overrides: Any):
-  """An `mb.Model` from a Hugging Face folder (config.json + safetensors) or a maxbridge checkpoint.
+def from_pretrained(
+    path: str | os.PathLike, backend: str = "linen", *, config: str | os.PathLike | None = None, **overrides: Any
+):
+  """An `mb.Model` from a Hugging Face folder (config.json + safetensors) or a maxbridge or MaxText checkpoint.
 
   `backend` sets the three flags ("linen": all Linen, "nnx": all NNX); keyword
   `overrides` are config keys (e.g. `scan_layers=False`, or the flags themselves).
+  `config` (a preset such as "llama2-7b", or a YAML path) describes a checkpoint
+  that has no config.yml beside it, as MaxText's have none.
   """
   from maxbridge import dispatch  # pylint: disable=import-outside-toplevel
 
-  cfg, params = load_pretrained(path, **{**dispatch.backend_flags(backend), **overrides})
+  cfg, params = load_pretrained(path, config=config, **{**dispatch.backend_flags(backend), **overrides})
   return dispatch.create_model(cfg, params=params)
 
 
-def load_pretrained(path: str | os.PathLike, *overrides: str, **kwargs: Any) -> tuple[Config, dict]:
-  """(Config, canonical params) of a Hugging Face folder or a maxbridge checkpoint."""
+def load_pretrained(
+    path: str | os.PathLike, *overrides: str, config: str | os.PathLike | None = None, **kwargs: Any
+) -> tuple[Config, dict]:
+  """(Config, canonical params) of a Hugging Face folder or a maxbridge or MaxText checkpoint."""
   if is_hf_folder(path):
+    if config is not None:
+      raise HFError(f"{path} is a Hugging Face folder: its config.json describes the model; drop config={config!r}")
     return load_hf(path, *overrides, **kwargs)
   if Path(path).exists():
-    return load_checkpoint(path, *overrides, **kwargs)
+    return load_checkpoint(path, *overrides, config=config, **kwargs)
   raise FileNotFoundError(f"{path}: no such Hugging Face folder or maxbridge checkpoint")
 
 
