@@ -11,6 +11,7 @@ import difflib
 import math
 import os
 import typing
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -450,11 +451,103 @@ def _validate_family(cfg: Config) -> None:
 
 def _check_known(values: Mapping[str, Any], source: str) -> None:
   for key in values:
+    if key not in _FIELD_TYPES:
+      raise ConfigError(f"{_unknown(key)} (from {source})")
+
+
+def _unknown(key: Any) -> str:
+  close = difflib.get_close_matches(str(key), _FIELD_TYPES, n=1)
+  hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(_FIELD_TYPES)}"
+  return f"unknown config key {key!r}; {hint}"
+
+
+# MaxText keys (its base.yml) that change where a run logs, profiles or stores
+# things, never what it computes: a MaxText YAML may carry them, and they are ignored.
+_MAXTEXT_IGNORED = frozenset(
+    {
+        "hardware",
+        "enable_tensorboard",
+        "metrics_file",
+        "gcs_metrics",
+        "save_config_to_gcs",
+        "log_config",
+        "profiler",
+        "profiler_steps",
+        "skip_first_n_steps_for_profiler",
+        "profile_cleanly",
+        "upload_all_profiler_results",
+        "jax_cache_dir",
+        "jax_debug_log_modules",
+        "enable_goodput_recording",
+        "monitor_goodput",
+        "goodput_upload_interval_seconds",
+        "enable_pathways_goodput",
+        "monitor_step_time_deviation",
+        "step_deviation_interval_seconds",
+        "enable_checkpoint_cloud_logger",
+        "async_checkpointing",
+        "checkpoint_storage_use_ocdbt",
+        "checkpoint_storage_use_zarr3",
+        "checkpoint_storage_concurrent_gb",
+        "checkpoint_storage_target_data_file_size_bytes",
+        "dump_hlo",
+        "dump_hlo_local_dir",
+        "dump_hlo_gcs_dir",
+        "dump_hlo_module_name",
+        "dump_hlo_xla_flags",
+        "dump_hlo_upload_all",
+    }
+)
+
+# MaxText keys whose value is fixed here: accepted at that value (what maxbridge
+# computes), refused at any other, since the numbers would differ.
+_MAXTEXT_FIXED: dict[str, Any] = {
+    "global_parameter_scale": 1,
+    "mlp_activations": ["silu", "linear"],
+    "dropout_rate": 0,
+    "fused_qkv": False,
+    "fused_mlp": False,
+    "num_slices": 1,
+    "dcn_data_parallelism": -1,
+    "dcn_fsdp_parallelism": 1,
+    "dcn_tensor_parallelism": 1,
+    "dcn_pipeline_parallelism": 1,
+    "ici_sequence_parallelism": 1,
+    "ici_pipeline_parallelism": 1,
+}
+
+
+def _known_only(values: Mapping[str, Any], source: str) -> dict[str, Any]:
+  """`values` without MaxText's keys that do not change the numbers (each reported by name);
+  any other key this Config lacks is an error, all of them named at once."""
+  ignored, problems = [], []
+  for key, value in values.items():
     if key in _FIELD_TYPES:
       continue
-    close = difflib.get_close_matches(str(key), _FIELD_TYPES, n=1)
-    hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(_FIELD_TYPES)}"
-    raise ConfigError(f"unknown config key {key!r}; {hint} (from {source})")
+    if key in _MAXTEXT_IGNORED:
+      ignored.append(key)
+    elif key in _MAXTEXT_FIXED:
+      parsed = yaml.safe_load(value) if isinstance(value, str) else value
+      fixed = _MAXTEXT_FIXED[key]
+      if parsed == fixed or (isinstance(fixed, list) and parsed == tuple(fixed)):
+        ignored.append(key)
+      else:
+        problems.append(f"MaxText key {key!r} = {value!r} is not supported; maxbridge computes only {key}={fixed!r}")
+    else:
+      problems.append(_unknown(key))
+  if len(problems) == 1:
+    raise ConfigError(f"{problems[0]} (from {source})")
+  if problems:
+    raise ConfigError(
+        f"{len(problems)} config keys are not supported (from {source}); each would change what is computed:\n  "
+        + "\n  ".join(problems)
+    )
+  if ignored:
+    warnings.warn(
+        f"ignoring MaxText config keys that do not change what maxbridge computes (from {source}): " + ", ".join(ignored),
+        stacklevel=3,
+    )
+  return {key: value for key, value in values.items() if key in _FIELD_TYPES}
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -546,15 +639,7 @@ def load_config(preset_or_path: str | None = None, *overrides: str, **kwargs: An
     raise ConfigError(f"{BASE_CONFIG} and Config disagree on keys: {drift}")
 
   path = _resolve(preset_or_path)
-  layer = _read_yaml(path)
-  _check_known(layer, source=str(path))
-  values.update(layer)
-
-  for text in overrides:
-    key, value = _parse_override(text)
-    _check_known({key: value}, source=f"override {text!r}")
-    values[key] = value
-
-  _check_known(kwargs, source="keyword arguments")
-  values.update(kwargs)
+  values.update(_known_only(_read_yaml(path), source=str(path)))
+  values.update(_known_only(dict(map(_parse_override, overrides)), source="overrides"))
+  values.update(_known_only(kwargs, source="keyword arguments"))
   return Config(**values)

@@ -185,3 +185,43 @@ def test_model_name_names_the_preset():
     mb.load_config()
   args = cli.parse_args(["train", "model_name=llama-tiny", "steps=2"])
   assert args.preset == "llama-tiny" and "steps=2" in args.overrides
+
+
+MAXTEXT_YAML = """\
+model_name: llama-tiny
+base_emb_dim: 64
+enable_tensorboard: true
+metrics_file: "metrics.txt"
+mlp_activations: ["silu", "linear"]
+"""
+
+
+def test_a_maxtext_yaml_reports_each_ignored_key_by_name(tmp_path):
+  path = tmp_path / "maxtext.yml"
+  path.write_text(MAXTEXT_YAML)
+  with pytest.warns(UserWarning) as caught:
+    config = mb.load_config(str(path), "global_parameter_scale=1")
+  assert [str(w.message).split(": ", 1)[1] for w in caught] == [
+      "enable_tensorboard, metrics_file, mlp_activations",
+      "global_parameter_scale",
+  ]
+  assert all(str(w.message).startswith("ignoring MaxText config keys") for w in caught)
+  assert config.base_emb_dim == 64
+
+
+def test_a_maxtext_yaml_with_keys_that_change_the_numbers_is_refused_key_by_key(tmp_path):
+  path = tmp_path / "maxtext.yml"
+  path.write_text(MAXTEXT_YAML + "mlp_activations_extra: 1\nfused_qkv: true\nattention: flash\ndropout_rate: 0.1\n")
+  with pytest.raises(ConfigError) as error:
+    mb.load_config(str(path))
+  message = str(error.value)
+  assert "4 config keys are not supported" in message, message
+  for line in (
+      "unknown config key 'mlp_activations_extra'",
+      "MaxText key 'fused_qkv' = True is not supported; maxbridge computes only fused_qkv=False",
+      "unknown config key 'attention'",
+      "MaxText key 'dropout_rate' = 0.1 is not supported",
+  ):
+    assert line in message, message
+  with pytest.raises(ConfigError, match="'global_parameter_scale' = '2' is not supported"):
+    mb.load_config("llama-tiny", "global_parameter_scale=2")
