@@ -126,14 +126,16 @@ def _export_hf(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
   from pathlib import Path
 
-  from maxbridge import dispatch, hf
+  from maxbridge import checkpointing, dispatch, hf
 
   flags = dispatch.backend_flags(args.backend)
   if Path(args.source).is_dir():
     config, params = hf.load_pretrained(args.source, *args.overrides, config=args.config, **flags)
     model = dispatch.create_model(config, params=params)
-  else:  # a preset or YAML file: a randomly initialised model, handy for smoke tests
-    model = dispatch.create_model(load_config(args.source, *args.overrides, **flags))
+  else:  # a preset or YAML file: MaxText's load_parameters_path, else a random model for smoke tests
+    config = load_config(args.source, *args.overrides, **flags)
+    path = config.load_parameters_path or config.load_full_state_path
+    model = dispatch.create_model(config, params=checkpointing.load_params(path)[0] if path else None)
   encode, decode = _tokenizer(args.source, model.config.vocab_size)
   prompt = encode(args.prompt)
   if not prompt:

@@ -84,6 +84,20 @@ def test_a_checkpoint_without_config_says_how_to_pass_one(maxtext, tmp_path, cap
   assert (tmp_path / "hf" / "config.json").is_file()
 
 
+def test_generate_reads_a_maxtext_checkpoint_by_config_or_load_parameters_path(maxtext, capsys):
+  step_dir, _ = maxtext["linen-unscanned"]
+  common = ["--prompt", "ab", "--max-new-tokens", "4"]
+  outputs = []
+  for argv in (
+      ["generate", str(step_dir), "--config", "llama-tiny", *common],
+      ["generate", "llama-tiny", f"load_parameters_path={step_dir}", *common],
+      ["generate", "llama-tiny", *common],  # random parameters: a different continuation
+  ):
+    assert cli.main(argv) == 0
+    outputs.append(capsys.readouterr().out)
+  assert outputs[0] == outputs[1] != outputs[2]
+
+
 @pytest.mark.parametrize("backend,name", [("linen", "linen-unscanned"), ("nnx", "nnx")])
 def test_load_parameters_path_starts_a_new_run_from_those_parameters(maxtext, tokens, tmp_path, backend, name):
   step_dir, params = maxtext[name]
