@@ -72,6 +72,7 @@ def convert(
     dtype: str | None = None,
     params_only: bool = False,
     force: bool = False,
+    config: str | os.PathLike | None = None,
     progress: bool | None = None,
     group_bytes: int = 64 << 20,
 ) -> Conversion:
@@ -89,7 +90,8 @@ def convert(
   to stack or unstack on (default: the source config's, else 1). dtype:
   "float32" or "bfloat16" for floating-point arrays, optimizer state included.
   params_only: drop optimizer state and step. force: replace an existing
-  destination. Everything is checked against the metadata before any array is
+  destination. config: a preset or YAML path describing a source that has no
+  config.yml (MaxText's checkpoints); it is checked and written with the result. Everything is checked against the metadata before any array is
   read; the destination appears only when complete; the source is only read.
   Memory holds about one array (one layer stack when stacking or unstacking)
   plus `group_bytes` waiting to be written.
@@ -98,7 +100,7 @@ def convert(
   reader = checkpointing.CheckpointReader(source)
   destination = Path(destination).absolute()
   _check_destination(reader.items, destination, force)
-  job = _prepare(reader, destination, layout, scan_layers, param_scan_axis, dtype, params_only, force)
+  job = _prepare(reader, destination, layout, scan_layers, param_scan_axis, dtype, params_only, force, config)
   skeleton = layouts.build_tree(job.stored, job.kind)
 
   # The outermost folder this call creates, removed again if the conversion fails.
@@ -142,14 +144,14 @@ def convert(
   )
 
 
-def _prepare(reader, destination, layout, scan_layers, param_scan_axis, dtype, params_only, force) -> _Job:
+def _prepare(reader, destination, layout, scan_layers, param_scan_axis, dtype, params_only, force, given) -> _Job:
   """Checks the request against the source's metadata and plans it; reads no array."""
   kind = layout or (layouts.LINEN if reader.layout.kind == layouts.CANONICAL else reader.layout.kind)
   if kind not in (layouts.LINEN, layouts.NNX):
     raise ConversionError(f"unknown layout {kind!r}; expected 'linen' or 'nnx'")
   if dtype not in (None, "float32", "bfloat16"):
     raise ConversionError(f"unknown dtype {dtype!r}; expected 'float32' or 'bfloat16'")
-  config = _load(checkpointing.find_config(reader.items))
+  config = load_config(os.fspath(given)) if given is not None else _load(checkpointing.find_config(reader.items))
   source_axis, axis = _axes(reader.layout.scanned, scan_layers, param_scan_axis, config)
   steps = plan.build(
       reader.leaves,
@@ -190,7 +192,8 @@ def _check_config_describes(config: Config, stored: dict[str, checkpointing.Leaf
     canonical.check(canonical.unflatten(params), abstract_params(config), config.param_scan_axis)
   except ValueError as e:
     raise ConversionError(
-        f"the source's config.yml does not describe the checkpoint in {items}, so the result would not "
+        f"the config (the source's config.yml or --config) does not describe the checkpoint in {items}, so the "
+        "result would not "
         f"load; nothing was written. {e}"
     ) from e
 

@@ -58,6 +58,7 @@ def _convert(args: argparse.Namespace) -> int:
       dtype=args.dtype,
       params_only=args.params_only,
       force=args.force,
+      config=args.config,
   )
   print(conversion.summary())
   return 0
@@ -274,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--dtype", choices=["float32", "bfloat16"], help="cast floating-point arrays, optimizer state included")
   p.add_argument("--params-only", action="store_true", help="drop optimizer state and step (a decode checkpoint)")
   p.add_argument("--force", action="store_true", help="replace DESTINATION if it exists")
+  p.add_argument("--config", help=_CONFIG_HELP + "; written with the result")
 
   p = verbs.add_parser(
       "compare",

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import converters
 import maxbridge as mb
 from maxbridge import canonical, checkpointing, cli, dispatch, optimizers
 from maxbridge.config import ConfigError
@@ -82,6 +83,17 @@ def test_a_checkpoint_without_config_says_how_to_pass_one(maxtext, tmp_path, cap
   assert "--config" in capsys.readouterr().err and not (tmp_path / "no").exists()
   assert cli.main(["export-hf", str(step_dir), str(tmp_path / "hf"), "--config", "llama-tiny"]) == 0
   assert (tmp_path / "hf" / "config.json").is_file()
+
+
+def test_convert_with_a_config_writes_it_beside_the_result(maxtext, tokens, tmp_path):
+  step_dir, params = maxtext["nnx"]
+  with pytest.raises(converters.ConversionError, match="does not describe the checkpoint"):
+    converters.convert(step_dir, tmp_path / "wrong", config="llama2-7b")
+  assert not (tmp_path / "wrong").exists()
+  assert cli.main(["convert", str(step_dir), str(tmp_path / "ours"), "--layout", "linen", "--config", "llama-tiny"]) == 0
+  assert not mb.load_config(str(tmp_path / "ours" / "config.yml")).scan_layers  # as the source is stored
+  model = mb.from_pretrained(tmp_path / "ours", backend="nnx")  # no config= needed now
+  np.testing.assert_allclose(model.logits(tokens), _reference_logits(NNX, params, tokens), atol=1e-6)
 
 
 def test_generate_reads_a_maxtext_checkpoint_by_config_or_load_parameters_path(maxtext, capsys):

@@ -248,7 +248,8 @@ def export_hf(
   try:
     out = save_hf(params, cfg, destination, dtype=dtype, base_config=base)
   except _ParamsDisagree as e:
-    raise HFError(f"{source}: its config.yml does not describe its checkpoint; nothing was written. {e}") from e
+    given = f"config={config!r}" if config is not None else "its config.yml"
+    raise HFError(f"{source}: {given} does not describe its checkpoint; nothing was written. {e}") from e
   if folder is not None:
     _copy_tokenizer_files(folder, out)
   return out
