@@ -362,14 +362,14 @@ def initial_state(config: Config, trainer):
   """
   if config.load_full_state_path:
     return _full_state(config.load_full_state_path, trainer)
-  state = trainer.init_state(config.seed)
-  if config.load_parameters_path:
-    where = f"load_parameters_path={config.load_parameters_path!r}"
-    params = _fit(_named(where, checkpointing.load_params, config.load_parameters_path)[0], trainer, where)
-    with sharding.active(trainer.mesh, trainer.rules):
-      replace = jax.jit(trainer._replace_params, out_shardings=trainer.state_shardings, donate_argnums=0)
-      state = replace(state, params)
-  return state
+  if not config.load_parameters_path:
+    return trainer.init_state(config.seed)
+  where = f"load_parameters_path={config.load_parameters_path!r}"
+  params = _fit(_named(where, checkpointing.load_params, config.load_parameters_path)[0], trainer, where)
+  state = trainer.init_state(config.seed)  # a fresh optimizer state at step 0
+  with sharding.active(trainer.mesh, trainer.rules):
+    replace = jax.jit(trainer._replace_params, out_shardings=trainer.state_shardings, donate_argnums=0)
+    return replace(state, params)
 
 
 def _named(where: str, read, path):

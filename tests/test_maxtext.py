@@ -123,20 +123,6 @@ def test_load_parameters_path_starts_a_new_run_from_those_parameters(maxtext, to
   np.testing.assert_array_equal(_reference_logits(flags, started, tokens), _reference_logits(flags, params, tokens))
 
 
-def test_a_run_with_its_own_checkpoints_ignores_the_load_keys(tmp_path):
-  common = dict(base_output_directory=str(tmp_path), run_name="own", steps=3, **RUN)
-  first = tiny_config(LINEN, **common)
-  trainer = dispatch.create_trainer(first)
-  mb.train(first, trainer=trainer, until_step=2, progress=False)
-  missing = str(tmp_path / "nowhere")
-  # A path that would fail if it were read: the run resumes from its own step 2 instead.
-  resumed = tiny_config(LINEN, **common, load_full_state_path=missing)
-  assert [r["step"] for r in mb.train(resumed, trainer=trainer, progress=False)] == [2]
-  new = tiny_config(LINEN, **{**common, "run_name": "new"}, load_parameters_path=missing)
-  with pytest.raises(checkpointing.CheckpointError, match=r"load_parameters_path=.*nowhere.*no such file"):
-    mb.train(new, trainer=trainer, progress=False)
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
   """A 6-step Linen run checkpointed at step 3, and its losses."""
@@ -163,6 +149,18 @@ def test_load_full_state_path_continues_the_optimizer_exactly(uninterrupted, tmp
   records = mb.train(config, progress=False)
   assert [r["step"] for r in records] == [3, 4, 5]
   np.testing.assert_allclose([r["loss"] for r in records], losses[3:], rtol=1e-6)
+
+
+def test_a_run_with_its_own_checkpoints_ignores_the_load_keys(uninterrupted, tmp_path):
+  step_dir, _ = uninterrupted
+  missing = str(tmp_path / "nowhere")
+  # A path that would fail if it were read: the run resumes from its own last step (6) instead.
+  again = tiny_config(LINEN, base_output_directory=str(step_dir.parents[2]), run_name="a", steps=6, **RUN)
+  assert mb.train(again.replace(load_full_state_path=missing), progress=False) == []
+  assert mb.train(again.replace(load_parameters_path=missing), progress=False) == []
+  new = again.replace(run_name="new", load_parameters_path=missing)
+  with pytest.raises(checkpointing.CheckpointError, match=r"load_parameters_path=.*nowhere.*no such file"):
+    initial_state(new, dispatch.create_trainer(new))
 
 
 def test_load_full_state_path_refuses_a_params_only_checkpoint(tmp_path):
