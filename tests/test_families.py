@@ -437,5 +437,7 @@ def test_mistral_without_a_window_is_valid_as_in_mistral_7b_v0_2():
 
 
 def test_learned_positions_follow_trainable_position_size_not_the_family_name():
-  llama = canonical.flatten(mb.create_model(family_config("llama-tiny", trainable_position_size=16)).abstract_params())
+  llama = canonical.flatten(
+      mb.create_model(family_config("llama-tiny", trainable_position_size=16, max_target_length=16)).abstract_params()
+  )
   assert llama["decoder/position_embedder/embedding"].shape == (16, 64)
