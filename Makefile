@@ -33,7 +33,9 @@ lint: $(STAMP)
 # first as a MaxText environment would hold them; maxbridge must install beside them
 # without changing jax or flax, and pass the parity, bridge, train and converter tests.
 NEWEST := .venv-newest
-PY312 ?= $(shell command -v python3.12 2>/dev/null || ls /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)
+# The first candidate that runs: a pyenv shim is on PATH even where no 3.12 is selected.
+PY312 ?= $(shell for p in $$(command -v python3.12) $$(ls /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null); do \
+	$$p -c 'import sys' >/dev/null 2>&1 && echo $$p && break; done)
 
 test-newest:
 	@test -n "$(PY312)" || { echo "test-newest: no python3.12 found (set PY312=/path/to/python3.12)"; exit 2; }
