@@ -24,6 +24,9 @@ setup(
         "matplotlib>=3.11.2",
         "tqdm>=4.70.1",
         "safetensors>=0.8.0",
+        # Quantization (maxbridge/quantization.py): AQT and Qwix.
+        "aqtp>=0.9.0",
+        "qwix>=0.1.8",
     ],
     extras_require={
         "test": [

@@ -29,6 +29,9 @@ MESH_AXES = ("data", "fsdp", "tensor")  # maxbridge.sharding builds the mesh wit
 # Decoder families, by MaxText's names: llama2 (also Mistral and Qwen3 through
 # sliding_window_size / use_qk_norm), gpt3 (GPT-2/3), mixtral (MoE), deepseek (MLA + MoE).
 DECODER_BLOCKS = ("llama2", "mistral", "qwen3", "gpt3", "mixtral", "deepseek")
+# MaxText's `quantization` values ("" = float). Each library accepts a subset.
+QUANTIZATIONS = ("", "int8", "int4", "fp8", "nf4")
+QUANTIZATIONS_BY_LIBRARY = {"aqt": ("", "int8"), "qwix": ("", "int8", "int4", "fp8")}
 
 
 class ConfigError(ValueError):
@@ -119,6 +122,11 @@ class Config:
   decode_sampling_top_k: int
   decode_sampling_nucleus_p: float
   stack_prefill_result_cache: bool
+  # quantization (see maxbridge/quantization.py)
+  quantization: str
+  use_qwix_quantization: bool
+  checkpoint_is_quantized: bool
+  quantization_local_shard_count: int
   # sharding
   ici_data_parallelism: int
   ici_fsdp_parallelism: int
@@ -322,6 +330,11 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("z_loss_multiplier", lambda v: v >= 0, ">= 0"),
     ("num_vocab_tiling", _positive, "a positive integer (1 disables tiling)"),
     ("qk_clip_threshold", lambda v: 0 < v < float("inf"), "a finite number > 0"),
+    (
+        "quantization_local_shard_count",
+        lambda v: v >= -1,
+        "-1 (one shard per slice), 0 (float weight gradients) or a positive shard count",
+    ),
     ("eval_interval", lambda v: v >= 0, ">= 0 (0 disables evaluation)"),
     ("warmup_steps_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("cosine_learning_rate_final_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
@@ -342,6 +355,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "param_scan_axis": (0, 1),
     "dataset_type": ("embedded", "synthetic", "text"),
     "decode_sampling_strategy": ("greedy", "weighted", "topk", "nucleus"),
+    "quantization": QUANTIZATIONS,
 }
 
 
@@ -385,6 +399,7 @@ def _validate(cfg: Config) -> None:
   if cfg.process_id >= cfg.num_processes:
     raise ConfigError(f"process_id={cfg.process_id} must be below num_processes={cfg.num_processes}")
   _validate_family(cfg)
+  _validate_quantization(cfg)
   if cfg.dataset_type == "text" and not cfg.dataset_path:
     raise ConfigError("dataset_type='text' needs dataset_path (a text file to train on)")
 
@@ -447,6 +462,22 @@ def _validate_family(cfg: Config) -> None:
             f"num_experts_per_tok={cfg.num_experts_per_tok} exceeds the experts in "
             f"topk_routing_group={top_groups} groups of {cfg.num_experts // groups}"
         )
+
+
+def _validate_quantization(cfg: Config) -> None:
+  library = "qwix" if cfg.use_qwix_quantization else "aqt"
+  supported = QUANTIZATIONS_BY_LIBRARY[library]
+  if cfg.quantization not in supported:
+    listed = ", ".join(repr(c) for c in supported)
+    raise ConfigError(
+        f"config key 'quantization' = {cfg.quantization!r} is not supported with use_qwix_quantization="
+        f"{str(cfg.use_qwix_quantization).lower()} ({library}); valid values: {listed}"
+    )
+  if cfg.checkpoint_is_quantized and not cfg.quantization:
+    raise ConfigError(
+        "checkpoint_is_quantized=true needs the quantization its weights were made with: set quantization "
+        f"(one of {', '.join(repr(c) for c in supported if c)})"
+    )
 
 
 def _check_known(values: Mapping[str, Any], source: str) -> None:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxbridge import initializers
+from maxbridge import initializers, quantization
 from maxbridge.config import Config
 from maxbridge.ops import linear
 
@@ -51,7 +51,9 @@ class DenseGeneral(nnx.Module):
 def dense(
     config: Config, in_features: tuple[int, ...], out_features: tuple[int, ...], logical_axes: tuple[str, ...], **kwargs
 ) -> DenseGeneral:
-  """A `DenseGeneral` with the config's dtypes: the one place a layer's matmul settings come from."""
+  """A `DenseGeneral` with the config's dtypes and matmul (`maxbridge.quantization`): the one place a layer's
+  matmul settings come from."""
+  kwargs.setdefault("dot_general", quantization.nnx_dot_general(config))
   return DenseGeneral(
       in_features,
       out_features,

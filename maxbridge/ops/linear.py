@@ -31,5 +31,6 @@ def dense_general(
     )
   x, kernel, bias = promote_dtype((x, kernel, bias), dtype=dtype)
   contract = (tuple(range(x.ndim - in_ndim, x.ndim)), tuple(range(in_ndim)))
-  y = dot_general(x, kernel, (contract, ((), ())))
+  # precision by keyword, as flax's Dense passes it: AQT's dot_general requires the argument.
+  y = dot_general(x, kernel, (contract, ((), ())), precision=None)
   return y if bias is None else y + bias
