@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from linen_models import decoders as linen_decoders
 from linen_models import models as linen_models
-from maxbridge import bridge, canonical, initializers, qk_clip, vocab_tiling
+from maxbridge import bridge, canonical, initializers, qk_clip, quantization, vocab_tiling
 from maxbridge.config import Config
 from maxbridge.loss import CrossEntropy, Loss
 from maxbridge.model import LinenModel, Model, NNXModel
@@ -68,17 +68,27 @@ def nnx_decoder(config: Config, rngs: nnx.Rngs) -> nnx.Module:
   return bridge.ToNNX(linen_decoders.Decoder(config), rngs=rngs).lazy_init(*_decoder_sample_inputs(config))
 
 
-def linen_transformer(config: Config) -> nn.Module:
+def _linen_transformer(config: Config) -> nn.Module:
   if config.enable_nnx:
     factory = functools.partial(nnx_decoder, config)
     return bridge.ToLinen(nnx_models.Transformer, kwargs=FrozenDict(config=config, decoder_factory=factory))
   return linen_models.Transformer(config, decoder=linen_decoder(config))
 
 
-def nnx_transformer(config: Config, rngs: nnx.Rngs) -> nnx.Module:
+def _nnx_transformer(config: Config, rngs: nnx.Rngs) -> nnx.Module:
   if config.enable_nnx:
     return nnx_models.Transformer(config, functools.partial(nnx_decoder, config), rngs=rngs)
-  return bridge.ToNNX(linen_transformer(config), rngs=rngs).lazy_init(*sample_inputs(config))
+  return bridge.ToNNX(_linen_transformer(config), rngs=rngs).lazy_init(*sample_inputs(config))
+
+
+# The top-level model of each train-state backend, quantized here (Qwix) when
+# the config asks: interception wraps the whole model, never a layer.
+def linen_transformer(config: Config) -> nn.Module:
+  return quantization.quantize_linen(config, _linen_transformer(config))
+
+
+def nnx_transformer(config: Config, rngs: nnx.Rngs) -> nnx.Module:
+  return quantization.quantize_nnx(config, _nnx_transformer(config, rngs), *sample_inputs(config))
 
 
 def create_model(config: Config, seed: int | None = None, *, params: Mapping[str, Any] | None = None) -> Model:
