@@ -84,7 +84,9 @@ def main():
   for name in ("linen", "nnx"):
     one = dispatch.create_trainer(config(BACKENDS[name], **FEATURES), single_device_mesh())
     _, report["features"][f"{name}@1"] = train(one, STEPS)
-    _, report["features"][f"{name}@2x2x2"] = train(dispatch.create_trainer(config(BACKENDS[name], (2, 2, 2), **FEATURES)), STEPS)
+    _, report["features"][f"{name}@2x2x2"] = train(
+        dispatch.create_trainer(config(BACKENDS[name], (2, 2, 2), **FEATURES)), STEPS
+    )
 
   # Save on one mesh with Linen, restore onto another with NNX, and go on.
   with tempfile.TemporaryDirectory() as tmp:
