@@ -107,6 +107,8 @@ class Config:
   qk_clip_threshold: float
   dataset_type: str
   dataset_path: str
+  sft_train_on_completion_only: bool
+  tokenizer_path: str
   eval_interval: int
   eval_steps: int
   enable_checkpointing: bool
@@ -353,7 +355,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "weight_dtype": ("float32", "bfloat16"),
     "remat_policy": ("none", "full", "minimal"),
     "param_scan_axis": (0, 1),
-    "dataset_type": ("embedded", "synthetic", "text"),
+    "dataset_type": ("embedded", "synthetic", "text", "sft"),
     "decode_sampling_strategy": ("greedy", "weighted", "topk", "nucleus"),
     "quantization": QUANTIZATIONS,
 }

@@ -27,12 +27,13 @@ from pathlib import Path
 import numpy as np
 
 from maxbridge.config import Config
+from maxbridge.posttrain import sft
 
 # What `pack` makes. A loss declares the keys it reads (`maxbridge.loss`); a
 # Dataset carries whatever keys its rows have.
 BATCH_KEYS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
 SPLITS = ("train", "eval")
-DATASET_TYPES = ("embedded", "synthetic", "text")
+DATASET_TYPES = ("embedded", "synthetic", "text", "sft")
 
 # Every EVAL_EVERY-th document (index % EVAL_EVERY == 0) is held out for eval.
 EVAL_EVERY = 20
@@ -215,10 +216,50 @@ def make_dataset(config: Config, split: str = "train", global_batch_size: int | 
     _check_byte_vocab(config)
     rows = _text_rows(config.dataset_path, split, length)
     name = f"text {split} ({config.dataset_path})"
+  elif config.dataset_type == "sft":
+    rows = _sft_rows(config, split, length)
+    name = f"sft {split} ({config.dataset_path or 'built-in arithmetic'})"
   else:
     raise ValueError(f"unknown dataset_type {config.dataset_type!r}; valid values: {', '.join(map(repr, DATASET_TYPES))}")
   batch_size = config.per_device_batch_size if global_batch_size is None else global_batch_size
   return Dataset(rows, batch_size, config.seed, name)
+
+
+def _sft_rows(config: Config, split: str, length: int) -> dict[str, np.ndarray]:
+  completion_only = config.sft_train_on_completion_only
+  if not config.tokenizer_path:
+    _check_byte_vocab(config)
+  if not config.dataset_path:
+    if config.tokenizer_path:
+      raise ValueError("dataset_type='sft' with tokenizer_path needs dataset_path: the built-in set is byte tokens")
+    return _builtin_sft_rows(split, length, completion_only)
+  chat = sft.HFChat(config.tokenizer_path) if config.tokenizer_path else None
+  examples = []
+  for path in _text_files(config.dataset_path):
+    if path.suffix != ".jsonl":
+      raise ValueError(f"dataset_type='sft' reads .jsonl files (prompt/completion or messages rows), got {path}")
+    examples += sft.jsonl_examples(path, chat)
+  return sft.pack_examples(
+      _split_examples(examples, split, f"dataset_path {config.dataset_path!r}"), length, completion_only
+  )
+
+
+@functools.lru_cache(maxsize=8)
+def _builtin_sft_rows(split: str, length: int, completion_only: bool) -> dict[str, np.ndarray]:
+  examples = _split_examples(list(sft.builtin_examples()), split, "the built-in SFT set")
+  return _freeze(sft.pack_examples(examples, length, completion_only))
+
+
+def _split_examples(examples: list, split: str, source: str) -> list:
+  """The same held-out rule as documents: every EVAL_EVERY-th example is eval."""
+  held_out = split == "eval"
+  chosen = [e for i, e in enumerate(examples) if (i % EVAL_EVERY == 0) == held_out]
+  if not chosen:
+    raise ValueError(
+        f"{source} has {len(examples)} example(s) and none left for the {split!r} split "
+        f"(eval holds every example whose index % {EVAL_EVERY} == 0, train the rest); give at least 2"
+    )
+  return chosen
 
 
 def _check_byte_vocab(config: Config) -> None:

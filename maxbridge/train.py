@@ -47,6 +47,8 @@ _RUN_ONLY_KEYS = frozenset(
         "log_period",
         "dataset_type",
         "dataset_path",
+        "sft_train_on_completion_only",
+        "tokenizer_path",
         "load_parameters_path",
         "load_full_state_path",
     }

@@ -1,0 +1,5 @@
+"""Post-training: supervised fine-tuning (`sft`) and preference optimisation (`dpo`), on the one train loop.
+
+Each is data (prompt/completion rows, numpy only) plus, where plain
+cross-entropy is not the objective, one `maxbridge.loss.Loss`.
+"""
