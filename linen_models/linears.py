@@ -2,7 +2,12 @@
 
 `dot_general` is the matmul (`jax.lax.dot_general`, or a quantized one, as
 flax's `Dense` takes it). Initial values come from `maxbridge.initializers`.
+With `frozen` (AQT serve mode, see `maxbridge.quantization`), the layer holds
+`kernel_qvalue` and `kernel_scale` instead of `kernel`, and `frozen` makes the
+matmul from them.
 """
+
+from typing import Callable
 
 import flax.linen as nn
 import jax
@@ -21,15 +26,30 @@ class DenseGeneral(nn.Module):
   weight_dtype: jnp.dtype = jnp.float32
   use_bias: bool = False
   dot_general: linear.DotGeneral = jax.lax.dot_general
+  frozen: Callable[[jax.Array, jax.Array], linear.DotGeneral] | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    kernel = self.param(
-        "kernel",
-        nn.with_logical_partitioning(initializers.placeholder, self.logical_axes),
-        self.in_features + self.out_features,
-        self.weight_dtype,
-    )
+    shape, in_ndim = self.in_features + self.out_features, len(self.in_features)
+    dot_general = self.dot_general
+    if self.frozen is None:
+      kernel = self.param(
+          "kernel", nn.with_logical_partitioning(initializers.placeholder, self.logical_axes), shape, self.weight_dtype
+      )
+    else:
+      qvalue = self.param(
+          quantization.QVALUE,
+          nn.with_logical_partitioning(initializers.placeholder, self.logical_axes),
+          shape,
+          jnp.int8,
+      )
+      scale = self.param(
+          quantization.SCALE,
+          nn.with_logical_partitioning(initializers.placeholder, quantization.scale_axes(self.logical_axes, in_ndim)),
+          quantization.scale_shape(shape, in_ndim),
+          jnp.dtype(self.dtype),
+      )
+      kernel, dot_general = jnp.zeros(shape, self.dtype), self.frozen(qvalue, scale)
     bias = None
     if self.use_bias:
       bias = self.param(
@@ -38,9 +58,7 @@ class DenseGeneral(nn.Module):
           self.out_features,
           self.weight_dtype,
       )
-    return linear.dense_general(
-        x, kernel, in_ndim=len(self.in_features), dtype=self.dtype, bias=bias, dot_general=self.dot_general
-    )
+    return linear.dense_general(x, kernel, in_ndim=in_ndim, dtype=self.dtype, bias=bias, dot_general=dot_general)
 
 
 def dense(
@@ -49,6 +67,7 @@ def dense(
   """A `DenseGeneral` with the config's dtypes and matmul (`maxbridge.quantization`): the one place a layer's
   matmul settings come from."""
   kwargs.setdefault("dot_general", quantization.linen_dot_general(config))
+  kwargs.setdefault("frozen", quantization.frozen_dot_general(config))
   return DenseGeneral(
       in_features,
       out_features,

@@ -124,6 +124,14 @@ def _export_hf(args: argparse.Namespace) -> int:
   return 0
 
 
+def _quantize(args: argparse.Namespace) -> int:
+  from maxbridge import quantization
+
+  out = quantization.quantize_checkpoint(args.source, args.destination, *args.overrides, config=args.config)
+  print(f"{out}: serve checkpoint (int8 values and scales in place of float kernels) at step 0, with config.yml")
+  return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
   from pathlib import Path
 
@@ -227,6 +235,7 @@ HANDLERS: dict[str, Handler] = {
     "compare": _compare,
     "import-hf": _import_hf,
     "export-hf": _export_hf,
+    "quantize": _quantize,
     "generate": _generate,
     "bench": _bench,
 }
@@ -318,6 +327,19 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("destination", help="new Hugging Face folder to write")
   p.add_argument("--dtype", choices=["float32", "bfloat16"], help="tensor dtype (default: the checkpoint's)")
   p.add_argument("--config", help=_CONFIG_HELP)
+
+  p = verbs.add_parser(
+      "quantize",
+      help="make a serve checkpoint (frozen int8 weights) from a float checkpoint",
+      description="Reads a float checkpoint (maxbridge, MaxText with --config, an imported or raw Hugging Face "
+      "folder, or a preset/YAML whose load_parameters_path names one) and writes DESTINATION/0/items + "
+      "config.yml with checkpoint_is_quantized=true: every quantized kernel as int8 kernel_qvalue + kernel_scale. "
+      "Needs quantization=int8. Exit 0 done, 2 error (nothing written).",
+  )
+  p.add_argument("source", help="checkpoint, run or Hugging Face folder; or a preset/YAML with load_parameters_path")
+  p.add_argument("destination", help="new directory to write the serve checkpoint to")
+  p.add_argument("--config", help=_CONFIG_HELP)
+  _overrides(p)
 
   p = verbs.add_parser(
       "generate",

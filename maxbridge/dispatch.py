@@ -99,19 +99,52 @@ def create_model(config: Config, seed: int | None = None, *, params: Mapping[str
   Given `params` (a canonical tree, e.g. an imported checkpoint), the model
   takes those instead and no initial values are ever computed.
   """
-  if config.pure_nnx:
-    # Abstract: the real values are written once, by load_params below.
-    module = nnx.eval_shape(lambda: nnx_transformer(config, nnx.Rngs(params=0)))
-    model: Model = NNXModel(config, module)
-  else:
-    model = LinenModel(config, linen_transformer(config), sample_inputs(config))
+  model = _abstract_model(config)
+  if params is None and quantization.serves_quantized(config):
+    # A serve model starts from the float model of the same seed, converted.
+    params = quantize_params(config, create_model(config.replace(checkpoint_is_quantized=False), seed).params())
   if params is not None:
+    if quantization.is_serve_tree(params) and not config.checkpoint_is_quantized:
+      raise ValueError(
+          "these parameters are quantized for serving (kernel_qvalue/kernel_scale in place of float kernels): "
+          "load them with checkpoint_is_quantized=true and the quantization they were made with"
+      )
     model.load_params(params)
     return model
   spec = tuple((path, leaf.shape, leaf.dtype.name) for path, leaf in canonical.flatten(model.abstract_params()).items())
   init = _jitted_init(spec, initializers.InitOptions.from_config(config))
   model.load_params(init(config.seed if seed is None else seed))
   return model
+
+
+def _abstract_model(config: Config) -> Model:
+  """The model for `config`, its parameters not yet written (NNX: abstract; Linen: none held)."""
+  if config.pure_nnx:
+    # Abstract: the real values are written once, by load_params.
+    module = nnx.eval_shape(lambda: nnx_transformer(config, nnx.Rngs(params=0)))
+    return NNXModel(config, module)
+  return LinenModel(config, linen_transformer(config), sample_inputs(config))
+
+
+def quantize_params(config: Config, params: Mapping[str, Any]) -> dict[str, Any]:
+  """AQT convert: the serve-mode tree (`checkpoint_is_quantized=true`) of `config` from a float canonical tree.
+
+  `params` may be scanned or not; the result is in `config`'s scan form. Each
+  quantized kernel becomes int8 `kernel_qvalue` + `kernel_scale`; everything
+  else (norms, embeddings, biases) is copied as is.
+  """
+  if not quantization.serves_quantized(config):
+    raise ValueError(
+        "quantize_params makes AQT serve weights: it needs quantization=int8, use_qwix_quantization=false and "
+        f"checkpoint_is_quantized=true (got quantization={config.quantization!r}, use_qwix_quantization="
+        f"{str(config.use_qwix_quantization).lower()}, checkpoint_is_quantized="
+        f"{str(config.checkpoint_is_quantized).lower()})"
+    )
+  if quantization.is_serve_tree(params):
+    raise ValueError("these parameters are already quantized (kernel_qvalue/kernel_scale in place of float kernels)")
+  float_abstract = _abstract_model(config.replace(checkpoint_is_quantized=False)).abstract_params()
+  params = canonical.conform(params, float_abstract, config.param_scan_axis)
+  return quantization.convert(config, params, _abstract_model(config).abstract_params())
 
 
 @functools.lru_cache(maxsize=16)
@@ -142,6 +175,11 @@ def create_trainer(
   every optimizer update, the same on both backends (QK-Clip when
   `use_qk_clip`, else none).
   """
+  if config.checkpoint_is_quantized:
+    raise ValueError(
+        "checkpoint_is_quantized=true: the weights are frozen int8 values and scales for serving, which cannot "
+        "be trained; train the float checkpoint instead (quantization=int8 trains it quantization-aware)"
+    )
   if after_update is None and config.use_qk_clip:
     after_update = functools.partial(qk_clip.after_update, config=config)
   hooks = dict(loss=create_loss(config) if loss is None else loss, after_update=after_update)

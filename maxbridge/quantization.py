@@ -21,17 +21,23 @@ a matmul's weights and rule by the module running it, which a ToNNX/ToLinen
 boundary hides (config validation says so).
 """
 
+import copy
+import os
+import shutil
 import functools
+from pathlib import Path
+from typing import Any, Callable, Mapping
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from aqt.jax.v2 import aqt_dot_general
+from aqt.jax.v2 import aqt_dot_general, aqt_tensor
 from aqt.jax.v2 import config as aqt_config
 from aqt.jax.v2.flax import aqt_flax
 import qwix
 
+from maxbridge import canonical
 from maxbridge.config import Config
 from maxbridge.ops import linear
 
@@ -135,3 +141,149 @@ def quantize_nnx(config: Config, module: nnx.Module, *sample_inputs) -> nnx.Modu
   quantized = qwix.quantize_model(module, qwix.QtProvider(qwix_rules(config)), *sample_inputs)
   nnx.pop(quantized, nnx.Intermediate)
   return quantized
+
+
+# --- AQT serving: frozen int8 values and scales in place of float kernels --------
+#
+# A serve model (`checkpoint_is_quantized=true`) declares, for every kernel a
+# train-mode model quantizes, `kernel_qvalue` (int8, the kernel's shape and
+# axes) and `kernel_scale` (the kernel's shape with 1 on each contracted axis)
+# in place of `kernel`: the same canonical names on both backends, stacked on
+# param_scan_axis like any parameter. Norms, embeddings and biases stay float.
+# `convert` computes the pair from a float tree with the quantizer train mode
+# runs, and serving feeds it to the same AQT `dot_general`, so serve logits
+# are the convert-mode (train-mode) logits bit for bit.
+
+QVALUE, SCALE = "kernel_qvalue", "kernel_scale"
+
+
+def serves_quantized(config: Config) -> bool:
+  """Whether dense kernels are held as frozen int8 values and scales (AQT serve mode)."""
+  return uses_aqt(config) and config.checkpoint_is_quantized
+
+
+def scale_shape(kernel_shape: tuple[int, ...], in_ndim: int) -> tuple[int, ...]:
+  """A kernel's per-output-channel scale: 1 on each of its `in_ndim` contracted (leading) axes."""
+  return (1,) * in_ndim + tuple(kernel_shape[in_ndim:])
+
+
+def scale_axes(logical_axes: tuple[str, ...], in_ndim: int) -> tuple[str | None, ...]:
+  """Logical axes of a scale: its contracted axes have size 1, so they are never sharded."""
+  return (None,) * in_ndim + tuple(logical_axes[in_ndim:])
+
+
+def _fresh_rhs_quantizer(config: Config):
+  # AQT's quantizers hold their calibrator once initialised; a copy keeps the
+  # shared (cached) config untouched, and quantizes exactly as its forward pass does.
+  quantizer = copy.deepcopy(aqt_dot_general_config(config).fwd.dg_quantizer.rhs)
+  quantizer.init_calibration()
+  return quantizer
+
+
+def quantize_kernel(config: Config, kernel: jax.Array, contracted: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+  """(int8 qvalue, scale) of a float kernel, scaled per slice over the `contracted` axes (kept, as size 1).
+
+  Any other axis, a scanned stack's layer axis included, keeps its own scales,
+  so a stack quantizes exactly as its layers do one by one.
+  """
+  quantizer = _fresh_rhs_quantizer(config)
+  kernel = jnp.asarray(kernel).astype(jnp.dtype(config.dtype))  # train mode quantizes the promoted kernel
+  qt = quantizer.calibrate(kernel, calibration_axes=tuple(contracted))
+  qt, _ = quantizer.calculate_qvalue(kernel, qt)
+  (scale,) = qt.scale
+  return qt.qvalue.astype(jnp.int8), scale
+
+
+def serve_dot_general(config: Config, qvalue: jax.Array, scale: jax.Array) -> linear.DotGeneral:
+  """The `dot_general` of a serve-mode dense layer: AQT's int8 matmul with its weight side given, frozen.
+
+  The float operand it is called with (zeros of the kernel's shape, all a
+  serve layer has) is never read: AQT takes a complete `QTensor` as is.
+  """
+  dg = aqt_config.set_context(aqt_dot_general_config(config), key=None, train_step=None)
+  frozen = aqt_tensor.QTensor(qvalue=qvalue, scale=[scale], scale_t=None, bias=[], dequant_dtype=scale.dtype)
+
+  def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    del precision, preferred_element_type
+    return dg.dg_core(lhs, rhs, None, frozen, dimension_numbers)[0]
+
+  return dot_general
+
+
+def is_serve_tree(params: Mapping[str, Any]) -> bool:
+  """Whether a canonical tree holds frozen quantized kernels (a serve checkpoint's)."""
+  return any(path.endswith("/" + QVALUE) for path in canonical.flatten(params))
+
+
+def convert(config: Config, params: Mapping[str, Any], serve_abstract: Mapping[str, Any]) -> dict[str, Any]:
+  """A serve model's canonical tree from a float tree in the same scan form (AQT convert mode).
+
+  `serve_abstract` is the serve model's abstract tree: a `kernel_qvalue` there
+  takes the float `kernel` beside it, quantized over the axes its
+  `kernel_scale` holds as 1; every other leaf is copied.
+  """
+  if is_serve_tree(params):
+    raise ValueError("these parameters are already quantized (they hold kernel_qvalue/kernel_scale, not float kernels)")
+  flat, want = canonical.flatten(params), canonical.flatten(serve_abstract)
+  out = {}
+  for path, leaf in want.items():
+    if path.endswith("/" + SCALE):
+      continue
+    if not path.endswith("/" + QVALUE):
+      out[path] = flat[path]
+      continue
+    prefix = path[: -len(QVALUE)]
+    scale = want[prefix + SCALE]
+    contracted = tuple(i for i, n in enumerate(scale.shape) if n == 1)
+    out[path], out[prefix + SCALE] = quantize_kernel(config, flat[prefix + "kernel"], contracted)
+  return canonical.unflatten(out)
+
+
+def frozen_dot_general(config: Config) -> Callable[[jax.Array, jax.Array], linear.DotGeneral] | None:
+  """What a dense layer makes its matmul from when it holds frozen (qvalue, scale), or None: it holds a kernel."""
+  return functools.partial(serve_dot_general, config) if serves_quantized(config) else None
+
+
+def quantize_checkpoint(
+    source: str | os.PathLike, destination: str | os.PathLike, *overrides: str, config: str | None = None
+) -> Path:
+  """`maxbridge quantize`: a float checkpoint -> a new serve checkpoint (`checkpoint_is_quantized=true`).
+
+  `source` is a maxbridge checkpoint or run, an imported Hugging Face folder,
+  a MaxText checkpoint (with `config`), or a preset / YAML file whose
+  `load_parameters_path` names the float parameters. `overrides` must set
+  `quantization`. `destination` gets `0/items` and `config.yml`, written into
+  a temporary folder and renamed into place: any error leaves nothing.
+  """
+  # Imported here: they import the model packages, which import this module.
+  from maxbridge import checkpointing, dispatch, hf  # pylint: disable=import-outside-toplevel
+  from maxbridge.config import ConfigError, load_config  # pylint: disable=import-outside-toplevel
+
+  if Path(source).is_dir():
+    cfg, params = hf.load_pretrained(source, *overrides, config=config)
+  else:
+    cfg = load_config(os.fspath(source), *overrides)
+    if not cfg.load_parameters_path:
+      raise ConfigError(f"{source} is a config without load_parameters_path: give the float checkpoint to quantize")
+    params = checkpointing.load_params(cfg.load_parameters_path)[0]
+  if cfg.checkpoint_is_quantized or is_serve_tree(params):
+    raise ValueError(f"{source} is already quantized (checkpoint_is_quantized): quantize its float checkpoint")
+  if not cfg.quantization:
+    raise ConfigError("maxbridge quantize needs quantization=int8 (AQT; add use_qwix_quantization=true for Qwix)")
+  if cfg.use_qwix_quantization:
+    raise NotImplementedError("serve checkpoints are made by AQT only (use_qwix_quantization=false) for now")
+  serve = cfg.replace(checkpoint_is_quantized=True, load_parameters_path="", load_full_state_path="")
+  serve_params = dispatch.quantize_params(serve, params)
+  tokenizer = hf.tokenizer_folder(source) if Path(source).is_dir() else None
+
+  def write(tmp: Path) -> None:
+    checkpointer = checkpointing.Checkpointer(tmp)
+    checkpointer.save(0, {"params": {"params": serve_params}})
+    checkpointer.wait()
+    checkpointer.close()
+    serve.to_yaml(tmp / "config.yml")
+    for name in hf.folders.TOKENIZER_FILES if tokenizer else ():
+      if (tokenizer / name).is_file():
+        shutil.copyfile(tokenizer / name, tmp / name)
+
+  return hf.write_atomically(destination, write)

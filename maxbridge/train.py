@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from absl import logging
 from tqdm import tqdm
 
-from maxbridge import canonical, checkpointing, data, dispatch, files, layouts, sharding
+from maxbridge import canonical, checkpointing, data, dispatch, files, layouts, quantization, sharding
 from maxbridge.config import Config
 
 
@@ -367,7 +367,13 @@ def initial_state(config: Config, trainer):
   if not config.load_parameters_path:
     return trainer.init_state(config.seed)
   where = f"load_parameters_path={config.load_parameters_path!r}"
-  params = _fit(_named(where, checkpointing.load_params, config.load_parameters_path)[0], trainer, where)
+  params = _named(where, checkpointing.load_params, config.load_parameters_path)[0]
+  if quantization.is_serve_tree(params):
+    raise checkpointing.CheckpointError(
+        f"{where} holds a quantized serve checkpoint (int8 kernel_qvalue/kernel_scale, no float kernels), "
+        "which cannot be trained; start from the float checkpoint it was made from"
+    )
+  params = _fit(params, trainer, where)
   state = trainer.init_state(config.seed)  # a fresh optimizer state at step 0
   with sharding.active(trainer.mesh, trainer.rules):
     replace = jax.jit(trainer._replace_params, out_shardings=trainer.state_shardings, donate_argnums=0)

@@ -2,7 +2,12 @@
 
 `dot_general` is the matmul (`jax.lax.dot_general`, or a quantized one, as
 flax's `Linear` takes it). Initial values come from `maxbridge.initializers`.
+With `frozen` (AQT serve mode, see `maxbridge.quantization`), the layer holds
+`kernel_qvalue` and `kernel_scale` instead of `kernel`, and `frozen` makes the
+matmul from them.
 """
+
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,28 +29,43 @@ class DenseGeneral(nnx.Module):
       weight_dtype: jnp.dtype = jnp.float32,
       use_bias: bool = False,
       dot_general: linear.DotGeneral = jax.lax.dot_general,
+      frozen: Callable[[jax.Array, jax.Array], linear.DotGeneral] | None = None,
       *,
       rngs: nnx.Rngs,
   ):
-    shape = tuple(in_features) + tuple(out_features)
-    self.kernel = nnx.Param(
-        initializers.placeholder(rngs.params(), shape, weight_dtype), out_sharding=tuple(logical_axes)
-    )
+    shape, in_ndim = tuple(in_features) + tuple(out_features), len(in_features)
+    if frozen is None:
+      self.kernel = nnx.Param(
+          initializers.placeholder(rngs.params(), shape, weight_dtype), out_sharding=tuple(logical_axes)
+      )
+    else:
+      self.kernel_qvalue = nnx.Param(
+          initializers.placeholder(rngs.params(), shape, jnp.int8), out_sharding=tuple(logical_axes)
+      )
+      self.kernel_scale = nnx.Param(
+          initializers.placeholder(rngs.params(), quantization.scale_shape(shape, in_ndim), jnp.dtype(dtype)),
+          out_sharding=quantization.scale_axes(tuple(logical_axes), in_ndim),
+      )
     if use_bias:
       self.bias = nnx.Param(
           initializers.placeholder(rngs.params(), tuple(out_features), weight_dtype),
           out_sharding=tuple(logical_axes[len(in_features) :]),
       )
     self.use_bias = use_bias
-    self.in_ndim = len(in_features)
+    self.in_ndim = in_ndim
+    self.shape = shape
     self.dtype = dtype
     self.dot_general = dot_general
+    self.frozen = frozen
 
   def __call__(self, x: jax.Array) -> jax.Array:
     bias = self.bias[...] if self.use_bias else None
-    return linear.dense_general(
-        x, self.kernel[...], in_ndim=self.in_ndim, dtype=self.dtype, bias=bias, dot_general=self.dot_general
-    )
+    if self.frozen is None:
+      kernel, dot_general = self.kernel[...], self.dot_general
+    else:
+      kernel = jnp.zeros(self.shape, self.dtype)
+      dot_general = self.frozen(self.kernel_qvalue[...], self.kernel_scale[...])
+    return linear.dense_general(x, kernel, in_ndim=self.in_ndim, dtype=self.dtype, bias=bias, dot_general=dot_general)
 
 
 def dense(
@@ -54,6 +74,7 @@ def dense(
   """A `DenseGeneral` with the config's dtypes and matmul (`maxbridge.quantization`): the one place a layer's
   matmul settings come from."""
   kwargs.setdefault("dot_general", quantization.nnx_dot_general(config))
+  kwargs.setdefault("frozen", quantization.frozen_dot_general(config))
   return DenseGeneral(
       in_features,
       out_features,

@@ -1,4 +1,4 @@
-"""Quantization on both backends: AQT int8 training (QAT), the same numbers in every flag combination."""
+"""Quantization on both backends: AQT int8 training (QAT) and serving, Qwix QAT; the same numbers in every flag combination."""
 
 import shutil
 
@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import maxbridge as mb
-from maxbridge import canonical, checkpointing, dispatch
+from maxbridge import canonical, checkpointing, cli, dispatch, quantization
 from maxbridge.config import ConfigError
 from conftest import FLAG_COMBINATIONS, flag_id, tiny_config
 
@@ -193,3 +193,154 @@ def test_qwix_training_learns_and_ends_within_5_percent_of_float(qwix_runs, quan
 
 def test_linen_qwix_run_resumed_in_nnx_continues_the_same_losses(qwix_runs):
   np.testing.assert_allclose(qwix_runs["resumed"], qwix_runs["int8"][15:], rtol=1e-5)
+
+
+# --- AQT convert and serve: frozen int8 values and scales, `maxbridge quantize` -------
+
+
+def serve_config(flags=LINEN, **overrides):
+  return tiny_config(flags, quantization="int8", checkpoint_is_quantized=True, **overrides)
+
+
+@pytest.mark.parametrize(
+    "flags,scan",
+    [
+        (LINEN, True),
+        (NNX, True),
+        (LINEN, False),
+        (NNX, False),
+        ((False, True, False), True),
+        ((True, False, True), False),
+    ],
+    ids=["linen", "nnx", "linen-unscanned", "nnx-unscanned", "linen-nnx_model", "nnx-linen_model-unscanned"],
+)
+def test_serve_logits_equal_convert_mode_logits_exactly(flags, scan, tokens, float_model, aqt_reference):
+  """Convert (train mode on float weights: the kernels quantized on the fly) -> serve: the same bits."""
+  serve_params = dispatch.quantize_params(serve_config(flags, scan_layers=scan), float_model.params())
+  model = mb.create_model(serve_config(flags, scan_layers=scan), params=serve_params)
+  np.testing.assert_array_equal(np.asarray(model.logits(tokens)), aqt_reference[scan], err_msg=flag_id(flags))
+  flat = canonical.flatten(model.params())
+  assert not [p for p in flat if p.endswith("/kernel")], "a float kernel in a serve model"
+  qvalues = [p for p in flat if p.endswith("/kernel_qvalue")]
+  assert len(qvalues) == (8 if scan else 15) and all(flat[p].dtype == np.int8 for p in qvalues)  # 7 per stack + head
+  assert flat["token_embedder/embedding"].dtype == np.float32
+  assert flat["decoder/decoder_norm/scale"].dtype == np.float32
+
+
+def test_convert_of_a_scanned_stack_equals_convert_of_its_layers_one_by_one(float_model):
+  scanned = dispatch.quantize_params(serve_config(scan_layers=True), float_model.params())
+  unscanned = dispatch.quantize_params(serve_config(scan_layers=False), float_model.params())
+  stacked = canonical.flatten(canonical.stack_layers(unscanned, 1))
+  scanned = canonical.flatten(scanned)
+  assert set(stacked) == set(scanned)
+  for path, value in scanned.items():
+    np.testing.assert_array_equal(np.asarray(stacked[path]), np.asarray(value), err_msg=path)
+  # Per layer, per output channel: the layer axis (1) keeps its own scales.
+  assert scanned["decoder/layers/mlp/wo/kernel_scale"].shape == (1, 2, 64)
+  assert scanned["decoder/layers/self_attention/out/kernel_scale"].shape == (1, 2, 1, 64)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, float_model):
+  """A float checkpoint (with config.yml) and the serve checkpoint `maxbridge quantize` makes of it."""
+  root = tmp_path_factory.mktemp("serve")
+  save_float_checkpoint(root / "float", tiny_config(), float_model.params())
+  assert cli.main(["quantize", str(root / "float"), str(root / "int8"), "quantization=int8"]) == 0
+  return root
+
+
+@pytest.mark.parametrize("backend", ["linen", "nnx"])
+def test_serve_checkpoint_reloads_with_the_same_qvalues_and_logits(served, backend, tokens, float_model, aqt_reference):
+  model = mb.from_pretrained(served / "int8", backend=backend)
+  assert model.config.checkpoint_is_quantized and model.config.quantization == "int8"
+  expected = canonical.flatten(dispatch.quantize_params(serve_config(), float_model.params()))
+  got = canonical.flatten(model.params())
+  assert set(got) == set(expected)
+  for path, value in expected.items():
+    assert np.asarray(got[path]).tobytes() == np.asarray(value).tobytes(), path
+  np.testing.assert_array_equal(np.asarray(model.logits(tokens)), aqt_reference[True])
+
+
+def save_float_checkpoint(directory, config, params):
+  checkpointer = checkpointing.Checkpointer(directory)
+  checkpointer.save(0, {"params": {"params": params}})
+  checkpointer.wait()
+  checkpointer.close()
+  config.to_yaml(directory / "config.yml")
+
+
+def test_serve_checkpoint_stores_int8_kernels_in_a_quarter_of_their_float_bytes(tmp_path):
+  # Wide enough that a per-channel float32 scale (1/in_features of the kernel) stays under 1%.
+  config = tiny_config(base_emb_dim=256, head_dim=64, base_mlp_dim=512)
+  save_float_checkpoint(tmp_path / "float", config, mb.create_model(config, seed=0).params())
+  quantization.quantize_checkpoint(tmp_path / "float", tmp_path / "int8", "quantization=int8")
+  stored = checkpointing.CheckpointReader(tmp_path / "int8").leaves
+  float_leaves = checkpointing.CheckpointReader(tmp_path / "float").leaves
+  assert not [p for p in stored if p.endswith("/kernel")], "a float kernel on disk"
+  quantized = float_bytes = 0
+  for path, leaf in stored.items():
+    if path.endswith("/kernel_qvalue"):
+      assert leaf.dtype == np.int8, path
+      kernel = float_leaves[path.removesuffix("_qvalue")]
+      ratio = (leaf.nbytes + stored[path.replace("_qvalue", "_scale")].nbytes) / kernel.nbytes
+      assert ratio <= 0.26, (path, ratio)
+      quantized, float_bytes = quantized + leaf.nbytes, float_bytes + kernel.nbytes
+    elif not path.endswith("/kernel_scale"):
+      assert leaf == float_leaves[path], path  # norms and embeddings as they were
+  assert quantized == float_bytes // 4 and len([p for p in stored if p.endswith("_qvalue")]) == 8
+
+
+def test_serve_checkpoint_prefills_and_generates(served, capsys):
+  engine = mb.Engine.from_pretrained(served / "int8", backend="nnx")
+  prompt = np.arange(1, 9, dtype=np.int32)
+  prefix = engine.prefill(prompt)
+  logits = np.asarray(engine.model.logits(prompt[None]))[0, -1]
+  np.testing.assert_allclose(np.asarray(prefix.logits), logits, atol=1e-5, rtol=0)
+  assert int(prefix.token) == int(np.argmax(logits))
+  assert cli.main(["generate", str(served / "int8"), "--prompt", "hi", "--max-new-tokens", "3"]) == 0
+
+
+def test_quantize_reads_hugging_face_folders_and_load_parameters_path(served, float_model, tmp_path):
+  from maxbridge import hf
+
+  hf.export_hf(served / "float", tmp_path / "hf")
+  assert cli.main(["quantize", str(tmp_path / "hf"), str(tmp_path / "from_hf"), "quantization=int8"]) == 0
+  _, hf_params = hf.load_pretrained(tmp_path / "hf")
+  expected = dispatch.quantize_params(serve_config(), hf_params)
+  got, _ = checkpointing.load_params(tmp_path / "from_hf")
+  for path, value in canonical.flatten(expected).items():
+    np.testing.assert_array_equal(canonical.flatten(got)[path], np.asarray(value), err_msg=path)
+  items = served / "float" / "0" / "items"
+  argv = ["quantize", "llama-tiny", str(tmp_path / "from_path"), "quantization=int8", f"load_parameters_path={items}"]
+  assert cli.main(argv) == 0
+  got, _ = checkpointing.load_params(tmp_path / "from_path")
+  reference, _ = checkpointing.load_params(served / "int8")
+  for path, value in canonical.flatten(reference).items():
+    np.testing.assert_array_equal(canonical.flatten(got)[path], value, err_msg=path)
+
+
+@pytest.mark.parametrize(
+    "source,overrides,message",
+    [
+        ("float", ["quantization=int3"], "'quantization' = 'int3' is invalid"),
+        ("float", ["quantization=int4"], "'int4' is not supported with use_qwix_quantization=false"),
+        ("float", [], "needs quantization=int8"),
+        ("int8", ["quantization=int8"], "is already quantized"),
+    ],
+    ids=["unknown", "aqt-int4", "no-quantization", "already-quantized"],
+)
+def test_quantize_refuses_bad_input_and_writes_nothing(served, tmp_path, capsys, source, overrides, message):
+  destination = tmp_path / "out"
+  assert cli.main(["quantize", str(served / source), str(destination), *overrides]) == 2
+  assert message in capsys.readouterr().err
+  assert list(tmp_path.iterdir()) == [], "quantize wrote something"
+
+
+def test_training_from_a_serve_checkpoint_is_refused(served, tmp_path):
+  with pytest.raises(ValueError, match="checkpoint_is_quantized=true: the weights are frozen int8 values"):
+    mb.train(serve_config(base_output_directory=str(tmp_path), run_name="a", steps=1), progress=False)
+  items = str(served / "int8" / "0" / "items")
+  config = tiny_config(base_output_directory=str(tmp_path), run_name="b", steps=1, load_parameters_path=items)
+  with pytest.raises(checkpointing.CheckpointError, match="holds a quantized serve checkpoint"):
+    mb.train(config, progress=False)
+  assert list(tmp_path.iterdir()) == [], "a refused run wrote something"
