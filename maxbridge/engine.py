@@ -16,7 +16,14 @@ into one prefill, split back into one prefix each), chunked prefill
 The cache is one canonical tree on both backends (`abstract_cache`), given to
 the model's attention layers as Linen's "cache" collection or as `nnx.Cache`
 variables (`Model.cached_forward`); the model itself never holds one. Every
-step is jitted once per shape and donates the decode state it replaces.
+step is jitted once per shape and donates the decode state it replaces;
+`generate_steps` runs many steps in one compiled loop.
+
+The engine decodes with unrolled layers (`decode_config`: scan_layers=False,
+as MaxText's decode checkpoints are), whatever the checkpoint's layout: a
+scanned layer loop reslices every stacked weight on each step, which made one
+decoded token ~10x slower on CPU. Its caches are therefore one entry per layer,
+and a prefix with `stack_prefill_result_cache` holds the scanned (stacked) tree.
 """
 
 import functools
@@ -83,6 +90,20 @@ def init_cache(config: Config, batch: int, length: int) -> Params:
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract_cache(config, batch, length))
 
 
+def decode_config(config: Config) -> Config:
+  """The configuration a decoding model runs: `config` with its layers unrolled (see the module docstring)."""
+  return config.replace(scan_layers=False) if config.scan_layers else config
+
+
+def decode_model(model: Model) -> Model:
+  """`model` itself when its layers are unrolled, else a twin of it that decodes with unrolled layers."""
+  if not model.config.scan_layers:
+    return model
+  from maxbridge import dispatch  # pylint: disable=import-outside-toplevel  (dispatch imports this module's users)
+
+  return dispatch.create_model(decode_config(model.config), params=model.params())
+
+
 class Engine:
   """Prefill, insert and generate over `per_device_batch_size` slots per device; see the module docstring."""
 
@@ -95,18 +116,21 @@ class Engine:
           f"{config.max_target_length}): the cache holds max_target_length tokens, prompt and continuation"
       )
     if model is None:
-      model = dispatch.create_model(config, params=params)
-    elif params is not None:
-      model.load_params(params)
-    self.config = config
+      model = dispatch.create_model(decode_config(config), params=params)
+    else:
+      if params is not None:
+        model.load_params(params)
+      model = decode_model(model)
+    self.config = decode_config(config)
     self.model = model
     self.params = model.params()
+    self._abstract_params = model.abstract_params()
     self._rng = jax.random.key(config.seed)
-    self._batch_axis = 1 if config.scan_layers else 0  # of every cache leaf
     self._prefill = jax.jit(self._prefill_impl, static_argnames=("num_samples",))
     self._prefill_concat = jax.jit(self._prefill_concat_impl)
     self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
     self._generate = jax.jit(self._generate_impl, donate_argnums=(1,))
+    self._generate_steps = jax.jit(self._generate_steps_impl, donate_argnums=(1,), static_argnames=("num_steps",))
 
   @classmethod
   def from_pretrained(cls, path, backend: str = "linen", **overrides) -> "Engine":
@@ -119,6 +143,12 @@ class Engine:
   @property
   def max_concurrent_decodes(self) -> int:
     return self.config.per_device_batch_size * jax.device_count()
+
+  def _params(self, params: Params | None) -> Params:
+    """The engine's own parameters, or `params` unrolled to its layout (a copy when they come scanned)."""
+    if params is None:
+      return self.params
+    return canonical.conform(params, self._abstract_params, self.config.param_scan_axis)
 
   # --- sampling ---------------------------------------------------------------------------------
 
@@ -185,7 +215,7 @@ class Engine:
             f"a chunk of {len(padded)} tokens (padded) after {int(start)} exceeds max_target_length="
             f"{self.config.max_target_length}, the tokens a cache holds"
         )
-    params = self.params if params is None else params
+    params = self._params(params)
     rng = self._next_rng(rng)
     return self._prefill(params, padded, np.int32(true_length), rng, cache, start, num_samples=num_samples)
 
@@ -244,7 +274,7 @@ class Engine:
     for i, (offset, length) in enumerate(zip(offsets, lengths)):
       positions[offset : offset + length] = np.arange(length)
       segment_ids[offset : offset + length] = i + 1
-    params = self.params if params is None else params
+    params = self._params(params)
     rng = self._next_rng(rng)
     lengths = np.asarray(lengths, np.int32)
     return self._prefill_concat(params, tokens, positions, segment_ids, offsets, lengths, rng)
@@ -255,20 +285,20 @@ class Engine:
     prefixes = []
     for i, rng in enumerate(jax.random.split(rng, len(offsets))):
       last = logits[0, offsets[i] + lengths[i] - 1]
-      one = _split_packed(cache, offsets[i], lengths[i], sequence_axis=self._batch_axis + 1)
+      one = _split_packed(cache, offsets[i], lengths[i], sequence_axis=1)
       prefixes.append(Prefix(self._stacked(one), self._sample(last, rng), lengths[i], last))
     return prefixes
 
   # --- the prefix cache's layout ------------------------------------------------------------------
 
   def _stacked(self, cache: Params) -> Params:
-    """With stack_prefill_result_cache, unscanned layers' caches stacked on a leading layer axis (the scanned tree)."""
-    if self.config.stack_prefill_result_cache and not self.config.scan_layers:
+    """With stack_prefill_result_cache, the layers' caches stacked on a leading layer axis (the scanned tree)."""
+    if self.config.stack_prefill_result_cache:
       return canonical.stack_layers(cache, axis=0)
     return cache
 
   def _unstacked(self, cache: Params) -> Params:
-    if self.config.stack_prefill_result_cache and not self.config.scan_layers:
+    if self.config.stack_prefill_result_cache:
       return canonical.unstack_layers(cache, axis=0)
     return cache
 
@@ -305,7 +335,7 @@ class Engine:
     prefix_cache = self._unstacked(prefix.cache)
     for i, slot in enumerate(slots):  # traced slots: one compiled insert per number of slots
       cache = jax.tree.map(
-          lambda whole, one, slot=slot: jax.lax.dynamic_update_slice_in_dim(whole, one, slot, self._batch_axis),
+          lambda whole, one, slot=slot: jax.lax.dynamic_update_slice_in_dim(whole, one, slot, 0),
           cache,
           prefix_cache,
       )
@@ -322,8 +352,7 @@ class Engine:
     A slot must not run past max_target_length tokens (its cache would keep
     only the last ones); `Model.generate` bounds this for its prompts.
     """
-    params = self.params if params is None else params
-    return self._generate(params, decode_state, self._next_rng(rng))
+    return self._generate(self._params(params), decode_state, self._next_rng(rng))
 
   def _generate_impl(self, params, state, rng):
     cache, tokens, next_pos, _ = state
@@ -332,6 +361,24 @@ class Engine:
     logits = logits[:, 0]
     new = self._sample(logits, rng)
     return DecodeState(cache, new, next_pos + 1, logits), new
+
+  def generate_steps(
+      self, decode_state: DecodeState, num_steps: int, *, params: Params | None = None, rng=None
+  ) -> tuple[DecodeState, jax.Array]:
+    """`num_steps` of `generate` in one compiled loop: (new state, int32 [slots, num_steps]); state donated.
+
+    Step i samples with `jax.random.split(rng, num_steps)[i]`, so it equals
+    `generate` called with those keys; no token leaves the device in between.
+    """
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+      raise ValueError(f"num_steps must be a whole number >= 1, got {num_steps!r}")
+    return self._generate_steps(self._params(params), decode_state, self._next_rng(rng), num_steps=num_steps)
+
+  def _generate_steps_impl(self, params, state, rng, *, num_steps: int):
+    state, tokens = jax.lax.scan(
+        lambda state, rng: self._generate_impl(params, state, rng), state, jax.random.split(rng, num_steps)
+    )
+    return state, tokens.T
 
 
 def _split_packed(cache: Params, offset, length, *, sequence_axis: int) -> Params:

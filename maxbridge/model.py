@@ -116,7 +116,8 @@ class Model(abc.ABC):
 
     Greedy (argmax) at temperature 0, else sampled from softmax(logits / temperature)
     with `seed`. Runs on the engine's KV cache (`maxbridge.engine.generate_tokens`):
-    one prefill, then one cached step per token, in one compiled loop.
+    one prefill, then one cached step per token, in one compiled loop, with
+    the layers unrolled (`maxbridge.engine.decode_model`).
     """
     prompt = jnp.asarray(prompt)
     single = prompt.ndim == 1
@@ -170,7 +171,13 @@ class Model(abc.ABC):
   def _jitted_generate(self):
     from maxbridge import engine  # pylint: disable=import-outside-toplevel  (engine builds on this module)
 
-    generate = functools.partial(engine.generate_tokens, self)
+    decoder = engine.decode_model(self)
+    abstract = decoder.abstract_params()
+
+    def generate(params, *args, **kwargs):
+      params = canonical.conform(params, abstract, self.config.param_scan_axis)  # unrolled layers, once per call
+      return engine.generate_tokens(decoder, params, *args, **kwargs)
+
     return jax.jit(generate, static_argnames=("max_new_tokens", "sample"))
 
 

@@ -226,17 +226,44 @@ def test_stacked_prefix_caches_round_trip_for_both_scan_layers(scan_layers):
   config = base.config.replace(scan_layers=scan_layers, stack_prefill_result_cache=True)
   eng = engine.Engine(config, base.params)
   prefix = eng.prefill(PROMPTS[0])
+  unstacked = decode("llama-tiny", LINEN)["prefixes"][0].cache
   # Stacked, whatever scan_layers is: the scanned tree, leaves [layers, 1, ...].
-  assert sorted(canonical.flatten(prefix.cache)) == sorted(
-      canonical.flatten(decode("llama-tiny", LINEN)["prefixes"][0].cache)
-  )
+  want = canonical.flatten(canonical.stack_layers(unstacked, axis=0))
+  assert sorted(canonical.flatten(prefix.cache)) == sorted(want)
   for path, leaf in canonical.flatten(prefix.cache).items():
-    np.testing.assert_allclose(
-        leaf, canonical.flatten(decode("llama-tiny", LINEN)["prefixes"][0].cache)[path], atol=1e-6, err_msg=path
-    )
+    np.testing.assert_allclose(leaf, want[path], atol=1e-6, err_msg=path)
   state = eng.insert(prefix, eng.init_decode_state(), 1)
-  unstacked = eng._unstacked(prefix.cache)  # pylint: disable=protected-access
-  batch_axis = 1 if scan_layers else 0
   for path, leaf in canonical.flatten(state.cache).items():
-    np.testing.assert_array_equal(np.take(leaf, [1], axis=batch_axis), canonical.flatten(unstacked)[path], err_msg=path)
-  assert sorted(canonical.flatten(eng._stacked(unstacked))) == sorted(canonical.flatten(prefix.cache))  # pylint: disable=protected-access
+    np.testing.assert_array_equal(leaf[1:2], canonical.flatten(unstacked)[path], err_msg=path)
+
+
+@pytest.mark.parametrize("flags", [LINEN, NNX], ids=["linen", "nnx"])
+def test_a_scanned_model_decodes_on_the_stacked_cache_tree(flags):
+  """The engine unrolls layers; a scanned model's own cached forward (nn.scan / the NNX stack) still works."""
+  eng = decode("llama-tiny", flags)["engine"]
+  config = eng.config.replace(scan_layers=True)
+  model = mb.create_model(config, params=eng.params)
+  prompt = jnp.asarray(PROMPTS[0], jnp.int32)[None]
+  positions = jnp.arange(prompt.shape[1], dtype=jnp.int32)[None]
+  cache = engine.init_cache(config, 1, 32)
+  logits, cache = jax.jit(model.cached_forward)(model.params(), cache, prompt, positions, jnp.ones_like(prompt))
+  want = decode("llama-tiny", flags)["prefixes"][0]
+  np.testing.assert_allclose(logits[0, -1], want.logits, atol=1e-5, rtol=1e-5)
+  stacked = canonical.flatten(canonical.stack_layers(want.cache, axis=0))
+  got = canonical.flatten(cache)
+  assert sorted(got) == sorted(stacked)
+  for path, leaf in visible_entries(cache).items():
+    np.testing.assert_allclose(leaf, visible_entries(canonical.unflatten(stacked))[path], atol=1e-5, err_msg=path)
+
+
+def test_generate_steps_is_repeated_generate_in_one_compiled_loop():
+  result = decode("llama-tiny", NNX)
+  eng = result["engine"]
+  state = eng.insert(result["prefixes"][1], eng.init_decode_state(), 0)
+  state = eng.insert(result["prefixes"][0], state, 1)
+  state, tokens = eng.generate_steps(state, STEPS)
+  assert tokens.shape == (2, STEPS)
+  np.testing.assert_array_equal(tokens[::-1], result["tokens"][:, 1:])
+  np.testing.assert_allclose(state.logits[::-1], result["logits"][:, -1], atol=1e-5, rtol=1e-5)
+  with pytest.raises(ValueError, match="num_steps must be a whole number >= 1, got 0"):
+    eng.generate_steps(state, 0)
