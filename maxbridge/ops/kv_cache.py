@@ -67,8 +67,14 @@ def append(
   index = cache[INDEX]
 
   def write(buffer: jax.Array, values: jax.Array) -> jax.Array:
-    row = lambda b, v, i: jax.lax.dynamic_update_slice_in_dim(b, v, i, axis=0)
-    return jax.vmap(row)(buffer, values.astype(buffer.dtype), index)
+    # One dynamic_update_slice per row, not a vmap of one: vmapped, the
+    # per-row indices make it a scatter, which rewrote the whole cache on
+    # every decode step (4x the step time at 8 slots on CPU).
+    values = values.astype(buffer.dtype)
+    zeros = (0,) * (buffer.ndim - 2)
+    for b in range(buffer.shape[0]):
+      buffer = jax.lax.dynamic_update_slice(buffer, values[b : b + 1], (b, index[b], *zeros))
+    return buffer
 
   out = dict(cache)
   for name, values in new.items():
