@@ -1,11 +1,12 @@
 """Vocabulary tiling: the training loss without ever holding the full [B, T, V] logits.
 
 The final hidden states [B, T, D] are cut into `num_tiles` row tiles. A
-`jax.custom_vjp` loss scans the tiles: the forward pass computes each tile's
-logits with the model's own output head and keeps only float32 sums; the
-backward pass scans again, recomputing each tile's logits under `jax.vjp`,
-accumulating the head's parameter gradients and emitting the hidden-state
-gradient tile by tile. Peak memory holds one tile's logits, not all of them.
+`jax.custom_vjp` loss scans the tiles, computing each tile's logits with the
+model's own output head and keeping only float32 sums. When differentiated,
+the same scan also takes each tile's gradient under `jax.vjp` while its logits
+are at hand, accumulating the head's parameter gradients and keeping the
+hidden-state gradient; the backward pass only scales them by the cotangent.
+Peak memory holds one tile's logits, not all of them.
 
 Written by hand because JAX's autodiff of a `lax.scan` would save every
 tile's logits (or their softmax) as residuals for the backward pass, which is
@@ -49,18 +50,19 @@ def _untile(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 
 def _tile_loss(head: Head, z_loss_multiplier: float, trainable, frozen, hidden, targets, weights):
+  """(weighted sum of per-token cross-entropy + z-loss, weighted sum of z-loss) of one tile, in float32."""
   logits = head(trainable, frozen, hidden)
   per_token, z_loss = losses.cross_entropy_with_z_loss(logits, targets, z_loss_multiplier=z_loss_multiplier)
   return jnp.sum(per_token * weights), jnp.sum(z_loss * weights)
 
 
+def _tile_inputs(hidden, targets, weights, num_tiles):
+  return _tiles(hidden, num_tiles), _tiles(targets, num_tiles), _tiles(weights, num_tiles)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6, 7))
 def _tiled_loss(head, trainable, frozen, hidden, targets, weights, num_tiles, z_loss_multiplier):
-  return _forward(head, trainable, frozen, hidden, targets, weights, num_tiles, z_loss_multiplier)[0]
-
-
-def _forward(head, trainable, frozen, hidden, targets, weights, num_tiles, z_loss_multiplier):
-  tiles = (_tiles(hidden, num_tiles), _tiles(targets, num_tiles), _tiles(weights, num_tiles))
+  """Undifferentiated (evaluation): the sums alone, one tile's logits at a time."""
 
   def body(total, tile):
     h, t, w = tile
@@ -69,33 +71,51 @@ def _forward(head, trainable, frozen, hidden, targets, weights, num_tiles, z_los
 
   # The carry stays float32 whatever the activation dtype.
   zero = jnp.zeros((), jnp.float32)
-  sums, _ = jax.lax.scan(body, (zero, zero), tiles)
-  return sums, (trainable, frozen, hidden, targets, weights)
+  return jax.lax.scan(body, (zero, zero), _tile_inputs(hidden, targets, weights, num_tiles))[0]
+
+
+def _forward(head, trainable, frozen, hidden, targets, weights, num_tiles, z_loss_multiplier):
+  """Differentiated (training): the sums and, in the same pass over each tile, their gradient.
+
+  The loss is a scalar, so its gradient is a fixed field scaled by the
+  incoming cotangent. Taking it while the tile's logits are at hand costs the
+  three matmuls of an untiled step; deferring it to the backward pass would
+  recompute every tile's logits, a fourth.
+  """
+
+  def body(carry, tile):
+    total, grad_sum = carry
+    h, t, w = tile
+    h = sharding.constrain(h, ("activation_batch", "activation_embed"))
+    token_sum, vjp, z_sum = jax.vjp(
+        lambda p, x: _tile_loss(head, z_loss_multiplier, p, frozen, x, t, w), trainable, h, has_aux=True
+    )
+    grad_params, grad_hidden = vjp(jnp.ones((), jnp.float32))
+    total = jax.tree.map(jnp.add, total, (token_sum, z_sum))
+    return (total, jax.tree.map(jnp.add, grad_sum, grad_params)), grad_hidden
+
+  zero = jnp.zeros((), jnp.float32)
+  # Accumulate in float32 even for bfloat16 weights: N partial sums would round otherwise.
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), trainable)
+  (sums, grad_params), grad_hidden = jax.lax.scan(
+      body, ((zero, zero), zeros), _tile_inputs(hidden, targets, weights, num_tiles)
+  )
+  grad_hidden = _untile(grad_hidden, hidden.shape)
+  return sums, (grad_params, grad_hidden, trainable, frozen, hidden, targets, weights)
 
 
 def _backward(head, num_tiles, z_loss_multiplier, residuals, cotangents):
-  trainable, frozen, hidden, targets, weights = residuals
-  tiles = (_tiles(hidden, num_tiles), _tiles(targets, num_tiles), _tiles(weights, num_tiles))
-
-  def body(grad_sum, tile):
-    h, t, w = tile
-    h = sharding.constrain(h, ("activation_batch", "activation_embed"))
-    _, vjp = jax.vjp(lambda p, x: _tile_loss(head, z_loss_multiplier, p, frozen, x, t, w), trainable, h)
-    grad_params, grad_hidden = vjp(cotangents)
-    return jax.tree.map(jnp.add, grad_sum, grad_params), grad_hidden
-
-  # Accumulate in float32 even for bfloat16 weights: N partial sums would round otherwise.
-  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), trainable)
-  grad_params, grad_hidden = jax.lax.scan(body, zeros, tiles)
-  grad_params = jax.tree.map(lambda g, p: g.astype(p.dtype), grad_params, trainable)
-  grad_hidden = _untile(grad_hidden, hidden.shape).astype(hidden.dtype)
+  grad_params, grad_hidden, trainable, frozen, hidden, targets, weights = residuals
+  # The z-loss sum is a metric: `tiled_cross_entropy` stops its gradient, so
+  # its cotangent is always zero; the token sum already includes the z-loss.
+  scale, _ = cotangents
   # Explicit zeros, never None, for everything not differentiated: the frozen
   # state may hold scanned stacks whose layer axis is not 0, which a None
   # cotangent would be expanded against with the wrong layout.
   return (
-      grad_params,
+      jax.tree.map(lambda g, p: (scale * g).astype(p.dtype), grad_params, trainable),
       jax.tree.map(_zero_cotangent, frozen),
-      grad_hidden,
+      (scale * grad_hidden).astype(hidden.dtype),
       _zero_cotangent(targets),
       _zero_cotangent(weights),
   )
@@ -124,8 +144,9 @@ def tiled_cross_entropy(
 ) -> tuple[jax.Array, jax.Array]:
   """(sum of weighted per-token cross-entropy + z-loss, sum of weighted z-loss), in float32.
 
-  hidden [B, T, D], targets and weights [B, T]. Gradients flow to `trainable`
-  (the head's parameters) and `hidden`; `frozen` is read but not differentiated.
+  hidden [B, T, D], targets and weights [B, T]. Gradients flow from the first
+  sum to `trainable` (the head's parameters) and `hidden`; `frozen` is read
+  but not differentiated, and the z-loss sum is a metric with no gradient.
   Equal to `losses.cross_entropy_with_z_loss` on `head`'s full logits, summed.
   """
   rows = hidden.shape[0] * hidden.shape[1]
@@ -139,7 +160,10 @@ def tiled_cross_entropy(
     raise ValueError(
         f"tiled_cross_entropy: targets {targets.shape} and weights {weights.shape} must be {hidden.shape[:2]}"
     )
-  return _tiled_loss(head, trainable, frozen, hidden, targets, weights.astype(jnp.float32), num_tiles, z_loss_multiplier)
+  token_sum, z_loss_sum = _tiled_loss(
+      head, trainable, frozen, hidden, targets, weights.astype(jnp.float32), num_tiles, z_loss_multiplier
+  )
+  return token_sum, jax.lax.stop_gradient(z_loss_sum)
 
 
 def head_params(config: Config, params: Mapping[str, Any]) -> dict:

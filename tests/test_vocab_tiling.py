@@ -35,17 +35,20 @@ def test_tiled_loss_and_gradients_match_untiled(problem, num_tiles):
 
   def untiled(p, x):
     per_token, z = losses.cross_entropy_with_z_loss(_head(p, frozen, x), targets, z_loss_multiplier=1e-2)
-    return jnp.sum(per_token * weights) + 3 * jnp.sum(z * weights)
+    return 3 * jnp.sum(per_token * weights), jnp.sum(z * weights)
 
   def tiled(p, x):
     total, z = vocab_tiling.tiled_cross_entropy(
         _head, p, frozen, x, targets, weights, num_tiles=num_tiles, z_loss_multiplier=1e-2
     )
-    return total + 3 * z
+    return 3 * total, z
 
-  want, want_grads = jax.value_and_grad(untiled, argnums=(0, 1))(trainable, hidden)
-  got, got_grads = jax.jit(jax.value_and_grad(tiled, argnums=(0, 1)))(trainable, hidden)
+  (want, want_z), want_grads = jax.value_and_grad(untiled, argnums=(0, 1), has_aux=True)(trainable, hidden)
+  (got, got_z), got_grads = jax.jit(jax.value_and_grad(tiled, argnums=(0, 1), has_aux=True))(trainable, hidden)
   np.testing.assert_allclose(got, want, rtol=1e-6)
+  np.testing.assert_allclose(got_z, want_z, rtol=1e-6)
+  # Undifferentiated (evaluation) runs the plain scan: the same sums.
+  np.testing.assert_allclose(jax.jit(tiled)(trainable, hidden)[0], want, rtol=1e-6)
   for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(w))))
 
