@@ -38,8 +38,8 @@ class Attention(nn.Module):
       norm = dict(epsilon=cfg.normalization_layer_epsilon, **dtypes)
       query = RMSNorm(head_dim, name="query_norm", **norm)(query)
       key = RMSNorm(head_dim, name="key_norm", **norm)(key)
-    query = rotary.apply_rotary(query, positions, max_timescale=cfg.rope_max_timescale)
-    key = rotary.apply_rotary(key, positions, max_timescale=cfg.rope_max_timescale)
+    query = rotary.apply_rotary(query, positions, max_timescale=cfg.rope_max_timescale, scaling=cfg.rope_scaling)
+    key = rotary.apply_rotary(key, positions, max_timescale=cfg.rope_max_timescale, scaling=cfg.rope_scaling)
     scale = None if initializers.query_kernel_carries_scale(cfg) else head_dim**-0.5
     kv = {}
     if cache := update_cache(self, {"cached_key": key, "cached_value": value}, positions, segment_ids):

@@ -20,6 +20,9 @@ import yaml
 
 from maxbridge import files
 
+if typing.TYPE_CHECKING:
+  from maxbridge.ops import rotary
+
 CONFIG_DIR = Path(__file__).parent / "configs"
 BASE_CONFIG = CONFIG_DIR / "base.yml"
 PRESET_DIR = CONFIG_DIR / "models"
@@ -57,6 +60,12 @@ class Config:
   weight_dtype: str
   normalization_layer_epsilon: float
   rope_max_timescale: int
+  rope_type: str
+  rope_use_scale: bool
+  rope_factor: float
+  rope_low_freq_factor: float
+  rope_high_freq_factor: float
+  original_max_position_embeddings: int
   scan_layers: bool
   param_scan_axis: int
   remat_policy: str
@@ -177,6 +186,17 @@ class Config:
     return "layer_norm" if self.decoder_block == "gpt3" else "rms_norm"
 
   @property
+  def rope_scaling(self) -> rotary.Llama3Scaling | None:
+    """Llama 3.1's RoPE frequency scaling, or None for plain RoPE."""
+    from maxbridge.ops import rotary  # here, not at the top: ops import config (through sharding)
+
+    if self.rope_type != "llama3.1" or not self.rope_use_scale:
+      return None
+    return rotary.Llama3Scaling(
+        self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor, self.original_max_position_embeddings
+    )
+
+  @property
   def schedule_steps(self) -> int:
     """The steps the learning-rate schedule spans: learning_rate_schedule_steps, or steps when -1."""
     return self.steps if self.learning_rate_schedule_steps == -1 else self.learning_rate_schedule_steps
@@ -281,6 +301,7 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
             "vocab_size",
             "max_target_length",
             "rope_max_timescale",
+            "original_max_position_embeddings",
             "steps",
             "per_device_batch_size",
             "eval_steps",
@@ -324,6 +345,8 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("first_num_dense_layers", lambda v: v >= 0, ">= 0"),
     ("load_balance_loss_weight", lambda v: v >= 0, ">= 0 (0 disables the loss)"),
     ("routed_scaling_factor", _positive, "> 0"),
+    ("rope_factor", lambda v: v >= 1, ">= 1 (how many times slower the longest wavelengths turn)"),
+    ("rope_low_freq_factor", _positive, "> 0"),
     ("normalization_layer_epsilon", _positive, "> 0"),
     ("adam_eps", _positive, "> 0"),
     ("learning_rate", lambda v: v >= 0, ">= 0"),
@@ -351,6 +374,7 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 _CHOICES: dict[str, tuple[Any, ...]] = {
     "decoder_block": DECODER_BLOCKS,
     "routed_score_func": ("", "sigmoid"),
+    "rope_type": ("default", "llama3.1"),
     "dtype": ("float32", "bfloat16"),
     "weight_dtype": ("float32", "bfloat16"),
     "remat_policy": ("none", "full", "minimal"),
@@ -413,6 +437,16 @@ def _validate_family(cfg: Config) -> None:
     raise ConfigError(
         "use_qk_clip=true with use_qk_norm=true: the query/key RMSNorm undoes any scaling of the "
         "query kernel, and already bounds the logits; set use_qk_clip=false"
+    )
+  if cfg.rope_type == "llama3.1" and block in ("gpt3", "deepseek"):
+    raise ConfigError(
+        f"rope_type='llama3.1' scales the RoPE of Llama-style attention; decoder_block={block!r} has its own "
+        "positions: set rope_type='default'"
+    )
+  if cfg.rope_high_freq_factor <= cfg.rope_low_freq_factor:
+    raise ConfigError(
+        f"rope_high_freq_factor={cfg.rope_high_freq_factor} must exceed rope_low_freq_factor="
+        f"{cfg.rope_low_freq_factor}: they bound the band of wavelengths that blends scaled and unscaled"
     )
   if cfg.num_experts_per_tok > cfg.num_experts:
     raise ConfigError(f"num_experts_per_tok={cfg.num_experts_per_tok} must be at most num_experts={cfg.num_experts}")

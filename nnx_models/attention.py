@@ -45,8 +45,8 @@ class Attention(nnx.Module):
     if cfg.use_qk_norm:
       query = self.query_norm(query)
       key = self.key_norm(key)
-    query = rotary.apply_rotary(query, positions, max_timescale=cfg.rope_max_timescale)
-    key = rotary.apply_rotary(key, positions, max_timescale=cfg.rope_max_timescale)
+    query = rotary.apply_rotary(query, positions, max_timescale=cfg.rope_max_timescale, scaling=cfg.rope_scaling)
+    key = rotary.apply_rotary(key, positions, max_timescale=cfg.rope_max_timescale, scaling=cfg.rope_scaling)
     scale = None if initializers.query_kernel_carries_scale(cfg) else cfg.head_dim**-0.5
     kv = {}
     if cache := update_cache(self, {"cached_key": key, "cached_value": value}, positions, segment_ids):

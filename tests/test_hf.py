@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import maxbridge as mb  # noqa: E402
-from maxbridge import canonical, cli, hf  # noqa: E402
+from maxbridge import canonical, cli, dispatch, hf  # noqa: E402
 
 LOGITS_TOL = 1e-4
 PROMPT = np.array([[3, 17, 250, 42, 9], [100, 1, 77, 200, 31]], np.int64)
@@ -36,6 +36,12 @@ LLAMA_DIMS = dict(
 
 def _llama():
   return transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_DIMS))
+
+
+def _llama3_1():  # Llama 3.1's RoPE scaling, its bands placed within the test sequences
+  rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+  config = transformers.LlamaConfig(**LLAMA_DIMS, rope_parameters={**rope, "original_max_position_embeddings": 16})
+  return transformers.LlamaForCausalLM(config)
 
 
 def _mistral():  # a window shorter than the test sequences
@@ -99,6 +105,7 @@ def _deepseek_v3():  # one dense layer then two MoE layers; group-limited routin
 
 BUILDERS = {
     "llama": _llama,
+    "llama3_1": _llama3_1,
     "mistral": _mistral,
     "qwen3": _qwen3,
     "gpt2": _gpt2,
@@ -223,8 +230,8 @@ def test_a_misshaped_tensor_is_named_with_both_shapes(llama_folder):
     [
         ({"model_type": "bert"}, "model_type='bert' is not supported; supported: llama"),
         (
-            {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
-            "rope_parameters.rope_type='llama3' is not supported",
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}},
+            "rope_parameters.rope_type='yarn' is not supported",
         ),
         ({"attention_bias": True}, "attention_bias=True is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
@@ -334,3 +341,18 @@ def test_deepseek_without_a_query_lora_matches_transformers(tmp_path):
   ours = mb.from_pretrained(tmp_path)
   assert ours.config.q_lora_rank == 0
   assert max_diff(ours.logits(TOKENS), want) <= LOGITS_TOL
+
+
+@pytest.mark.parametrize("backend", ["linen", "nnx"])
+def test_llama3_1_preset_exports_its_rope_scaling(backend, tmp_path):
+  """From our preset alone (no imported config to keep): transformers reads the scaling we wrote."""
+  model = mb.create_model(mb.load_config("llama3.1-tiny", **dispatch.backend_flags(backend)))
+  hf.save_hf(model.params(), model.config, tmp_path / "hf")
+  rope = hf.read_hf_config(tmp_path / "hf")["rope_parameters"]
+  assert rope["rope_type"] == "llama3" and rope["original_max_position_embeddings"] == 16
+  exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+  with torch.no_grad():
+    want = exported(torch.tensor(TOKENS)).logits.numpy()
+  assert max_diff(model.logits(jnp.asarray(TOKENS, jnp.int32)), want) <= LOGITS_TOL
+  unscaled = mb.create_model(model.config.replace(rope_use_scale=False), params=model.params())
+  assert max_diff(unscaled.logits(jnp.asarray(TOKENS, jnp.int32)), want) > 100 * LOGITS_TOL

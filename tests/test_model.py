@@ -4,9 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import maxbridge as mb
 from maxbridge import canonical, vocab_tiling
+from maxbridge.ops import rotary
 from conftest import tiny_config
 
 BACKENDS = {"linen": (False, False, False), "nnx": (True, True, True)}
@@ -108,3 +110,18 @@ def test_seven_billion_parameter_preset_builds_abstractly():
   assert shapes["decoder/layers/mlp/wi_0/kernel"].shape == (4096, 32, 11008)
   total = sum(int(np.prod(s.shape)) for s in shapes.values())
   assert 6.7e9 < total < 6.8e9, total
+
+
+@pytest.mark.parametrize("preset, total", [("llama3.1-8b", 8_030_261_248), ("llama3.1-70b", 70_553_706_496)])
+def test_llama3_1_presets_have_the_published_parameter_counts(preset, total):
+  """Built abstractly on both backends; the totals are Meta's published counts."""
+  from maxbridge import dispatch
+
+  config = mb.load_config(preset)
+  assert config.rope_scaling == rotary.Llama3Scaling(8.0, 1.0, 4.0, 8192)
+  nnx_config = config.replace(pure_nnx=True, enable_nnx=True, pure_nnx_decoder=True)
+  linen = mb.model.LinenModel(config, dispatch.linen_transformer(config), dispatch.sample_inputs(config))
+  nnx_model = mb.model.NNXModel(nnx_config, nnx.eval_shape(lambda: dispatch.nnx_transformer(nnx_config, nnx.Rngs(0))))
+  for model in (linen, nnx_model):
+    shapes = canonical.flatten(model.abstract_params())
+    assert sum(int(np.prod(s.shape)) for s in shapes.values()) == total

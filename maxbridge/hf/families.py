@@ -268,30 +268,57 @@ def _require(hf: Mapping[str, Any], key: str, supported: Any, default: Any) -> N
     raise HFError(f"{CONFIG_FILE}: {key}={value!r} is not supported; maxbridge models {key}={supported!r}")
 
 
-def _rope_theta(hf: Mapping[str, Any]) -> int:
-  """rope_theta from transformers 5's rope_parameters or the older top-level key; default RoPE only."""
+# Hugging Face's Llama 3.1 scaling parameters, by our config keys.
+_LLAMA3_KEYS = {
+    "rope_factor": "factor",
+    "rope_low_freq_factor": "low_freq_factor",
+    "rope_high_freq_factor": "high_freq_factor",
+    "original_max_position_embeddings": "original_max_position_embeddings",
+}
+
+
+def _rope_from_hf(hf: Mapping[str, Any], *, llama3: bool) -> dict[str, Any]:
+  """RoPE keys from transformers 5's rope_parameters or the older rope_scaling and top-level rope_theta.
+
+  Default RoPE everywhere; Llama 3.1's scaling (rope_type "llama3") where `llama3`.
+  """
   parameters = hf.get("rope_parameters") or {}
   legacy = hf.get("rope_scaling") or {}
   for key, value in (("rope_parameters", parameters), ("rope_scaling", legacy)):
     if not isinstance(value, Mapping):
       raise HFError(f"{CONFIG_FILE}: {key}={value!r} must be an object")
-  rope_type = parameters.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
-  if rope_type != "default":
+  merged = {**parameters, **legacy}  # transformers 5 too lets rope_scaling override rope_parameters
+  rope_type = merged.get("rope_type") or merged.get("type") or "default"
+  supported = ("default", "llama3") if llama3 else ("default",)
+  if rope_type not in supported:
     raise HFError(
-        f"{CONFIG_FILE}: rope_parameters.rope_type={rope_type!r} is not supported; maxbridge "
-        "implements the default RoPE only"
+        f"{CONFIG_FILE}: rope_parameters.rope_type={rope_type!r} is not supported; maxbridge implements "
+        f"{' and '.join(map(repr, supported))} here"
     )
-  theta = parameters.get("rope_theta", hf.get("rope_theta", 10000.0))
+  theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
   if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta):
     raise HFError(f"{CONFIG_FILE}: rope_theta={theta!r} must be a number")
   if float(theta) != int(theta):
     raise HFError(f"{CONFIG_FILE}: rope_theta={theta!r} must be a whole number (rope_max_timescale)")
-  return int(theta)
+  values: dict[str, Any] = {"rope_max_timescale": int(theta), "rope_type": "default"}
+  if rope_type == "llama3":
+    missing = [name for name in _LLAMA3_KEYS.values() if name not in merged]
+    if missing:
+      raise HFError(f"{CONFIG_FILE}: rope_type 'llama3' needs {', '.join(missing)} in rope_parameters")
+    values.update(rope_type="llama3.1", rope_use_scale=True)
+    values.update({ours: merged[theirs] for ours, theirs in _LLAMA3_KEYS.items()})
+  return values
 
 
 def _rope_to_hf(cfg: Config) -> dict[str, Any]:
   theta = float(cfg.rope_max_timescale)
-  return {"rope_parameters": {"rope_theta": theta, "rope_type": "default"}, "rope_theta": theta}
+  parameters: dict[str, Any] = {"rope_theta": theta, "rope_type": "default"}
+  if cfg.rope_scaling is not None:
+    parameters.update(rope_type="llama3", **{theirs: getattr(cfg, ours) for ours, theirs in _LLAMA3_KEYS.items()})
+  # transformers 4 reads rope_scaling and rope_theta; 5 reads rope_parameters
+  # but lets rope_scaling override it, so an imported model's stale one must go.
+  scaling = dict(parameters) if cfg.rope_scaling is not None else None
+  return {"rope_parameters": parameters, "rope_scaling": scaling, "rope_theta": theta}
 
 
 _LLAMA_BLOCKS = {"llama": "llama2", "mistral": "mistral", "qwen3": "qwen3", "mixtral": "mixtral"}
@@ -313,7 +340,7 @@ def _llama_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
       "base_num_decoder_layers": _int(hf, "num_hidden_layers"),
       "vocab_size": _int(hf, "vocab_size"),
       "normalization_layer_epsilon": _float(hf, "rms_norm_eps", 1e-6),
-      "rope_max_timescale": _rope_theta(hf),
+      **_rope_from_hf(hf, llama3=True),
       "logits_via_embedding": _bool(hf, "tie_word_embeddings", False),
       "use_qk_norm": model_type == "qwen3",
       "sliding_window_size": 0,
@@ -442,7 +469,7 @@ def _deepseek_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
       "first_num_dense_layers": _int(hf, "first_k_dense_replace", 0),
       "vocab_size": _int(hf, "vocab_size"),
       "normalization_layer_epsilon": _float(hf, "rms_norm_eps", 1e-6),
-      "rope_max_timescale": _rope_theta(hf),
+      **_rope_from_hf(hf, llama3=True),
       "logits_via_embedding": _bool(hf, "tie_word_embeddings", False),
       "num_experts": _int(hf, "n_routed_experts"),
       "num_experts_per_tok": _int(hf, "num_experts_per_tok"),
