@@ -27,6 +27,7 @@ class DenseGeneral(nn.Module):
   use_bias: bool = False
   dot_general: linear.DotGeneral = jax.lax.dot_general
   frozen: Callable[[jax.Array, jax.Array], linear.DotGeneral] | None = None
+  qvalue_dtype: jnp.dtype = jnp.int8
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -41,7 +42,7 @@ class DenseGeneral(nn.Module):
           quantization.QVALUE,
           nn.with_logical_partitioning(initializers.placeholder, self.logical_axes),
           shape,
-          jnp.int8,
+          self.qvalue_dtype,
       )
       scale = self.param(
           quantization.SCALE,
@@ -68,6 +69,7 @@ def dense(
   matmul settings come from."""
   kwargs.setdefault("dot_general", quantization.linen_dot_general(config))
   kwargs.setdefault("frozen", quantization.frozen_dot_general(config))
+  kwargs.setdefault("qvalue_dtype", quantization.qvalue_dtype(config))
   return DenseGeneral(
       in_features,
       out_features,

@@ -102,7 +102,9 @@ def create_model(config: Config, seed: int | None = None, *, params: Mapping[str
   model = _abstract_model(config)
   if params is None and quantization.serves_quantized(config):
     # A serve model starts from the float model of the same seed, converted.
-    params = quantize_params(config, create_model(config.replace(checkpoint_is_quantized=False), seed).params())
+    params = quantize_params(
+        config, create_model(config.replace(quantization="", checkpoint_is_quantized=False), seed).params()
+    )
   if params is not None:
     if quantization.is_serve_tree(params) and not config.checkpoint_is_quantized:
       raise ValueError(
@@ -127,22 +129,21 @@ def _abstract_model(config: Config) -> Model:
 
 
 def quantize_params(config: Config, params: Mapping[str, Any]) -> dict[str, Any]:
-  """AQT convert: the serve-mode tree (`checkpoint_is_quantized=true`) of `config` from a float canonical tree.
+  """The serve-mode tree of `config` (`checkpoint_is_quantized=true`) from a float canonical tree.
 
-  `params` may be scanned or not; the result is in `config`'s scan form. Each
-  quantized kernel becomes int8 `kernel_qvalue` + `kernel_scale`; everything
-  else (norms, embeddings, biases) is copied as is.
+  AQT convert mode (`use_qwix_quantization=false`) or Qwix PTQ (true). `params`
+  may be scanned or not; the result is in `config`'s scan form. Each quantized
+  kernel becomes `kernel_qvalue` + per-channel `kernel_scale` (per layer in a
+  stack); everything else (norms, embeddings, biases) is copied as is.
   """
   if not quantization.serves_quantized(config):
     raise ValueError(
-        "quantize_params makes AQT serve weights: it needs quantization=int8, use_qwix_quantization=false and "
-        f"checkpoint_is_quantized=true (got quantization={config.quantization!r}, use_qwix_quantization="
-        f"{str(config.use_qwix_quantization).lower()}, checkpoint_is_quantized="
-        f"{str(config.checkpoint_is_quantized).lower()})"
+        "quantize_params makes serve weights: it needs quantization set and checkpoint_is_quantized=true (got "
+        f"quantization={config.quantization!r}, checkpoint_is_quantized={str(config.checkpoint_is_quantized).lower()})"
     )
   if quantization.is_serve_tree(params):
     raise ValueError("these parameters are already quantized (kernel_qvalue/kernel_scale in place of float kernels)")
-  float_abstract = _abstract_model(config.replace(checkpoint_is_quantized=False)).abstract_params()
+  float_abstract = _abstract_model(config.replace(quantization="", checkpoint_is_quantized=False)).abstract_params()
   params = canonical.conform(params, float_abstract, config.param_scan_axis)
   return quantization.convert(config, params, _abstract_model(config).abstract_params())
 

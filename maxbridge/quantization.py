@@ -15,10 +15,15 @@ random key is needed, so a step is a pure function of state and batch.
 
 Qwix (`use_qwix_quantization=true`) intercepts the matmuls of a whole model,
 so layers need no hook at all: `dispatch` hands the top-level model to
-`quantize_linen` or `quantize_nnx`. QAT only (weights quantized on the fly, no
-state beyond the float model's), for pure Linen or pure NNX flags: Qwix finds
+`quantize_linen` or `quantize_nnx`. QAT (weights quantized on the fly, no
+state beyond the float model's) for pure Linen or pure NNX flags: Qwix finds
 a matmul's weights and rule by the module running it, which a ToNNX/ToLinen
 boundary hides (config validation says so).
+
+Serving (`checkpoint_is_quantized=true`, either library, any flags): dense
+layers hold frozen `kernel_qvalue` + `kernel_scale` instead of `kernel`
+(see the section below); `maxbridge quantize` / `dispatch.quantize_params`
+make them from float weights (AQT convert mode, or Qwix PTQ).
 """
 
 import copy
@@ -36,6 +41,8 @@ from aqt.jax.v2 import aqt_dot_general, aqt_tensor
 from aqt.jax.v2 import config as aqt_config
 from aqt.jax.v2.flax import aqt_flax
 import qwix
+from qwix._src.core import dot_general as qwix_dot_general
+from qwix._src.core import qarray as qwix_qarray
 
 from maxbridge import canonical
 from maxbridge.config import Config
@@ -124,7 +131,7 @@ def qwix_rules(config: Config) -> list:
 
 def quantize_linen(config: Config, module: nn.Module) -> nn.Module:
   """`module` with its matmuls intercepted by Qwix when `config` asks for Qwix, else `module`."""
-  if not uses_qwix(config):
+  if not uses_qwix(config) or config.checkpoint_is_quantized:  # serving: the layers hold frozen weights
     return module
   return qwix.quantize_model(module, qwix.QtProvider(qwix_rules(config)))
 
@@ -136,30 +143,36 @@ def quantize_nnx(config: Config, module: nnx.Module, *sample_inputs) -> nnx.Modu
   what that pass sows is popped, so the state is the float model's plus any
   quantization state, never intermediates.
   """
-  if not uses_qwix(config):
+  if not uses_qwix(config) or config.checkpoint_is_quantized:  # serving: the layers hold frozen weights
     return module
   quantized = qwix.quantize_model(module, qwix.QtProvider(qwix_rules(config)), *sample_inputs)
   nnx.pop(quantized, nnx.Intermediate)
   return quantized
 
 
-# --- AQT serving: frozen int8 values and scales in place of float kernels --------
+# --- Serving: frozen quantized values and scales in place of float kernels -------
 #
 # A serve model (`checkpoint_is_quantized=true`) declares, for every kernel a
-# train-mode model quantizes, `kernel_qvalue` (int8, the kernel's shape and
-# axes) and `kernel_scale` (the kernel's shape with 1 on each contracted axis)
-# in place of `kernel`: the same canonical names on both backends, stacked on
-# param_scan_axis like any parameter. Norms, embeddings and biases stay float.
-# `convert` computes the pair from a float tree with the quantizer train mode
-# runs, and serving feeds it to the same AQT `dot_general`, so serve logits
-# are the convert-mode (train-mode) logits bit for bit.
+# train-mode model quantizes, `kernel_qvalue` (int8, or Qwix's int4 / e4m3;
+# the kernel's shape and axes) and `kernel_scale` (the kernel's shape with 1
+# on each contracted axis) in place of `kernel`: the same canonical names on
+# both backends, stacked on param_scan_axis like any parameter. Norms,
+# embeddings and biases stay float. `convert` computes the pair from a float
+# tree with the quantizer train mode runs (AQT's, or Qwix's), and serving
+# feeds it to the same matmul, so serve logits are the convert-mode (QAT
+# forward) logits bit for bit.
 
 QVALUE, SCALE = "kernel_qvalue", "kernel_scale"
 
 
 def serves_quantized(config: Config) -> bool:
-  """Whether dense kernels are held as frozen int8 values and scales (AQT serve mode)."""
-  return uses_aqt(config) and config.checkpoint_is_quantized
+  """Whether dense kernels are held as frozen quantized values and scales (serve mode: AQT, or Qwix PTQ)."""
+  return is_quantized(config) and config.checkpoint_is_quantized
+
+
+def qvalue_dtype(config: Config) -> jnp.dtype:
+  """The dtype a serve model holds its quantized kernels in: int8 (AQT, Qwix int8), int4, float8_e4m3fn."""
+  return jnp.dtype(qwix_rules(config)[0].weight_qtype) if uses_qwix(config) else jnp.dtype(jnp.int8)
 
 
 def scale_shape(kernel_shape: tuple[int, ...], in_ndim: int) -> tuple[int, ...]:
@@ -181,13 +194,24 @@ def _fresh_rhs_quantizer(config: Config):
 
 
 def quantize_kernel(config: Config, kernel: jax.Array, contracted: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
-  """(int8 qvalue, scale) of a float kernel, scaled per slice over the `contracted` axes (kept, as size 1).
+  """(qvalue, scale) of a float kernel, scaled per slice over the `contracted` axes (kept, as size 1).
 
   Any other axis, a scanned stack's layer axis included, keeps its own scales,
-  so a stack quantizes exactly as its layers do one by one.
+  so a stack quantizes exactly as its layers do one by one. (Qwix's own PTQ
+  of a stacked kernel would take the layer axis for a contracted one, sharing
+  one scale across layers: hence this function, for Qwix too.)
   """
+  kernel = jnp.asarray(kernel).astype(jnp.dtype(config.dtype))  # both quantize the promoted kernel
+  if uses_qwix(config):
+    rule = qwix_rules(config)[0]
+    how = qwix_qarray.HowToQuantize(
+        qtype=rule.weight_qtype,
+        channelwise_axes=tuple(i for i in range(kernel.ndim) if i not in contracted),
+        calibration_method=rule.weight_calibration_method,
+    )
+    quantized = qwix_qarray.quantize(kernel, how)
+    return quantized.qvalue, quantized.scale
   quantizer = _fresh_rhs_quantizer(config)
-  kernel = jnp.asarray(kernel).astype(jnp.dtype(config.dtype))  # train mode quantizes the promoted kernel
   qt = quantizer.calibrate(kernel, calibration_axes=tuple(contracted))
   qt, _ = quantizer.calculate_qvalue(kernel, qt)
   (scale,) = qt.scale
@@ -206,6 +230,32 @@ def serve_dot_general(config: Config, qvalue: jax.Array, scale: jax.Array) -> li
   def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
     del precision, preferred_element_type
     return dg.dg_core(lhs, rhs, None, frozen, dimension_numbers)[0]
+
+  return dot_general
+
+
+def qwix_serve_dot_general(config: Config, qvalue: jax.Array, scale: jax.Array) -> linear.DotGeneral:
+  """The `dot_general` of a Qwix PTQ serve layer: what Qwix's `PtqProvider` computes for a quantized weight.
+
+  The activations are quantized on the fly (int8, fp8) with the rule's
+  dynamic range; the float operand the layer passes is never read.
+  """
+  rule = qwix_rules(config)[0]
+  weight = qwix_qarray.QArray(qvalue=qvalue, scale=scale, qtype=rule.weight_qtype)
+
+  def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    del rhs, precision, preferred_element_type
+    if rule.act_qtype is not None:
+      how = qwix_dot_general.get_how_to_quantize(
+          dimension_numbers=dimension_numbers,
+          ndims=(lhs.ndim, qvalue.ndim),
+          for_lhs=True,
+          tile_size=rule.tile_size,
+          qtype=rule.act_qtype,
+          calibration_method=rule.act_calibration_method or "absmax",  # what Qwix providers default it to
+      )
+      lhs = qwix_qarray.quantize(lhs, how)
+    return qwix_dot_general.dot_general(lhs, weight, dimension_numbers)
 
   return dot_general
 
@@ -241,7 +291,9 @@ def convert(config: Config, params: Mapping[str, Any], serve_abstract: Mapping[s
 
 def frozen_dot_general(config: Config) -> Callable[[jax.Array, jax.Array], linear.DotGeneral] | None:
   """What a dense layer makes its matmul from when it holds frozen (qvalue, scale), or None: it holds a kernel."""
-  return functools.partial(serve_dot_general, config) if serves_quantized(config) else None
+  if not serves_quantized(config):
+    return None
+  return functools.partial(qwix_serve_dot_general if uses_qwix(config) else serve_dot_general, config)
 
 
 def quantize_checkpoint(
@@ -270,8 +322,6 @@ def quantize_checkpoint(
     raise ValueError(f"{source} is already quantized (checkpoint_is_quantized): quantize its float checkpoint")
   if not cfg.quantization:
     raise ConfigError("maxbridge quantize needs quantization=int8 (AQT; add use_qwix_quantization=true for Qwix)")
-  if cfg.use_qwix_quantization:
-    raise NotImplementedError("serve checkpoints are made by AQT only (use_qwix_quantization=false) for now")
   serve = cfg.replace(checkpoint_is_quantized=True, load_parameters_path="", load_full_state_path="")
   serve_params = dispatch.quantize_params(serve, params)
   tokenizer = hf.tokenizer_folder(source) if Path(source).is_dir() else None

@@ -30,6 +30,7 @@ class DenseGeneral(nnx.Module):
       use_bias: bool = False,
       dot_general: linear.DotGeneral = jax.lax.dot_general,
       frozen: Callable[[jax.Array, jax.Array], linear.DotGeneral] | None = None,
+      qvalue_dtype: jnp.dtype = jnp.int8,
       *,
       rngs: nnx.Rngs,
   ):
@@ -40,7 +41,7 @@ class DenseGeneral(nnx.Module):
       )
     else:
       self.kernel_qvalue = nnx.Param(
-          initializers.placeholder(rngs.params(), shape, jnp.int8), out_sharding=tuple(logical_axes)
+          initializers.placeholder(rngs.params(), shape, qvalue_dtype), out_sharding=tuple(logical_axes)
       )
       self.kernel_scale = nnx.Param(
           initializers.placeholder(rngs.params(), quantization.scale_shape(shape, in_ndim), jnp.dtype(dtype)),
@@ -75,6 +76,7 @@ def dense(
   matmul settings come from."""
   kwargs.setdefault("dot_general", quantization.nnx_dot_general(config))
   kwargs.setdefault("frozen", quantization.frozen_dot_general(config))
+  kwargs.setdefault("qvalue_dtype", quantization.qvalue_dtype(config))
   return DenseGeneral(
       in_features,
       out_features,

@@ -3,12 +3,14 @@
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 import maxbridge as mb
-from maxbridge import canonical, checkpointing, cli, dispatch, quantization
+from maxbridge import canonical, checkpointing, cli, dispatch
+from maxbridge import quantization as quantization_module
 from maxbridge.config import ConfigError
 from conftest import FLAG_COMBINATIONS, flag_id, tiny_config
 
@@ -273,7 +275,7 @@ def test_serve_checkpoint_stores_int8_kernels_in_a_quarter_of_their_float_bytes(
   # Wide enough that a per-channel float32 scale (1/in_features of the kernel) stays under 1%.
   config = tiny_config(base_emb_dim=256, head_dim=64, base_mlp_dim=512)
   save_float_checkpoint(tmp_path / "float", config, mb.create_model(config, seed=0).params())
-  quantization.quantize_checkpoint(tmp_path / "float", tmp_path / "int8", "quantization=int8")
+  quantization_module.quantize_checkpoint(tmp_path / "float", tmp_path / "int8", "quantization=int8")
   stored = checkpointing.CheckpointReader(tmp_path / "int8").leaves
   float_leaves = checkpointing.CheckpointReader(tmp_path / "float").leaves
   assert not [p for p in stored if p.endswith("/kernel")], "a float kernel on disk"
@@ -344,3 +346,50 @@ def test_training_from_a_serve_checkpoint_is_refused(served, tmp_path):
   with pytest.raises(checkpointing.CheckpointError, match="holds a quantized serve checkpoint"):
     mb.train(config, progress=False)
   assert list(tmp_path.iterdir()) == [], "a refused run wrote something"
+
+
+# --- Qwix PTQ: int8, int4 and fp8 serve weights -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwix_qat_logits(tokens):
+  """Qwix QAT logits (pure Linen, scanned) of the float weights of seed 0: what PTQ must serve."""
+  return {q: np.asarray(mb.create_model(qwix_config(LINEN, q), seed=0).logits(tokens)) for q in ("int8", "int4", "fp8")}
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4", "fp8"])
+def test_qwix_ptq_of_a_scanned_stack_equals_ptq_of_its_layers_and_serves_the_qat_logits(
+    quantization, tokens, float_model, qwix_qat_logits
+):
+  configs = {scan: qwix_config(LINEN, quantization, checkpoint_is_quantized=True, scan_layers=scan) for scan in (1, 0)}
+  scanned, unscanned = (dispatch.quantize_params(configs[scan], float_model.params()) for scan in (1, 0))
+  stacked, scanned = canonical.flatten(canonical.stack_layers(unscanned, 1)), canonical.flatten(scanned)
+  assert set(stacked) == set(scanned)
+  for path, value in scanned.items():
+    assert np.asarray(stacked[path]).tobytes() == np.asarray(value).tobytes(), path
+  # One scale per layer and output channel: Qwix's own PTQ would share one across the layer axis.
+  assert scanned["decoder/layers/mlp/wo/kernel_scale"].shape == (1, 2, 64)
+  assert scanned["decoder/layers/mlp/wo/kernel_qvalue"].dtype == quantization_module.qvalue_dtype(configs[1])
+  model = mb.create_model(configs[1], params=scanned)
+  np.testing.assert_array_equal(np.asarray(model.logits(tokens)), qwix_qat_logits[quantization])
+  nnx_model = mb.create_model(
+      qwix_config(NNX, quantization, checkpoint_is_quantized=True, scan_layers=False), params=unscanned
+  )
+  np.testing.assert_allclose(np.asarray(nnx_model.logits(tokens)), qwix_qat_logits[quantization], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("flags", [(False, True, False), (True, False, True)], ids=flag_id)
+def test_qwix_serving_works_with_mixed_flags(flags, tokens, float_model, qwix_qat_logits):
+  config = qwix_config(flags, "int8", checkpoint_is_quantized=True)
+  model = mb.create_model(config, params=dispatch.quantize_params(config, float_model.params()))
+  np.testing.assert_array_equal(np.asarray(model.logits(tokens)), qwix_qat_logits["int8"])
+
+
+def test_qwix_int4_serve_checkpoint_reloads_on_both_backends(served, tokens, qwix_qat_logits):
+  argv = ["quantize", str(served / "float"), str(served / "int4"), "quantization=int4", "use_qwix_quantization=true"]
+  assert cli.main(argv) == 0
+  stored = checkpointing.CheckpointReader(served / "int4").leaves
+  assert stored["params/params/decoder/layers/mlp/wo/kernel_qvalue"].dtype == jnp.int4
+  for backend in ("linen", "nnx"):
+    model = mb.from_pretrained(served / "int4", backend=backend)
+    np.testing.assert_array_equal(np.asarray(model.logits(tokens)), qwix_qat_logits["int4"], err_msg=backend)
