@@ -118,6 +118,9 @@ class Config:
   dataset_path: str
   sft_train_on_completion_only: bool
   tokenizer_path: str
+  use_dpo: bool
+  dpo_beta: float
+  dpo_label_smoothing: float
   eval_interval: int
   eval_steps: int
   enable_checkpointing: bool
@@ -354,6 +357,8 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("gradient_clipping_threshold", lambda v: v >= 0, ">= 0 (0 disables clipping)"),
     ("z_loss_multiplier", lambda v: v >= 0, ">= 0"),
     ("num_vocab_tiling", _positive, "a positive integer (1 disables tiling)"),
+    ("dpo_beta", _positive, "> 0"),
+    ("dpo_label_smoothing", lambda v: 0 <= v <= 0.5, "in [0, 0.5] (0 is plain DPO)"),
     ("qk_clip_threshold", lambda v: 0 < v < float("inf"), "a finite number > 0"),
     (
         "quantization_local_shard_count",
@@ -428,6 +433,13 @@ def _validate(cfg: Config) -> None:
   _validate_quantization(cfg)
   if cfg.dataset_type == "text" and not cfg.dataset_path:
     raise ConfigError("dataset_type='text' needs dataset_path (a text file to train on)")
+  if cfg.use_dpo and cfg.dataset_type not in ("embedded", "sft"):
+    raise ConfigError(
+        f"use_dpo=true reads preference pairs: dataset_type must be 'sft' (prompt/chosen/rejected .jsonl rows "
+        f"in dataset_path) or 'embedded' (the built-in set), got {cfg.dataset_type!r}"
+    )
+  if cfg.use_dpo and cfg.num_vocab_tiling > 1:
+    raise ConfigError("use_dpo=true computes full logits for its log-probabilities; set num_vocab_tiling=1")
 
 
 def _validate_family(cfg: Config) -> None:

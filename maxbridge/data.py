@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from maxbridge.config import Config
-from maxbridge.posttrain import sft
+from maxbridge.posttrain import dpo, sft
 
 # What `pack` makes. A loss declares the keys it reads (`maxbridge.loss`); a
 # Dataset carries whatever keys its rows have.
@@ -116,16 +116,18 @@ class Dataset:
   """
 
   def __init__(self, rows: dict[str, np.ndarray], batch_size: int, seed: int, name: str = "dataset"):
-    if "inputs" not in rows:
+    if not any(key.endswith("inputs") for key in rows):
       raise ValueError(
           f"{name}: rows must include 'inputs' (and what the loss reads, e.g. {BATCH_KEYS}), got {sorted(rows)}"
       )
     shapes = {key: value.shape for key, value in rows.items()}
-    if len(set(shapes.values())) != 1 or len(rows["inputs"].shape) != 2:
+    self._shape = next(iter(shapes.values()))
+    if len(set(shapes.values())) != 1 or len(self._shape) != 2:
       raise ValueError(f"{name}: rows must all be [num_rows, length] with one shape, got {shapes}")
-    if rows["inputs"].shape[0] == 0:
+    if self._shape[0] == 0:
       raise ValueError(f"{name}: has no rows (no non-empty documents)")
-    if not rows["targets_segmentation"].any():
+    # Preference rows have one targets_segmentation per side (chosen_..., rejected_...).
+    if not all(value.any() for key, value in rows.items() if key.endswith("targets_segmentation")):
       # Every loss would be over zero targets: 0.0, reported as if the model were perfect.
       raise ValueError(
           f"{name}: no token has a next token to predict (every document is one token long); "
@@ -140,11 +142,11 @@ class Dataset:
 
   @property
   def num_rows(self) -> int:
-    return self.rows["inputs"].shape[0]
+    return self._shape[0]
 
   @property
   def length(self) -> int:
-    return self.rows["inputs"].shape[1]
+    return self._shape[1]
 
   @property
   def tokens_per_batch(self) -> int:
@@ -205,7 +207,10 @@ def make_dataset(config: Config, split: str = "train", global_batch_size: int | 
   if split not in SPLITS:
     raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(map(repr, SPLITS))}")
   length = config.max_target_length
-  if config.dataset_type == "embedded":
+  if config.use_dpo:
+    rows = _preference_rows(config, split, length)
+    name = f"preferences {split} ({config.dataset_path or 'built-in arithmetic'})"
+  elif config.dataset_type == "embedded":
     _check_byte_vocab(config)
     rows = _embedded_rows(split, length)
     name = f"embedded {split}"
@@ -223,6 +228,29 @@ def make_dataset(config: Config, split: str = "train", global_batch_size: int | 
     raise ValueError(f"unknown dataset_type {config.dataset_type!r}; valid values: {', '.join(map(repr, DATASET_TYPES))}")
   batch_size = config.per_device_batch_size if global_batch_size is None else global_batch_size
   return Dataset(rows, batch_size, config.seed, name)
+
+
+def _preference_rows(config: Config, split: str, length: int) -> dict[str, np.ndarray]:
+  if config.tokenizer_path:
+    encode = sft.HFChat(config.tokenizer_path).encode
+  else:
+    _check_byte_vocab(config)
+    encode = sft.byte_encode
+  if not config.dataset_path:
+    if config.tokenizer_path:
+      raise ValueError("use_dpo with tokenizer_path needs dataset_path: the built-in set is byte tokens")
+    return _builtin_preference_rows(split, length)
+  pairs = []
+  for path in _text_files(config.dataset_path):
+    if path.suffix != ".jsonl":
+      raise ValueError(f"use_dpo=true reads .jsonl files (prompt/chosen/rejected rows), got {path}")
+    pairs += dpo.jsonl_pairs(path, encode)
+  return dpo.pack_pairs(_split_examples(pairs, split, f"dataset_path {config.dataset_path!r}"), length)
+
+
+@functools.lru_cache(maxsize=8)
+def _builtin_preference_rows(split: str, length: int) -> dict[str, np.ndarray]:
+  return _freeze(dpo.pack_pairs(_split_examples(list(dpo.builtin_pairs()), split, "the built-in preference set"), length))
 
 
 def _sft_rows(config: Config, split: str, length: int) -> dict[str, np.ndarray]:

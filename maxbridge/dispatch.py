@@ -25,6 +25,7 @@ from maxbridge import bridge, canonical, initializers, qk_clip, quantization, vo
 from maxbridge.config import Config
 from maxbridge.loss import CrossEntropy, Loss
 from maxbridge.model import LinenModel, Model, NNXModel
+from maxbridge.posttrain import dpo
 from maxbridge.state import AfterUpdate, LinenTrainer, NNXTrainer, Trainer
 from nnx_models import decoders as nnx_decoders
 from nnx_models import models as nnx_models
@@ -156,7 +157,9 @@ def _jitted_init(spec: tuple, options: initializers.InitOptions):
 
 
 def create_loss(config: Config) -> Loss:
-  """The training objective for `config` (SFT, DPO and GRPO will be chosen here too)."""
+  """The training objective for `config`: DPO, tiled or plain cross-entropy (SFT is cross-entropy on SFT rows)."""
+  if config.use_dpo:
+    return dpo.DPO(config.dpo_beta, config.dpo_label_smoothing)
   if config.num_vocab_tiling > 1:
     return vocab_tiling.TiledCrossEntropy(config)
   return CrossEntropy(z_loss_multiplier=config.z_loss_multiplier)

@@ -54,6 +54,11 @@ class Loss(abc.ABC):
   # True: the step also passes `reference`, the forward pass over parameters
   # that no gradient flows through (DPO's reference model, GRPO's old policy).
   needs_reference: bool = False
+  # True: that reference is instead the policy the run started from, frozen
+  # (DPO): `Trainer.set_reference` holds it, and a step without one fails.
+  frozen_reference: bool = False
+  # aux entries train.py writes to metrics.jsonl (each per `tokens`, as the loss).
+  metric_keys: tuple[str, ...] = ()
 
   @abc.abstractmethod
   def __call__(self, forward: Forward, batch: Batch, reference: Forward | None = None) -> tuple[jax.Array, dict]:

@@ -129,6 +129,8 @@ class Trainer(abc.ABC):
     self.loss = loss
     self.after_update = after_update
     self.wrt = self.trainable(config)
+    # The frozen reference (canonical parameters) a `frozen_reference` loss reads; see set_reference.
+    self.reference: Params | None = None
 
   def _initial_params(self, seed) -> dict:
     return initializers.init_params(self.abstract_params, seed, initializers.InitOptions.from_config(self.config))
@@ -142,31 +144,66 @@ class Trainer(abc.ABC):
     return sharding.named_sharding(self.mesh, ("activation_batch", "activation_length"), self.rules)
 
   @functools.cached_property
+  def _reference_shardings(self) -> Any:
+    return self.params(self.state_shardings) if self.loss.frozen_reference else None
+
+  @functools.cached_property
   def _jitted_train_step(self):
     return jax.jit(
         self._train_step,
-        in_shardings=(self.state_shardings, self.batch_sharding),
+        in_shardings=(self.state_shardings, self.batch_sharding, self._reference_shardings),
         out_shardings=(self.state_shardings, None),
         donate_argnums=0,
     )
 
   @functools.cached_property
   def _jitted_eval_step(self):
-    return jax.jit(self._eval_step, in_shardings=(self.state_shardings, self.batch_sharding))
+    return jax.jit(self._eval_step, in_shardings=(self.state_shardings, self.batch_sharding, self._reference_shardings))
+
+  def set_reference(self, state) -> None:
+    """Holds a copy of `state`'s parameters as the frozen reference of a `frozen_reference` loss (DPO).
+
+    `train()` sets it from the run's initial state, also on resume, so a
+    checkpoint holds the policy only. Full fine-tuning keeps this second copy;
+    a LoRA trainer needs none: its `_reference_params` is the base with the
+    adapters off.
+    """
+    with sharding.active(self.mesh, self.rules):
+      self.reference = self._jitted_params(state)
+
+  @functools.cached_property
+  def _jitted_params(self):
+    return jax.jit(self.params, out_shardings=self._reference_shardings)
+
+  def _reference_arg(self, abstract: bool = False):
+    if not self.loss.frozen_reference:
+      return None
+    if self.reference is None:
+      if abstract:  # ahead-of-time lowering needs shapes only
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            self.abstract_params,
+            self._reference_shardings,
+        )
+      raise ValueError(
+          f"{type(self.loss).__name__} needs a reference model (the frozen starting policy): call "
+          "trainer.set_reference(state) with the state training starts from (maxbridge.train does)"
+      )
+    return self.reference
 
   def train_step(self, state, batch: Batch):
     """(state, global batch) -> (new state, metrics); `state` is donated."""
     with sharding.active(self.mesh, self.rules):
-      return self._jitted_train_step(state, self.loss_batch(batch))
+      return self._jitted_train_step(state, self.loss_batch(batch), self._reference_arg())
 
   def lower_train_step(self, state, batch: Batch):
     """The train step lowered for (possibly abstract, sharded) inputs: `.compile()` it."""
     with sharding.active(self.mesh, self.rules):
-      return self._jitted_train_step.lower(state, self.loss_batch(batch))
+      return self._jitted_train_step.lower(state, self.loss_batch(batch), self._reference_arg(abstract=True))
 
   def eval_step(self, state, batch: Batch) -> dict:
     with sharding.active(self.mesh, self.rules):
-      return self._jitted_eval_step(state, self.loss_batch(batch))
+      return self._jitted_eval_step(state, self.loss_batch(batch), self._reference_arg())
 
   def init_state(self, seed: int):
     """The initial state, created directly in its shardings (never whole on one device)."""
@@ -212,16 +249,20 @@ class Trainer(abc.ABC):
 
   # --- the step, written once ---------------------------------------------
 
-  def _loss(self, bound: Bound, params, batch: Batch):
+  def _loss(self, bound: Bound, params, batch: Batch, reference: Params | None = None):
     apply = functools.partial(self._forward, bound)
-    # The reference pass reads the parameters the step started from: a
-    # constant of the differentiation, so no gradient flows through it.
-    reference = Forward(apply, bound.params, bound.frozen, self._canonical) if self.loss.needs_reference else None
-    return self.loss(Forward(apply, params, bound.frozen, self._canonical), batch, reference)
+    # The reference pass reads the parameters the step started from, or the
+    # frozen `reference`: a constant of the differentiation either way, so no
+    # gradient flows through it.
+    forward = None
+    if self.loss.needs_reference:
+      fixed = bound.params if reference is None else self._reference_params(bound, reference)
+      forward = Forward(apply, jax.lax.stop_gradient(fixed), bound.frozen, self._canonical)
+    return self.loss(Forward(apply, params, bound.frozen, self._canonical), batch, forward)
 
-  def _train_step(self, state, batch: Batch):
+  def _train_step(self, state, batch: Batch, reference: Params | None = None):
     bound = self._bind(state)
-    value_and_grad = jax.value_and_grad(functools.partial(self._loss, bound), has_aux=True)
+    value_and_grad = jax.value_and_grad(functools.partial(self._loss, bound, reference=reference), has_aux=True)
     grads, metrics = accumulate_gradients(value_and_grad, bound.params, batch, self.config.gradient_accumulation_steps)
     grads, grad_norm = clip_gradients(grads, self.config.gradient_clipping_threshold)
     metrics = {**metrics, "grad_norm": grad_norm, "lr": self.schedule(bound.step)}
@@ -230,9 +271,9 @@ class Trainer(abc.ABC):
       state = self._replace_params(state, self.after_update(self.params(state), metrics))
     return state, metrics
 
-  def _eval_step(self, state, batch: Batch):
+  def _eval_step(self, state, batch: Batch, reference: Params | None = None):
     bound = self._bind(state)
-    loss_sum, aux = self._loss(bound, bound.params, batch)
+    loss_sum, aux = self._loss(bound, bound.params, batch, reference)
     return {"loss": loss_sum / jnp.maximum(aux["tokens"], 1.0), "tokens": aux["tokens"]}
 
   # --- backend hooks ---------------------------------------------------------
@@ -252,6 +293,10 @@ class Trainer(abc.ABC):
   @abc.abstractmethod
   def _canonical(self, params) -> Params:
     """The trained parameters (`Bound.params`' form) as a canonical tree, traceably."""
+
+  @abc.abstractmethod
+  def _reference_params(self, bound: Bound, reference: Params) -> Any:
+    """The canonical `reference` in `bound.params`' form, for the reference pass (LoRA: the adapters off)."""
 
   @abc.abstractmethod
   def _apply_update(self, bound: Bound, grads) -> Any:
@@ -344,6 +389,9 @@ class LinenTrainer(Trainer):
   def _canonical(self, params) -> Params:
     return params[self.wrt]
 
+  def _reference_params(self, bound, reference):
+    return {self.wrt: reference}
+
   def _forward(self, bound, params, frozen, tokens, positions, segment_ids):
     return linen_forward(self.model.module, {**frozen, **params}, tokens, positions, segment_ids)
 
@@ -420,6 +468,11 @@ class NNXTrainer(Trainer):
 
   def _canonical(self, params) -> Params:
     return nnx.to_pure_dict(params)
+
+  def _reference_params(self, bound, reference):
+    params = jax.tree.map(lambda x: x, bound.params)  # a fresh State: the bound one stays the policy
+    nnx.replace_by_pure_dict(params, reference)
+    return params
 
   def _forward(self, bound, params, frozen, tokens, positions, segment_ids):
     _, graphdef = bound.handle

@@ -240,13 +240,17 @@ def _train(config: Config, trainer, until_step: int | None, progress: bool) -> l
           "to resume from: training from step 0 would rewrite that history. Choose a new run_name, or move "
           "metrics.jsonl away"
       )
-    if start:
+    resumed = bool(start)
+    if resumed:
       # As in MaxText, a run's own checkpoints win over load_parameters_path / load_full_state_path.
       state = trainer.from_checkpoint(ckpt.restore(start, trainer.checkpoint_target()))
       logging.info("resumed %s from step %d", run_dir, start)
     else:
       state = initial_state(config, trainer)
       start = trainer.step(state)
+    if trainer.loss.frozen_reference:
+      # The run's starting policy (DPO's reference), rebuilt on resume: checkpoints hold the policy only.
+      trainer.set_reference(initial_state(config, trainer) if resumed else state)
   except KeyboardInterrupt as e:
     raise _stopped(e, None, ckpt, checkpoints, None) from None
   except BaseException:
@@ -286,6 +290,8 @@ def _train(config: Config, trainer, until_step: int | None, progress: bool) -> l
           "grad_norm": float(metrics["grad_norm"]),
           "tokens_per_s": float(metrics["tokens"]) / seconds,
       }
+      for key in trainer.loss.metric_keys:  # the loss's own (DPO: reward accuracy, rewards, margins)
+        record[key] = float(metrics[key])
       if "maxima" in metrics:  # QK-Clip: the largest attention logit over layers and heads, before clipping
         record["max_logits"] = float(metrics["maxima"]["max_logits"].max())
       done = step + 1

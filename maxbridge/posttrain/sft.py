@@ -179,21 +179,30 @@ def pack_examples(examples: list[Example], length: int, completion_only: bool) -
   token counts (nonzero `targets_segmentation`) when the next token is in the
   same example and, with `completion_only`, is a completion token.
   """
-  rows: list[list[Example]] = [[]]
-  used = 0
-  for tokens, completion in examples:
-    tokens, completion = tokens[:length], completion[:length]
-    if not tokens.size:
-      continue
-    if used + tokens.size > length:
+  examples = [(tokens[:length], completion[:length]) for tokens, completion in examples if tokens.size]
+  return fill_rows(plan_rows([[e[0].size] for e in examples], length), examples, length, completion_only)
+
+
+def plan_rows(sizes: list[list[int]], length: int) -> list[list[int]]:
+  """Example indices per row, in order; each example's `sizes` (one per side: DPO packs chosen and
+  rejected rows in step) must all fit beside the examples already in the row."""
+  rows: list[list[int]] = [[]]
+  used = [0] * (len(sizes[0]) if sizes else 0)
+  for i, sides in enumerate(sizes):
+    if any(u + n > length for u, n in zip(used, sides)):
       rows.append([])
-      used = 0
-    rows[-1].append((tokens, completion))
-    used += tokens.size
-  out = {key: np.zeros((len(rows), length), np.int32) for key in _KEYS}
-  for r, row in enumerate(rows):
+      used = [0] * len(sides)
+    rows[-1].append(i)
+    used = [u + n for u, n in zip(used, sides)]
+  return rows
+
+
+def fill_rows(plan: list[list[int]], examples: list[Example], length: int, completion_only: bool) -> dict:
+  out = {key: np.zeros((len(plan), length), np.int32) for key in _KEYS}
+  for r, row in enumerate(plan):
     start = 0
-    for segment, (tokens, completion) in enumerate(row, start=1):
+    for segment, index in enumerate(row, start=1):
+      tokens, completion = examples[index]
       end = start + tokens.size
       counts = completion[1:] if completion_only else np.ones(tokens.size - 1, bool)
       out["inputs"][r, start:end] = tokens
