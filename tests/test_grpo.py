@@ -1,12 +1,11 @@
-"""GRPO's pieces: verifiable rewards, group-normalised advantages, and the loss (its gradient by
-hand, and Linen == NNX through the one train step)."""
+"""GRPO: verifiable rewards, group-normalised advantages, the loss (its gradient by hand), and the
+sample-score-update loop, identical on Linen and NNX."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxbridge import dispatch
 from maxbridge.loss import Forward
 from maxbridge.posttrain import grpo
 from conftest import tiny_config
@@ -58,27 +57,36 @@ def test_with_beta_zero_one_update_is_the_policy_gradient():
   assert float(aux["kl"]) == 0.0 and float(aux["clip_fraction"]) == 0.0
 
 
-def test_grpo_trains_equally_on_linen_and_nnx():
-  prompts = [list(b"3+4="), list(b"10+2=")]
-  completions = [list(b"7\n"), list(b"8\n"), list(b"12\n"), list(b"1\n")]
-  rewards = np.array(
-      [
-          [grpo.builtin_reward(bytes(p).decode(), bytes(c).decode()) for c in completions[2 * i : 2 * i + 2]]
-          for i, p in enumerate(prompts)
-      ]
-  )
-  batch = grpo.pack_completions(prompts, completions, grpo.group_advantages(rewards), 16)
+@pytest.fixture(scope="module")
+def grpo_runs():
+  """Three GRPO steps (sampling, scoring, update) from seed 0 per backend."""
   out = {}
   for name, flags in {"linen": (False, False, False), "nnx": (True, True, True)}.items():
     config = tiny_config(flags, max_target_length=16, warmup_steps_fraction=0.0, learning_rate=1e-2)
-    trainer = dispatch.create_trainer(config, loss=grpo.GRPO(beta=0.1, epsilon=0.2))
-    state = trainer.init_state(0)
-    trainer.set_reference(state)
-    out[name] = []
-    for _ in range(2):
-      state, metrics = trainer.train_step(state, batch)
-      out[name].append({key: float(metrics[key]) for key in ("loss", "kl", "clip_fraction", "grad_norm")})
-  assert out["linen"][0]["kl"] == 0.0 and out["linen"][1]["kl"] > 0.0  # the policy left the reference
-  for want, got in zip(out["linen"], out["nnx"]):
-    for key in want:
-      np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-7, err_msg=key)
+    out[name] = grpo.train_grpo(config, steps=3, num_generations=4, prompts_per_step=2, grpo_beta=0.1)[1]
+  return out
+
+
+def test_grpo_samples_scores_and_trains_identically_on_linen_and_nnx(grpo_runs):
+  linen, nnx = grpo_runs["linen"], grpo_runs["nnx"]
+  assert [r["completions"] for r in nnx] == [r["completions"] for r in linen]
+  assert len(linen[0]["completions"]) == 8 and linen[0]["completions"] != linen[1]["completions"]
+  for want, got in zip(linen, nnx):
+    for key in ("loss", "kl", "clip_fraction", "mean_reward", "completion_length"):
+      np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-7, err_msg=f"step {want['step']}: {key}")
+  assert linen[0]["kl"] == 0.0 and linen[-1]["kl"] > 0.0
+
+
+def test_grpo_refuses_bad_rewards_and_a_single_generation():
+  config = tiny_config()
+  with pytest.raises(ValueError, match="num_generations=1 must be >= 2"):
+    grpo.train_grpo(config, steps=1, num_generations=1)
+  with pytest.raises(ValueError, match=r"reward 'no_such_module.reward' cannot be imported"):
+    grpo.load_reward("no_such_module.reward")
+  with pytest.raises(ValueError, match=r"reward 'pair' must return one number per completion, got \(1, 2\)"):
+    grpo.score(pair, ["1+1="], ["2\n", "3\n"], 2)
+  assert grpo.load_reward("maxbridge.posttrain.grpo.exact_match_reward") is grpo.exact_match_reward
+
+
+def pair(prompt, completion):
+  return (1, 2)

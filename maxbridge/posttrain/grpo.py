@@ -16,19 +16,32 @@ here), pi_old is the policy itself with no gradient: the ratio is 1 in value
 and its gradient is the policy gradient, so with beta = 0 the loss reduces to
 -A * log pi up to a constant.
 
-Not yet here: the sampling loop that feeds these batches from the engine.
+`train_grpo` runs the loop: each step samples `num_generations` completions
+of `prompts_per_step` built-in prompts with the engine's cached decoding
+(`maxbridge.engine.generate_tokens`) from the current policy parameters, in
+this process with no copy, scores them, and takes one train step. It keeps
+no checkpoints (yet) and is not yet a `maxbridge train` flag.
 """
 
 from __future__ import annotations
 
+import importlib
 import re
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxbridge import canonical
+from maxbridge.config import Config
 from maxbridge.loss import Batch, CrossEntropy, Forward, Loss
 from maxbridge.posttrain import sft
+
+# Built-in prompts: two-digit operands, so every prompt is 6 tokens and a
+# group batch is one [rows, 6] array (the sampler takes prompts of one length).
+GRPO_OPERANDS = range(10, 20)
+Reward = Callable[[str, str], float]
 
 ADVANTAGE_EPS = 1e-4
 _ANSWER = re.compile(r"-?\d+\n")
@@ -107,3 +120,107 @@ class GRPO(Loss):
 def token_log_probs(logits: jax.Array, targets: jax.Array) -> jax.Array:
   """log p(target) at every position, float32 [B, T]."""
   return jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)), targets[..., None], -1)[..., 0]
+
+
+def builtin_prompts() -> list[str]:
+  return [f"{a}+{b}=" for a in GRPO_OPERANDS for b in GRPO_OPERANDS]
+
+
+def load_reward(reward: str | Reward) -> Reward:
+  """A reward callable, or one named by dotted path (`package.module.function`)."""
+  if callable(reward):
+    return reward
+  module, _, name = str(reward).rpartition(".")
+  try:
+    return getattr(importlib.import_module(module), name)
+  except (ImportError, AttributeError, ValueError) as e:
+    raise ValueError(f"reward {reward!r} cannot be imported (want package.module.function): {e}") from e
+
+
+def score(reward: Reward, prompts: list[str], completions: list[str], num_generations: int) -> np.ndarray:
+  """[prompts, num_generations] rewards; each must be a real number."""
+  values = [reward(prompts[i // num_generations], c) for i, c in enumerate(completions)]
+  bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer))]
+  if bad:
+    raise ValueError(
+        f"reward {getattr(reward, '__name__', reward)!r} must return one number per completion, got {bad[0]!r}"
+    )
+  return np.asarray(values, np.float64).reshape(len(prompts), num_generations)
+
+
+def completion_tokens(continuation: np.ndarray, stop: int = ord("\n")) -> list[int]:
+  """A sampled continuation up to and including its first `stop` token (all of it if none)."""
+  hits = np.flatnonzero(continuation == stop)
+  return continuation[: hits[0] + 1 if hits.size else continuation.size].tolist()
+
+
+def train_grpo(
+    config: Config,
+    *,
+    steps: int,
+    num_generations: int = 4,
+    prompts_per_step: int = 4,
+    max_new_tokens: int = 4,
+    grpo_beta: float = 0.04,
+    grpo_epsilon: float = 0.2,
+    temperature: float = 1.0,
+    reward: str | Reward = builtin_reward,
+    params: dict | None = None,
+    trainer=None,
+) -> tuple[dict, list[dict]]:
+  """GRPO from `params` (canonical; default the seed's initialisation): (final canonical params, one record per step).
+
+  Records hold loss, kl, clip_fraction, mean_reward, completion_length and
+  the sampled completions. Prompts and sampling keys follow `config.seed` and
+  the step only, so Linen and NNX sample, score and train identically.
+  """
+  from maxbridge import dispatch, engine  # pylint: disable=import-outside-toplevel  (dispatch imports posttrain)
+
+  if num_generations < 2:
+    raise ValueError(f"num_generations={num_generations} must be >= 2: advantages compare completions of one prompt")
+  reward = load_reward(reward)
+  if trainer is None:
+    trainer = dispatch.create_trainer(config, loss=GRPO(grpo_beta, grpo_epsilon))
+  prompts = builtin_prompts()
+  model = dispatch.create_model(config, params=params)
+  decoder = engine.decode_model(model)
+  abstract = decoder.abstract_params()
+
+  @jax.jit
+  def sample(params, prompt, key):
+    # The policy's own parameters, in the decoder's (unrolled) layout: no copy outside this trace.
+    params = canonical.conform(params, abstract, config.param_scan_axis)
+    return engine.generate_tokens(
+        decoder, params, prompt, jnp.float32(temperature), key, max_new_tokens=max_new_tokens, sample=True
+    )
+
+  state = trainer.init_state(config.seed)
+  if params is not None:
+    start = canonical.conform(params, trainer.abstract_params, config.param_scan_axis)
+    state = trainer._replace_params(state, start)  # pylint: disable=protected-access
+  trainer.set_reference(state)
+  records = []
+  for step in range(steps):
+    rng = np.random.default_rng([config.seed, step])
+    chosen = [prompts[i] for i in rng.choice(len(prompts), prompts_per_step, replace=False)]
+    prompt_tokens = [list(p.encode()) for p in chosen]
+    grouped = np.repeat(np.asarray(prompt_tokens, np.int32), num_generations, axis=0)
+    sampled = np.asarray(sample(trainer.params(state), grouped, jax.random.key(config.seed * 1_000_003 + step)))
+    completions = [completion_tokens(row[grouped.shape[1] :]) for row in sampled]
+    texts = [bytes(c).decode("utf-8", errors="replace") for c in completions]
+    rewards = score(reward, chosen, texts, num_generations)
+    batch = pack_completions(prompt_tokens, completions, group_advantages(rewards), config.max_target_length)
+    state, metrics = trainer.train_step(state, batch)
+    metrics = jax.device_get(metrics)
+    records.append(
+        {
+            "step": step,
+            "loss": float(metrics["loss"]),
+            "kl": float(metrics["kl"]),
+            "clip_fraction": float(metrics["clip_fraction"]),
+            "mean_reward": float(rewards.mean()),
+            "completion_length": float(np.mean([len(c) for c in completions])),
+            "completions": texts,
+        }
+    )
+  return trainer.params(state), records
