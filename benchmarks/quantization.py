@@ -1,28 +1,74 @@
-"""Quantized (AQT int8, Qwix int8) vs float32: train-step time and prefill throughput, both backends, side by side.
+"""Quantized (AQT int8, Qwix int8) vs float32: train-step time, prefill throughput and serve-checkpoint bytes.
 
     .venv/bin/python benchmarks/quantization.py [--preset llama-small] [--steps 10] [--batch 4] [--length 128]
 
 Every variant is timed in the same rounds, in a fresh random order each round
 (as `maxbridge/bench.py` does), and reported as the median of per-round
 ratios to float32 on the same backend. Prefill is one jitted forward pass
-over a [batch, length] prompt (logits of every position), as tokens/s.
+over a [batch, length] prompt (logits of every position), as tokens/s; the
+"serve" variants prefill from frozen quantized weights (checkpoint_is_quantized)
+and have no train step. Last, the float checkpoint is written and quantized
+(`maxbridge quantize`) to each serve format, and the bytes on disk compared.
 """
 
 import argparse
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
 
 import maxbridge as mb
-from maxbridge import bench, dispatch
+from maxbridge import bench, checkpointing, dispatch, quantization
 
 VARIANTS = {
     "f32": {},
     "aqt int8": dict(quantization="int8"),
     "qwix int8": dict(quantization="int8", use_qwix_quantization=True),
+    "aqt int8 serve": dict(quantization="int8", checkpoint_is_quantized=True),
+    "qwix int8 serve": dict(quantization="int8", use_qwix_quantization=True, checkpoint_is_quantized=True),
 }
+# `maxbridge quantize` overrides of each serve checkpoint measured on disk.
+SERVE_FORMATS = {
+    "aqt int8": ["quantization=int8"],
+    "qwix int8": ["quantization=int8", "use_qwix_quantization=true"],
+    "qwix int4": ["quantization=int4", "use_qwix_quantization=true"],
+    "qwix fp8": ["quantization=fp8", "use_qwix_quantization=true"],
+}
+
+
+def _bytes_on_disk(folder: Path) -> int:
+  return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def serve_bytes(preset: str) -> None:
+  """Writes the float checkpoint of `preset`, quantizes it to each serve format, prints bytes vs float."""
+  config = mb.load_config(preset)
+  with tempfile.TemporaryDirectory() as tmp:
+    root = Path(tmp)
+    checkpointer = checkpointing.Checkpointer(root / "f32")
+    checkpointer.save(0, {"params": {"params": mb.create_model(config, seed=0).params()}})
+    checkpointer.wait()
+    checkpointer.close()
+    config.to_yaml(root / "f32" / "config.yml")
+    float_leaves = checkpointing.CheckpointReader(root / "f32").leaves
+    float_disk = _bytes_on_disk(root / "f32")
+    print(f"\nServe checkpoints of {preset} ({float_disk / 2**20:.1f} MiB float32 on disk)")
+    header = f"{'format':<11}{'MiB on disk':>12}{'vs f32':>8}{'kernels vs f32':>16}"
+    print(header)
+    print("-" * len(header))
+    for name, overrides in SERVE_FORMATS.items():
+      quantization.quantize_checkpoint(root / "f32", root / name.replace(" ", "-"), *overrides)
+      leaves = checkpointing.CheckpointReader(root / name.replace(" ", "-")).leaves
+      kernels = [p for p in leaves if p.endswith("/kernel_qvalue")]
+      quantized = sum(leaves[p].nbytes + leaves[p.replace("_qvalue", "_scale")].nbytes for p in kernels)
+      floats = sum(float_leaves[p.removesuffix("_qvalue")].nbytes for p in kernels)
+      disk = _bytes_on_disk(root / name.replace(" ", "-"))
+      print(f"{name:<11}{disk / 2**20:>12.1f}{disk / float_disk:>8.3f}{quantized / floats:>16.3f}")
+  print("('kernels vs f32': qvalues + scales of the quantized kernels over their float32 bytes, in memory;")
+  print(" int4 is held one value per byte on disk. Embeddings and norms stay float32.)")
 
 
 def main() -> None:
@@ -48,8 +94,13 @@ def main() -> None:
           **keys,
       )
       batch = bench._first_batch(cfg)  # pylint: disable=protected-access
-      trainer, state, compile_s = bench.start(cfg, batch)
-      model = mb.create_model(cfg, seed=0)
+      if cfg.checkpoint_is_quantized:  # serving: no train step; weights converted from the float model's
+        trainer = state = compile_s = None
+        float_params = entries[(backend, "f32")]["params"]
+        model = mb.create_model(cfg, params=dispatch.quantize_params(cfg, float_params))
+      else:
+        trainer, state, compile_s = bench.start(cfg, batch)
+        model = mb.create_model(cfg, seed=0)
       prompt = np.asarray(batch["inputs"])
       prefill = jax.jit(model.apply)
       params = model.params()
@@ -57,9 +108,11 @@ def main() -> None:
       entries[(backend, variant)] = dict(
           trainer=trainer, state=state, batch=batch, compile_s=compile_s, prefill=prefill, params=params, prompt=prompt
       )
-      print(f"built {backend} {variant} (first step {compile_s:.1f} s)", flush=True)
+      print(f"built {backend} {variant}" + (f" (first step {compile_s:.1f} s)" if trainer else ""), flush=True)
 
   def time_step(entry):
+    if entry["trainer"] is None:
+      return float("nan")
     entry["state"], seconds = bench.timed_step(entry["trainer"], entry["state"], entry["batch"])
     return seconds
 
@@ -86,18 +139,21 @@ def main() -> None:
       f"\n{args.preset}, batch {args.batch} x length {args.length}, {args.steps} interleaved rounds, "
       f"jax {jax.__version__} on {jax.devices()[0].platform}; 'vs f32' = median of per-round ratios, same backend"
   )
-  header = f"{'backend':<8}{'variant':<11}{'step ms':>9}{'vs f32':>8}{'prefill tok/s':>15}{'vs f32':>8}"
+  header = f"{'backend':<8}{'variant':<17}{'step ms':>9}{'vs f32':>8}{'prefill tok/s':>15}{'vs f32':>8}"
   print(header)
   print("-" * len(header))
   for backend, variant in keys:
     base = (backend, "f32")
     step_ratio = statistics.median(t / b for t, b in zip(steps[(backend, variant)], steps[base]))
     prefill_ratio = statistics.median(b / t for t, b in zip(prefills[(backend, variant)], prefills[base]))
+    step = f"{statistics.median(steps[(backend, variant)]) * 1e3:>9.1f}{step_ratio:>8.2f}"
+    if entries[(backend, variant)]["trainer"] is None:
+      step = f"{'-':>9}{'-':>8}"
     print(
-        f"{backend:<8}{variant:<11}{statistics.median(steps[(backend, variant)]) * 1e3:>9.1f}{step_ratio:>8.2f}"
+        f"{backend:<8}{variant:<17}{step}"
         f"{tokens / statistics.median(prefills[(backend, variant)]):>15.0f}{prefill_ratio:>8.2f}"
     )
-  print("Serve-checkpoint bytes vs float: not measured (serve checkpoints are not built yet, issue 11 step 2).")
+  serve_bytes(args.preset)
 
 
 if __name__ == "__main__":

@@ -128,7 +128,7 @@ def _quantize(args: argparse.Namespace) -> int:
   from maxbridge import quantization
 
   out = quantization.quantize_checkpoint(args.source, args.destination, *args.overrides, config=args.config)
-  print(f"{out}: serve checkpoint (int8 values and scales in place of float kernels) at step 0, with config.yml")
+  print(f"{out}: serve checkpoint (quantized values and scales in place of float kernels) at step 0, with config.yml")
   return 0
 
 
@@ -333,8 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="make a serve checkpoint (frozen int8 weights) from a float checkpoint",
       description="Reads a float checkpoint (maxbridge, MaxText with --config, an imported or raw Hugging Face "
       "folder, or a preset/YAML whose load_parameters_path names one) and writes DESTINATION/0/items + "
-      "config.yml with checkpoint_is_quantized=true: every quantized kernel as int8 kernel_qvalue + kernel_scale. "
-      "Needs quantization=int8. Exit 0 done, 2 error (nothing written).",
+      "config.yml with checkpoint_is_quantized=true: every quantized kernel as kernel_qvalue + kernel_scale. "
+      "Needs quantization=int8 (AQT), or use_qwix_quantization=true with quantization=int8, int4 or fp8 (Qwix "
+      "PTQ). Exit 0 done, 2 error (nothing written).",
   )
   p.add_argument("source", help="checkpoint, run or Hugging Face folder; or a preset/YAML with load_parameters_path")
   p.add_argument("destination", help="new directory to write the serve checkpoint to")

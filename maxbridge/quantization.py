@@ -311,6 +311,11 @@ def quantize_checkpoint(
   from maxbridge import checkpointing, dispatch, hf  # pylint: disable=import-outside-toplevel
   from maxbridge.config import ConfigError, load_config  # pylint: disable=import-outside-toplevel
 
+  # Read as the serve config when the quantization is given: Qwix QAT refuses mixed flags, serving does not.
+  # (A Hugging Face folder is read through the float model's tree: its flags are ours to choose anyway.)
+  given = any(o.startswith("quantization=") and o != "quantization=" for o in overrides)
+  if given and not hf.is_hf_folder(source):
+    overrides += ("checkpoint_is_quantized=true",)
   if Path(source).is_dir():
     cfg, params = hf.load_pretrained(source, *overrides, config=config)
   else:
@@ -318,7 +323,7 @@ def quantize_checkpoint(
     if not cfg.load_parameters_path:
       raise ConfigError(f"{source} is a config without load_parameters_path: give the float checkpoint to quantize")
     params = checkpointing.load_params(cfg.load_parameters_path)[0]
-  if cfg.checkpoint_is_quantized or is_serve_tree(params):
+  if is_serve_tree(params) or (cfg.checkpoint_is_quantized and not given):
     raise ValueError(f"{source} is already quantized (checkpoint_is_quantized): quantize its float checkpoint")
   if not cfg.quantization:
     raise ConfigError("maxbridge quantize needs quantization=int8 (AQT; add use_qwix_quantization=true for Qwix)")
