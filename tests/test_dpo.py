@@ -187,3 +187,22 @@ def test_a_dpo_step_without_a_reference_is_refused(runs):
       trainer.train_step(None, batch)  # refused before the state is read
   finally:
     trainer.reference = reference
+
+
+def test_dpo_learns_the_built_in_preferences():
+  # From the seed (no SFT), 80 steps of 8 rows (about 60 pairs each) teach the policy to prefer the
+  # right sum over a near miss relative to its reference: measured, train reward accuracy goes from
+  # about 0.5 (first 20 steps) to above 0.9 (last 20), and the held-out pairs' loss falls from
+  # log 2 = 0.693 (the loss of a policy that still equals its reference) to 0.61.
+  config = tiny_config(use_dpo=True, dpo_beta=0.1, learning_rate=1e-3, steps=80)
+  trainer = dispatch.create_trainer(config)
+  dataset = data.make_dataset(config, "train", 8)
+  state = trainer.init_state(0)
+  trainer.set_reference(state)
+  accuracy = []
+  for step in range(config.steps):
+    state, metrics = trainer.train_step(state, dataset.batch(step))
+    accuracy.append(float(metrics["reward_accuracy"]))
+  held_out = trainer.eval_step(state, data.make_dataset(config, "eval", 8).batch(0))
+  assert np.mean(accuracy[:20]) < 0.7 and np.mean(accuracy[-20:]) > 0.85, accuracy
+  assert float(held_out["loss"]) < 0.66, f"held-out DPO loss {float(held_out['loss'])} (log 2 = 0.693)"
