@@ -41,10 +41,7 @@ class Attention(nn.Module):
     query = rotary.apply_rotary(query, positions, max_timescale=cfg.rope_max_timescale, scaling=cfg.rope_scaling)
     key = rotary.apply_rotary(key, positions, max_timescale=cfg.rope_max_timescale, scaling=cfg.rope_scaling)
     scale = None if initializers.query_kernel_carries_scale(cfg) else head_dim**-0.5
-    kv = {}
-    if cache := update_cache(self, {"cached_key": key, "cached_value": value}, positions, segment_ids):
-      key, value = cache["cached_key"], cache["cached_value"]
-      kv = dict(kv_segment_ids=cache[kv_cache.SEGMENT_IDS], kv_positions=cache[kv_cache.POSITIONS])
+    (key, value), kv = update_cache(self, {"cached_key": key, "cached_value": value}, positions, segment_ids)
     out, per_layer = attention.self_attention(
         query,
         key,
@@ -61,12 +58,16 @@ class Attention(nn.Module):
 
 def update_cache(
     module: nn.Module, new: dict[str, jax.Array], positions: jax.Array, segment_ids: jax.Array
-) -> dict[str, jax.Array] | None:
-  """While decoding, appends `new` ({name: [B, T, ...]}) to `module`'s cache and returns all of it; else None."""
+) -> tuple[tuple[jax.Array, ...], dict[str, jax.Array]]:
+  """(what attention reads for each of `new`'s entries, in order; the keyword arguments masking that read).
+
+  While decoding, appends `new` ({name: [B, T, ...]}) to `module`'s cache and
+  reads all of it (`ops.kv_cache.read`); else `new`'s own values and no keywords.
+  """
   if not module.has_variable("cache", kv_cache.INDEX):
-    return None
+    return tuple(new.values()), {}
   names = (*new, kv_cache.POSITIONS, kv_cache.SEGMENT_IDS, kv_cache.INDEX)
   cache = kv_cache.append({name: module.get_variable("cache", name) for name in names}, new, positions, segment_ids)
   for name, value in cache.items():
     module.put_variable("cache", name, value)
-  return cache
+  return kv_cache.read(cache, new)

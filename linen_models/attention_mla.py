@@ -19,7 +19,7 @@ from linen_models.linears import dense
 from linen_models.normalizations import RMSNorm
 from maxbridge import initializers
 from maxbridge.config import Config
-from maxbridge.ops import attention, kv_cache, mla
+from maxbridge.ops import attention, mla
 
 
 class MLA(nn.Module):
@@ -47,10 +47,9 @@ class MLA(nn.Module):
     latent, key_rope = jnp.split(latent, [cfg.kv_lora_rank], axis=-1)
     latent = RMSNorm(cfg.kv_lora_rank, name="kv_norm", **norm)(latent)
     key_rope = mla.rope_key(key_rope, positions, max_timescale=cfg.rope_max_timescale)
-    kv = {}
-    if cache := update_cache(self, {"cached_latent": latent, "cached_key_rope": key_rope}, positions, segment_ids):
-      latent, key_rope = cache["cached_latent"], cache["cached_key_rope"]
-      kv = dict(kv_segment_ids=cache[kv_cache.SEGMENT_IDS], kv_positions=cache[kv_cache.POSITIONS])
+    (latent, key_rope), kv = update_cache(
+        self, {"cached_latent": latent, "cached_key_rope": key_rope}, positions, segment_ids
+    )
     key_value_dim = cfg.qk_nope_head_dim + cfg.v_head_dim
     key_value = dense(
         cfg, (cfg.kv_lora_rank,), (heads, key_value_dim), ("kv_lora", "kv_heads", "kv_head_dim"), name="wkv_b"

@@ -15,7 +15,7 @@ from linen_models.linears import dense
 from linen_models.normalizations import norm
 from maxbridge import initializers
 from maxbridge.config import Config
-from maxbridge.ops import attention, kv_cache, mlp
+from maxbridge.ops import attention, mlp
 
 
 class Gpt3Attention(nn.Module):
@@ -35,10 +35,7 @@ class Gpt3Attention(nn.Module):
     )(x)
     query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     scale = None if initializers.query_kernel_carries_scale(cfg) else head_dim**-0.5
-    kv = {}
-    if cache := update_cache(self, {"cached_key": key, "cached_value": value}, positions, segment_ids):
-      key, value = cache["cached_key"], cache["cached_value"]
-      kv = dict(kv_segment_ids=cache[kv_cache.SEGMENT_IDS], kv_positions=cache[kv_cache.POSITIONS])
+    (key, value), kv = update_cache(self, {"cached_key": key, "cached_value": value}, positions, segment_ids)
     out, per_layer = attention.self_attention(
         query, key, value, segment_ids, positions, query_scale=scale, with_max_logits=cfg.use_qk_clip, **kv
     )

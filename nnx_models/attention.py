@@ -48,10 +48,7 @@ class Attention(nnx.Module):
     query = rotary.apply_rotary(query, positions, max_timescale=cfg.rope_max_timescale, scaling=cfg.rope_scaling)
     key = rotary.apply_rotary(key, positions, max_timescale=cfg.rope_max_timescale, scaling=cfg.rope_scaling)
     scale = None if initializers.query_kernel_carries_scale(cfg) else cfg.head_dim**-0.5
-    kv = {}
-    if cache := update_cache(self, {"cached_key": key, "cached_value": value}, positions, segment_ids):
-      key, value = cache["cached_key"], cache["cached_value"]
-      kv = dict(kv_segment_ids=cache[kv_cache.SEGMENT_IDS], kv_positions=cache[kv_cache.POSITIONS])
+    (key, value), kv = update_cache(self, {"cached_key": key, "cached_value": value}, positions, segment_ids)
     out, per_layer = attention.self_attention(
         query,
         key,
@@ -68,12 +65,16 @@ class Attention(nnx.Module):
 
 def update_cache(
     module: nnx.Module, new: dict[str, jax.Array], positions: jax.Array, segment_ids: jax.Array
-) -> dict[str, jax.Array] | None:
-  """While decoding, appends `new` ({name: [B, T, ...]}) to `module`'s cache and returns all of it; else None."""
+) -> tuple[tuple[jax.Array, ...], dict[str, jax.Array]]:
+  """(what attention reads for each of `new`'s entries, in order; the keyword arguments masking that read).
+
+  While decoding, appends `new` ({name: [B, T, ...]}) to `module`'s cache and
+  reads all of it (`ops.kv_cache.read`); else `new`'s own values and no keywords.
+  """
   if not hasattr(module, kv_cache.INDEX):
-    return None
+    return tuple(new.values()), {}
   names = (*new, kv_cache.POSITIONS, kv_cache.SEGMENT_IDS, kv_cache.INDEX)
   cache = kv_cache.append({name: getattr(module, name)[...] for name in names}, new, positions, segment_ids)
   for name, value in cache.items():
     getattr(module, name)[...] = value
-  return cache
+  return kv_cache.read(cache, new)

@@ -16,7 +16,7 @@ from flax import nnx
 
 from maxbridge import initializers
 from maxbridge.config import Config
-from maxbridge.ops import attention, kv_cache, mla
+from maxbridge.ops import attention, mla
 from nnx_models.attention import update_cache
 from nnx_models.linears import dense
 from nnx_models.normalizations import RMSNorm
@@ -58,10 +58,9 @@ class MLA(nnx.Module):
     latent, key_rope = jnp.split(self.wkv_a(x), [cfg.kv_lora_rank], axis=-1)
     latent = self.kv_norm(latent)
     key_rope = mla.rope_key(key_rope, positions, max_timescale=cfg.rope_max_timescale)
-    kv = {}
-    if cache := update_cache(self, {"cached_latent": latent, "cached_key_rope": key_rope}, positions, segment_ids):
-      latent, key_rope = cache["cached_latent"], cache["cached_key_rope"]
-      kv = dict(kv_segment_ids=cache[kv_cache.SEGMENT_IDS], kv_positions=cache[kv_cache.POSITIONS])
+    (latent, key_rope), kv = update_cache(
+        self, {"cached_latent": latent, "cached_key_rope": key_rope}, positions, segment_ids
+    )
     key, value = mla.latent_key_value(self.wkv_b(latent), key_rope, nope_dim=cfg.qk_nope_head_dim)
     qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     scale = None if initializers.query_kernel_carries_scale(cfg) else qk_head_dim**-0.5

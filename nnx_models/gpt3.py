@@ -12,7 +12,7 @@ from flax import nnx
 
 from maxbridge import initializers
 from maxbridge.config import Config
-from maxbridge.ops import attention, kv_cache, mlp
+from maxbridge.ops import attention, mlp
 from nnx_models.attention import update_cache
 from nnx_models.linears import dense
 from nnx_models.normalizations import norm
@@ -37,10 +37,7 @@ class Gpt3Attention(nnx.Module):
     qkv = self.qkv_proj(x)
     query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     scale = None if initializers.query_kernel_carries_scale(cfg) else cfg.head_dim**-0.5
-    kv = {}
-    if cache := update_cache(self, {"cached_key": key, "cached_value": value}, positions, segment_ids):
-      key, value = cache["cached_key"], cache["cached_value"]
-      kv = dict(kv_segment_ids=cache[kv_cache.SEGMENT_IDS], kv_positions=cache[kv_cache.POSITIONS])
+    (key, value), kv = update_cache(self, {"cached_key": key, "cached_value": value}, positions, segment_ids)
     out, per_layer = attention.self_attention(
         query, key, value, segment_ids, positions, query_scale=scale, with_max_logits=cfg.use_qk_clip, **kv
     )

@@ -83,3 +83,12 @@ def append(
   out[SEGMENT_IDS] = write(cache[SEGMENT_IDS], segment_ids)
   out[INDEX] = index + positions.shape[1]
   return out
+
+
+def read(cache: Mapping[str, jax.Array], names) -> tuple[tuple[jax.Array, ...], dict[str, jax.Array]]:
+  """(the `names` entries of `cache`, in order; the keyword arguments that mask attention over them).
+
+  The keywords are `ops.attention.self_attention`'s `kv_segment_ids` and
+  `kv_positions`: a cached read is masked by the cache's own positions.
+  """
+  return tuple(cache[name] for name in names), dict(kv_segment_ids=cache[SEGMENT_IDS], kv_positions=cache[POSITIONS])
