@@ -33,7 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxbridge import canonical
+from jax.sharding import Mesh, PartitionSpec
+
+from maxbridge import canonical, sharding
 from maxbridge.config import Config
 from maxbridge.model import Model
 from maxbridge.ops import kv_cache, sampling
@@ -85,6 +87,10 @@ def cache_logical_axes(config: Config) -> Params:
   return canonical.unflatten({path: stacked + kv_cache.logical_axes(path.rsplit("/", 1)[1]) for path in flat})
 
 
+def _is_axes(x) -> bool:
+  return isinstance(x, tuple) and all(isinstance(name, (str, type(None))) for name in x)
+
+
 def init_cache(config: Config, batch: int, length: int) -> Params:
   """An empty cache: zeros, so segment 0 everywhere and nothing visible."""
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract_cache(config, batch, length))
@@ -107,7 +113,9 @@ def decode_model(model: Model) -> Model:
 class Engine:
   """Prefill, insert and generate over `per_device_batch_size` slots per device; see the module docstring."""
 
-  def __init__(self, config: Config, params: Params | None = None, *, model: Model | None = None):
+  def __init__(
+      self, config: Config, params: Params | None = None, *, model: Model | None = None, mesh: Mesh | None = None
+  ):
     from maxbridge import dispatch  # pylint: disable=import-outside-toplevel  (dispatch imports this module's users)
 
     if not 0 < config.max_prefill_predict_length < config.max_target_length:
@@ -123,14 +131,40 @@ class Engine:
       model = decode_model(model)
     self.config = decode_config(config)
     self.model = model
-    self.params = model.params()
+    # Parameters and decode slots are sharded by their logical axes (the cache's
+    # `cache_*` rules in logical_axis_rules): slots split over data and fsdp.
+    self.mesh = sharding.create_mesh(self.config) if mesh is None else mesh
+    rules = self.config.logical_axis_rules
+    specs = jax.tree.map(lambda axes: PartitionSpec(*axes), model.logical_axes(), is_leaf=_is_axes)
+    self.params = jax.device_put(model.params(), sharding.spec_tree_to_shardings(specs, self.mesh, rules))
     self._abstract_params = model.abstract_params()
+    slots = sharding.named_sharding(self.mesh, ("cache_batch",), rules)
+    self._state_shardings = DecodeState(
+        jax.tree.map(
+            lambda axes: sharding.named_sharding(self.mesh, axes, rules),
+            cache_logical_axes(self.config),
+            is_leaf=_is_axes,
+        ),
+        slots,
+        slots,
+        sharding.named_sharding(self.mesh, ("cache_batch", None), rules),
+    )
+    sharding.check_divisible(self._abstract_decode_state(), self._state_shardings)
     self._rng = jax.random.key(config.seed)
     self._prefill = jax.jit(self._prefill_impl, static_argnames=("num_samples",))
     self._prefill_concat = jax.jit(self._prefill_concat_impl)
-    self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
-    self._generate = jax.jit(self._generate_impl, donate_argnums=(1,))
-    self._generate_steps = jax.jit(self._generate_steps_impl, donate_argnums=(1,), static_argnames=("num_steps",))
+    state, tokens = self._state_shardings, slots
+    self._init_decode_state = jax.jit(
+        lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._abstract_decode_state()), out_shardings=state
+    )
+    self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=state)
+    self._generate = jax.jit(self._generate_impl, donate_argnums=(1,), out_shardings=(state, tokens))
+    self._generate_steps = jax.jit(
+        self._generate_steps_impl,
+        donate_argnums=(1,),
+        static_argnames=("num_steps",),
+        out_shardings=(state, sharding.named_sharding(self.mesh, ("cache_batch", None), rules)),
+    )
 
   @classmethod
   def from_pretrained(cls, path, backend: str = "linen", **overrides) -> "Engine":
@@ -142,7 +176,7 @@ class Engine:
 
   @property
   def max_concurrent_decodes(self) -> int:
-    return self.config.per_device_batch_size * jax.device_count()
+    return self.config.per_device_batch_size * self.mesh.size
 
   def _params(self, params: Params | None) -> Params:
     """The engine's own parameters, or `params` unrolled to its layout (a copy when they come scanned)."""
@@ -305,13 +339,16 @@ class Engine:
   # --- decode slots -----------------------------------------------------------------------------
 
   def init_decode_state(self) -> DecodeState:
-    """`max_concurrent_decodes` empty slots, each with a cache of max_target_length tokens."""
+    """`max_concurrent_decodes` empty slots, each with a cache of max_target_length tokens, sharded."""
+    return self._init_decode_state()
+
+  def _abstract_decode_state(self) -> DecodeState:
     slots = self.max_concurrent_decodes
     return DecodeState(
-        init_cache(self.config, slots, self.config.max_target_length),
-        jnp.zeros((slots,), jnp.int32),
-        jnp.zeros((slots,), jnp.int32),
-        jnp.zeros((slots, self.config.vocab_size), jnp.float32),
+        abstract_cache(self.config, slots, self.config.max_target_length),
+        jax.ShapeDtypeStruct((slots,), jnp.int32),
+        jax.ShapeDtypeStruct((slots,), jnp.int32),
+        jax.ShapeDtypeStruct((slots, self.config.vocab_size), jnp.float32),
     )
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
@@ -352,7 +389,8 @@ class Engine:
     A slot must not run past max_target_length tokens (its cache would keep
     only the last ones); `Model.generate` bounds this for its prompts.
     """
-    return self._generate(self._params(params), decode_state, self._next_rng(rng))
+    with sharding.active(self.mesh, self.config.logical_axis_rules):  # activation constraints while tracing
+      return self._generate(self._params(params), decode_state, self._next_rng(rng))
 
   def _generate_impl(self, params, state, rng):
     cache, tokens, next_pos, _ = state
@@ -372,7 +410,8 @@ class Engine:
     """
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
       raise ValueError(f"num_steps must be a whole number >= 1, got {num_steps!r}")
-    return self._generate_steps(self._params(params), decode_state, self._next_rng(rng), num_steps=num_steps)
+    with sharding.active(self.mesh, self.config.logical_axis_rules):
+      return self._generate_steps(self._params(params), decode_state, self._next_rng(rng), num_steps=num_steps)
 
   def _generate_steps_impl(self, params, state, rng, *, num_steps: int):
     state, tokens = jax.lax.scan(

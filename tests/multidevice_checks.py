@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import maxbridge as mb  # noqa: E402
-from maxbridge import checkpointing, data, dispatch, sharding  # noqa: E402
+from maxbridge import canonical, checkpointing, data, dispatch, engine, sharding  # noqa: E402
 
 MESHES = {"8x1x1": (8, 1, 1), "1x8x1": (1, 8, 1), "1x4x2": (1, 4, 2), "2x2x2": (2, 2, 2)}
 BACKENDS = {
@@ -30,7 +30,7 @@ STEPS = 3
 FEATURES = dict(num_vocab_tiling=4, use_qk_clip=True, qk_clip_threshold=0.5, gradient_accumulation_steps=2)
 
 
-def config(flags, shape=(1, 8, 1), **overrides):
+def config(flags, shape=(1, 8, 1), per_device_batch_size=1, **overrides):
   pure_nnx, enable_nnx, pure_nnx_decoder = flags
   data_, fsdp, tensor = shape
   return mb.load_config(
@@ -41,7 +41,7 @@ def config(flags, shape=(1, 8, 1), **overrides):
       ici_data_parallelism=data_,
       ici_fsdp_parallelism=fsdp,
       ici_tensor_parallelism=tensor,
-      per_device_batch_size=1,
+      per_device_batch_size=per_device_batch_size,
       steps=10,
       **overrides,
   )
@@ -112,7 +112,38 @@ def main():
       "loss": losses[0],
       "wi_0": specs(trainer)["['params']['params']['decoder']['layers']['mlp']['wi_0']['kernel']"],
   }
+  report["engine"] = decode_on_meshes()
   json.dump(report, sys.stdout)
+
+
+def decode_on_meshes():
+  """The engine on a 2x2x2 mesh (8 slots over data x fsdp, kv heads over tensor) and on one device, same slots."""
+  prompts = {1: np.array([5, 9, 3, 77, 12]), 6: np.arange(1, 12)}
+  out = {}
+  for name in ("linen", "nnx"):
+    params = None
+    for where in ("1", "2x2x2"):
+      if where == "1":
+        eng = engine.Engine(config(BACKENDS[name], per_device_batch_size=8), params, mesh=single_device_mesh())
+      else:
+        eng = engine.Engine(config(BACKENDS[name], (2, 2, 2)), params)
+      params = eng.params
+      state = eng.init_decode_state()
+      for slot, prompt in prompts.items():
+        state = eng.insert(eng.prefill(prompt), state, slot)
+      state, first = eng.generate(state)
+      state, rest = eng.generate_steps(state, 4)
+      cache = canonical.flatten(state.cache)
+      out[f"{name}@{where}"] = {
+          "slots": eng.max_concurrent_decodes,
+          "tokens": np.concatenate([np.asarray(first)[:, None], np.asarray(rest)], axis=1).tolist(),
+          "logits": np.asarray(state.logits).tolist(),
+          "specs": {
+              path: str(leaf.sharding.spec) for path, leaf in cache.items() if path.startswith("decoder/layers_0/")
+          },
+          "tokens_spec": str(state.tokens.sharding.spec),
+      }
+  return out
 
 
 if __name__ == "__main__":

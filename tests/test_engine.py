@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import converters
 import maxbridge as mb
-from maxbridge import canonical, engine
+from maxbridge import canonical, cli, engine
 from maxbridge.ops import kv_cache, sampling
 
 FAMILIES = ("llama-tiny", "mistral-tiny", "qwen3-tiny", "gpt3-tiny", "mixtral-tiny", "deepseek3-tiny")
@@ -267,3 +268,40 @@ def test_generate_steps_is_repeated_generate_in_one_compiled_loop():
   np.testing.assert_allclose(state.logits[::-1], result["logits"][:, -1], atol=1e-5, rtol=1e-5)
   with pytest.raises(ValueError, match="num_steps must be a whole number >= 1, got 0"):
     eng.generate_steps(state, 0)
+
+
+@pytest.mark.parametrize("flags", [LINEN, NNX], ids=["linen", "nnx"])
+def test_a_decode_checkpoint_of_a_training_run_loads_straight_into_the_engine(flags, tmp_path):
+  """MaxText's generate_param_only_checkpoint: `convert --params-only --scan-layers false --dtype bfloat16`."""
+  config = mb.load_config(
+      "llama-tiny",
+      pure_nnx=flags[0],
+      enable_nnx=flags[1],
+      pure_nnx_decoder=flags[2],
+      steps=2,
+      per_device_batch_size=2,
+      checkpoint_period=2,
+      eval_interval=0,
+      max_prefill_predict_length=16,
+      max_target_length=32,
+      base_output_directory=str(tmp_path),
+      run_name="run",
+  )
+  mb.train(config)
+  argv = ["convert", str(tmp_path / "run"), str(tmp_path / "decode"), "--params-only", "--scan-layers", "false"]
+  assert cli.main([*argv, "--dtype", "bfloat16"]) == 0
+  eng = engine.Engine.from_pretrained(tmp_path / "decode", backend="nnx" if flags[0] else "linen")
+  params = canonical.flatten(eng.params)
+  assert not any(canonical.is_stacked(path) for path in params)
+  assert {leaf.dtype for leaf in params.values()} == {jnp.dtype(jnp.bfloat16)}
+  # The training run's own parameters, unscanned and cast to bf16: nothing else changed.
+  trained, _ = converters.load_params(tmp_path / "run")
+  want = canonical.flatten(canonical.unstack_layers(trained, axis=config.param_scan_axis))
+  assert sorted(params) == sorted(want)
+  for path, leaf in params.items():
+    np.testing.assert_array_equal(leaf, want[path].astype(jnp.bfloat16), err_msg=path)
+  state = eng.insert(eng.prefill(PROMPTS[1]), eng.init_decode_state(), 0)
+  first = int(state.tokens[0])
+  state, tokens = eng.generate_steps(state, 3)
+  sequence = np.concatenate([PROMPTS[1], [first], np.asarray(tokens[0, :2])])[None]
+  np.testing.assert_array_equal(np.argmax(eng.model.logits(sequence)[0, -4:], axis=-1), [first, *tokens[0]])

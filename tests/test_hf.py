@@ -166,6 +166,14 @@ def test_imported_logits_and_greedy_continuations_match_transformers(reference, 
   assert max_diff(logits, reference.logits) <= LOGITS_TOL
   continuation = model.generate(PROMPT, max_new_tokens=6)
   np.testing.assert_array_equal(np.asarray(continuation), reference.continuation)
+  # The same continuation through mb.Engine: both prompts in two decode slots.
+  engine = mb.Engine(model.config.replace(per_device_batch_size=2, max_prefill_predict_length=8), model=model)
+  state = engine.init_decode_state()
+  for slot, prompt in enumerate(PROMPT):
+    state = engine.insert(engine.prefill(prompt), state, slot)
+  first = np.asarray(state.tokens)[:, None]
+  state, tokens = engine.generate_steps(state, 5)
+  np.testing.assert_array_equal(np.concatenate([first, tokens], axis=1), reference.continuation[:, PROMPT.shape[1] :])
 
 
 def test_export_loads_in_transformers_and_reimports_exactly(reference, tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec
 
 import maxbridge as mb
 from maxbridge import sharding
@@ -164,3 +165,22 @@ def test_llama2_7b_train_step_compiles_for_eight_devices():
   # 6.74e9 parameters x (4 + 4 + 4 bytes: params, mu, nu) / 8 devices = 9.42 GiB.
   state = float(next(l for l in out.splitlines() if "parameters + optimizer state" in l).split()[-4])
   assert 9.3 < state < 9.5, out
+
+
+@pytest.mark.parametrize("backend", ["linen", "nnx"])
+def test_engine_decoding_on_a_2x2x2_mesh_equals_one_device_with_the_cache_sharded(report, backend):
+  one, mesh = report["engine"][f"{backend}@1"], report["engine"][f"{backend}@2x2x2"]
+  assert one["slots"] == mesh["slots"] == 8
+  assert mesh["tokens"] == one["tokens"] == report["engine"]["linen@1"]["tokens"]
+  np.testing.assert_allclose(mesh["logits"], one["logits"], atol=1e-5, rtol=1e-5)
+  # Slots split over data x fsdp, kv heads over tensor; positions and segments follow the slots.
+  slots = ("data", "fsdp")
+  want = {
+      "cached_key": PartitionSpec(slots, None, "tensor", None),
+      "cached_value": PartitionSpec(slots, None, "tensor", None),
+      "cache_positions": PartitionSpec(slots, None),
+      "cache_segment_ids": PartitionSpec(slots, None),
+      "cache_index": PartitionSpec(slots),
+  }
+  assert mesh["specs"] == {f"decoder/layers_0/self_attention/{k}": str(v) for k, v in want.items()}
+  assert mesh["tokens_spec"] == str(PartitionSpec(slots))
