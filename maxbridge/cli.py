@@ -116,6 +116,14 @@ def _import_hf(args: argparse.Namespace) -> int:
   return 0
 
 
+def _lora_merge(args: argparse.Namespace) -> int:
+  from maxbridge import lora
+
+  out = lora.merge_checkpoint(args.base, args.adapters, args.destination)
+  print(f"{out}: params-only checkpoint at step 0 (base + adapters), with config.yml")
+  return 0
+
+
 def _export_hf(args: argparse.Namespace) -> int:
   from maxbridge import hf
 
@@ -236,6 +244,7 @@ HANDLERS: dict[str, Handler] = {
     "import-hf": _import_hf,
     "export-hf": _export_hf,
     "quantize": _quantize,
+    "lora-merge": _lora_merge,
     "generate": _generate,
     "bench": _bench,
 }
@@ -341,6 +350,17 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("destination", help="new directory to write the serve checkpoint to")
   p.add_argument("--config", help=_CONFIG_HELP)
   _overrides(p)
+
+  p = verbs.add_parser(
+      "lora-merge",
+      help="merge a LoRA run's adapters into its base: a plain checkpoint",
+      description="Writes BASE + lora_alpha/lora_rank * A @ B (DESTINATION/0/items, config.yml), which "
+      "export-hf, generate and train read like any checkpoint. BASE must be the base the adapters were "
+      "trained on (its fingerprint is checked). Exit 0 done, 2 error (nothing written).",
+  )
+  p.add_argument("base", help="Hugging Face folder or checkpoint the adapters were trained on")
+  p.add_argument("adapters", help="the LoRA run, its checkpoints or a step directory (the latest step is read)")
+  p.add_argument("destination", help="new directory to write the merged checkpoint to")
 
   p = verbs.add_parser(
       "generate",

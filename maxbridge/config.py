@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import typing
 import warnings
 from collections.abc import Callable, Mapping
@@ -129,6 +130,12 @@ class Config:
   log_period: int
   load_parameters_path: str
   load_full_state_path: str
+  # LoRA fine-tuning (see maxbridge/lora.py)
+  lora_rank: int
+  lora_alpha: float
+  lora_module_path: str
+  lora_dropout: float
+  lora_weight_qtype: str
   # inference (maxbridge.engine)
   max_prefill_predict_length: int
   decode_sampling_strategy: str
@@ -366,6 +373,8 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         "-1 (one shard per slice), 0 (float weight gradients) or a positive shard count",
     ),
     ("eval_interval", lambda v: v >= 0, ">= 0 (0 disables evaluation)"),
+    ("lora_rank", lambda v: v >= 0, ">= 0 (0 disables LoRA)"),
+    ("lora_alpha", _positive, "> 0 (adapters are scaled by lora_alpha / lora_rank)"),
     ("warmup_steps_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("cosine_learning_rate_final_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("adam_b1", lambda v: 0 <= v < 1, "in [0, 1)"),
@@ -431,6 +440,7 @@ def _validate(cfg: Config) -> None:
     raise ConfigError(f"process_id={cfg.process_id} must be below num_processes={cfg.num_processes}")
   _validate_family(cfg)
   _validate_quantization(cfg)
+  _validate_lora(cfg)
   if cfg.dataset_type == "text" and not cfg.dataset_path:
     raise ConfigError("dataset_type='text' needs dataset_path (a text file to train on)")
   if cfg.use_dpo and cfg.dataset_type not in ("embedded", "sft"):
@@ -440,6 +450,31 @@ def _validate(cfg: Config) -> None:
     )
   if cfg.use_dpo and cfg.num_vocab_tiling > 1:
     raise ConfigError("use_dpo=true computes full logits for its log-probabilities; set num_vocab_tiling=1")
+
+
+def _validate_lora(cfg: Config) -> None:
+  try:
+    re.compile(cfg.lora_module_path)
+  except re.error as e:
+    raise ConfigError(f"config key 'lora_module_path' = {cfg.lora_module_path!r} is not a regular expression: {e}") from e
+  if cfg.lora_dropout != 0.0:
+    # Adapters are merged into the kernels before the forward pass (maxbridge/lora.py), where
+    # no per-token input exists to drop.
+    raise ConfigError(f"config key 'lora_dropout' = {cfg.lora_dropout!r} is not supported; valid values: 0.0")
+  if cfg.lora_weight_qtype:
+    raise ConfigError(
+        f"config key 'lora_weight_qtype' = {cfg.lora_weight_qtype!r} (QLoRA) is not built yet; valid values: ''"
+    )
+  if cfg.lora_rank and cfg.use_qk_clip:
+    raise ConfigError(
+        "lora_rank > 0 with use_qk_clip=true: QK-Clip rescales the query/key kernels after each update, "
+        "which LoRA keeps frozen; set use_qk_clip=false"
+    )
+  if cfg.lora_rank and cfg.load_full_state_path:
+    raise ConfigError(
+        "lora_rank > 0 with load_full_state_path: a LoRA run starts from base parameters "
+        "(load_parameters_path) and a fresh optimizer for its adapters"
+    )
 
 
 def _validate_family(cfg: Config) -> None:

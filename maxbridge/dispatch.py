@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from linen_models import decoders as linen_decoders
 from linen_models import models as linen_models
-from maxbridge import bridge, canonical, initializers, qk_clip, quantization, vocab_tiling
+from maxbridge import bridge, canonical, initializers, lora, qk_clip, quantization, vocab_tiling
 from maxbridge.config import Config
 from maxbridge.loss import CrossEntropy, Loss
 from maxbridge.model import LinenModel, Model, NNXModel
@@ -187,7 +187,9 @@ def create_trainer(
   if after_update is None and config.use_qk_clip:
     after_update = functools.partial(qk_clip.after_update, config=config)
   hooks = dict(loss=create_loss(config) if loss is None else loss, after_update=after_update)
+  adapted = lora.is_enabled(config)  # LoRA: the adapters train, the base stays frozen
   if config.pure_nnx:
-    return NNXTrainer(config, functools.partial(nnx_transformer, config), mesh, **hooks)
+    trainer_class = lora.NNXLoraTrainer if adapted else NNXTrainer
+    return trainer_class(config, functools.partial(nnx_transformer, config), mesh, **hooks)
   model = LinenModel(config, linen_transformer(config), sample_inputs(config))
-  return LinenTrainer(config, model, mesh, **hooks)
+  return (lora.LinenLoraTrainer if adapted else LinenTrainer)(config, model, mesh, **hooks)

@@ -103,6 +103,11 @@ def expert_kernel() -> Initializer:
   return init
 
 
+def lora_a() -> Initializer:
+  """A LoRA adapter's A [*in, rank]: fan-in scaling over its input axes (B starts at zero)."""
+  return lambda key, shape, dtype=jnp.float32: kernel(in_ndim=len(shape) - 1)(key, shape, dtype)
+
+
 def rules(options: InitOptions) -> tuple[tuple[str, Initializer], ...]:
   """The table: first match wins; patterns are fnmatch globs over unscanned canonical paths."""
   return (
@@ -112,6 +117,8 @@ def rules(options: InitOptions) -> tuple[tuple[str, Initializer], ...]:
       ("*/self_attention/query/kernel", query_kernel(options.query_kernel_carries_scale)),
       ("*/self_attention/out/kernel", kernel(in_ndim=2)),
       ("*/kernel", kernel()),
+      ("*/kernel_lora_a", lora_a()),
+      ("*/kernel_lora_b", zeros()),
       ("*/bias", zeros()),
       # Routed experts (MaxText's MoeBlock_0 keeps them as bare [E, in, out] params).
       ("*/MoeBlock_0/wi_0", expert_kernel()),

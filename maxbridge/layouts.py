@@ -148,7 +148,9 @@ def detect(tree_or_flat: Any) -> Layout:
     )
   param_paths = [p for p in flat if params_root is None or p.split("/")[0] == params_root]
   wrapped = all(p.endswith("/value") for p in flat if p.split("/")[0] not in IGNORED)
-  single = kind == LINEN and all(p.split("/")[1] != "params" for p in param_paths)
+  # Linen variables ({"params": T}): parameter roots right under "params" (a LoRA checkpoint's
+  # {"params": {"lora": adapters}} is ours, not this).
+  single = kind == LINEN and all(p.split("/")[1] in _PARAM_ROOTS for p in param_paths)
   params = [_param_path(p, params_root, wrapped, single) for p in param_paths]
   dtypes = {str(np.dtype(flat[p].dtype)) for p in param_paths if hasattr(flat[p], "dtype")}
   return Layout(

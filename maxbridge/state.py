@@ -111,6 +111,9 @@ class Trainer(abc.ABC):
   canonical parameters after each update (QK-Clip), the same on both backends.
   """
 
+  # Whether checkpoints hold the parameters (LoRA's hold the adapters only, see maxbridge/lora.py).
+  saves_params = True
+
   def __init__(
       self,
       config: Config,
@@ -254,11 +257,17 @@ class Trainer(abc.ABC):
     # The reference pass reads the parameters the step started from, or the
     # frozen `reference`: a constant of the differentiation either way, so no
     # gradient flows through it.
+    view = functools.partial(self._canonical_view, bound)
     forward = None
     if self.loss.needs_reference:
       fixed = bound.params if reference is None else self._reference_params(bound, reference)
-      forward = Forward(apply, jax.lax.stop_gradient(fixed), bound.frozen, self._canonical)
-    return self.loss(Forward(apply, params, bound.frozen, self._canonical), batch, forward)
+      forward = Forward(apply, jax.lax.stop_gradient(fixed), bound.frozen, view)
+    return self.loss(Forward(apply, params, bound.frozen, view), batch, forward)
+
+  def _canonical_view(self, bound: Bound, params) -> Params:
+    """The model's canonical parameters when `params` are trained (LoRA: the base with the adapters merged in)."""
+    del bound
+    return self._canonical(params)
 
   def _train_step(self, state, batch: Batch, reference: Params | None = None):
     bound = self._bind(state)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from absl import logging
 from tqdm import tqdm
 
-from maxbridge import canonical, checkpointing, data, dispatch, files, layouts, quantization, sharding
+from maxbridge import canonical, checkpointing, data, dispatch, files, layouts, lora, quantization, sharding
 from maxbridge.config import Config
 
 
@@ -243,7 +243,11 @@ def _train(config: Config, trainer, until_step: int | None, progress: bool) -> l
     resumed = bool(start)
     if resumed:
       # As in MaxText, a run's own checkpoints win over load_parameters_path / load_full_state_path.
-      state = trainer.from_checkpoint(ckpt.restore(start, trainer.checkpoint_target()))
+      restored = ckpt.restore(start, trainer.checkpoint_target())
+      if trainer.saves_params:
+        state = trainer.from_checkpoint(restored)
+      else:  # adapters only (LoRA): the base comes from where the run started, checked below
+        state = trainer.with_checkpoint(initial_state(config, trainer), restored)
       logging.info("resumed %s from step %d", run_dir, start)
     else:
       state = initial_state(config, trainer)
@@ -251,6 +255,10 @@ def _train(config: Config, trainer, until_step: int | None, progress: bool) -> l
     if trainer.loss.frozen_reference:
       # The run's starting policy (DPO's reference), rebuilt on resume: checkpoints hold the policy only.
       trainer.set_reference(initial_state(config, trainer) if resumed else state)
+    base_reference = None
+    if lora.is_enabled(config):
+      base_reference = lora.base_reference(config, trainer.params(state))
+      lora.check_base(run_dir, base_reference)
   except KeyboardInterrupt as e:
     raise _stopped(e, None, ckpt, checkpoints, None) from None
   except BaseException:
@@ -279,7 +287,7 @@ def _train(config: Config, trainer, until_step: int | None, progress: bool) -> l
       if step == start:
         # The first step compiled and ran (a step that cannot be built fails above): the run has
         # started, and from here on it writes into its folder.
-        log = _open_run(config, run_dir, history, start, saving, primary)
+        log = _open_run(config, run_dir, history, start, saving, primary, base_reference)
       loss = float(metrics["loss"])
       if not math.isfinite(loss):
         raise TrainingDiverged(f"loss is {loss} at step {step}; training stopped")
@@ -322,14 +330,19 @@ def _train(config: Config, trainer, until_step: int | None, progress: bool) -> l
   return records
 
 
-def _open_run(config: Config, run_dir: Path, history: list[str], start: int, saving, primary: bool):
-  """Writes the run's config.yml and makes its folders; returns its metrics log (None off the primary)."""
+def _open_run(
+    config: Config, run_dir: Path, history: list[str], start: int, saving, primary: bool, base_reference: dict | None
+):
+  """Writes the run's config.yml (and a LoRA run's base reference) and makes its folders; returns its metrics log
+  (None off the primary)."""
   run_dir.mkdir(parents=True, exist_ok=True)
   if saving:
     Path(saving.directory).mkdir(exist_ok=True)
   if not primary:
     return None
   config.to_yaml(run_dir / "config.yml")
+  if base_reference is not None and not (run_dir / lora.REFERENCE_FILE).exists():
+    lora.write_reference(run_dir, base_reference)
   if saving:
     saving.remove_temporaries()
   return MetricsLog(run_dir / "metrics.jsonl", history, resume_step=start)

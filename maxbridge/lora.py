@@ -1,0 +1,518 @@
+"""LoRA: low-rank adapters on chosen kernels, trained while the base model stays frozen.
+
+A kernel `W` at canonical path `.../query/kernel` gets two adapters beside it,
+`.../query/kernel_lora_a` (W's input axes + [r]) and `.../query/kernel_lora_b`
+([r] + W's output axes), both with the layer axis where W has it when the
+layers are scanned. The model runs on `W + lora_alpha / lora_rank * A @ B`.
+`lora_b` starts at zero, so step 0 is the base model exactly.
+
+Why not Qwix's `LoraProvider`: it finds a matmul's weights by the module that
+runs it, so it cannot see through `ToNNX` / `ToLinen` (bridged flag mixes),
+and it fails on `nnx.scan` stacks and on Linen einsum layers. Instead the
+adapters are merged into the canonical tree before the forward pass (`merge`),
+outside either backend: every flag combination, scanned or not, runs the same
+model on the same adapted weights, with the same adapter names. The cost is
+that the backward pass forms the full gradient of each adapted kernel before
+reducing it to A and B; the optimizer state is the adapters' only.
+
+A LoRA run's state holds the base parameters frozen (Linen: a `base` field of
+the `TrainState`; NNX: the model's `nnx.Param`s, the adapters being
+`nnx.LoRAParam`s of their own module that the `nnx.Optimizer` alone sees).
+Its checkpoints hold the adapters, their optimizer state and the step:
+
+    {"params": {"lora": <adapter tree>}, "opt_state": [adam {count, mu: {"lora": ...}, nu}, None, {count}],
+     "step": int32}
+
+and the run folder's `lora_base.json` names the base (`load_parameters_path`,
+or the seed) with a fingerprint of its values, checked on resume and by
+`maxbridge lora-merge`.
+"""
+
+import functools
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.training import train_state
+from jax.sharding import Mesh
+
+from maxbridge import canonical, checkpointing, files, initializers, layouts
+from maxbridge.config import Config
+from maxbridge.model import LinenModel, NNXModel, linen_forward, nnx_forward
+from maxbridge.state import Bound, LinenTrainer, NNXTrainer, Params
+
+SUFFIXES = ("_lora_a", "_lora_b")
+COLLECTION = "lora"  # the adapters' collection in the Linen state and in checkpoints
+REFERENCE_FILE = "lora_base.json"
+
+
+def is_enabled(config: Config) -> bool:
+  return config.lora_rank > 0
+
+
+def scale(config: Config) -> float:
+  return config.lora_alpha / config.lora_rank
+
+
+def in_ndim(path: str) -> int:
+  """Input axes of a kernel (canonical, unscanned): attention's output projection reads heads and head_dim."""
+  return 2 if path.endswith("self_attention/out/kernel") else 1
+
+
+def targets(config: Config, abstract_params: Mapping[str, Any]) -> list[str]:
+  """Canonical paths (as in `abstract_params`) of the kernels `lora_module_path` selects.
+
+  The regex must match a whole path, with layers named as stacked
+  (`decoder/layers/...`, never `layers_3`), so that a scanned and an unscanned
+  run adapt the same kernels.
+  """
+  pattern = re.compile(config.lora_module_path)
+  found = []
+  for path, leaf in canonical.flatten(abstract_params).items():
+    layer = canonical.layer_of(path)
+    name = layer[0] if layer else path
+    if path.endswith("/kernel") and len(leaf.shape) >= 2 and pattern.fullmatch(name):
+      found.append(path)
+  if not found:
+    kernels = sorted(
+        {(canonical.layer_of(p) or (p,))[0] for p in canonical.flatten(abstract_params) if p.endswith("kernel")}
+    )
+    raise ValueError(
+        f"lora_module_path={config.lora_module_path!r} matches no kernel of {config.model_name}; it must fully match "
+        f"canonical kernel paths such as: {', '.join(kernels[:8])}"
+    )
+  return found
+
+
+def _split(config: Config, path: str, shape: tuple[int, ...]) -> tuple[tuple, tuple, int | None]:
+  """(input axes, output axes, layer axis or None) of a kernel's shape."""
+  layer_axis = config.param_scan_axis if canonical.is_stacked(path) else None
+  per_layer = list(shape)
+  if layer_axis is not None:
+    del per_layer[layer_axis]
+  n = in_ndim((canonical.layer_of(path) or (path,))[0])
+  return tuple(per_layer[:n]), tuple(per_layer[n:]), layer_axis
+
+
+def _with_layer(shape: tuple, layer_axis: int | None, value: Any) -> tuple:
+  if layer_axis is None:
+    return tuple(shape)
+  shape = list(shape)
+  shape.insert(layer_axis, value)
+  return tuple(shape)
+
+
+def abstract_adapters(config: Config, abstract_params: Mapping[str, Any]) -> dict:
+  """The adapter tree (ShapeDtypeStructs) for the kernels `targets` selects."""
+  flat_params = canonical.flatten(abstract_params)
+  flat = {}
+  for path in targets(config, abstract_params):
+    kernel = flat_params[path]
+    ins, outs, layer_axis = _split(config, path, kernel.shape)
+    layers = kernel.shape[layer_axis] if layer_axis is not None else None
+    rank = (config.lora_rank,)
+    flat[path + "_lora_a"] = jax.ShapeDtypeStruct(_with_layer(ins + rank, layer_axis, layers), kernel.dtype)
+    flat[path + "_lora_b"] = jax.ShapeDtypeStruct(_with_layer(rank + outs, layer_axis, layers), kernel.dtype)
+  return canonical.unflatten(flat)
+
+
+def adapter_axes(config: Config, abstract_params: Mapping[str, Any], kernel_axes: Mapping[str, Any]) -> dict:
+  """Logical axes of each adapter, from its kernel's: the rank axis is never sharded."""
+  flat_axes = canonical.flatten(kernel_axes)
+  flat = {}
+  for path in targets(config, abstract_params):
+    axes = tuple(flat_axes[path])
+    ins, outs, layer_axis = _split(config, path, axes)
+    layer_name = axes[layer_axis] if layer_axis is not None else None
+    flat[path + "_lora_a"] = _with_layer(ins + (None,), layer_axis, layer_name)
+    flat[path + "_lora_b"] = _with_layer((None,) + outs, layer_axis, layer_name)
+  return canonical.unflatten(flat)
+
+
+def init_adapters(abstract: Mapping[str, Any], seed: int | jax.Array, config: Config) -> dict:
+  """A: fan-in scaled over its input axes (from the seed and the adapter's path); B: zeros."""
+  return initializers.init_params(abstract, seed, initializers.InitOptions.from_config(config))
+
+
+def _delta(a: jax.Array, b: jax.Array, layer_axis: int | None) -> jax.Array:
+  if layer_axis is None:
+    return jnp.tensordot(a, b, axes=1)
+  a, b = jnp.moveaxis(a, layer_axis, 0), jnp.moveaxis(b, layer_axis, 0)
+  return jnp.moveaxis(jax.vmap(functools.partial(jnp.tensordot, axes=1))(a, b), 0, layer_axis)
+
+
+def merge(config: Config, params: Mapping[str, Any], adapters: Mapping[str, Any]) -> dict:
+  """`params` with every adapted kernel replaced by W + alpha/r * A @ B (in float32, stored in W's dtype).
+
+  Traceable and differentiable in both arguments; the forward pass of a LoRA
+  run and `maxbridge lora-merge` both call it.
+  """
+  flat = canonical.flatten(params)
+  flat_adapters = canonical.flatten(adapters)
+  for path in [p[: -len("_lora_a")] for p in flat_adapters if p.endswith("_lora_a")]:
+    if path not in flat:
+      raise ValueError(f"adapter {path}_lora_a has no kernel {path} in the base parameters")
+    kernel = flat[path]
+    a, b = flat_adapters[path + "_lora_a"], flat_adapters[path + "_lora_b"]
+    layer_axis = config.param_scan_axis if canonical.is_stacked(path) else None
+    delta = _delta(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32), layer_axis)
+    if delta.shape != kernel.shape:
+      raise ValueError(f"adapters of {path} give shape {delta.shape}, the kernel has {tuple(kernel.shape)}")
+    flat[path] = (jnp.asarray(kernel, jnp.float32) + scale(config) * delta).astype(kernel.dtype)
+  return canonical.unflatten(flat)
+
+
+# --- the base model's identity ----------------------------------------------------
+
+
+def fingerprint(params: Mapping[str, Any], param_scan_axis: int) -> str:
+  """A digest of the parameter values, path by path, the same whether the layers are scanned or not."""
+  host = jax.device_get(params)
+  digest = hashlib.sha256()
+  for path, leaf in sorted(canonical.flatten(canonical.unstack_layers(host, param_scan_axis)).items()):
+    array = np.ascontiguousarray(leaf)
+    digest.update(f"{path}:{array.dtype}:{array.shape}\n".encode())
+    digest.update(array.tobytes())
+  return digest.hexdigest()[:24]
+
+
+def base_reference(config: Config, params: Mapping[str, Any]) -> dict:
+  """What a LoRA run's adapters were trained on: the base's source and the fingerprint of its values."""
+  source = os.path.abspath(config.load_parameters_path) if config.load_parameters_path else f"seed {config.seed}"
+  return {"base": source, "fingerprint": fingerprint(params, config.param_scan_axis)}
+
+
+def check_base(run_dir: Path, reference: dict) -> None:
+  """Refuses to resume a LoRA run on another base than the one its adapters were trained on."""
+  path = Path(run_dir) / REFERENCE_FILE
+  if not path.is_file():
+    return
+  saved = json.loads(path.read_text())
+  if saved["fingerprint"] != reference["fingerprint"]:
+    raise checkpointing.CheckpointError(
+        f"{run_dir}: its adapters were trained on base {saved['base']} (fingerprint {saved['fingerprint']}), "
+        f"but this run's base is {reference['base']} (fingerprint {reference['fingerprint']}); resume with "
+        "the original base (load_parameters_path), or start a new run_name"
+    )
+
+
+def write_reference(run_dir: Path, reference: dict) -> None:
+  files.write_text(Path(run_dir) / REFERENCE_FILE, json.dumps(reference, indent=2) + "\n")
+
+
+# --- the trainers ---------------------------------------------------------------
+
+
+def disk_layout(tx, adapters: Mapping[str, Any]) -> dict:
+  """An adapter checkpoint's tree (abstract), the same for both backends."""
+  params = {COLLECTION: adapters}
+  return {
+      "params": params,
+      "opt_state": layouts.optax_to_tree(jax.eval_shape(tx.init, params)),
+      "step": jax.ShapeDtypeStruct((), jnp.int32),
+  }
+
+
+class LoraTrainState(train_state.TrainState):
+  """flax's TrainState over {"lora": adapters}; the base parameters ride along, never updated."""
+
+  base: Any = None  # {"params": canonical base tree}
+
+
+class _LoraMixin:
+  """What both backends' LoRA trainers share: the adapter tree, the merged view, the adapter checkpoint."""
+
+  saves_params = False  # checkpoints hold the adapters only: the base comes from where the run started
+
+  def _setup_adapters(self, config: Config, abstract_params: dict, kernel_axes: dict) -> None:
+    self.abstract_adapters = abstract_adapters(config, abstract_params)
+    self.adapter_axes = adapter_axes(config, abstract_params, kernel_axes)
+
+  def _init_adapters(self, seed) -> dict:
+    return init_adapters(self.abstract_adapters, seed, self.config)
+
+  @functools.cached_property
+  def disk_layout(self) -> dict:
+    return disk_layout(self.tx, self.abstract_adapters)
+
+  def _canonical_view(self, bound: Bound, params) -> Params:
+    # What losses that read the model directly (vocabulary tiling's head) see: the adapted weights.
+    return merge(self.config, self._base(bound), self._canonical(params))
+
+  def _reference_params(self, bound: Bound, reference: Params):
+    # A frozen reference model (DPO's) is the base: the adapters off, as zeros give a zero update.
+    del reference
+    return jax.tree.map(jnp.zeros_like, bound.params)
+
+  def adapted_params(self, state) -> Params:
+    """The canonical parameters the model runs on: the base with every adapter merged in."""
+    bound = self._bind(state)
+    return self._canonical_view(bound, bound.params)
+
+  def adapters(self, state) -> dict:
+    """The canonical adapter tree of a state."""
+    return self.to_checkpoint(state)["params"][COLLECTION]
+
+
+class LinenLoraTrainer(_LoraMixin, LinenTrainer):
+  """Linen LoRA: the TrainState's params (and so its optimizer) are {"lora": adapters}; the base is `state.base`."""
+
+  def __init__(self, config: Config, model: LinenModel, mesh: Mesh | None = None, **hooks):
+    super().__init__(config, model, mesh, **hooks)
+    self._setup_adapters(config, self.abstract_params, model.logical_axes())
+
+  def trainable(self, config: Config) -> str:
+    return COLLECTION
+
+  def _create(self, params: dict, adapters: dict | None = None) -> LoraTrainState:
+    return LoraTrainState.create(
+        apply_fn=self.model.apply, params={COLLECTION: adapters}, tx=self.tx, base={"params": params}
+    )
+
+  def abstract_state(self):
+    return jax.eval_shape(self._create, self.abstract_params, self.abstract_adapters)
+
+  def _init(self, seed):
+    return self._create(self._initial_params(seed), self._init_adapters(seed))
+
+  def logical_specs(self):
+    boxed = jax.tree.map(
+        lambda leaf, axes: nn.LogicallyPartitioned(leaf, axes),
+        self.abstract_adapters,
+        self.adapter_axes,
+    )
+    return nn.get_partition_spec(jax.eval_shape(self._create, self.model.boxed_params(), boxed))
+
+  def params(self, state) -> dict:
+    return canonical.unflatten(canonical.flatten(state.base["params"]))
+
+  def _replace_params(self, state, params: Params):
+    return state.replace(base={**state.base, "params": params})
+
+  def with_checkpoint(self, state, tree: dict):
+    """`state` (its base) with the adapters, optimizer state and step of an adapter checkpoint."""
+    return state.replace(
+        params=tree["params"],
+        opt_state=layouts.optax_from_tree(state.opt_state, tree["opt_state"]),
+        step=jnp.asarray(tree["step"], jnp.int32),
+    )
+
+  def _bind(self, state) -> Bound:
+    return Bound(params=state.params, frozen=state.base, step=state.step, handle=state)
+
+  def _base(self, bound: Bound) -> Params:
+    return bound.frozen["params"]
+
+  def _canonical(self, params) -> Params:
+    return params[COLLECTION]
+
+  def _forward(self, bound, params, frozen, tokens, positions, segment_ids):
+    merged = merge(self.config, frozen["params"], params[COLLECTION])
+    return linen_forward(self.model.module, {**frozen, "params": merged}, tokens, positions, segment_ids)
+
+
+class Adapters(nnx.Module):
+  """A canonical adapter tree as `nnx.LoRAParam`s, one submodule per path level."""
+
+  def __init__(self, tree: Mapping[str, Any], axes: Mapping[str, Any]):
+    for name, value in tree.items():
+      if isinstance(value, Mapping):
+        setattr(self, name, Adapters(value, axes[name]))
+      else:
+        setattr(self, name, nnx.LoRAParam(value, out_sharding=tuple(axes[name])))
+
+
+class LoraTrainStateNNX(nnx.Module):
+  """The NNX LoRA train state: the frozen model, its adapters, and an optimizer over the adapters only."""
+
+  def __init__(self, model: nnx.Module, adapters: Adapters, optimizer: nnx.Optimizer):
+    self.model = model
+    self.adapters = adapters
+    self.optimizer = optimizer
+
+
+def _nnx_path(disk_path: str) -> str:
+  """An adapter checkpoint's path -> the same leaf's path in `LoraTrainStateNNX`'s pure dict."""
+  if disk_path == "step":
+    return "optimizer/step"
+  if disk_path.startswith("params/lora/"):
+    return "adapters/" + disk_path[len("params/lora/") :]
+  return "optimizer/" + re.sub(r"/(mu|nu)/lora/", r"/\1/", disk_path)
+
+
+class NNXLoraTrainer(_LoraMixin, NNXTrainer):
+  """NNX LoRA: adapters are `nnx.LoRAParam`s beside the model; `nnx.Optimizer(adapters, wrt=nnx.LoRAParam)`."""
+
+  def __init__(self, config: Config, build_model: Callable[[nnx.Rngs], nnx.Module], mesh: Mesh | None = None, **hooks):
+    abstract_model = NNXModel(config, nnx.eval_shape(lambda: build_model(nnx.Rngs(params=0))))
+    self.config = config
+    self._setup_adapters(config, abstract_model.abstract_params(), abstract_model.logical_axes())
+    super().__init__(config, build_model, mesh, **hooks)
+
+  def trainable(self, config: Config) -> nnx.filterlib.Filter:
+    return nnx.LoRAParam
+
+  def _create(self, seed) -> LoraTrainStateNNX:
+    model = self.build_model(nnx.Rngs(params=0))
+    nnx.update(model, self._initial_params(seed))
+    adapters = Adapters(self._init_adapters(seed), self.adapter_axes)
+    return LoraTrainStateNNX(model, adapters, nnx.Optimizer(adapters, self.tx, wrt=nnx.LoRAParam))
+
+  def to_checkpoint(self, state) -> dict:
+    flat = {layouts.keypath_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]}
+    tree = jax.tree_util.tree_map_with_path(lambda path, _: flat[_nnx_path(layouts.keypath_str(path))], self.disk_layout)
+    return {**tree, "step": tree["step"].astype(jnp.int32) if hasattr(tree["step"], "astype") else tree["step"]}
+
+  def with_checkpoint(self, state, tree: dict):
+    pure: dict = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      *parents, name = _nnx_path(layouts.keypath_str(path)).split("/")
+      node = pure
+      for key in parents:
+        node = node.setdefault(int(key) if key.isdigit() else key, {})
+      node[name] = leaf
+    pure["optimizer"]["step"] = jnp.asarray(pure["optimizer"]["step"], jnp.uint32)
+    state = jax.tree.map(lambda x: x, state)  # a fresh State: the caller's stays as it was
+    nnx.replace_by_pure_dict(state, pure)
+    return state
+
+  def _bind(self, state) -> Bound:
+    opened = nnx.merge(self.graphdef, state)
+    model_graphdef, base, rest = nnx.split(opened.model, nnx.Param, ...)
+    _, adapters = nnx.split(opened.adapters, nnx.LoRAParam)
+    return Bound(params=adapters, frozen=(base, rest), step=opened.optimizer.step[...], handle=(opened, model_graphdef))
+
+  def _base(self, bound: Bound) -> Params:
+    return nnx.to_pure_dict(bound.frozen[0])
+
+  def _forward(self, bound, params, frozen, tokens, positions, segment_ids):
+    _, model_graphdef = bound.handle
+    base, rest = frozen
+    merged = merge(self.config, nnx.to_pure_dict(base), nnx.to_pure_dict(params))
+    base = jax.tree.map(lambda x: x, base)  # a fresh State to fill: `frozen` is read by every micro-batch
+    nnx.replace_by_pure_dict(base, merged)
+    return nnx_forward(model_graphdef, base, rest, tokens, positions, segment_ids)
+
+  def _apply_update(self, bound, grads):
+    opened, _ = bound.handle
+    opened.optimizer.update(opened.adapters, grads)
+    return nnx.state(opened, nnx.Not(nnx.Intermediate))
+
+
+# --- merging a run's adapters into its base (`maxbridge lora-merge`) ---------------------
+
+
+def load_adapters(path: str | os.PathLike) -> tuple[dict, Config, dict | None]:
+  """(adapter tree as stored, the run's config, its base reference) of a LoRA run, checkpoints or step folder."""
+  # Read whole here: `CheckpointReader` maps parameter layouts, and an adapter tree is none of them.
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  from etils import epath  # pylint: disable=import-outside-toplevel
+
+  from maxbridge.config import load_config  # pylint: disable=import-outside-toplevel
+
+  items, _ = checkpointing.resolve(path)
+  handler = ocp.PyTreeCheckpointHandler()
+  stored = handler.metadata(epath.Path(items.absolute())).tree
+  if COLLECTION not in (stored.get("params") or {}):
+    raise checkpointing.CheckpointError(f"{items} holds no adapters (params/{COLLECTION}): it is not a LoRA run's")
+  item = {"params": {COLLECTION: stored["params"][COLLECTION]}}
+  restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+  restored = handler.restore(
+      epath.Path(items.absolute()),
+      args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True),
+  )
+  config_file = checkpointing.find_config(items)
+  if config_file is None:
+    raise checkpointing.CheckpointError(
+        f"{items}: no config.yml in its run directory, so lora_alpha/lora_rank are unknown"
+    )
+  reference_file = config_file.parent / REFERENCE_FILE
+  reference = json.loads(reference_file.read_text()) if reference_file.is_file() else None
+  return restored["params"][COLLECTION], load_config(str(config_file)), reference
+
+
+def holds_adapters(path: str | os.PathLike) -> bool:
+  """Whether `path` is a LoRA run, or its checkpoints or a step of them (a base reference beside config.yml)."""
+  try:
+    items, _ = checkpointing.resolve(path)
+  except (checkpointing.CheckpointError, OSError):
+    return False
+  config_file = checkpointing.find_config(items)
+  return config_file is not None and (config_file.parent / REFERENCE_FILE).is_file()
+
+
+def merged_params(base: str | os.PathLike | None, adapters: str | os.PathLike) -> tuple[Config, dict, Config]:
+  """(base config, base + alpha/r * A @ B in the base's scan form, the run's config).
+
+  `base` defaults to the run's own base (its `load_parameters_path`); it is
+  checked against the fingerprint the run recorded.
+  """
+  from maxbridge import hf  # pylint: disable=import-outside-toplevel
+
+  tree, run_config, reference = load_adapters(adapters)
+  if base is None:
+    if not run_config.load_parameters_path:
+      raise checkpointing.CheckpointError(
+          f"{adapters} was trained on a randomly initialised base ({reference and reference['base']}); "
+          "there is no base checkpoint to apply its adapters to"
+      )
+    base = run_config.load_parameters_path
+  base_config, params = hf.load_pretrained(base)
+  params = layouts.cast_floating(jax.device_get(params), np.dtype(run_config.weight_dtype))
+  if reference is not None:
+    found = fingerprint(params, base_config.param_scan_axis)
+    if found != reference["fingerprint"]:
+      raise checkpointing.CheckpointError(
+          f"{adapters} was trained on base {reference['base']} (fingerprint {reference['fingerprint']}), "
+          f"not on {base} (fingerprint {found}); give the base it was trained on"
+      )
+  # Merged layer by layer, unscanned, then stacked when the base's config.yml says so.
+  unscanned = canonical.unstack_layers(params, base_config.param_scan_axis)
+  adapters_unscanned = canonical.unstack_layers(tree, run_config.param_scan_axis)
+  try:
+    merged = jax.device_get(merge(run_config, unscanned, adapters_unscanned))
+  except ValueError as e:
+    raise checkpointing.CheckpointError(f"{adapters} does not fit {base}: {e}") from e
+  if base_config.scan_layers:  # (a Hugging Face folder reads unscanned)
+    merged = canonical.stack_layers(merged, base_config.param_scan_axis)
+  return base_config, merged, run_config
+
+
+def merge_checkpoint(base: str | os.PathLike, adapters: str | os.PathLike, destination: str | os.PathLike) -> Path:
+  """Writes base + alpha/r * A @ B as a plain params-only checkpoint (with config.yml) in a new `destination`.
+
+  `base`: the Hugging Face folder or checkpoint the adapters were trained on
+  (checked against the run's fingerprint); `adapters`: a LoRA run (its latest
+  step), checkpoints or step folder. The result loads, trains, generates and
+  exports (`export-hf`) like any checkpoint.
+  """
+  from maxbridge import hf  # pylint: disable=import-outside-toplevel
+  from maxbridge.hf import folders  # pylint: disable=import-outside-toplevel
+
+  folders._refuse_existing(Path(destination))  # pylint: disable=protected-access  # before any reading
+  base_config, merged, _ = merged_params(base, adapters)
+  if hf.is_hf_folder(base):
+    sidecar, folder = hf.read_hf_config(base), Path(base)
+  else:
+    sidecar, folder = folders._sidecar(base)  # pylint: disable=protected-access
+
+  def write(tmp: Path) -> None:
+    checkpointer = checkpointing.Checkpointer(tmp)
+    checkpointer.save(0, {"params": {"params": merged}})
+    checkpointer.wait()
+    checkpointer.close()
+    base_config.to_yaml(tmp / "config.yml")
+    if sidecar is not None:
+      files.write_text(tmp / folders.HF_CONFIG_SIDECAR, json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
+    if folder is not None:
+      folders._copy_tokenizer_files(folder, tmp)  # pylint: disable=protected-access
+
+  return folders.write_atomically(destination, write)
