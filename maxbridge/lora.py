@@ -440,13 +440,11 @@ def load_adapters(path: str | os.PathLike) -> tuple[dict, Config, dict | None]:
 
 
 def holds_adapters(path: str | os.PathLike) -> bool:
-  """Whether `path` is a LoRA run, or its checkpoints or a step of them (a base reference beside config.yml)."""
-  try:
-    items, _ = checkpointing.resolve(path)
-  except (checkpointing.CheckpointError, OSError):
-    return False
-  config_file = checkpointing.find_config(items)
-  return config_file is not None and (config_file.parent / REFERENCE_FILE).is_file()
+  """Whether `path` is a LoRA run, its checkpoints, a step or an items folder of them: a run folder holding
+  config.yml and a base reference, at most three levels up (looked up without reading the checkpoint)."""
+  path = Path(path).absolute()
+  runs = [path, *list(path.parents)[:3]]
+  return any((run / REFERENCE_FILE).is_file() and (run / "config.yml").is_file() for run in runs)
 
 
 def merged_params(base: str | os.PathLike | None, adapters: str | os.PathLike) -> tuple[Config, dict, Config]:

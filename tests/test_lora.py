@@ -275,6 +275,9 @@ def test_merged_then_exported_model_matches_the_adapted_model_in_transformers(tm
   np.testing.assert_allclose(canonical.flatten(merged_params)[path], expected, rtol=0, atol=1e-6)
   merged_logits = mb.from_pretrained(tmp_path / "merged", backend="nnx").logits(jnp.asarray(tokens, jnp.int32))
   np.testing.assert_allclose(np.asarray(merged_logits), adapted_logits, rtol=0, atol=1e-5)
+  # A LoRA run reads as its base with the adapters merged in (what `maxbridge generate runs/lora` runs).
+  run_logits = mb.from_pretrained(run_dir, backend="linen").logits(jnp.asarray(tokens, jnp.int32))
+  np.testing.assert_allclose(np.asarray(run_logits), adapted_logits, rtol=0, atol=1e-5)
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
   with torch.no_grad():
     hf_logits = exported(torch.tensor(tokens)).logits.numpy()
