@@ -67,8 +67,9 @@ def serve_bytes(preset: str) -> None:
       floats = sum(float_leaves[p.removesuffix("_qvalue")].nbytes for p in kernels)
       disk = _bytes_on_disk(root / name.replace(" ", "-"))
       print(f"{name:<11}{disk / 2**20:>12.1f}{disk / float_disk:>8.3f}{quantized / floats:>16.3f}")
-  print("('kernels vs f32': qvalues + scales of the quantized kernels over their float32 bytes, in memory;")
-  print(" int4 is held one value per byte on disk. Embeddings and norms stay float32.)")
+  print("('kernels vs f32': qvalues + scales of the quantized kernels over their float32 bytes, in memory, where")
+  print(" jax holds int4 one value per byte; on disk orbax compresses, so int4 and fp8 take less. Embeddings and")
+  print(" norms stay float32.)")
 
 
 def main() -> None:
