@@ -257,6 +257,9 @@ class _LoraMixin:
     bound = self._bind(state)
     return self._canonical_view(bound, bound.params)
 
+  def model_params(self, state) -> Params:
+    return self.adapted_params(state)
+
   def adapters(self, state) -> dict:
     """The canonical adapter tree of a state."""
     return self.to_checkpoint(state)["params"][COLLECTION]

@@ -329,6 +329,10 @@ class Trainer(abc.ABC):
   def params(self, state) -> dict:
     """Canonical parameters of a state (traceable)."""
 
+  def model_params(self, state) -> dict:
+    """The canonical parameters the model runs on, to sample or serve from (LoRA: the adapters merged in)."""
+    return self.params(state)
+
   @abc.abstractmethod
   def _replace_params(self, state, params: Params) -> Any:
     """`state` with its canonical parameters replaced (traceable); the optimizer state is kept."""

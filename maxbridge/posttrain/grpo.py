@@ -205,7 +205,7 @@ def train_grpo(
     chosen = [prompts[i] for i in rng.choice(len(prompts), prompts_per_step, replace=False)]
     prompt_tokens = [list(p.encode()) for p in chosen]
     grouped = np.repeat(np.asarray(prompt_tokens, np.int32), num_generations, axis=0)
-    sampled = np.asarray(sample(trainer.params(state), grouped, jax.random.key(config.seed * 1_000_003 + step)))
+    sampled = np.asarray(sample(trainer.model_params(state), grouped, jax.random.key(config.seed * 1_000_003 + step)))
     completions = [completion_tokens(row[grouped.shape[1] :]) for row in sampled]
     texts = [bytes(c).decode("utf-8", errors="replace") for c in completions]
     rewards = score(reward, chosen, texts, num_generations)
@@ -223,4 +223,4 @@ def train_grpo(
             "completions": texts,
         }
     )
-  return trainer.params(state), records
+  return trainer.model_params(state), records
