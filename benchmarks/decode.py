@@ -1,7 +1,7 @@
 """Decoding throughput: the KV-cache engine (NNX vs Linen), the full-recompute loop, and Hugging Face eager generate.
 
     .venv/bin/python benchmarks/decode.py [--preset llama-small] [--batch 1 8] [--prompt 128] [--new 128]
-                                          [--skip-recompute] [--skip-hf] [--repeats 3]
+                                          [--skip-recompute] [--skip-hf] [--repeats 5]
 
 One process, one set of weights (llama-small, random init). The engine
 prefills each prompt, inserts it into a slot, then generates `new - 1` steps
@@ -54,7 +54,7 @@ def main() -> None:
   parser.add_argument("--new", type=int, default=128)
   parser.add_argument("--skip-recompute", action="store_true")
   parser.add_argument("--skip-hf", action="store_true")
-  parser.add_argument("--repeats", type=int, default=3, help="timed runs of each; the best counts")
+  parser.add_argument("--repeats", type=int, default=5, help="timed runs of each; the best counts")
   args = parser.parse_args()
 
   print(
@@ -86,12 +86,12 @@ def main() -> None:
       print(f"{batch:>5} {'engine ' + name:>22} {rates[name][0]:>14.0f} {rates[name][1]:>13.1f} {ratio:>24}")
     decode_rate = rates["linen"][1]
     if not args.skip_recompute:
-      model = engine.Engine(base, params).model
+      model, unrolled = engines["linen"].model, engines["linen"].params  # as the engine runs them
       run = jax.jit(
           functools.partial(model_lib.generate_by_recompute, model.apply), static_argnames=("max_new_tokens", "sample")
       )
       call = lambda: run(
-          params, jnp.asarray(prompts), jnp.float32(0), jax.random.key(0), max_new_tokens=args.new, sample=False
+          unrolled, jnp.asarray(prompts), jnp.float32(0), jax.random.key(0), max_new_tokens=args.new, sample=False
       )
       jax.block_until_ready(call())
       start = time.perf_counter()
