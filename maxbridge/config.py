@@ -27,7 +27,7 @@ if typing.TYPE_CHECKING:
 CONFIG_DIR = Path(__file__).parent / "configs"
 BASE_CONFIG = CONFIG_DIR / "base.yml"
 PRESET_DIR = CONFIG_DIR / "models"
-MESH_AXES = ("data", "fsdp", "tensor")  # maxbridge.sharding builds the mesh with these names
+MESH_AXES = ("data", "fsdp", "tensor", "expert")  # maxbridge.sharding builds the mesh with these names
 
 
 # Decoder families, by MaxText's names: llama2 (also Mistral and Qwen3 through
@@ -152,6 +152,7 @@ class Config:
   ici_data_parallelism: int
   ici_fsdp_parallelism: int
   ici_tensor_parallelism: int
+  ici_expert_parallelism: int
   logical_axis_rules: tuple
   # multi-process
   num_processes: int
@@ -323,7 +324,7 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ),
     *(
         (key, lambda v: v == -1 or v > 0, "a positive integer, or -1 for the remaining devices")
-        for key in ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism")
+        for key in ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism", "ici_expert_parallelism")
     ),
     ("num_processes", _positive, "a positive integer"),
     ("process_id", lambda v: v >= 0, ">= 0"),

@@ -30,17 +30,18 @@ STEPS = 3
 FEATURES = dict(num_vocab_tiling=4, use_qk_clip=True, qk_clip_threshold=0.5, gradient_accumulation_steps=2)
 
 
-def config(flags, shape=(1, 8, 1), per_device_batch_size=1, **overrides):
+def config(flags, shape=(1, 8, 1), per_device_batch_size=1, preset="llama-tiny", **overrides):
   pure_nnx, enable_nnx, pure_nnx_decoder = flags
-  data_, fsdp, tensor = shape
+  data_, fsdp, tensor, expert = (*shape, 1)[:4]
   return mb.load_config(
-      "llama-tiny",
+      preset,
       pure_nnx=pure_nnx,
       enable_nnx=enable_nnx,
       pure_nnx_decoder=pure_nnx_decoder,
       ici_data_parallelism=data_,
       ici_fsdp_parallelism=fsdp,
       ici_tensor_parallelism=tensor,
+      ici_expert_parallelism=expert,
       per_device_batch_size=per_device_batch_size,
       steps=10,
       **overrides,
@@ -48,7 +49,7 @@ def config(flags, shape=(1, 8, 1), per_device_batch_size=1, **overrides):
 
 
 def single_device_mesh():
-  return Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES)
+  return Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1, 1), sharding.MESH_AXES)
 
 
 def train(trainer, steps, state=None, start=0):
@@ -66,6 +67,11 @@ def specs(trainer):
   tree = trainer.to_checkpoint(trainer.state_shardings)
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
   return {jax.tree_util.keystr(path): str(leaf.spec) for path, leaf in leaves}
+
+
+def _expert_kernels(params):
+  """The routed experts' stacked kernels (wi_0, wi_1, wo of every MoE block)."""
+  return [leaf for path, leaf in canonical.flatten(params).items() if "MoeBlock_0/w" in path]
 
 
 def main():
@@ -87,6 +93,26 @@ def main():
     _, report["features"][f"{name}@2x2x2"] = train(
         dispatch.create_trainer(config(BACKENDS[name], (2, 2, 2), **FEATURES)), STEPS
     )
+
+  # Expert parallelism: the experts split 4 ways (fsdp 2 x expert 4), on both backends.
+  report["experts"] = {}
+  for preset in ("mixtral-tiny", "deepseek3-tiny"):
+    for name in ("linen", "nnx"):
+      one = dispatch.create_trainer(config(BACKENDS[name], preset=preset), single_device_mesh())
+      _, report["experts"][f"{preset}/{name}@1"] = train(one, STEPS)
+      trainer = dispatch.create_trainer(config(BACKENDS[name], (1, 2, 1, 4), preset=preset))
+      state, report["experts"][f"{preset}/{name}@1x2x1x4"] = train(trainer, STEPS)
+      report["experts"][f"{preset}/{name}/specs"] = {
+          path: spec for path, spec in specs(trainer).items() if path.startswith("['params']") and "wi_0" in path
+      }
+      # What the arrays hold, not only what the specs say: each device keeps a quarter of the experts.
+      report["experts"][f"{preset}/{name}/shards"] = sorted(
+          {
+              (tuple(leaf.shape), tuple(shard.data.shape))
+              for leaf in _expert_kernels(trainer.params(state))
+              for shard in leaf.addressable_shards
+          }
+      )
 
   # Save on one mesh with Linen, restore onto another with NNX, and go on.
   with tempfile.TemporaryDirectory() as tmp:

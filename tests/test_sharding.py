@@ -73,6 +73,22 @@ def test_vocab_tiling_and_qk_clip_train_sharded_to_the_one_device_losses(report,
   assert features["linen@1"][1:] != report["losses"]["linen@1"][1:]
 
 
+@pytest.mark.parametrize("preset", ["mixtral-tiny", "deepseek3-tiny"])
+@pytest.mark.parametrize("backend", ["linen", "nnx"])
+def test_expert_parallel_training_matches_one_device_with_the_experts_split(report, preset, backend):
+  experts = report["experts"]
+  np.testing.assert_allclose(experts[f"{preset}/{backend}@1x2x1x4"], experts[f"{preset}/{backend}@1"], rtol=1e-4)
+  np.testing.assert_allclose(experts[f"{preset}/{backend}@1"], experts[f"{preset}/linen@1"], rtol=1e-6)
+  specs = experts[f"{preset}/{backend}/specs"]
+  routed = [spec for path, spec in specs.items() if "MoeBlock_0']['wi_0']" in path]
+  assert routed and all(spec.startswith("P('expert'") for spec in routed), specs
+  # Over expert=4 and fsdp=2, each device holds a quarter of the experts, an eighth of each kernel.
+  shards = experts[f"{preset}/{backend}/shards"]
+  assert shards
+  for full, shard in shards:
+    assert shard[0] * 4 == full[0] and np.prod(shard) * 8 == np.prod(full), (full, shard)
+
+
 def test_restore_onto_another_mesh_and_backend_continues_exactly(report):
   assert report["restore"]["shardings_as_target"]
   np.testing.assert_allclose(report["restore"]["losses"], report["losses"]["linen@1"], rtol=1e-4)
@@ -89,7 +105,7 @@ def test_mesh_shape_is_checked_against_the_device_count():
     sharding.mesh_shape(config, 8)
   with pytest.raises(ConfigError, match=r"only one of .* may be -1"):
     sharding.mesh_shape(config.replace(ici_data_parallelism=-1, ici_fsdp_parallelism=-1), 8)
-  assert sharding.mesh_shape(config.replace(ici_fsdp_parallelism=-1, ici_tensor_parallelism=2), 8) == (1, 4, 2)
+  assert sharding.mesh_shape(config.replace(ici_fsdp_parallelism=-1, ici_tensor_parallelism=2), 8) == (1, 4, 2, 1)
 
 
 def free_port() -> int:
@@ -161,7 +177,7 @@ def test_llama2_7b_train_step_compiles_for_eight_devices():
       "max_target_length=2048",
       "remat_policy=full",
   )
-  assert "for 8 devices (data=1 x fsdp=8 x tensor=1)" in out
+  assert "for 8 devices (data=1 x fsdp=8 x tensor=1 x expert=1)" in out
   # 6.74e9 parameters x (4 + 4 + 4 bytes: params, mu, nu) / 8 devices = 9.42 GiB.
   state = float(next(l for l in out.splitlines() if "parameters + optimizer state" in l).split()[-4])
   assert 9.3 < state < 9.5, out
