@@ -75,6 +75,7 @@ class Config:
   enable_nnx: bool
   pure_nnx_decoder: bool
   seed: int
+  override_model_config: bool
   # model families (MaxText names; see configs/base.yml)
   sliding_window_size: int
   use_qk_norm: bool
@@ -748,14 +749,16 @@ def load_config(preset_or_path: str | None = None, *overrides: str, **kwargs: An
       load_config("llama-tiny", "steps=20", pure_nnx=True)
       load_config(model_name="llama-tiny", steps=20)
   """
+  named = [value for key, value in map(_parse_override, overrides) if key == "model_name"]
+  named += [kwargs["model_name"]] if "model_name" in kwargs else []
   if preset_or_path is None:
-    named = [value for key, value in map(_parse_override, overrides) if key == "model_name"]
-    named += [kwargs["model_name"]] if "model_name" in kwargs else []
     if not named:
       raise ConfigError(
           f"no model given: pass a preset or YAML path, or model_name=<preset>; presets: {', '.join(available_presets())}"
       )
     preset_or_path = str(named[-1])
+  # MaxText's spelling (the CLI turns model_name= into the preset, so compare).
+  by_model_name = bool(named) and preset_or_path == str(named[-1])
   values = _read_yaml(BASE_CONFIG)
   if set(values) != set(_FIELD_TYPES):
     # Guards the promise that base.yml documents every key.
@@ -763,7 +766,32 @@ def load_config(preset_or_path: str | None = None, *overrides: str, **kwargs: An
     raise ConfigError(f"{BASE_CONFIG} and Config disagree on keys: {drift}")
 
   path = _resolve(preset_or_path)
-  values.update(_known_only(_read_yaml(path), source=str(path)))
+  model = _known_only(_read_yaml(path), source=str(path))
+  values.update(model)
   values.update(_known_only(dict(map(_parse_override, overrides)), source="overrides"))
   values.update(_known_only(kwargs, source="keyword arguments"))
+  if by_model_name and not _coerce("override_model_config", values["override_model_config"], bool):
+    _refuse_model_overrides(values["model_name"], model, values)
   return Config(**values)
+
+
+# Set by our preset files but not by MaxText's model files: a run's length, not the model's.
+_RUN_KEYS_IN_PRESETS = frozenset({"model_name", "max_target_length"})
+
+
+def _refuse_model_overrides(model_name: str, model: Mapping[str, Any], values: Mapping[str, Any]) -> None:
+  """MaxText's rule where MaxText's spelling (model_name=) names the preset: its model keys are fixed.
+
+  A positional preset, maxbridge's own spelling, takes overrides freely.
+  """
+  changed = [
+      f"{key}={model[key]!r} (given {values[key]!r})"
+      for key in model
+      if key not in _RUN_KEYS_IN_PRESETS
+      and _coerce(key, values[key], _FIELD_TYPES[key]) != _coerce(key, model[key], _FIELD_TYPES[key])
+  ]
+  if changed:
+    raise ConfigError(
+        f"model_name={model_name!r} sets {', '.join(changed)}; as in MaxText, overriding a model's own keys "
+        "needs override_model_config=true (or name the preset positionally, which takes overrides freely)"
+    )

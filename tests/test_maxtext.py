@@ -211,6 +211,18 @@ def test_model_name_names_the_preset():
   assert args.preset == "llama-tiny" and "steps=2" in args.overrides
 
 
+def test_override_model_config_guards_a_preset_named_by_model_name(capsys):
+  # MaxText's rule for its spelling: the model's own keys are fixed unless override_model_config=true.
+  with pytest.raises(ConfigError, match=r"sets base_emb_dim=64 \(given 96\).*override_model_config=true"):
+    mb.load_config(model_name="llama-tiny", base_emb_dim=96)
+  assert cli.main(["train", "model_name=llama-tiny", "head_dim=8"]) == 2
+  assert "sets head_dim=16 (given '8')" in capsys.readouterr().err
+  assert mb.load_config(model_name="llama-tiny", base_emb_dim=96, override_model_config=True).base_emb_dim == 96
+  # Same values, run keys (steps, max_target_length) and the positional preset stay free.
+  assert mb.load_config(model_name="llama-tiny", base_emb_dim=64, max_target_length=32, steps=2).steps == 2
+  assert mb.load_config("llama-tiny", base_emb_dim=96).base_emb_dim == 96
+
+
 MAXTEXT_YAML = """\
 model_name: llama-tiny
 base_emb_dim: 64
