@@ -13,6 +13,10 @@ def embed(tokens: jax.Array, embedding: jax.Array, *, dtype: jnp.dtype) -> jax.A
   if not jnp.issubdtype(tokens.dtype, jnp.integer):
     raise TypeError(f"tokens must be integers, got {tokens.dtype}")
   with jax.named_scope("embed"):
+    # Gathered over fsdp first, as fsdp gathers every weight before use: a
+    # lookup in a table split on its embed axis yields rows split that way,
+    # which XLA can only reshard to batch-split rows by replicating them.
+    embedding = sharding.constrain(embedding, ("vocab", None))
     x = jnp.take(embedding, tokens, axis=0).astype(dtype)
     return sharding.constrain(x, ("activation_batch", "activation_length", "activation_embed"))
 
