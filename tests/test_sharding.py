@@ -197,8 +197,8 @@ def test_engine_decoding_on_a_2x2x2_mesh_equals_one_device_with_the_cache_sharde
   assert one["slots"] == mesh["slots"] == 8
   assert mesh["tokens"] == one["tokens"] == report["engine"]["linen@1"]["tokens"]
   np.testing.assert_allclose(mesh["logits"], one["logits"], atol=1e-5, rtol=1e-5)
-  # Slots split over data x fsdp, kv heads over tensor; positions and segments follow the slots.
-  slots = ("data", "fsdp")
+  # Slots split over data x fsdp (x expert, size 1 here), kv heads over tensor; positions and segments follow the slots.
+  slots = ("data", "fsdp", "expert")
   want = {
       "cached_key": PartitionSpec(slots, None, "tensor", None),
       "cached_value": PartitionSpec(slots, None, "tensor", None),
