@@ -131,22 +131,44 @@ class MetricsLog:
       f.write(json.dumps(record) + "\n")
 
 
+class _StopSignals:
+  """SIGINT and SIGTERM stop the run between steps, so that the exit names the last good checkpoint.
+
+  The first signal is held until the loop checks (`check`), at a step
+  boundary: an exception raised at an arbitrary point inside JAX's dispatch
+  or orbax's bookkeeping could leave their threads waiting on each other, and
+  the process hanging at exit. A second signal raises at once.
+  """
+
+  def __init__(self):
+    self.caught: int | None = None
+
+  def __call__(self, signum, frame):
+    if self.caught is not None:
+      raise TrainingInterrupted(_SIGNAL_NAMES[self.caught], self.caught)
+    self.caught = signum
+
+  def check(self) -> None:
+    if self.caught is not None:
+      raise TrainingInterrupted(_SIGNAL_NAMES[self.caught], self.caught)
+
+
+_SIGNAL_NAMES = {signal.SIGINT: "interrupted (SIGINT)", signal.SIGTERM: "terminated (SIGTERM)"}
+
+
 @contextlib.contextmanager
 def _stop_signals():
-  """SIGTERM raises TrainingInterrupted (SIGINT already raises KeyboardInterrupt), so that the
-  save in flight finishes and the exit names the last good checkpoint. Main thread only."""
+  """Installs a `_StopSignals` for SIGINT and SIGTERM while the run lasts (main thread only)."""
+  stop = _StopSignals()
   if threading.current_thread() is not threading.main_thread():
-    yield
+    yield stop
     return
-
-  def terminate(signum, frame):
-    raise TrainingInterrupted("terminated (SIGTERM)", signum)
-
-  previous = signal.signal(signal.SIGTERM, terminate)
+  previous = {s: signal.signal(s, stop) for s in _SIGNAL_NAMES}
   try:
-    yield
+    yield stop
   finally:
-    signal.signal(signal.SIGTERM, previous)
+    for s, handler in previous.items():
+      signal.signal(s, handler)
 
 
 @contextlib.contextmanager
@@ -201,11 +223,11 @@ def train(config: Config, *, trainer=None, until_step: int | None = None, progre
   the call with the last good checkpoint named (TrainingInterrupted for the
   signals; a note on any other exception).
   """
-  with _stop_signals():
-    return _train(config, trainer, until_step, progress)
+  with _stop_signals() as stop:
+    return _train(config, trainer, until_step, progress, stop)
 
 
-def _train(config: Config, trainer, until_step: int | None, progress: bool) -> list[dict]:
+def _train(config: Config, trainer, until_step: int | None, progress: bool, stop: _StopSignals) -> list[dict]:
   end = config.steps if until_step is None else min(until_step, config.steps)
   if trainer is not None:
     _check_trainer(trainer, config)
@@ -279,6 +301,7 @@ def _train(config: Config, trainer, until_step: int | None, progress: bool) -> l
   step, log = start, None
   try:
     for step in bar:
+      stop.check()
       batch = trainer.shard_batch(train_data.batch(step, jax.process_index(), jax.process_count()))
       began = time.perf_counter()
       state, metrics = trainer.train_step(state, batch)

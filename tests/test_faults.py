@@ -6,6 +6,7 @@ the point, and share a persistent compilation cache.
 """
 
 import contextlib
+import importlib
 import json
 import os
 import resource
@@ -161,6 +162,17 @@ def test_a_signal_ends_training_naming_the_last_good_checkpoint(tmp_path, compil
   assert f"maxbridge train: {name} at step" in err
   assert "the last good checkpoint: step " in err and str(tmp_path / "sig" / "checkpoints") in err
   assert "Traceback" not in err
+
+
+def test_a_first_signal_is_held_for_the_step_boundary_and_a_second_stops_at_once():
+  train_lib = importlib.import_module("maxbridge.train")  # `maxbridge.train` the attribute is the function
+  stop = train_lib._StopSignals()  # pylint: disable=protected-access
+  stop.check()  # nothing caught: the loop goes on
+  stop(signal.SIGTERM, None)  # held, not raised inside whatever JAX or orbax is doing
+  with pytest.raises(train_lib.TrainingInterrupted, match=r"terminated \(SIGTERM\)"):
+    stop.check()
+  with pytest.raises(train_lib.TrainingInterrupted, match=r"terminated \(SIGTERM\)"):
+    stop(signal.SIGINT, None)
 
 
 # --- 2. a failed command leaves the user's files as they were ------------------------------
