@@ -10,6 +10,7 @@ store them; trained-parameter counts are what the optimizer updates.
 """
 
 import argparse
+import functools
 import statistics
 
 import jax
@@ -67,15 +68,9 @@ def main() -> None:
     entry["state"], seconds = bench.timed_step(entry["trainer"], entry["state"], entry["batch"])
     return seconds
 
-  for entry in entries.values():
-    for _ in range(args.warmup):
-      time_step(entry)
-  keys = list(entries)
-  steps = {key: [] for key in keys}
-  rng = np.random.default_rng(0)
-  for _ in range(args.steps):
-    for index in rng.permutation(len(keys)):
-      steps[keys[index]].append(time_step(entries[keys[index]]))
+  steps = bench.interleaved(
+      {key: functools.partial(time_step, entry) for key, entry in entries.items()}, args.steps, args.warmup
+  )
 
   print(
       f"\n{args.preset}, batch {args.batch} x length {args.length}, {args.steps} interleaved rounds, "
@@ -84,9 +79,9 @@ def main() -> None:
   header = f"{'backend':<8}{'variant':<11}{'trained':>12}{'opt state MiB':>15}{'vs full':>9}{'step ms':>9}{'vs full':>9}"
   print(header)
   print("-" * len(header))
-  for backend, variant in keys:
+  for backend, variant in entries:
     entry, full = entries[(backend, variant)], entries[(backend, "full")]
-    step_ratio = statistics.median(t / b for t, b in zip(steps[(backend, variant)], steps[(backend, "full")]))
+    step_ratio = bench.median_ratio(steps[(backend, variant)], steps[(backend, "full")])
     print(
         f"{backend:<8}{variant:<11}{entry['trained']:>12,}{entry['opt_bytes'] / 2**20:>15.2f}"
         f"{entry['opt_bytes'] / full['opt_bytes']:>9.4f}{statistics.median(steps[(backend, variant)]) * 1e3:>9.1f}"

@@ -12,6 +12,7 @@ and have no train step. Last, the float checkpoint is written and quantized
 """
 
 import argparse
+import functools
 import statistics
 import tempfile
 import time
@@ -122,18 +123,13 @@ def main() -> None:
     entry["prefill"](entry["params"], entry["prompt"]).block_until_ready()
     return time.perf_counter() - start
 
-  for entry in entries.values():
-    for _ in range(args.warmup):
-      time_step(entry)
-      time_prefill(entry)
-  keys = list(entries)
-  steps = {key: [] for key in keys}
-  prefills = {key: [] for key in keys}
-  rng = np.random.default_rng(0)
-  for _ in range(args.steps):
-    for index in rng.permutation(len(keys)):
-      steps[keys[index]].append(time_step(entries[keys[index]]))
-      prefills[keys[index]].append(time_prefill(entries[keys[index]]))
+  timers = {}
+  for key, entry in entries.items():
+    timers["step", key] = functools.partial(time_step, entry)
+    timers["prefill", key] = functools.partial(time_prefill, entry)
+  times = bench.interleaved(timers, args.steps, args.warmup)
+  steps = {key: times["step", key] for key in entries}
+  prefills = {key: times["prefill", key] for key in entries}
 
   tokens = args.batch * jax.device_count() * args.length
   print(
@@ -143,10 +139,10 @@ def main() -> None:
   header = f"{'backend':<8}{'variant':<17}{'step ms':>9}{'vs f32':>8}{'prefill tok/s':>15}{'vs f32':>8}"
   print(header)
   print("-" * len(header))
-  for backend, variant in keys:
+  for backend, variant in entries:
     base = (backend, "f32")
-    step_ratio = statistics.median(t / b for t, b in zip(steps[(backend, variant)], steps[base]))
-    prefill_ratio = statistics.median(b / t for t, b in zip(prefills[(backend, variant)], prefills[base]))
+    step_ratio = bench.median_ratio(steps[(backend, variant)], steps[base])
+    prefill_ratio = bench.median_ratio(prefills[base], prefills[(backend, variant)])
     step = f"{statistics.median(steps[(backend, variant)]) * 1e3:>9.1f}{step_ratio:>8.2f}"
     if entries[(backend, variant)]["trainer"] is None:
       step = f"{'-':>9}{'-':>8}"

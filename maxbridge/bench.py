@@ -77,6 +77,29 @@ def start(cfg: Config, batch):
   return trainer, state, seconds
 
 
+def interleaved(timers: dict, rounds: int, warmup: int = 0) -> dict:
+  """{key: [seconds per round]} for `timers` ({key: a no-argument callable returning seconds}).
+
+  After `warmup` untimed calls each, every round calls every timer once, in a
+  fresh random order (seeded), so machine noise lands on all alike.
+  """
+  for timer in timers.values():
+    for _ in range(warmup):
+      timer()
+  keys = list(timers)
+  times = {key: [] for key in keys}
+  order_rng = np.random.default_rng(0)
+  for _ in range(rounds):
+    for index in order_rng.permutation(len(keys)):
+      times[keys[index]].append(timers[keys[index]]())
+  return times
+
+
+def median_ratio(times: list[float], base: list[float]) -> float:
+  """The median of per-round ratios `times / base`: it cancels noise that a ratio of medians would keep."""
+  return statistics.median(t / b for t, b in zip(times, base))
+
+
 def _first_batch(cfg: Config):
   return data.make_dataset(cfg, "train", global_batch_size(cfg)).batch(0)
 

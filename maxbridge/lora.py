@@ -505,15 +505,4 @@ def merge_checkpoint(base: str | os.PathLike, adapters: str | os.PathLike, desti
   else:
     sidecar, folder = folders._sidecar(base)  # pylint: disable=protected-access
 
-  def write(tmp: Path) -> None:
-    checkpointer = checkpointing.Checkpointer(tmp)
-    checkpointer.save(0, {"params": {"params": merged}})
-    checkpointer.wait()
-    checkpointer.close()
-    base_config.to_yaml(tmp / "config.yml")
-    if sidecar is not None:
-      files.write_text(tmp / folders.HF_CONFIG_SIDECAR, json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
-    if folder is not None:
-      folders._copy_tokenizer_files(folder, tmp)  # pylint: disable=protected-access
-
-  return folders.write_atomically(destination, write)
+  return folders.write_params_folder(destination, merged, base_config, hf_config=sidecar, tokenizer=folder)

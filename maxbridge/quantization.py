@@ -28,7 +28,6 @@ make them from float weights (AQT convert mode, or Qwix PTQ).
 
 import copy
 import os
-import shutil
 import functools
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -331,14 +330,4 @@ def quantize_checkpoint(
   serve_params = dispatch.quantize_params(serve, params)
   tokenizer = hf.tokenizer_folder(source) if Path(source).is_dir() else None
 
-  def write(tmp: Path) -> None:
-    checkpointer = checkpointing.Checkpointer(tmp)
-    checkpointer.save(0, {"params": {"params": serve_params}})
-    checkpointer.wait()
-    checkpointer.close()
-    serve.to_yaml(tmp / "config.yml")
-    for name in hf.folders.TOKENIZER_FILES if tokenizer else ():
-      if (tokenizer / name).is_file():
-        shutil.copyfile(tokenizer / name, tmp / name)
-
-  return hf.write_atomically(destination, write)
+  return hf.folders.write_params_folder(destination, serve_params, serve, tokenizer=tokenizer)

@@ -167,6 +167,35 @@ def _copy_tokenizer_files(source: Path, destination: Path) -> None:
       shutil.copy2(source / name, destination / name)
 
 
+def write_params_folder(
+    destination: str | os.PathLike,
+    params: Any,
+    config: Config,
+    *,
+    hf_config: dict[str, Any] | None = None,
+    tokenizer: Path | None = None,
+) -> Path:
+  """Writes a params-only checkpoint (step 0, as training lays it out) with its `config.yml`, atomically.
+
+  `hf_config` is kept as `hf_config.json` for a faithful `export-hf` later; the
+  tokenizer files found in the folder `tokenizer` are copied along, so
+  `maxbridge generate` finds them.
+  """
+
+  def write(tmp: Path) -> None:
+    checkpointer = checkpointing.Checkpointer(tmp)
+    checkpointer.save(0, {"params": {"params": params}})
+    checkpointer.wait()
+    checkpointer.close()
+    config.to_yaml(tmp / "config.yml")
+    if hf_config is not None:
+      files.write_text(tmp / HF_CONFIG_SIDECAR, json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    if tokenizer is not None:
+      _copy_tokenizer_files(tokenizer, tmp)
+
+  return write_atomically(destination, write)
+
+
 def import_hf(
     source: str | os.PathLike,
     destination: str | os.PathLike,
@@ -189,18 +218,7 @@ def import_hf(
   cfg, params = load_hf(source, *overrides, **kwargs)
   if cfg.scan_layers:
     params = canonical.stack_layers(params, cfg.param_scan_axis)
-  hf_config = read_hf_config(source)
-
-  def write(tmp: Path) -> None:
-    checkpointer = checkpointing.Checkpointer(tmp)
-    checkpointer.save(0, {"params": {"params": params}})
-    checkpointer.wait()
-    checkpointer.close()
-    cfg.to_yaml(tmp / "config.yml")
-    files.write_text(tmp / HF_CONFIG_SIDECAR, json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-    _copy_tokenizer_files(source, tmp)
-
-  return write_atomically(destination, write)
+  return write_params_folder(destination, params, cfg, hf_config=read_hf_config(source), tokenizer=source)
 
 
 def load_checkpoint(
