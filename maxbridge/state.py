@@ -204,6 +204,20 @@ class Trainer(abc.ABC):
     with sharding.active(self.mesh, self.rules):
       return self._jitted_train_step.lower(state, self.loss_batch(batch), self._reference_arg(abstract=True))
 
+  def compile_train_step(self, state, batch: Batch):
+    """(the compiled step, `step(state) -> (state, metrics)` running it on `batch`).
+
+    One compile serves both XLA's analyses of the executable and timed steps.
+    """
+    compiled = self.lower_train_step(state, batch).compile()
+    args = (self.loss_batch(batch), self._reference_arg())
+
+    def step(state):
+      with sharding.active(self.mesh, self.rules):
+        return compiled(state, *args)
+
+    return compiled, step
+
   def eval_step(self, state, batch: Batch) -> dict:
     with sharding.active(self.mesh, self.rules):
       return self._jitted_eval_step(state, self.loss_batch(batch), self._reference_arg())
