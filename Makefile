@@ -19,7 +19,7 @@ run: $(STAMP)
 	$(PYTHON) examples/linen_to_nnx_flip.py
 
 test: $(STAMP)
-	$(PYTHON) -m pytest -q -n 2 --dist loadgroup tests
+	$(PYTHON) -m pytest -q -n 2 --dist loadgroup --durations=15 tests
 
 format: $(STAMP)
 	$(VENV)/bin/pyink .
