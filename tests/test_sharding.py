@@ -173,6 +173,12 @@ def test_shardings_table_is_the_same_on_both_backends():
   assert "mesh: data=1 x fsdp=4 x tensor=2" in linen
   row = next(line for line in linen.splitlines() if line.startswith("decoder/layers/mlp/wi_0/kernel"))
   assert "embed, layers, mlp" in row and "P('fsdp', None, 'tensor')" in row
+  # The last column is the bytes one device holds: the float32 kernel split 4 x 2 ways.
+  shape = tuple(int(n) for n in row.split("(")[1].split(")")[0].split(",") if n.strip())
+  assert float(row.split()[-1]) == pytest.approx(np.prod(shape) * 4 / 8 / 2**20, abs=0.005), row
+  rows = [line for line in linen.splitlines()[2:] if line.startswith(("token_embedder", "decoder"))]
+  total = float(linen.splitlines()[-1].split()[1])
+  assert total == pytest.approx(sum(float(line.split()[-1]) for line in rows), abs=0.01 * len(rows)), linen
 
 
 def test_llama2_7b_train_step_compiles_for_eight_devices():
