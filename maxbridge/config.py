@@ -642,12 +642,32 @@ _MAXTEXT_FIXED: dict[str, Any] = {
 }
 
 
+# MaxText's names for keys that maxbridge spells otherwise: read as maxbridge's key.
+_MAXTEXT_RENAMED = {"max_num_checkpoints_to_keep": "max_to_keep"}
+# MaxText keys that one maxbridge key covers together with another: refused, naming ours.
+_MAXTEXT_MERGED = {
+    "init_weights_seed": "seed (maxbridge's one seed sets both parameter init and data order; MaxText's "
+    "init_weights_seed and data_shuffle_seed set one each)",
+    "data_shuffle_seed": "seed (maxbridge's one seed sets both parameter init and data order; MaxText's "
+    "init_weights_seed and data_shuffle_seed set one each)",
+}
+
+
 def _known_only(values: Mapping[str, Any], source: str) -> dict[str, Any]:
-  """`values` without MaxText's keys that do not change the numbers (each reported by name);
-  any other key this Config lacks is an error, all of them named at once."""
-  ignored, problems = [], []
+  """`values` without MaxText's keys that do not change the numbers (each reported by name),
+  MaxText's names for our keys renamed; any other key this Config lacks is an error, all of them named at once."""
+  ignored, problems, renamed = [], [], {}
   for key, value in values.items():
     if key in _FIELD_TYPES:
+      continue
+    if key in _MAXTEXT_RENAMED:
+      ours = _MAXTEXT_RENAMED[key]
+      if ours in values:
+        problems.append(f"{key!r} (MaxText's name for {ours!r}) and {ours!r} are both given; keep one")
+      renamed[ours] = value
+      continue
+    if key in _MAXTEXT_MERGED:
+      problems.append(f"MaxText key {key!r} is not supported; set {_MAXTEXT_MERGED[key]}")
       continue
     if key in _MAXTEXT_IGNORED:
       ignored.append(key)
@@ -672,7 +692,7 @@ def _known_only(values: Mapping[str, Any], source: str) -> dict[str, Any]:
         f"ignoring MaxText config keys that do not change what maxbridge computes (from {source}): " + ", ".join(ignored),
         stacklevel=3,
     )
-  return {key: value for key, value in values.items() if key in _FIELD_TYPES}
+  return {**{key: value for key, value in values.items() if key in _FIELD_TYPES}, **renamed}
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -162,3 +162,12 @@ def test_missing_yaml_file_is_reported(tmp_path):
 def test_unknown_preset_lists_available_ones():
   with pytest.raises(ConfigError, match="unknown preset 'llama-huge'; available presets: .*llama-tiny"):
     load_config("llama-huge")
+
+
+def test_maxtext_names_for_our_keys_are_read_as_ours_or_refused_naming_ours():
+  assert load_config("llama-tiny", "max_num_checkpoints_to_keep=5").max_to_keep == 5
+  assert load_config("llama-tiny", max_num_checkpoints_to_keep=7).max_to_keep == 7
+  with pytest.raises(ConfigError, match="'max_num_checkpoints_to_keep' \\(MaxText's name for 'max_to_keep'\\)"):
+    load_config("llama-tiny", "max_num_checkpoints_to_keep=5", "max_to_keep=4")
+  with pytest.raises(ConfigError, match="'init_weights_seed' is not supported; set seed"):
+    load_config("llama-tiny", "init_weights_seed=3")
