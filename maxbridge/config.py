@@ -123,6 +123,11 @@ class Config:
   use_dpo: bool
   dpo_beta: float
   dpo_label_smoothing: float
+  use_grpo: bool
+  num_generations: int
+  grpo_beta: float
+  grpo_epsilon: float
+  reward_function: str
   eval_interval: int
   eval_steps: int
   enable_checkpointing: bool
@@ -368,6 +373,9 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("num_vocab_tiling", _positive, "a positive integer (1 disables tiling)"),
     ("dpo_beta", _positive, "> 0"),
     ("dpo_label_smoothing", lambda v: 0 <= v <= 0.5, "in [0, 0.5] (0 is plain DPO)"),
+    ("num_generations", lambda v: v >= 2, ">= 2 (GRPO's advantages compare the completions of one prompt)"),
+    ("grpo_beta", lambda v: v >= 0, ">= 0 (0 drops the KL penalty)"),
+    ("grpo_epsilon", lambda v: 0 < v < 1, "in (0, 1) (the policy ratio is clipped to [1 - epsilon, 1 + epsilon])"),
     ("qk_clip_threshold", lambda v: 0 < v < float("inf"), "a finite number > 0"),
     (
         "quantization_local_shard_count",
@@ -452,6 +460,41 @@ def _validate(cfg: Config) -> None:
     )
   if cfg.use_dpo and cfg.num_vocab_tiling > 1:
     raise ConfigError("use_dpo=true computes full logits for its log-probabilities; set num_vocab_tiling=1")
+  _validate_grpo(cfg)
+
+
+# GRPO's built-in verifiable rewards for the built-in arithmetic prompts (maxbridge/posttrain/grpo.py).
+GRPO_REWARDS = ("arithmetic", "exact_match", "format")
+
+
+def _validate_grpo(cfg: Config) -> None:
+  if cfg.reward_function not in GRPO_REWARDS and not re.fullmatch(
+      r"[A-Za-z_][\w]*(\.[A-Za-z_]\w*)+", cfg.reward_function
+  ):
+    listed = ", ".join(repr(r) for r in GRPO_REWARDS)
+    raise ConfigError(
+        f"config key 'reward_function' = {cfg.reward_function!r} is invalid; valid values: {listed}, "
+        "or the dotted path of a Python callable (package.module.function)"
+    )
+  if not cfg.use_grpo:
+    return
+  if cfg.use_dpo:
+    raise ConfigError("use_grpo=true and use_dpo=true: a run trains one objective; set one of them to false")
+  if cfg.dataset_type != "embedded":
+    raise ConfigError(
+        f"use_grpo=true samples completions of the built-in arithmetic prompts: dataset_type must be 'embedded', "
+        f"got {cfg.dataset_type!r}"
+    )
+  if cfg.max_target_length <= cfg.max_prefill_predict_length:
+    raise ConfigError(
+        f"use_grpo=true samples max_target_length - max_prefill_predict_length tokens per completion: "
+        f"max_target_length={cfg.max_target_length} must exceed max_prefill_predict_length="
+        f"{cfg.max_prefill_predict_length}"
+    )
+  if cfg.num_vocab_tiling > 1:
+    raise ConfigError("use_grpo=true computes full logits for its log-probabilities; set num_vocab_tiling=1")
+  if cfg.num_processes > 1:
+    raise ConfigError(f"use_grpo=true samples in one process: num_processes={cfg.num_processes} must be 1")
 
 
 def _validate_lora(cfg: Config) -> None:

@@ -25,7 +25,7 @@ from maxbridge import bridge, canonical, initializers, lora, qk_clip, quantizati
 from maxbridge.config import Config
 from maxbridge.loss import CrossEntropy, Loss
 from maxbridge.model import LinenModel, Model, NNXModel
-from maxbridge.posttrain import dpo
+from maxbridge.posttrain import dpo, grpo
 from maxbridge.state import AfterUpdate, LinenTrainer, NNXTrainer, Trainer
 from nnx_models import decoders as nnx_decoders
 from nnx_models import models as nnx_models
@@ -157,9 +157,11 @@ def _jitted_init(spec: tuple, options: initializers.InitOptions):
 
 
 def create_loss(config: Config) -> Loss:
-  """The training objective for `config`: DPO, tiled or plain cross-entropy (SFT is cross-entropy on SFT rows)."""
+  """The training objective for `config`: DPO, GRPO, tiled or plain cross-entropy (SFT is cross-entropy on SFT rows)."""
   if config.use_dpo:
     return dpo.DPO(config.dpo_beta, config.dpo_label_smoothing)
+  if config.use_grpo:
+    return grpo.GRPO(config.grpo_beta, config.grpo_epsilon)
   if config.num_vocab_tiling > 1:
     return vocab_tiling.TiledCrossEntropy(config)
   return CrossEntropy(z_loss_multiplier=config.z_loss_multiplier)

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from maxbridge import canonical, checkpointing, data, dispatch, files, layouts, lora, quantization, sharding
 from maxbridge.config import Config
+from maxbridge.posttrain import grpo
 
 
 class TrainingDiverged(FloatingPointError):
@@ -47,6 +48,7 @@ _RUN_ONLY_KEYS = frozenset(
         "log_period",
         "dataset_type",
         "dataset_path",
+        "reward_function",
         "sft_train_on_completion_only",
         "tokenizer_path",
         "load_parameters_path",
@@ -241,8 +243,12 @@ def _train(config: Config, trainer, until_step: int | None, progress: bool, stop
   if trainer is None:
     trainer = dispatch.create_trainer(config)
   sharding.check_divisible(trainer.abstract_state(), trainer.state_shardings)
-  train_data = data.make_dataset(config, "train", global_batch_size(config))
-  eval_data = data.make_dataset(config, "eval", global_batch_size(config)) if config.eval_interval else None
+  rollouts = train_data = eval_data = None
+  if config.use_grpo:  # batches sampled from the policy as it trains; no held-out set
+    rollouts = grpo.Rollouts(config, trainer)
+  else:
+    train_data = data.make_dataset(config, "train", global_batch_size(config))
+    eval_data = data.make_dataset(config, "eval", global_batch_size(config)) if config.eval_interval else None
   # Read-only with enable_checkpointing=false: the run resumes, and saves nothing.
   ckpt = (
       checkpointing.Checkpointer(checkpoints, max_to_keep=config.max_to_keep, create=False)
@@ -302,7 +308,12 @@ def _train(config: Config, trainer, until_step: int | None, progress: bool, stop
   try:
     for step in bar:
       stop.check()
-      batch = trainer.shard_batch(train_data.batch(step, jax.process_index(), jax.process_count()))
+      sampled = {}
+      if rollouts is not None:
+        local, sampled = rollouts.batch(step, state)
+      else:
+        local = train_data.batch(step, jax.process_index(), jax.process_count())
+      batch = trainer.shard_batch(local)
       began = time.perf_counter()
       state, metrics = trainer.train_step(state, batch)
       metrics = jax.device_get(metrics)  # also waits for the step: the timing below is real
@@ -323,6 +334,9 @@ def _train(config: Config, trainer, until_step: int | None, progress: bool, stop
       }
       for key in trainer.loss.metric_keys:  # the loss's own (DPO: reward accuracy, rewards, margins)
         record[key] = float(metrics[key])
+      for key in ("mean_reward", "completion_length"):  # GRPO's sampled completions
+        if key in sampled:
+          record[key] = sampled[key]
       if "maxima" in metrics:  # QK-Clip: the largest attention logit over layers and heads, before clipping
         record["max_logits"] = float(metrics["maxima"]["max_logits"].max())
       done = step + 1

@@ -16,17 +16,21 @@ here), pi_old is the policy itself with no gradient: the ratio is 1 in value
 and its gradient is the policy gradient, so with beta = 0 the loss reduces to
 -A * log pi up to a constant.
 
-`train_grpo` runs the loop: each step samples `num_generations` completions
-of `prompts_per_step` built-in prompts with the engine's cached decoding
-(`maxbridge.engine.generate_tokens`) from the current policy parameters, in
-this process with no copy, scores them, and takes one train step. It keeps
-no checkpoints (yet) and is not yet a `maxbridge train` flag.
+A GRPO step (`use_grpo=true`: `maxbridge train llama-tiny use_grpo=true`)
+samples `num_generations` completions of each of a global batch of built-in
+prompts with the engine's cached decoding (`maxbridge.engine.generate_tokens`)
+from the current policy parameters, in this process with no copy
+(`Rollouts`), scores them with `reward_function`, and takes one train step.
+`maxbridge.train` runs it in a run folder (metrics.jsonl, checkpoints of the
+policy only, resume); `train_grpo` runs the same steps in memory.
 """
 
 from __future__ import annotations
 
 import importlib
 import re
+import time
+import weakref
 from typing import Callable
 
 import jax
@@ -126,15 +130,27 @@ def builtin_prompts() -> list[str]:
   return [f"{a}+{b}=" for a in GRPO_OPERANDS for b in GRPO_OPERANDS]
 
 
+REWARDS: dict[str, Reward] = {"arithmetic": builtin_reward, "exact_match": exact_match_reward, "format": format_reward}
+
+
 def load_reward(reward: str | Reward) -> Reward:
-  """A reward callable, or one named by dotted path (`package.module.function`)."""
+  """A reward callable: given, built in (`REWARDS`: "arithmetic", ...), or named by dotted path (`package.module.function`)."""
   if callable(reward):
     return reward
+  if reward in REWARDS:
+    return REWARDS[reward]
   module, _, name = str(reward).rpartition(".")
   try:
-    return getattr(importlib.import_module(module), name)
+    found = getattr(importlib.import_module(module), name)
   except (ImportError, AttributeError, ValueError) as e:
-    raise ValueError(f"reward {reward!r} cannot be imported (want package.module.function): {e}") from e
+    raise ValueError(
+        f"reward_function {reward!r} cannot be imported (want one of {sorted(REWARDS)} or package.module.function): {e}"
+    ) from e
+  if not callable(found):
+    raise ValueError(
+        f"reward_function {reward!r} is a {type(found).__name__}, not a callable (prompt, completion) -> float"
+    )
+  return found
 
 
 def score(reward: Reward, prompts: list[str], completions: list[str], num_generations: int) -> np.ndarray:
@@ -143,7 +159,8 @@ def score(reward: Reward, prompts: list[str], completions: list[str], num_genera
   bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer))]
   if bad:
     raise ValueError(
-        f"reward {getattr(reward, '__name__', reward)!r} must return one number per completion, got {bad[0]!r}"
+        f"reward_function {getattr(reward, '__name__', reward)!r} must return one number per completion "
+        f"(called as reward(prompt: str, completion: str)), got {bad[0]!r}"
     )
   return np.asarray(values, np.float64).reshape(len(prompts), num_generations)
 
@@ -154,73 +171,115 @@ def completion_tokens(continuation: np.ndarray, stop: int = ord("\n")) -> list[i
   return continuation[: hits[0] + 1 if hits.size else continuation.size].tolist()
 
 
+def prompts_per_step(config: Config) -> int:
+  """Prompts sampled per step: the global batch (per device, times devices, times micro-batches)."""
+  return config.per_device_batch_size * jax.device_count() * config.gradient_accumulation_steps
+
+
+# One compiled sampler per trainer: a trainer is built for one config's step (`train.step_key`), which
+# fixes everything sampling reads, so passing the same trainer to several runs compiles once.
+_SAMPLERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _sampler(trainer) -> Callable:
+  from maxbridge import dispatch, engine  # pylint: disable=import-outside-toplevel  (dispatch imports posttrain)
+
+  if trainer not in _SAMPLERS:
+    config = trainer.config
+    # Abstract (no parameters of its own): `sample` runs it on the policy's parameters.
+    decoder = dispatch._abstract_model(engine.decode_config(config))  # pylint: disable=protected-access
+    abstract = decoder.abstract_params()
+    new_tokens = config.max_target_length - config.max_prefill_predict_length
+
+    @jax.jit
+    def sample(params, prompt, key):
+      # The policy's own parameters, in the decoder's (unrolled) layout: no copy outside this trace.
+      params = canonical.conform(params, abstract, config.param_scan_axis)
+      temperature = jnp.float32(config.decode_sampling_temperature)
+      return engine.generate_tokens(decoder, params, prompt, temperature, key, max_new_tokens=new_tokens, sample=True)
+
+    _SAMPLERS[trainer] = sample
+  return _SAMPLERS[trainer]
+
+
+class Rollouts:
+  """Each step's GRPO batch, sampled from the current policy: the same for a given (seed, step) on any backend.
+
+  `batch(step, state)` picks `prompts_per_step` built-in prompts (by seed and
+  step, so a resumed run samples as the uninterrupted one), samples
+  `num_generations` completions of each with the engine's cached decoding from
+  `trainer.model_params(state)` (LoRA: the adapted weights), in this process
+  with no copy, scores them and packs one completion per row with its
+  group-normalised advantage. Completions are at most max_target_length -
+  max_prefill_predict_length tokens, cut after the first newline.
+  """
+
+  def __init__(self, config: Config, trainer):
+    self.config = config
+    self.trainer = trainer
+    self.reward = load_reward(config.reward_function)
+    self.prompts = builtin_prompts()
+    longest = max(len(p.encode()) for p in self.prompts)
+    if longest > config.max_prefill_predict_length:
+      raise ValueError(
+          f"max_prefill_predict_length={config.max_prefill_predict_length} is shorter than the built-in GRPO "
+          f"prompts ({longest} tokens)"
+      )
+    self.sample = _sampler(trainer)
+    self.timings: dict[str, float] = {}
+
+  def batch(self, step: int, state) -> tuple[dict[str, np.ndarray], dict]:
+    """(rows for the train step, {"mean_reward", "completion_length", "completions"}); `timings` holds the
+    seconds spent sampling and scoring."""
+    config, groups = self.config, self.config.num_generations
+    began = time.perf_counter()
+    rng = np.random.default_rng([config.seed, step])
+    count = prompts_per_step(config)
+    chosen = [self.prompts[i] for i in rng.choice(len(self.prompts), count, replace=count > len(self.prompts))]
+    prompt_tokens = [list(p.encode()) for p in chosen]
+    grouped = np.repeat(np.asarray(prompt_tokens, np.int32), groups, axis=0)
+    key = jax.random.key(config.seed * 1_000_003 + step)
+    sampled = np.asarray(self.sample(self.trainer.model_params(state), grouped, key))
+    sampled_at = time.perf_counter()
+    completions = [completion_tokens(row[grouped.shape[1] :]) for row in sampled]
+    texts = [bytes(c).decode("utf-8", errors="replace") for c in completions]
+    rewards = score(self.reward, chosen, texts, groups)
+    rows = pack_completions(prompt_tokens, completions, group_advantages(rewards), config.max_target_length)
+    self.timings = {"sampling_s": sampled_at - began, "scoring_s": time.perf_counter() - sampled_at}
+    info = {
+        "mean_reward": float(rewards.mean()),
+        "completion_length": float(np.mean([len(c) for c in completions])),
+        "completions": texts,
+    }
+    return rows, info
+
+
 def train_grpo(
-    config: Config,
-    *,
-    steps: int,
-    num_generations: int = 4,
-    prompts_per_step: int = 4,
-    max_new_tokens: int = 4,
-    grpo_beta: float = 0.04,
-    grpo_epsilon: float = 0.2,
-    temperature: float = 1.0,
-    reward: str | Reward = builtin_reward,
-    params: dict | None = None,
-    trainer=None,
+    config: Config, *, trainer=None, params: dict | None = None, steps: int | None = None
 ) -> tuple[dict, list[dict]]:
-  """GRPO from `params` (canonical; default the seed's initialisation): (final canonical params, one record per step).
+  """GRPO in memory (no run folder), from `params` (canonical; default the seed's initialisation):
+  (final canonical params, one record per step). `maxbridge.train` runs the same steps with checkpoints.
 
   Records hold loss, kl, clip_fraction, mean_reward, completion_length and
   the sampled completions. Prompts and sampling keys follow `config.seed` and
   the step only, so Linen and NNX sample, score and train identically.
   """
-  from maxbridge import dispatch, engine  # pylint: disable=import-outside-toplevel  (dispatch imports posttrain)
+  from maxbridge import dispatch  # pylint: disable=import-outside-toplevel  (dispatch imports posttrain)
 
-  if num_generations < 2:
-    raise ValueError(f"num_generations={num_generations} must be >= 2: advantages compare completions of one prompt")
-  reward = load_reward(reward)
+  if not config.use_grpo:
+    raise ValueError("train_grpo needs use_grpo=true in the config")
   if trainer is None:
-    trainer = dispatch.create_trainer(config, loss=GRPO(grpo_beta, grpo_epsilon))
-  prompts = builtin_prompts()
-  model = dispatch.create_model(config, params=params)
-  decoder = engine.decode_model(model)
-  abstract = decoder.abstract_params()
-
-  @jax.jit
-  def sample(params, prompt, key):
-    # The policy's own parameters, in the decoder's (unrolled) layout: no copy outside this trace.
-    params = canonical.conform(params, abstract, config.param_scan_axis)
-    return engine.generate_tokens(
-        decoder, params, prompt, jnp.float32(temperature), key, max_new_tokens=max_new_tokens, sample=True
-    )
-
+    trainer = dispatch.create_trainer(config)
+  rollouts = Rollouts(config, trainer)
   state = trainer.init_state(config.seed)
   if params is not None:
     start = canonical.conform(params, trainer.abstract_params, config.param_scan_axis)
     state = trainer._replace_params(state, start)  # pylint: disable=protected-access
   trainer.set_reference(state)
   records = []
-  for step in range(steps):
-    rng = np.random.default_rng([config.seed, step])
-    chosen = [prompts[i] for i in rng.choice(len(prompts), prompts_per_step, replace=False)]
-    prompt_tokens = [list(p.encode()) for p in chosen]
-    grouped = np.repeat(np.asarray(prompt_tokens, np.int32), num_generations, axis=0)
-    sampled = np.asarray(sample(trainer.model_params(state), grouped, jax.random.key(config.seed * 1_000_003 + step)))
-    completions = [completion_tokens(row[grouped.shape[1] :]) for row in sampled]
-    texts = [bytes(c).decode("utf-8", errors="replace") for c in completions]
-    rewards = score(reward, chosen, texts, num_generations)
-    batch = pack_completions(prompt_tokens, completions, group_advantages(rewards), config.max_target_length)
+  for step in range(config.steps if steps is None else steps):
+    batch, info = rollouts.batch(step, state)
     state, metrics = trainer.train_step(state, batch)
     metrics = jax.device_get(metrics)
-    records.append(
-        {
-            "step": step,
-            "loss": float(metrics["loss"]),
-            "kl": float(metrics["kl"]),
-            "clip_fraction": float(metrics["clip_fraction"]),
-            "mean_reward": float(rewards.mean()),
-            "completion_length": float(np.mean([len(c) for c in completions])),
-            "completions": texts,
-        }
-    )
+    records.append({"step": step, **{key: float(metrics[key]) for key in ("loss", "kl", "clip_fraction")}, **info})
   return trainer.model_params(state), records
