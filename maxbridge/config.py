@@ -385,6 +385,7 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("eval_interval", lambda v: v >= 0, ">= 0 (0 disables evaluation)"),
     ("lora_rank", lambda v: v >= 0, ">= 0 (0 disables LoRA)"),
     ("lora_alpha", _positive, "> 0 (adapters are scaled by lora_alpha / lora_rank)"),
+    ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1) (the probability of dropping an adapter input feature)"),
     ("warmup_steps_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("cosine_learning_rate_final_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("adam_b1", lambda v: 0 <= v < 1, "in [0, 1)"),
@@ -406,6 +407,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "dataset_type": ("embedded", "synthetic", "text", "sft"),
     "decode_sampling_strategy": ("greedy", "weighted", "topk", "nucleus"),
     "quantization": QUANTIZATIONS,
+    "lora_weight_qtype": ("", "int8", "nf4"),
 }
 
 
@@ -502,13 +504,15 @@ def _validate_lora(cfg: Config) -> None:
     re.compile(cfg.lora_module_path)
   except re.error as e:
     raise ConfigError(f"config key 'lora_module_path' = {cfg.lora_module_path!r} is not a regular expression: {e}") from e
-  if cfg.lora_dropout != 0.0:
-    # Adapters are merged into the kernels before the forward pass (maxbridge/lora.py), where
-    # no per-token input exists to drop.
-    raise ConfigError(f"config key 'lora_dropout' = {cfg.lora_dropout!r} is not supported; valid values: 0.0")
-  if cfg.lora_weight_qtype:
+  if cfg.lora_weight_qtype and not cfg.lora_rank:
     raise ConfigError(
-        f"config key 'lora_weight_qtype' = {cfg.lora_weight_qtype!r} (QLoRA) is not built yet; valid values: ''"
+        f"lora_weight_qtype={cfg.lora_weight_qtype!r} quantizes the frozen base of a LoRA run (QLoRA): "
+        "set lora_rank > 0, or lora_weight_qtype=''"
+    )
+  if cfg.lora_weight_qtype and cfg.quantization:
+    raise ConfigError(
+        f"lora_weight_qtype={cfg.lora_weight_qtype!r} with quantization={cfg.quantization!r}: QLoRA stores its "
+        "base quantized and runs the matmuls on the dequantized weights; set quantization=''"
     )
   if cfg.lora_rank and cfg.use_qk_clip:
     raise ConfigError(

@@ -26,10 +26,27 @@ Its checkpoints hold the adapters, their optimizer state and the step:
 and the run folder's `lora_base.json` names the base (`load_parameters_path`,
 or the seed) with a fingerprint of its values, checked on resume and by
 `maxbridge lora-merge`.
+
+QLoRA (`lora_weight_qtype`): the state holds the base with every kernel of the
+layer stacks as `kernel_qvalue` + `kernel_scale` (int8 per output channel, or
+NF4 codes with per-block absmax scales: `quantization.quantize_weight`), the
+canonical names serving uses; embeddings, norms and the output head stay
+float, as in the QLoRA paper. Each forward pass dequantizes the base and
+merges the float adapters in, so only the adapters' gradients and optimizer
+state exist. The base's fingerprint is that of its dequantized values.
+
+Dropout (`lora_dropout`): merged adapters see no per-token input to drop, but
+input dropout commutes with A when the mask is shared by the tokens:
+(x * m) @ A == x @ (m[:, None] * A). So each train step draws one mask over
+each adapter's input features (per layer), from the seed and the step alone,
+and merges the dropped-out A; every token of the step (every micro-batch too)
+sees the same mask. Both backends, scanned or not, draw the same masks. Eval
+steps and serving use all inputs.
 """
 
 import functools
 import hashlib
+import zlib
 import json
 import os
 import re
@@ -44,7 +61,7 @@ from flax import nnx
 from flax.training import train_state
 from jax.sharding import Mesh
 
-from maxbridge import canonical, checkpointing, files, initializers, layouts
+from maxbridge import canonical, checkpointing, files, initializers, layouts, quantization
 from maxbridge.config import Config
 from maxbridge.model import LinenModel, NNXModel, linen_forward, nnx_forward
 from maxbridge.state import Bound, LinenTrainer, NNXTrainer, Params
@@ -170,6 +187,99 @@ def merge(config: Config, params: Mapping[str, Any], adapters: Mapping[str, Any]
   return canonical.unflatten(flat)
 
 
+def _contracted(config: Config, path: str, ndim: int) -> tuple[int, ...]:
+  """The input axes of a kernel of `ndim` axes (stacked on param_scan_axis when its path is)."""
+  layer_axis = config.param_scan_axis if canonical.is_stacked(path) else None
+  axes = [axis for axis in range(ndim) if axis != layer_axis]
+  return tuple(axes[: in_ndim((canonical.layer_of(path) or (path,))[0])])
+
+
+def _is_quantized(path: str, leaf: Any) -> bool:
+  # Every kernel of the layer stacks (their matmul weights): the bulk of the base.
+  return path.endswith("/kernel") and canonical.stack_name(path) is not None and len(leaf.shape) >= 2
+
+
+def quantize_base(config: Config, params: Mapping[str, Any]) -> dict:
+  """The base as a QLoRA state holds it: each layer kernel as `kernel_qvalue` + `kernel_scale`; as is without QLoRA."""
+  if not config.lora_weight_qtype:
+    return params
+  flat = {}
+  for path, leaf in canonical.flatten(params).items():
+    if _is_quantized(path, leaf):
+      contracted = _contracted(config, path, len(leaf.shape))
+      flat[path + "_qvalue"], flat[path + "_scale"] = quantization.quantize_weight(
+          leaf, config.lora_weight_qtype, contracted
+      )
+    else:
+      flat[path] = leaf
+  return canonical.unflatten(flat)
+
+
+def dequantize_base(config: Config, stored: Mapping[str, Any]) -> dict:
+  """The float canonical base (weight_dtype) of what `quantize_base` stores."""
+  if not config.lora_weight_qtype:
+    return stored
+  flat = canonical.flatten(stored)
+  out = {}
+  for path, leaf in flat.items():
+    if path.endswith("/kernel_qvalue"):
+      kernel = path[: -len("_qvalue")]
+      value = quantization.dequantize_weight(leaf, flat[kernel + "_scale"], config.lora_weight_qtype)
+      out[kernel] = value.astype(config.weight_dtype)
+    elif not path.endswith("/kernel_scale"):
+      out[path] = leaf
+  return canonical.unflatten(out)
+
+
+def stored_axes(config: Config, abstract_params: Mapping[str, Any], kernel_axes: Mapping[str, Any]) -> dict:
+  """Logical axes of the stored base: a qvalue keeps its kernel's; a scale's input axes are never sharded."""
+  flat_axes = canonical.flatten(kernel_axes)
+  flat = {}
+  for path, leaf in canonical.flatten(abstract_params).items():
+    axes = tuple(flat_axes[path])
+    if config.lora_weight_qtype and _is_quantized(path, leaf):
+      contracted = _contracted(config, path, len(leaf.shape))
+      flat[path + "_qvalue"] = axes
+      flat[path + "_scale"] = tuple(None if i in contracted else name for i, name in enumerate(axes))
+    else:
+      flat[path] = axes
+  return canonical.unflatten(flat)
+
+
+def dropout_key(config: Config, step: jax.Array) -> jax.Array:
+  """The key of a train step's adapter dropout: the seed and the step only, so both backends draw alike."""
+  return jax.random.fold_in(jax.random.key(config.seed), jnp.asarray(step, jnp.uint32))
+
+
+def drop_adapter_inputs(config: Config, adapters: Mapping[str, Any], key: jax.Array) -> dict:
+  """`adapters` with each A's rows (input features) dropped with probability lora_dropout, the kept ones scaled
+  by 1 / (1 - lora_dropout): what dropout of the adapter's input, one mask for all tokens, computes.
+
+  A layer's mask comes from the key, the adapter's stacked path and the layer
+  index, so that a scanned stack and its unscanned layers draw the same masks.
+  """
+  keep = 1.0 - config.lora_dropout
+  flat = dict(canonical.flatten(adapters))
+  for path in [p for p in flat if p.endswith("_lora_a")]:
+    a = flat[path]
+    name, index = canonical.layer_of(path) or (path, None)
+    path_key = jax.random.fold_in(key, zlib.crc32(name.encode()))
+    layer_axis = config.param_scan_axis if canonical.is_stacked(path) else None
+    per_layer = list(a.shape)
+    if layer_axis is not None:
+      del per_layer[layer_axis]
+    per_layer[-1] = 1  # one draw per input feature, shared by the rank axis
+    if layer_axis is None:
+      mask = jax.random.bernoulli(jax.random.fold_in(path_key, index or 0), keep, per_layer)
+    else:
+      layers = [
+          jax.random.bernoulli(jax.random.fold_in(path_key, i), keep, per_layer) for i in range(a.shape[layer_axis])
+      ]
+      mask = jnp.stack(layers, axis=layer_axis)
+    flat[path] = jnp.where(mask, a / jnp.asarray(keep, a.dtype), jnp.zeros((), a.dtype))
+  return canonical.unflatten(flat)
+
+
 # --- the base model's identity ----------------------------------------------------
 
 
@@ -235,6 +345,9 @@ class _LoraMixin:
   def _setup_adapters(self, config: Config, abstract_params: dict, kernel_axes: dict) -> None:
     self.abstract_adapters = abstract_adapters(config, abstract_params)
     self.adapter_axes = adapter_axes(config, abstract_params, kernel_axes)
+    # The base as the state holds it (QLoRA: quantized kernels; otherwise the canonical tree itself).
+    self.abstract_stored = jax.eval_shape(functools.partial(quantize_base, config), abstract_params)
+    self.stored_axes = stored_axes(config, abstract_params, kernel_axes)
 
   def _init_adapters(self, seed) -> dict:
     return init_adapters(self.abstract_adapters, seed, self.config)
@@ -243,14 +356,36 @@ class _LoraMixin:
   def disk_layout(self) -> dict:
     return disk_layout(self.tx, self.abstract_adapters)
 
+  def _adapted(self, bound: Bound, stored: Params, adapters: Params) -> Params:
+    """The canonical parameters a forward pass runs on: the (dequantized) base with the adapters merged in,
+    their inputs dropped out in a train step."""
+    if bound.training and self.config.lora_dropout:
+      adapters = drop_adapter_inputs(self.config, adapters, dropout_key(self.config, bound.step))
+    return merge(self.config, dequantize_base(self.config, stored), adapters)
+
   def _canonical_view(self, bound: Bound, params) -> Params:
     # What losses that read the model directly (vocabulary tiling's head) see: the adapted weights.
-    return merge(self.config, self._base(bound), self._canonical(params))
+    return self._adapted(bound, self._stored(bound), self._canonical(params))
+
+  def params(self, state) -> Params:
+    """The canonical base of a state (QLoRA: its dequantized values)."""
+    return canonical.unflatten(canonical.flatten(dequantize_base(self.config, self.stored_base(state))))
 
   def _reference_params(self, bound: Bound, reference: Params):
     # A frozen reference model (DPO's) is the base: the adapters off, as zeros give a zero update.
     del reference
     return jax.tree.map(jnp.zeros_like, bound.params)
+
+  # So the reference needs no copy of the base (a float one, under QLoRA): an empty stand-in is passed.
+  _reference_shardings = None
+
+  def set_reference(self, state) -> None:
+    del state
+    self.reference = {}
+
+  def _reference_arg(self, abstract: bool = False):
+    del abstract
+    return {} if self.loss.frozen_reference else None
 
   def adapted_params(self, state) -> Params:
     """The canonical parameters the model runs on: the base with every adapter merged in."""
@@ -275,30 +410,31 @@ class LinenLoraTrainer(_LoraMixin, LinenTrainer):
   def trainable(self, config: Config) -> str:
     return COLLECTION
 
-  def _create(self, params: dict, adapters: dict | None = None) -> LoraTrainState:
+  def _create(self, stored: dict, adapters: dict | None = None) -> LoraTrainState:
     return LoraTrainState.create(
-        apply_fn=self.model.apply, params={COLLECTION: adapters}, tx=self.tx, base={"params": params}
+        apply_fn=self.model.apply, params={COLLECTION: adapters}, tx=self.tx, base={"params": stored}
     )
 
   def abstract_state(self):
-    return jax.eval_shape(self._create, self.abstract_params, self.abstract_adapters)
+    return jax.eval_shape(self._create, self.abstract_stored, self.abstract_adapters)
 
   def _init(self, seed):
-    return self._create(self._initial_params(seed), self._init_adapters(seed))
+    return self._create(quantize_base(self.config, self._initial_params(seed)), self._init_adapters(seed))
 
   def logical_specs(self):
-    boxed = jax.tree.map(
-        lambda leaf, axes: nn.LogicallyPartitioned(leaf, axes),
-        self.abstract_adapters,
-        self.adapter_axes,
-    )
-    return nn.get_partition_spec(jax.eval_shape(self._create, self.model.boxed_params(), boxed))
+    def box(abstract, axes):
+      return jax.tree.map(lambda leaf, names: nn.LogicallyPartitioned(leaf, names), abstract, axes)
 
-  def params(self, state) -> dict:
-    return canonical.unflatten(canonical.flatten(state.base["params"]))
+    base = box(self.abstract_stored, self.stored_axes) if self.config.lora_weight_qtype else self.model.boxed_params()
+    boxed = box(self.abstract_adapters, self.adapter_axes)
+    return nn.get_partition_spec(jax.eval_shape(self._create, base, boxed))
+
+  def stored_base(self, state) -> dict:
+    """The base as the state holds it (QLoRA: `kernel_qvalue` + `kernel_scale` per layer kernel)."""
+    return state.base["params"]
 
   def _replace_params(self, state, params: Params):
-    return state.replace(base={**state.base, "params": params})
+    return state.replace(base={**state.base, "params": quantize_base(self.config, params)})
 
   def with_checkpoint(self, state, tree: dict):
     """`state` (its base) with the adapters, optimizer state and step of an adapter checkpoint."""
@@ -311,30 +447,35 @@ class LinenLoraTrainer(_LoraMixin, LinenTrainer):
   def _bind(self, state) -> Bound:
     return Bound(params=state.params, frozen=state.base, step=state.step, handle=state)
 
-  def _base(self, bound: Bound) -> Params:
+  def _stored(self, bound: Bound) -> Params:
     return bound.frozen["params"]
 
   def _canonical(self, params) -> Params:
     return params[COLLECTION]
 
   def _forward(self, bound, params, frozen, tokens, positions, segment_ids):
-    merged = merge(self.config, frozen["params"], params[COLLECTION])
+    merged = self._adapted(bound, frozen["params"], params[COLLECTION])
     return linen_forward(self.model.module, {**frozen, "params": merged}, tokens, positions, segment_ids)
 
 
 class Adapters(nnx.Module):
-  """A canonical adapter tree as `nnx.LoRAParam`s, one submodule per path level."""
+  """A canonical adapter tree as `nnx.LoRAParam`s (or `variable`s), one submodule per path level."""
 
-  def __init__(self, tree: Mapping[str, Any], axes: Mapping[str, Any]):
+  def __init__(self, tree: Mapping[str, Any], axes: Mapping[str, Any], variable: type = nnx.LoRAParam):
     for name, value in tree.items():
       if isinstance(value, Mapping):
-        setattr(self, name, Adapters(value, axes[name]))
+        setattr(self, name, Adapters(value, axes[name], variable))
       else:
-        setattr(self, name, nnx.LoRAParam(value, out_sharding=tuple(axes[name])))
+        setattr(self, name, variable(value, out_sharding=tuple(axes[name])))
 
 
 class LoraTrainStateNNX(nnx.Module):
-  """The NNX LoRA train state: the frozen model, its adapters, and an optimizer over the adapters only."""
+  """The NNX LoRA train state: the frozen model, its adapters, and an optimizer over the adapters only.
+
+  Under QLoRA `model` is the stored base (`Adapters` of `nnx.Param`s in the
+  canonical tree, quantized kernels included): the model's float kernels
+  exist only inside a forward pass.
+  """
 
   def __init__(self, model: nnx.Module, adapters: Adapters, optimizer: nnx.Optimizer):
     self.model = model
@@ -358,14 +499,24 @@ class NNXLoraTrainer(_LoraMixin, NNXTrainer):
     abstract_model = NNXModel(config, nnx.eval_shape(lambda: build_model(nnx.Rngs(params=0))))
     self.config = config
     self._setup_adapters(config, abstract_model.abstract_params(), abstract_model.logical_axes())
+    # QLoRA runs the model from its graph definition and a Param state filled with the merged weights.
+    self._model_graphdef, self._model_params, rest = nnx.split(abstract_model.module, nnx.Param, ...)
+    if config.lora_weight_qtype and jax.tree.leaves(rest):
+      raise ValueError(
+          f"lora_weight_qtype={config.lora_weight_qtype!r}: QLoRA stores the base outside the model, whose state "
+          f"must be its parameters only; this model also holds {sorted(nnx.to_pure_dict(rest))}"
+      )
     super().__init__(config, build_model, mesh, **hooks)
 
   def trainable(self, config: Config) -> nnx.filterlib.Filter:
     return nnx.LoRAParam
 
   def _create(self, seed) -> LoraTrainStateNNX:
-    model = self.build_model(nnx.Rngs(params=0))
-    nnx.update(model, self._initial_params(seed))
+    if self.config.lora_weight_qtype:
+      model = Adapters(quantize_base(self.config, self._initial_params(seed)), self.stored_axes, nnx.Param)
+    else:
+      model = self.build_model(nnx.Rngs(params=0))
+      nnx.update(model, self._initial_params(seed))
     adapters = Adapters(self._init_adapters(seed), self.adapter_axes)
     return LoraTrainStateNNX(model, adapters, nnx.Optimizer(adapters, self.tx, wrt=nnx.LoRAParam))
 
@@ -390,16 +541,27 @@ class NNXLoraTrainer(_LoraMixin, NNXTrainer):
   def _bind(self, state) -> Bound:
     opened = nnx.merge(self.graphdef, state)
     model_graphdef, base, rest = nnx.split(opened.model, nnx.Param, ...)
+    if self.config.lora_weight_qtype:  # `opened.model` is the stored base, not the model
+      model_graphdef = self._model_graphdef
     _, adapters = nnx.split(opened.adapters, nnx.LoRAParam)
     return Bound(params=adapters, frozen=(base, rest), step=opened.optimizer.step[...], handle=(opened, model_graphdef))
 
-  def _base(self, bound: Bound) -> Params:
+  def _stored(self, bound: Bound) -> Params:
     return nnx.to_pure_dict(bound.frozen[0])
+
+  def stored_base(self, state) -> dict:
+    """The base as the state holds it (QLoRA: `kernel_qvalue` + `kernel_scale` per layer kernel)."""
+    return canonical.unflatten(canonical.flatten(nnx.to_pure_dict(state)["model"]))
+
+  def _replace_params(self, state, params: Params):
+    return super()._replace_params(state, quantize_base(self.config, params))
 
   def _forward(self, bound, params, frozen, tokens, positions, segment_ids):
     _, model_graphdef = bound.handle
     base, rest = frozen
-    merged = merge(self.config, nnx.to_pure_dict(base), nnx.to_pure_dict(params))
+    merged = self._adapted(bound, nnx.to_pure_dict(base), nnx.to_pure_dict(params))
+    if self.config.lora_weight_qtype:  # the model's Param state; `rest` is empty (checked in __init__)
+      base = self._model_params
     base = jax.tree.map(lambda x: x, base)  # a fresh State to fill: `frozen` is read by every micro-batch
     nnx.replace_by_pure_dict(base, merged)
     return nnx_forward(model_graphdef, base, rest, tokens, positions, segment_ids)
@@ -468,6 +630,9 @@ def merged_params(base: str | os.PathLike | None, adapters: str | os.PathLike) -
     base = run_config.load_parameters_path
   base_config, params = hf.load_pretrained(base)
   params = layouts.cast_floating(jax.device_get(params), np.dtype(run_config.weight_dtype))
+  if run_config.lora_weight_qtype:  # QLoRA trained its adapters on the dequantized base: merge into that
+    quantized = run_config.replace(param_scan_axis=base_config.param_scan_axis)
+    params = jax.device_get(dequantize_base(quantized, quantize_base(quantized, params)))
   if reference is not None:
     found = fingerprint(params, base_config.param_scan_axis)
     if found != reference["fingerprint"]:

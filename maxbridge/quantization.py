@@ -27,6 +27,7 @@ make them from float weights (AQT convert mode, or Qwix PTQ).
 """
 
 import copy
+import math
 import os
 import functools
 from pathlib import Path
@@ -147,6 +148,44 @@ def quantize_nnx(config: Config, module: nnx.Module, *sample_inputs) -> nnx.Modu
   quantized = qwix.quantize_model(module, qwix.QtProvider(qwix_rules(config)), *sample_inputs)
   nnx.pop(quantized, nnx.Intermediate)
   return quantized
+
+
+# --- Weight-only storage of a frozen base (QLoRA, maxbridge/lora.py) --------------
+#
+# The kernels are stored quantized and dequantized before each forward pass;
+# no matmul runs on quantized values. Qwix quantizes (it has the NormalFloat
+# codebook of the QLoRA paper as its "nf4" qtype), so nothing here is new math.
+
+WEIGHT_QTYPES = {"int8": jnp.int8, "nf4": "nf4"}
+NF4_BLOCK = 64  # the QLoRA paper's block: 64 consecutive inputs of one output channel share an absmax scale
+
+
+def quantize_weight(kernel: jax.Array, qtype: str, contracted: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+  """(qvalue, scale) of a frozen kernel with `contracted` input axes, by Qwix, absmax calibrated.
+
+  int8: one scale per output channel (int8 values). nf4: 4-bit NormalFloat
+  codes (uint4) with one scale per block of up to NF4_BLOCK inputs along the
+  last contracted axis (any other contracted axis keeps its own scales), as
+  bitsandbytes blocks a row of a [out, in] weight. Every other axis, a
+  scanned stack's layer axis included, keeps its own scales: a stack
+  quantizes exactly as its layers do one by one.
+  """
+  if qtype not in WEIGHT_QTYPES:
+    raise ValueError(f"weight qtype {qtype!r} is not built; valid values: {', '.join(map(repr, WEIGHT_QTYPES))}")
+  channelwise = tuple(i for i in range(kernel.ndim) if i not in contracted)
+  tiled = {}
+  if qtype == "nf4":
+    *others, last = contracted
+    channelwise += tuple(others)
+    tiled = {last: math.gcd(NF4_BLOCK, kernel.shape[last])}
+  how = qwix_qarray.HowToQuantize(qtype=WEIGHT_QTYPES[qtype], channelwise_axes=channelwise, tiled_axes=tiled)
+  quantized = qwix_qarray.quantize(jnp.asarray(kernel), how)
+  return quantized.qvalue, quantized.scale
+
+
+def dequantize_weight(qvalue: jax.Array, scale: jax.Array, qtype: str) -> jax.Array:
+  """The float kernel (in the scale's dtype) that `quantize_weight`'s (qvalue, scale) stand for."""
+  return qwix_qarray.dequantize(qwix_qarray.QArray(qvalue, scale, None, WEIGHT_QTYPES[qtype]))
 
 
 # --- Serving: frozen quantized values and scales in place of float kernels -------

@@ -55,6 +55,7 @@ class Bound(NamedTuple):
   frozen: Any  # what the forward pass also reads, never differentiated
   step: jax.Array  # the optimizer step this update makes (it sets the learning rate)
   handle: Any  # the backend's own, for `_forward` and `_apply_update`
+  training: bool = False  # a train step's (randomness such as LoRA's dropout applies), not an eval step's
 
 
 def accumulate_gradients(value_and_grad: Callable, params: Any, batch: Batch, num_micro: int):
@@ -284,7 +285,7 @@ class Trainer(abc.ABC):
     return self._canonical(params)
 
   def _train_step(self, state, batch: Batch, reference: Params | None = None):
-    bound = self._bind(state)
+    bound = self._bind(state)._replace(training=True)
     value_and_grad = jax.value_and_grad(functools.partial(self._loss, bound, reference=reference), has_aux=True)
     grads, metrics = accumulate_gradients(value_and_grad, bound.params, batch, self.config.gradient_accumulation_steps)
     grads, grad_norm = clip_gradients(grads, self.config.gradient_clipping_threshold)

@@ -29,8 +29,13 @@ LORA = dict(lora_rank=4, lora_alpha=8.0, learning_rate=1e-2, per_device_batch_si
         (dict(lora_rank=-1), r"'lora_rank' = -1 is invalid; it must be >= 0"),
         (dict(lora_alpha=0.0), r"'lora_alpha' = 0.0 is invalid; it must be > 0"),
         (dict(lora_module_path="decoder/(("), r"'lora_module_path' = 'decoder/\(\(' is not a regular expression"),
-        (dict(lora_dropout=0.1), r"'lora_dropout' = 0.1 is not supported; valid values: 0.0"),
-        (dict(lora_weight_qtype="nf4"), r"'lora_weight_qtype' = 'nf4' \(QLoRA\) is not built yet; valid values: ''"),
+        (dict(lora_dropout=1.0), r"'lora_dropout' = 1.0 is invalid; it must be in \[0, 1\)"),
+        (
+            dict(lora_rank=4, lora_weight_qtype="int4"),
+            r"'lora_weight_qtype' = 'int4' is invalid; valid values: '', 'int8', 'nf4'",
+        ),
+        (dict(lora_weight_qtype="nf4"), r"lora_weight_qtype='nf4' quantizes the frozen base .* set lora_rank > 0"),
+        (dict(lora_rank=4, lora_weight_qtype="int8", quantization="int8"), r"lora_weight_qtype='int8' with quantization"),
         (dict(lora_rank=4, use_qk_clip=True), r"lora_rank > 0 with use_qk_clip=true"),
     ],
 )
@@ -75,9 +80,11 @@ def _batches(config):
 
 
 def _train(trainer):
-  """(per-step losses, base before, base after, adapters after, checkpoint tree) of STEPS steps from seed 0."""
+  """(per-step losses, base before and after, as held too, adapters after, checkpoint tree, final state) of STEPS
+  steps from seed 0."""
   state = trainer.init_state(0)
   before = jax.device_get(trainer.params(state))
+  stored_before = jax.device_get(trainer.stored_base(state))
   adapted = jax.device_get(trainer.adapted_params(state))
   losses = []
   for batch in _batches(trainer.config):
@@ -86,10 +93,15 @@ def _train(trainer):
   return dict(
       losses=losses,
       before=before,
+      stored_before=stored_before,
       adapted=adapted,
       after=jax.device_get(trainer.params(state)),
+      stored_after=jax.device_get(trainer.stored_base(state)),
       adapters=jax.device_get(trainer.adapters(state)),
+      adapted_after=jax.device_get(trainer.adapted_params(state)),
       checkpoint=jax.device_get(trainer.to_checkpoint(state)),
+      state=state,
+      trainer=trainer,
   )
 
 
@@ -160,6 +172,99 @@ def test_remat_accumulation_and_vocab_tiling_with_an_adapted_head_match_across_b
   assert linen["losses"][-1] < linen["losses"][0]
 
 
+# --- QLoRA and adapter dropout ----------------------------------------------------------------------------
+
+# int8 alone; nf4 with dropout on the adapters' inputs. One compile per backend each.
+QLORA = {"int8": dict(lora_weight_qtype="int8"), "nf4": dict(lora_weight_qtype="nf4", lora_dropout=0.25)}
+QLORA_CASES = [(qtype, flags) for qtype in QLORA for flags in (LINEN, NNX)]
+QLORA_IDS = [f"{qtype}-{'nnx' if flags == NNX else 'linen'}" for qtype, flags in QLORA_CASES]
+
+
+@pytest.fixture(scope="module")
+def qlora_runs():
+  return {
+      (qtype, flags): _train(dispatch.create_trainer(tiny_config(flags, **RUN, **QLORA[qtype])))
+      for qtype, flags in QLORA_CASES
+  }
+
+
+@pytest.mark.parametrize("qtype,flags", QLORA_CASES, ids=QLORA_IDS)
+def test_qlora_stores_the_base_quantized_never_updates_it_and_trains_alike_on_both_backends(qtype, flags, qlora_runs):
+  run = qlora_runs[qtype, flags]
+  stored = canonical.flatten(run["stored_before"])
+  kernels = [p for p in stored if p.startswith("decoder/layers/") and p.endswith("/kernel_qvalue")]
+  # llama-tiny's layer kernels: query, key, value, out, wi_0, wi_1, wo.
+  assert len(kernels) == 7, sorted(stored)
+  assert not [p for p in stored if p.startswith("decoder/layers/") and p.endswith("/kernel")]
+  for path in kernels:
+    assert stored[path].dtype == {"int8": np.int8, "nf4": jnp.uint4}[qtype], path
+    assert stored[path.replace("_qvalue", "_scale")].dtype == np.float32, path
+  assert stored["token_embedder/embedding"].dtype == np.float32  # embeddings, norms and the head stay float
+  after = canonical.flatten(run["stored_after"])
+  assert sorted(after) == sorted(stored)
+  for path, leaf in stored.items():
+    np.testing.assert_array_equal(np.asarray(after[path]), np.asarray(leaf), err_msg=f"stored base {path} changed")
+  for path, leaf in canonical.flatten(run["adapters"]).items():
+    if path.endswith("_lora_b"):
+      assert np.abs(leaf).max() > 0, f"{path} never trained"
+  assert run["losses"][-1] < run["losses"][0] - 0.5, run["losses"]
+  np.testing.assert_allclose(run["losses"], qlora_runs[qtype, LINEN]["losses"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", QLORA)
+def test_qlora_runs_on_the_dequantized_base(qtype, qlora_runs, full_model_params):
+  run = qlora_runs[qtype, NNX]
+  stored, base = canonical.flatten(run["stored_before"]), canonical.flatten(run["before"])
+  # Step 0 is the dequantized base exactly; that is the float base up to the quantization's rounding.
+  for path, leaf in canonical.flatten(run["adapted"]).items():
+    np.testing.assert_array_equal(leaf, base[path], err_msg=path)
+  path = "decoder/layers/mlp/wi_0/kernel"
+  error = np.abs(base[path] - full_model_params[path]).max()
+  scale = np.asarray(stored[path + "_scale"]).max()
+  # int8: half a step of absmax / 127.5; nf4: half the widest gap of its codebook (-1 to -0.6962), of the block's absmax.
+  assert 0 < error <= {"int8": 0.5, "nf4": 0.1519}[qtype] * scale * 1.001, (error, scale)
+  # nf4 blocks: 64 inputs (llama-tiny's embed dim), one scale each per output channel and layer.
+  if qtype == "nf4":
+    assert stored[path + "_scale"].shape == (1, 2, 128)
+
+
+def test_lora_dropout_draws_one_mask_per_step_adapter_and_layer_the_same_scanned_or_not():
+  config = tiny_config(NNX, **RUN, lora_dropout=0.25)
+  abstract = lora.abstract_adapters(config, mb.create_model(config, seed=0).params())
+  ones = jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype), abstract)
+  key = lora.dropout_key(config, 3)
+  dropped = canonical.flatten(lora.drop_adapter_inputs(config, ones, key))
+  for path, leaf in dropped.items():
+    if path.endswith("_lora_b"):
+      np.testing.assert_array_equal(leaf, 1.0, err_msg=f"{path}: B is not dropped")
+      continue
+    # A's rows (input features) are dropped or scaled by 1 / (1 - p) as a whole, across the rank axis.
+    assert set(np.unique(leaf)) <= {0.0, np.float32(1 / 0.75)}, path
+    np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[..., :1], leaf.shape), err_msg=path)
+    assert 0.1 < (leaf == 0).mean() < 0.4, path
+  layers = canonical.flatten(lora.drop_adapter_inputs(config, canonical.unstack_layers(ones, 1), key))
+  for path, leaf in canonical.flatten(canonical.unstack_layers(canonical.unflatten(dropped), 1)).items():
+    np.testing.assert_array_equal(layers[path], leaf, err_msg=f"{path}: unscanned layers draw other masks")
+  path = "decoder/layers/mlp/wi_0/kernel_lora_a"
+  layer_0, layer_1 = dropped[path][:, 0], dropped[path][:, 1]
+  other_step = canonical.flatten(lora.drop_adapter_inputs(config, ones, lora.dropout_key(config, 4)))[path]
+  assert not np.array_equal(layer_0, layer_1) and not np.array_equal(other_step, dropped[path])
+
+
+@pytest.mark.parametrize("qtype", QLORA)
+def test_lora_dropout_applies_in_train_steps_only(qtype, qlora_runs):
+  """Train and eval losses of one state and batch agree without dropout, and differ with it."""
+  run = qlora_runs[qtype, NNX]
+  trainer = run["trainer"]
+  batch = trainer.shard_batch(_batches(trainer.config)[0])
+  eval_loss = float(trainer.eval_step(run["state"], batch)["loss"])
+  _, metrics = trainer.train_step(run["state"], batch)  # donates the state: this test is its last reader
+  if trainer.config.lora_dropout:
+    assert abs(float(metrics["loss"]) - eval_loss) > 1e-3, (float(metrics["loss"]), eval_loss)
+  else:
+    np.testing.assert_allclose(float(metrics["loss"]), eval_loss, rtol=0, atol=1e-5)
+
+
 # --- adapter checkpoints ----------------------------------------------------------------------------------
 
 
@@ -213,6 +318,18 @@ def test_resuming_on_another_base_is_refused_naming_both(tmp_path, trainers):
 
 
 # --- merge and export ------------------------------------------------------------------------------------
+
+
+def test_a_qlora_run_reads_as_its_dequantized_base_with_the_adapters_merged_in(tmp_path, qlora_runs):
+  run = qlora_runs["int8", NNX]
+  base = _save_base(tmp_path / "base", 0)
+  config = _run_config(tmp_path, "qlora", NNX, **QLORA["int8"], load_parameters_path=base)
+  losses = [r["loss"] for r in mb.train(config, trainer=run["trainer"], progress=False)]
+  np.testing.assert_allclose(losses, run["losses"], rtol=0, atol=1e-6)
+  # lora-merge's path: the float base, quantized and dequantized as training held it (its fingerprint checked).
+  merged = canonical.flatten(mb.from_pretrained(tmp_path / "qlora", backend="nnx").params())
+  for path, leaf in canonical.flatten(run["adapted_after"]).items():
+    np.testing.assert_allclose(merged[path], leaf, rtol=0, atol=1e-6, err_msg=path)
 
 
 def test_lora_merge_refuses_an_existing_destination_and_another_base(linen_run, tmp_path):
