@@ -24,6 +24,14 @@ as MaxText's decode checkpoints are), whatever the checkpoint's layout: a
 scanned layer loop reslices every stacked weight on each step, which made one
 decoded token ~10x slower on CPU. Its caches are therefore one entry per layer,
 and a prefix with `stack_prefill_result_cache` holds the scanned (stacked) tree.
+
+LoRA adapters (`adapters=`, or `from_pretrained(base, adapters=run)`) are held
+beside the base parameters, never merged into them: each compiled step adds
+lora_alpha / lora_rank * A @ B to the kernels it reads (`lora.merge`, the
+training forward pass's own), so one base serves any adapter set of the same
+shapes (`set_adapters`) without a recompile. The price, with adapters merged
+outside the layers (see maxbridge/lora.py), is rank x kernel size more flops
+per adapted kernel and step.
 """
 
 import functools
@@ -114,7 +122,13 @@ class Engine:
   """Prefill, insert and generate over `per_device_batch_size` slots per device; see the module docstring."""
 
   def __init__(
-      self, config: Config, params: Params | None = None, *, model: Model | None = None, mesh: Mesh | None = None
+      self,
+      config: Config,
+      params: Params | None = None,
+      *,
+      model: Model | None = None,
+      mesh: Mesh | None = None,
+      adapters: Params | None = None,
   ):
     from maxbridge import dispatch  # pylint: disable=import-outside-toplevel  (dispatch imports this module's users)
 
@@ -138,6 +152,7 @@ class Engine:
     specs = jax.tree.map(lambda axes: PartitionSpec(*axes), model.logical_axes(), is_leaf=_is_axes)
     self.params = jax.device_put(model.params(), sharding.spec_tree_to_shardings(specs, self.mesh, rules))
     self._abstract_params = model.abstract_params()
+    self.adapters = None if adapters is None else self._adapters(adapters)
     slots = sharding.named_sharding(self.mesh, ("cache_batch",), rules)
     self._state_shardings = DecodeState(
         jax.tree.map(
@@ -167,22 +182,60 @@ class Engine:
     )
 
   @classmethod
-  def from_pretrained(cls, path, backend: str = "linen", **overrides) -> "Engine":
-    """An engine on a maxbridge checkpoint or a Hugging Face folder (`mb.from_pretrained`)."""
-    from maxbridge import hf  # pylint: disable=import-outside-toplevel
+  def from_pretrained(cls, path, backend: str = "linen", *, adapters=None, **overrides) -> "Engine":
+    """An engine on a maxbridge checkpoint or a Hugging Face folder (`mb.from_pretrained`).
 
-    model = hf.from_pretrained(path, backend=backend, **overrides)
-    return cls(model.config, model=model)
+    `adapters`: a LoRA run (or its checkpoints) trained on `path`, served
+    beside it unmerged (its fingerprint checked; a QLoRA run's base is
+    dequantized as training saw it).
+    """
+    from maxbridge import dispatch, hf, lora  # pylint: disable=import-outside-toplevel
+
+    if adapters is None:
+      model = hf.from_pretrained(path, backend=backend, **overrides)
+      return cls(model.config, model=model)
+    base_config, params, tree, run_config = lora.base_and_adapters(path, adapters)
+    keys = ("lora_rank", "lora_alpha", "lora_module_path", "lora_weight_qtype")
+    config = base_config.replace(**dispatch.backend_flags(backend), **{key: getattr(run_config, key) for key in keys})
+    return cls(config.replace(**overrides) if overrides else config, params, adapters=tree)
+
+  def _adapters(self, adapters: Params) -> Params:
+    """`adapters` checked against this engine's model and config, unrolled and sharded as their kernels."""
+    from maxbridge import lora  # pylint: disable=import-outside-toplevel  (lora builds on the trainers)
+
+    if not lora.is_enabled(self.config):
+      raise ValueError("adapters= needs the LoRA run's lora_rank and lora_alpha in the engine's config (lora_rank > 0)")
+    abstract = lora.abstract_adapters(self.config, self._abstract_params)
+    try:
+      adapters = canonical.conform(adapters, abstract, self.config.param_scan_axis)
+    except ValueError as e:
+      raise ValueError(f"adapters do not fit this model and lora_rank={self.config.lora_rank}: {e}") from e
+    axes = lora.adapter_axes(self.config, self._abstract_params, self.model.logical_axes())
+    specs = jax.tree.map(lambda names: PartitionSpec(*names), axes, is_leaf=_is_axes)
+    return jax.device_put(adapters, sharding.spec_tree_to_shardings(specs, self.mesh, self.config.logical_axis_rules))
 
   @property
   def max_concurrent_decodes(self) -> int:
     return self.config.per_device_batch_size * self.mesh.size
 
-  def _params(self, params: Params | None) -> Params:
-    """The engine's own parameters, or `params` unrolled to its layout (a copy when they come scanned)."""
+  def set_adapters(self, adapters: Params | None) -> None:
+    """Serves `adapters` (a canonical adapter tree, scanned or not) from now on; None serves the base alone."""
+    self.adapters = None if adapters is None else self._adapters(adapters)
+
+  def _params(self, params: Params | None) -> tuple[Params, Params | None]:
+    """(the engine's own parameters, or `params` unrolled to its layout; its adapters), as the compiled steps
+    take them: `_weights` merges them there."""
     if params is None:
-      return self.params
-    return canonical.conform(params, self._abstract_params, self.config.param_scan_axis)
+      return self.params, self.adapters
+    return canonical.conform(params, self._abstract_params, self.config.param_scan_axis), self.adapters
+
+  def _weights(self, params: tuple[Params, Params | None]) -> Params:
+    base, adapters = params
+    if adapters is None:
+      return base
+    from maxbridge import lora  # pylint: disable=import-outside-toplevel
+
+    return lora.merge(self.config, base, adapters)
 
   # --- sampling ---------------------------------------------------------------------------------
 
@@ -277,6 +330,7 @@ class Engine:
     return tokens.astype(np.int32)
 
   def _prefill_impl(self, params, tokens, true_length, rng, cache, start, *, num_samples: int):
+    params = self._weights(params)
     if cache is None:
       cache = init_cache(self.config, 1, self.config.max_target_length)
     offsets = jnp.arange(tokens.shape[0], dtype=jnp.int32)[None]
@@ -314,6 +368,7 @@ class Engine:
     return self._prefill_concat(params, tokens, positions, segment_ids, offsets, lengths, rng)
 
   def _prefill_concat_impl(self, params, tokens, positions, segment_ids, offsets, lengths, rng):
+    params = self._weights(params)
     cache = init_cache(self.config, 1, self.config.max_target_length)
     logits, cache = self.model.cached_forward(params, cache, tokens[None], positions[None], segment_ids[None])
     prefixes = []
@@ -393,6 +448,9 @@ class Engine:
       return self._generate(self._params(params), decode_state, self._next_rng(rng))
 
   def _generate_impl(self, params, state, rng):
+    return self._step(self._weights(params), state, rng)
+
+  def _step(self, params, state, rng):
     cache, tokens, next_pos, _ = state
     ones = jnp.ones_like(tokens)[:, None]
     logits, cache = self.model.cached_forward(params, cache, tokens[:, None], next_pos[:, None], ones)
@@ -414,8 +472,9 @@ class Engine:
       return self._generate_steps(self._params(params), decode_state, self._next_rng(rng), num_steps=num_steps)
 
   def _generate_steps_impl(self, params, state, rng, *, num_steps: int):
+    params = self._weights(params)  # once, outside the loop
     state, tokens = jax.lax.scan(
-        lambda state, rng: self._generate_impl(params, state, rng), state, jax.random.split(rng, num_steps)
+        lambda state, rng: self._step(params, state, rng), state, jax.random.split(rng, num_steps)
     )
     return state, tokens.T
 

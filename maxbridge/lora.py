@@ -612,11 +612,12 @@ def holds_adapters(path: str | os.PathLike) -> bool:
   return any((run / REFERENCE_FILE).is_file() and (run / "config.yml").is_file() for run in runs)
 
 
-def merged_params(base: str | os.PathLike | None, adapters: str | os.PathLike) -> tuple[Config, dict, Config]:
-  """(base config, base + alpha/r * A @ B in the base's scan form, the run's config).
+def base_and_adapters(base: str | os.PathLike | None, adapters: str | os.PathLike) -> tuple[Config, dict, dict, Config]:
+  """(base config, the base as the run trained on it, the run's adapters, the run's config), both trees unscanned.
 
   `base` defaults to the run's own base (its `load_parameters_path`); it is
-  checked against the fingerprint the run recorded.
+  checked against the fingerprint the run recorded. A QLoRA run's base is
+  returned dequantized, as its adapters saw it.
   """
   from maxbridge import hf  # pylint: disable=import-outside-toplevel
 
@@ -630,7 +631,7 @@ def merged_params(base: str | os.PathLike | None, adapters: str | os.PathLike) -
     base = run_config.load_parameters_path
   base_config, params = hf.load_pretrained(base)
   params = layouts.cast_floating(jax.device_get(params), np.dtype(run_config.weight_dtype))
-  if run_config.lora_weight_qtype:  # QLoRA trained its adapters on the dequantized base: merge into that
+  if run_config.lora_weight_qtype:
     quantized = run_config.replace(param_scan_axis=base_config.param_scan_axis)
     params = jax.device_get(dequantize_base(quantized, quantize_base(quantized, params)))
   if reference is not None:
@@ -640,13 +641,18 @@ def merged_params(base: str | os.PathLike | None, adapters: str | os.PathLike) -
           f"{adapters} was trained on base {reference['base']} (fingerprint {reference['fingerprint']}), "
           f"not on {base} (fingerprint {found}); give the base it was trained on"
       )
-  # Merged layer by layer, unscanned, then stacked when the base's config.yml says so.
   unscanned = canonical.unstack_layers(params, base_config.param_scan_axis)
-  adapters_unscanned = canonical.unstack_layers(tree, run_config.param_scan_axis)
+  return base_config, unscanned, canonical.unstack_layers(tree, run_config.param_scan_axis), run_config
+
+
+def merged_params(base: str | os.PathLike | None, adapters: str | os.PathLike) -> tuple[Config, dict, Config]:
+  """(base config, base + alpha/r * A @ B in the base's scan form, the run's config); see `base_and_adapters`."""
+  base_config, params, tree, run_config = base_and_adapters(base, adapters)
+  # Merged layer by layer, unscanned, then stacked when the base's config.yml says so.
   try:
-    merged = jax.device_get(merge(run_config, unscanned, adapters_unscanned))
+    merged = jax.device_get(merge(run_config, params, tree))
   except ValueError as e:
-    raise checkpointing.CheckpointError(f"{adapters} does not fit {base}: {e}") from e
+    raise checkpointing.CheckpointError(f"{adapters} does not fit {base or run_config.load_parameters_path}: {e}") from e
   if base_config.scan_layers:  # (a Hugging Face folder reads unscanned)
     merged = canonical.stack_layers(merged, base_config.param_scan_axis)
   return base_config, merged, run_config

@@ -320,16 +320,47 @@ def test_resuming_on_another_base_is_refused_naming_both(tmp_path, trainers):
 # --- merge and export ------------------------------------------------------------------------------------
 
 
-def test_a_qlora_run_reads_as_its_dequantized_base_with_the_adapters_merged_in(tmp_path, qlora_runs):
+@pytest.fixture(scope="module")
+def qlora_run(tmp_path_factory, qlora_runs):
+  """An int8 QLoRA run (NNX) on a saved base of seed 0: (base folder, run folder)."""
+  tmp_path = tmp_path_factory.mktemp("qlora")
   run = qlora_runs["int8", NNX]
   base = _save_base(tmp_path / "base", 0)
   config = _run_config(tmp_path, "qlora", NNX, **QLORA["int8"], load_parameters_path=base)
   losses = [r["loss"] for r in mb.train(config, trainer=run["trainer"], progress=False)]
   np.testing.assert_allclose(losses, run["losses"], rtol=0, atol=1e-6)
+  return tmp_path / "base", tmp_path / "qlora"
+
+
+def test_a_qlora_run_reads_as_its_dequantized_base_with_the_adapters_merged_in(qlora_run, qlora_runs):
   # lora-merge's path: the float base, quantized and dequantized as training held it (its fingerprint checked).
-  merged = canonical.flatten(mb.from_pretrained(tmp_path / "qlora", backend="nnx").params())
-  for path, leaf in canonical.flatten(run["adapted_after"]).items():
+  merged = canonical.flatten(mb.from_pretrained(qlora_run[1], backend="nnx").params())
+  for path, leaf in canonical.flatten(qlora_runs["int8", NNX]["adapted_after"]).items():
     np.testing.assert_allclose(merged[path], leaf, rtol=0, atol=1e-6, err_msg=path)
+
+
+def test_the_engine_serves_a_base_and_its_adapters_unmerged_as_the_merged_model(qlora_run, qlora_runs):
+  base, run_dir = qlora_run
+  served = mb.Engine.from_pretrained(base, adapters=run_dir, max_target_length=64)
+  merged = mb.Engine.from_pretrained(run_dir, max_target_length=64)
+  # The engine holds the base (dequantized, as training saw it), not the merged weights.
+  stored = canonical.flatten(canonical.unstack_layers(qlora_runs["int8", NNX]["before"], 1))
+  for path, leaf in canonical.flatten(served.params).items():
+    np.testing.assert_array_equal(np.asarray(leaf), stored[path], err_msg=path)
+  assert "decoder/layers_1/mlp/wo/kernel_lora_b" in canonical.flatten(served.adapters)
+  prompt = np.array([5, 9, 3, 77, 12])
+  out = {}
+  for name, eng in (("served", served), ("merged", merged)):
+    state = eng.insert(eng.prefill(prompt), eng.init_decode_state(), 0)
+    state, first = eng.generate(state)
+    state, rest = eng.generate_steps(state, 4)
+    out[name] = (np.concatenate([np.asarray(first)[:1], np.asarray(rest)[0]]), np.asarray(state.logits)[0])
+  np.testing.assert_array_equal(out["served"][0], out["merged"][0])
+  np.testing.assert_allclose(out["served"][1], out["merged"][1], rtol=0, atol=1e-5)
+  # Without its adapters the engine serves the base, whose logits differ.
+  served.set_adapters(None)
+  base_logits = np.asarray(served.prefill(prompt).logits)
+  assert np.abs(base_logits - np.asarray(merged.prefill(prompt).logits)).max() > 1e-3
 
 
 def test_lora_merge_refuses_an_existing_destination_and_another_base(linen_run, tmp_path):
