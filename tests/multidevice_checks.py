@@ -28,6 +28,7 @@ BACKENDS = {
 STEPS = 3
 EXPERTS_MARKER = "=== expert parallelism ==="
 # Vocabulary tiling and QK-Clip together, with a threshold low enough that heads are clipped.
+LORA = dict(lora_rank=4, lora_alpha=8.0, learning_rate=1e-2, lora_weight_qtype="nf4", lora_dropout=0.25)
 FEATURES = dict(num_vocab_tiling=4, use_qk_clip=True, qk_clip_threshold=0.5, gradient_accumulation_steps=2)
 
 
@@ -120,6 +121,20 @@ def main():
       "wi_0": specs(trainer)["['params']['params']['decoder']['layers']['mlp']['wi_0']['kernel']"],
   }
   report["engine"] = decode_on_meshes()
+
+  # QLoRA with adapter dropout: the nf4 base's codes and block scales, and the adapters, sharded on 2x2x2.
+  report["lora"] = {}
+  for name in ("linen", "nnx"):
+    one = dispatch.create_trainer(config(BACKENDS[name], **LORA), single_device_mesh())
+    _, report["lora"][f"{name}@1"] = train(one, STEPS)
+    trainer = dispatch.create_trainer(config(BACKENDS[name], (2, 2, 2), **LORA))
+    state = trainer.init_state(0)
+    before = jax.device_get(trainer.stored_base(state))
+    state, report["lora"][f"{name}@2x2x2"] = train(trainer, STEPS, state)
+    after = jax.device_get(trainer.stored_base(state))
+    report["lora"][f"{name}/base_unchanged"] = all(
+        np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after))
+    )
 
   # Expert parallelism: the experts split 4 ways (fsdp 2 x expert 4), on both backends.
   # Last, after a marker: GSPMD reshards the grouped expert matmul's rows by

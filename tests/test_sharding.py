@@ -81,6 +81,15 @@ def test_vocab_tiling_and_qk_clip_train_sharded_to_the_one_device_losses(report,
   assert features["linen@1"][1:] != report["losses"]["linen@1"][1:]
 
 
+@pytest.mark.parametrize("backend", ["linen", "nnx"])
+def test_qlora_with_dropout_trains_sharded_to_the_one_device_losses_and_keeps_its_base(report, backend):
+  lora = report["lora"]
+  np.testing.assert_allclose(lora[f"{backend}@2x2x2"], lora[f"{backend}@1"], rtol=1e-4)
+  np.testing.assert_allclose(lora[f"{backend}@1"], lora["linen@1"], rtol=0, atol=1e-5)
+  assert lora[f"{backend}@1"][-1] < lora[f"{backend}@1"][0]
+  assert lora[f"{backend}/base_unchanged"]
+
+
 @pytest.mark.parametrize("preset", ["mixtral-tiny", "deepseek3-tiny"])
 @pytest.mark.parametrize("backend", ["linen", "nnx"])
 def test_expert_parallel_training_matches_one_device_with_the_experts_split(report, preset, backend):
