@@ -539,6 +539,7 @@ class NNXLoraTrainer(_LoraMixin, NNXTrainer):
     return state
 
   def _bind(self, state) -> Bound:
+    # No copy, as in NNXTrainer._bind: the optimizer update writes into these Variables and is read back from them.
     opened = nnx.merge(self.graphdef, state)
     model_graphdef, base, rest = nnx.split(opened.model, nnx.Param, ...)
     if self.config.lora_weight_qtype:  # `opened.model` is the stored base, not the model
