@@ -152,7 +152,7 @@ class Engine:
     specs = jax.tree.map(lambda axes: PartitionSpec(*axes), model.logical_axes(), is_leaf=_is_axes)
     self.params = jax.device_put(model.params(), sharding.spec_tree_to_shardings(specs, self.mesh, rules))
     self._abstract_params = model.abstract_params()
-    self.adapters = None if adapters is None else self._adapters(adapters)
+    self.set_adapters(adapters)
     slots = sharding.named_sharding(self.mesh, ("cache_batch",), rules)
     self._state_shardings = DecodeState(
         jax.tree.map(
@@ -225,9 +225,9 @@ class Engine:
   def _params(self, params: Params | None) -> tuple[Params, Params | None]:
     """(the engine's own parameters, or `params` unrolled to its layout; its adapters), as the compiled steps
     take them: `_weights` merges them there."""
-    if params is None:
-      return self.params, self.adapters
-    return canonical.conform(params, self._abstract_params, self.config.param_scan_axis), self.adapters
+    if params is not None:
+      params = canonical.conform(params, self._abstract_params, self.config.param_scan_axis)
+    return self.params if params is None else params, self.adapters
 
   def _weights(self, params: tuple[Params, Params | None]) -> Params:
     base, adapters = params

@@ -62,7 +62,7 @@ def test_with_beta_zero_one_update_is_the_policy_gradient():
   assert float(aux["kl"]) == 0.0 and float(aux["clip_fraction"]) == 0.0
 
 
-BACKENDS = {"linen": (False, False, False), "nnx": (True, True, True)}
+BACKENDS = dispatch.BACKENDS
 METRICS = ("loss", "kl", "clip_fraction", "mean_reward", "completion_length")
 
 
