@@ -692,12 +692,11 @@ _MAXTEXT_FIXED: dict[str, Any] = {
 # MaxText's names for keys that maxbridge spells otherwise: read as maxbridge's key.
 _MAXTEXT_RENAMED = {"max_num_checkpoints_to_keep": "max_to_keep"}
 # MaxText keys that one maxbridge key covers together with another: refused, naming ours.
-_MAXTEXT_MERGED = {
-    "init_weights_seed": "seed (maxbridge's one seed sets both parameter init and data order; MaxText's "
-    "init_weights_seed and data_shuffle_seed set one each)",
-    "data_shuffle_seed": "seed (maxbridge's one seed sets both parameter init and data order; MaxText's "
-    "init_weights_seed and data_shuffle_seed set one each)",
-}
+_ONE_SEED = (
+    "seed (maxbridge's one seed sets both parameter init and data order; MaxText's "
+    "init_weights_seed and data_shuffle_seed set one each)"
+)
+_MAXTEXT_MERGED = {"init_weights_seed": _ONE_SEED, "data_shuffle_seed": _ONE_SEED}
 
 
 def _known_only(values: Mapping[str, Any], source: str) -> dict[str, Any]:
