@@ -9,9 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
-from converters import io, plan
+from converters import plan, storage
 from converters.errors import ConversionError
 from maxbridge import canonical, checkpointing, files, layouts
 from maxbridge.config import Config, ConfigError, load_config
@@ -57,6 +58,7 @@ class _Job:
   steps: list[plan.Step]
   stored: dict[str, checkpointing.Leaf]  # output normal path -> shape and dtype as written
   kind: str
+  axis: int  # the layer axis of the result's stacks
   step: int
   config: Config | None
   config_file: Path | None
@@ -74,7 +76,7 @@ def convert(
     force: bool = False,
     config: str | os.PathLike | None = None,
     progress: bool | None = None,
-    group_bytes: int = 64 << 20,
+    group_bytes: int = storage.BLOCK_BYTES,
 ) -> Conversion:
   """Converts the checkpoint at `source` into a CheckpointManager directory `destination`.
 
@@ -91,10 +93,15 @@ def convert(
   "float32" or "bfloat16" for floating-point arrays, optimizer state included.
   params_only: drop optimizer state and step. force: replace an existing
   destination. config: a preset or YAML path describing a source that has no
-  config.yml (MaxText's checkpoints); it is checked and written with the result. Everything is checked against the metadata before any array is
-  read; the destination appears only when complete; the source is only read.
-  Memory holds about one array (one layer stack when stacking or unstacking)
-  plus `group_bytes` waiting to be written.
+  config.yml (MaxText's checkpoints); it is checked and written with the result.
+  Everything is checked against the metadata before any array is read; the
+  destination appears only when complete; the source is only read.
+
+  Arrays that only change name (Linen <-> NNX) are not decoded: the source's
+  data files are copied and the arrays renamed in place, or their encoded
+  bytes copied (see `converters.storage`). Memory holds at most one source
+  array plus `group_bytes` being written; stacks written here have one chunk
+  per layer, so unstacking them later copies bytes without decoding.
   """
   began = time.perf_counter()
   reader = checkpointing.CheckpointReader(source)
@@ -108,26 +115,31 @@ def convert(
   destination.parent.mkdir(parents=True, exist_ok=True)
   # Named for this process: the next conversion to `destination` removes it if a kill left it behind.
   staging = files.temp_dir_beside(destination, STAGING)
+  nbytes = sum(leaf.nbytes for leaf in job.stored.values())
   done = False
   try:
-    writer = io.CheckpointWriter(staging, job.step, skeleton, group_bytes=group_bytes)
-    nbytes = sum(leaf.nbytes for leaf in job.stored.values())
+    source = storage.Source(reader)
+    dest, renamed = _start(reader, source, job, staging / str(job.step) / checkpointing.ITEM, group_bytes)
     show = progress if progress is not None else nbytes >= PROGRESS_BYTES
-    with tqdm(total=len(job.stored), unit="array", disable=not show, file=sys.stderr, desc="convert") as bar:
+    with tqdm(
+        total=nbytes, unit="B", unit_scale=True, unit_divisor=1024, disable=not show, file=sys.stderr, desc="convert"
+    ) as bar:
+      arrays = 0
       for step in job.steps:
-        for path, array in step.run(reader.read):
-          writer.add(layouts.layout_path(path, job.kind), array.astype(job.stored[path].dtype, copy=False))
-          del array  # not held while the next one is read: the writer has it, or has written it
-          bar.update()
-    writer.finalize()
+        if step.inputs[0] not in renamed:
+          _move(step, reader, source, dest, job)
+        arrays += len(step.outputs)
+        bar.set_postfix_str(f"{arrays}/{len(job.stored)} arrays", refresh=False)
+        bar.update(sum(leaf.nbytes for _, leaf in step.outputs))
+    dest.finish(skeleton, job.step)
     if job.config and job.config_file.parent == destination:
       job.config.to_yaml(staging / checkpointing.CONFIG)
     _replace(staging, destination)
     done = True
   finally:
-    io.remove(staging)
+    shutil.rmtree(staging, ignore_errors=True)
     if created is not None and not done:
-      io.remove(created)
+      shutil.rmtree(created, ignore_errors=True)
   if job.config and job.config_file.parent != destination:
     job.config.to_yaml(job.config_file)
   return Conversion(
@@ -136,7 +148,7 @@ def convert(
       destination=destination / str(job.step) / checkpointing.ITEM,
       layout=layouts.detect(skeleton),
       step=job.step,
-      arrays_read=reader.reads,
+      arrays_read=sum(len(step.inputs) for step in job.steps),
       arrays_written=len(job.stored),
       nbytes=nbytes,
       seconds=time.perf_counter() - began,
@@ -175,7 +187,117 @@ def _prepare(reader, destination, layout, scan_layers, param_scan_axis, dtype, p
   config_file = (run_dir or destination) / checkpointing.CONFIG
   if new_config and run_dir and config_file.exists() and not force:
     raise ConversionError(f"{config_file} already exists; pass --force to replace it")
-  return _Job(steps, stored, kind, _step_number(reader), new_config, config_file)
+  return _Job(steps, stored, kind, axis, _step_number(reader), new_config, config_file)
+
+
+def _name(normal: str, kind: str) -> str:
+  return layouts.layout_path(normal, kind).replace("/", ".")  # orbax's name for the array in its store
+
+
+def _start(
+    reader, source: storage.Source, job: _Job, items: Path, block_bytes: int
+) -> tuple[storage.Destination, set[str]]:
+  """The destination database, and the source arrays already in it under their new names.
+
+  When nearly every source array only changes name (Linen <-> NNX, nothing
+  cast, stacked or dropped), the source's data files are copied as files and
+  the arrays renamed in place; the few others (the step's integer type) are
+  written next to them. Otherwise the database starts empty, so that it holds
+  no data of arrays it no longer names.
+  """
+  renames = {
+      step.inputs[0]: _name(path, job.kind)
+      for step in job.steps
+      if step.op == "copy"
+      for path, _ in step.outputs
+      if reader.stored_leaf(step.inputs[0]) == job.stored[path]
+  }
+  left_behind = sum(leaf.nbytes for normal, leaf in reader.leaves.items() if normal not in renames)
+  old = {reader.name(normal): new for normal, new in renames.items()}
+  gone = sorted({path.replace("/", ".") for path in reader.stored} - set(old))
+  moved = {o: n for o, n in old.items() if o != n}
+  if (
+      not source.raw
+      or left_behind * 64 > sum(l.nbytes for l in reader.leaves.values())
+      or set(moved.values()) & (set(moved) | set(gone))
+  ):
+    return storage.Destination(items, block_bytes=block_bytes), set()
+  # Copied files are never decoded, so check first that they hold what the index points at.
+  if problem := storage.missing_data(reader.items):
+    raise ConversionError(
+        f"cannot read {reader.items} (its data is damaged or incomplete): {problem}"
+        f"{checkpointing.intact_before(reader.items)}"
+    )
+  dest = storage.Destination(items, copy_from=reader.items, block_bytes=block_bytes)
+  dest.rename_all(moved, gone)
+  return dest, set(renames)
+
+
+def _move(step: plan.Step, reader, source: storage.Source, dest: storage.Destination, job: _Job) -> None:
+  """Writes one step's outputs: by copying encoded bytes where the layout allows, else by decoding."""
+  first = step.inputs[0]
+  outputs = [(_name(path, job.kind), job.stored[path]) for path, _ in step.outputs]
+  same_dtype = all(reader.stored_leaf(n).dtype == leaf.dtype for n in step.inputs for _, leaf in outputs)
+  if step.op == "copy" and same_dtype and source.raw:
+    dest.copy_keys(source, first, outputs[0][0])
+    return
+  if step.op == "unstack" and same_dtype and storage.per_layer(meta := source.zarray(first), step.axis):
+    axis = step.axis
+    for i, (name, leaf) in enumerate(outputs):
+      dest.describe(
+          name, {**meta, "shape": list(leaf.shape), "chunks": meta["chunks"][:axis] + meta["chunks"][axis + 1 :]}
+      )
+    dest.relocate(
+        source, first, [(idx, outputs[idx[axis]][0], idx[:axis] + idx[axis + 1 :]) for idx in source.chunks(first)]
+    )
+    return
+  if step.op == "stack" and same_dtype and (metas := [source.zarray(n) for n in step.inputs])[0] is not None:
+    layer = {k: v for k, v in metas[0].items() if k not in ("shape", "chunks")}
+    if all(
+        {k: v for k, v in m.items() if k not in ("shape", "chunks")} == layer and m["chunks"] == metas[0]["chunks"]
+        for m in metas
+    ):
+      axis, ((name, leaf),) = step.axis, outputs
+      chunks = metas[0]["chunks"][:axis] + [1] + metas[0]["chunks"][axis:]
+      dest.describe(name, {**metas[0], "shape": list(leaf.shape), "chunks": chunks})
+      for i, layer_path in enumerate(step.inputs):
+        dest.relocate(
+            source, layer_path, [(idx, name, idx[:axis] + (i,) + idx[axis:]) for idx in source.chunks(layer_path)]
+        )
+      return
+  _decode(step, reader, dest, job, outputs)
+
+
+def _decode(step: plan.Step, reader, dest: storage.Destination, job: _Job, outputs) -> None:
+  """Reads and writes through the zarr driver: one source array (or one layer) and one block at a time."""
+  if step.op == "stack":
+    ((name, leaf),) = outputs
+    array = dest.create(name, leaf.shape, leaf.dtype, layer_axis=step.axis)
+    for i, layer_path in enumerate(step.inputs):
+      values = np.expand_dims(reader.read(layer_path), step.axis)
+      for index in storage.blocks(array):
+        if index[step.axis] == slice(i, i + 1) or (leaf.shape[step.axis] == 1 and index[step.axis] == slice(None)):
+          block = index[: step.axis] + (slice(None),) + index[step.axis + 1 :]
+          dest.write(array, index, np.asarray(values[block], leaf.dtype, order="C"))
+    return
+  first = step.inputs[0]
+  if step.op == "unstack":
+    stored = reader.open(first)
+    by_layer = stored is not None and stored.chunk_layout.read_chunk.shape[step.axis] == 1
+    whole = None if by_layer else reader.read(first)
+    for i, (name, leaf) in enumerate(outputs):
+      at = (slice(None),) * step.axis + (i,)
+      # A stack chunked by layer is read a layer at a time (a tensorstore slice decodes only its chunks).
+      layer = np.asarray(stored[at].read().result()) if by_layer else whole[at]
+      dest.write_all(dest.create(name, leaf.shape, leaf.dtype), layer)
+      del layer
+    return
+  values = reader.read(first)
+  if step.op == "moveaxis":
+    values = np.moveaxis(values, step.source_axis, step.axis)
+  ((name, leaf),) = outputs
+  stacked = canonical.is_stacked(step.outputs[0][0])
+  dest.write_all(dest.create(name, leaf.shape, leaf.dtype, layer_axis=job.axis if stacked else None), values)
 
 
 def _check_config_describes(config: Config, stored: dict[str, checkpointing.Leaf], items: Path) -> None:

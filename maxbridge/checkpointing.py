@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts
 from etils import epath
 
 from maxbridge import canonical, layouts
@@ -334,11 +335,19 @@ class Leaf:
     return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
+# No chunk cache: each array is read once, and a cache would hold it a second time.
+TENSORSTORE = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+
+
 class CheckpointReader:
   """One checkpoint in any layout, read through normal paths (see `maxbridge.layouts`), one array at a time.
 
-  Each read restores one array (orbax's PLACEHOLDER leaves skip the rest), so
-  memory holds one array, not the checkpoint.
+  Memory holds one array, not the checkpoint. Orbax's default store (one OCDBT
+  database of zarr arrays, as MaxText saves too) is read with tensorstore
+  directly, array by array or slice by slice (`open`): orbax restores whole
+  trees, and restoring one leaf of a large tree through it re-plans the whole
+  tree for every array. Other checkpoints are read through orbax's restore,
+  one leaf at a time (PLACEHOLDER for the rest).
   """
 
   def __init__(self, path: str | os.PathLike):
@@ -370,10 +379,55 @@ class CheckpointReader:
         for s, normal in self._normal.items()
     }
     self.reads = 0
+    # The items folder's own flags; orbax's metadata API does not report them.
+    flags = json.loads((self.items / "_METADATA").read_bytes())
+    self.zarr_driver = ("zarr3" if flags.get("use_zarr3") else "zarr") if flags.get("use_ocdbt") else None
+
+  def stored_leaf(self, normal: str) -> Leaf:
+    """Shape and dtype as stored (`leaves` gives the step as int32 whatever the layout stores)."""
+    stored = self.stored[self._stored_path[normal]]
+    return Leaf(tuple(stored.shape), np.dtype(stored.dtype))
+
+  def name(self, normal: str) -> str:
+    """The array's name in the checkpoint's store: orbax joins the tree keys with dots."""
+    return self._stored_path[normal].replace("/", ".")
+
+  def open(self, normal: str) -> ts.TensorStore | None:
+    """The stored array as a tensorstore (index it to read a slice); None when orbax's store is not OCDBT."""
+    if self.zarr_driver is None:
+      return None
+    kvstore = {"driver": "ocdbt", "base": f"file://{self.items.absolute()}/", "path": self.name(normal) + "/"}
+    try:
+      return ts.open({"driver": self.zarr_driver, "kvstore": kvstore}, open=True, context=TENSORSTORE).result()
+    except Exception as e:  # tensorstore reports damaged data in several types
+      raise self.damaged(self._stored_path[normal], e) from e
+
+  def damaged(self, stored: str, e: Exception) -> CheckpointError:
+    """The error for data of `stored` (a stored path) that cannot be read."""
+    reason = " ".join(str(e).split())[:300]
+    return CheckpointError(
+        f"cannot read {stored} from {self.items} (its data is damaged or incomplete): {type(e).__name__}: "
+        f"{reason}{intact_before(self.items)}"
+    )
 
   def read(self, normal: str) -> np.ndarray:
     """The array at a normal path, as a numpy array (the step as int32)."""
     stored = self._stored_path[normal]
+    array = self._read_tensorstore(normal) if self.zarr_driver else self._restore(stored)
+    want = self.leaves[normal]
+    if array.shape != want.shape:
+      raise CheckpointError(f"{stored} in {self.items} holds shape {array.shape}, but its metadata says {want.shape}")
+    self.reads += 1
+    return array.astype(want.dtype, copy=False)
+
+  def _read_tensorstore(self, normal: str) -> np.ndarray:
+    array = self.open(normal)
+    try:
+      return np.asarray(array.read().result())
+    except Exception as e:
+      raise self.damaged(self._stored_path[normal], e) from e
+
+  def _restore(self, stored: str) -> np.ndarray:
     item = jax.tree_util.tree_map_with_path(
         lambda key, _: 0 if layouts.keypath_str(key) == stored else ocp.PLACEHOLDER, self.tree
     )
@@ -383,18 +437,9 @@ class CheckpointReader:
           epath.Path(self.items.absolute()),
           args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args),
       )
-      array = np.asarray(layouts.flatten_tree(restored)[stored])
+      return np.asarray(layouts.flatten_tree(restored)[stored])
     except Exception as e:  # tensorstore reports damaged data in several types
-      reason = " ".join(str(e).split())[:300]
-      raise CheckpointError(
-          f"cannot read {stored} from {self.items} (its data is damaged or incomplete): {type(e).__name__}: "
-          f"{reason}{intact_before(self.items)}"
-      ) from e
-    want = self.leaves[normal]
-    if array.shape != want.shape:
-      raise CheckpointError(f"{stored} in {self.items} holds shape {array.shape}, but its metadata says {want.shape}")
-    self.reads += 1
-    return array.astype(want.dtype, copy=False)
+      raise self.damaged(stored, e) from e
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,364 @@
+"""Arrays of an orbax checkpoint moved at the storage level: renamed, re-chunked or written one at a time.
+
+Orbax stores the arrays of a tree as zarr arrays in one OCDBT database (a
+key-value store with keys `<name>/.zarray` and `<name>/<chunk index>`, `<name>`
+the tree keys joined by dots) and describes the tree in `_METADATA`. It saves
+and restores whole trees: it has no API to rename an array, to add one array to
+a saved tree, or to copy one without decoding it. So a conversion works on that
+storage with tensorstore's kvstore and zarr drivers, and writes `_METADATA` in
+the form orbax writes for numpy leaves (`tree_metadata`):
+
+- a rename copies the array's keys to the new name with OCDBT's
+  `experimental_copy_range_to`, which points the new keys at the same data
+  files: nothing is read, decoded or written again (`Destination.rename_all`);
+- a stack stored one chunk per layer is unstacked by copying each encoded chunk
+  to the layer's key (a chunk of shape [.., 1, ..] in C order holds the bytes of
+  the layer), and layers stored as one chunk each are stacked the same way
+  (`relocate`); stacks written here have one chunk per layer for that reason;
+- anything else (a cast, a moved axis, a stack in one chunk, as orbax saves
+  it) is decoded and written through the zarr driver, a block at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+
+from maxbridge.checkpointing import ITEM, CheckpointReader
+
+# Written synchronously file by file, tensorstore fsyncs every OCDBT commit
+# (~16 ms each here); `Destination.finish` fsyncs every file once instead.
+CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": False})
+COMPRESSOR = {"id": "zstd", "level": 1}  # orbax's default for zarr arrays
+BLOCK_BYTES = 32 << 20  # see Destination
+NUMPY_LEAF = {"value_type": "np.ndarray", "skip_deserialize": False}
+NONE_LEAF = {"value_type": "None", "skip_deserialize": True}
+_SKIPPED = ("_METADATA", "_sharding", "array_metadatas", "commit_success.txt")  # describe the old names
+
+
+def kvstore(items: Path, path: str = "") -> ts.KvStore:
+  spec = {"driver": "ocdbt", "base": f"file://{Path(items).absolute()}/", "path": path}
+  return ts.KvStore.open(spec, context=CONTEXT).result()
+
+
+def index(items: Path) -> dict[bytes, bytes | tuple[Path, int, int]]:
+  """{key: its inline value, or (data file, offset, length)} of the OCDBT database in `items`.
+
+  Read from OCDBT's index with `tensorstore.ocdbt.dump` (documented, public):
+  orbax and tensorstore offer no other way to reach stored bytes without
+  copying each value into memory twice (a 160 MiB value read through the
+  kvstore peaks at ~3x its size here).
+  """
+  base = ts.KvStore.open(f"file://{Path(items).absolute()}/", context=CONTEXT).result()
+  versions = ts.ocdbt.dump(base).result()["versions"]
+  found: dict[bytes, Any] = {}
+  waiting = [versions[-1]["root"]["location"]] if versions and "location" in versions[-1]["root"] else []
+  while waiting:
+    for entry in ts.ocdbt.dump(base, waiting.pop()).result()["entries"]:
+      if "inline_value" in entry:
+        found[entry["key"]] = entry["inline_value"]
+      elif "indirect_value" in entry:
+        _, base_path, relative, offset, length = entry["indirect_value"].split(":")
+        found[entry["key"]] = (Path(items) / base_path / relative, int(offset), int(length))
+      else:  # an interior node: its children
+        waiting += [v for v in entry.values() if isinstance(v, str) and v.startswith("btreenode:")]
+  return found
+
+
+def missing_data(items: Path) -> str | None:
+  """What the database in `items` points at but its files do not hold (a truncated or missing file), or None.
+
+  A database copied as files is never decoded, so this is checked first, from the index alone.
+  """
+  sizes: dict[Path, int | None] = {}
+  for value in index(items).values():
+    if isinstance(value, tuple):
+      file, offset, length = value
+      if file not in sizes:
+        sizes[file] = file.stat().st_size if file.is_file() else None
+      if sizes[file] is None or sizes[file] < offset + length:
+        held = "is missing" if sizes[file] is None else f"holds {sizes[file]} bytes"
+        return f"{file} {held}, but the index points at bytes {offset}..{offset + length}"
+  return None
+
+
+def _pieces(value: bytes | tuple[Path, int, int], size: int = 16 << 20) -> Iterator[bytes]:
+  if isinstance(value, bytes):
+    yield value
+    return
+  file, offset, length = value
+  with open(file, "rb") as f:
+    f.seek(offset)
+    while length > 0:
+      piece = f.read(min(size, length))
+      if not piece:
+        raise OSError(f"{file} ends before byte {offset + length}")
+      length -= len(piece)
+      yield piece
+
+
+def _range(name: str) -> ts.KvStore.KeyRange:
+  # Every key of the array `name`: "name/" up to "name0" ("0" follows "/").
+  return ts.KvStore.KeyRange(f"{name}/".encode(), f"{name}0".encode())
+
+
+class Source:
+  """The raw keys of a checkpoint read by `reader`, when orbax stored it as zarr v2 in OCDBT."""
+
+  def __init__(self, reader: CheckpointReader):
+    self.reader = reader
+    self.raw = reader.zarr_driver == "zarr"  # zarr3's chunk keys are laid out differently
+    self.kv = kvstore(reader.items) if self.raw else None
+    self._index: dict | None = None
+
+  def read(self, normal: str, key: bytes) -> ts.KvStore.ReadResult:
+    try:
+      return self.kv.read(key).result()
+    except Exception as e:  # tensorstore reports damaged data in several types
+      raise self.reader.damaged(normal, e) from e
+
+  def zarray(self, normal: str) -> dict | None:
+    if not self.raw:
+      return None
+    found = self.read(normal, f"{self.reader.name(normal)}/.zarray".encode())
+    return json.loads(found.value) if found.state == "value" else None
+
+  def chunks(self, normal: str) -> list[tuple[int, ...]]:
+    """The chunk grid indices stored for an array (absent chunks are all fill value)."""
+    name = self.reader.name(normal)
+    keys = [k.decode()[len(name) + 1 :] for k in self.kv.list(_range(name)).result()]
+    ndim = len(self.reader.leaves[normal].shape)
+    return [tuple(int(i) for i in k.split("."))[:ndim] for k in keys if k != ".zarray"]
+
+  def chunk(self, normal: str, index: tuple[int, ...]) -> bytes:
+    return self.read(normal, _chunk_key(self.reader.name(normal), index).encode()).value
+
+  def stored(self, normal: str) -> dict[bytes, Any] | None:
+    """{key suffix: stored value} of an array, from the index; None when the index does not list it all."""
+    if not self.raw:
+      return None
+    if self._index is None:
+      self._index = index(self.reader.items)
+    name = self.reader.name(normal).encode()
+    found = {k[len(name) :]: v for k, v in self._index.items() if k.startswith(name + b"/")}
+    listed = {k[len(name) :] for k in self.kv.list(_range(name.decode())).result()}
+    return found if set(found) == listed else None
+
+
+def same_bytes(a: Source, normal_a: str, b: Source, normal_b: str) -> bool:
+  """Whether two stored arrays have the same keys and bytes (so equal values), compared piece by piece.
+
+  False says nothing: the same values may be encoded or chunked differently.
+  """
+  stored_a, stored_b = a.stored(normal_a), b.stored(normal_b)
+  if stored_a is None or stored_b is None or set(stored_a) != set(stored_b):
+    return False
+  for key, value in stored_a.items():
+    other = stored_b[key]
+    if isinstance(value, tuple) and isinstance(other, tuple) and value[2] != other[2]:
+      return False
+    joined_a, joined_b = _pieces(value), _pieces(other)
+    if isinstance(value, bytes) or isinstance(other, bytes):
+      if b"".join(joined_a) != b"".join(joined_b):  # inline values are small
+        return False
+    elif any(x != y for x, y in zip(joined_a, joined_b)):
+      return False
+  return True
+
+
+def _chunk_key(name: str, index: tuple[int, ...]) -> str:
+  return f"{name}/{'.'.join(map(str, index)) or '0'}"  # a 0-d array's one chunk is "0"
+
+
+def _zarray(shape, dtype: np.dtype, chunks, compressor=None) -> dict:
+  return {
+      "chunks": list(chunks),
+      "compressor": compressor or COMPRESSOR,
+      "dimension_separator": ".",
+      "dtype": "bfloat16" if dtype == jax.numpy.bfloat16 else np.dtype(dtype).str,
+      "fill_value": None,
+      "filters": None,
+      "order": "C",
+      "shape": list(shape),
+      "zarr_format": 2,
+  }
+
+
+def per_layer(meta: dict | None, axis: int) -> bool:
+  """Whether a stored stack has one chunk per layer along `axis` and is otherwise plain (C order, no filters)."""
+  return (
+      meta is not None
+      and meta["chunks"][axis] == 1
+      and meta.get("order") == "C"
+      and not meta.get("filters")
+      and meta.get("dimension_separator", ".") == "."
+  )
+
+
+class Destination:
+  """A new items folder: an OCDBT database, written array by array, then described by `finish`."""
+
+  def __init__(self, items: Path, copy_from: Path | None = None, block_bytes: int = BLOCK_BYTES):
+    """`copy_from`: start from a file copy of that items folder's database (its arrays keep their names).
+    `block_bytes`: the most bytes written in one piece, and the most left waiting to be written."""
+    self.items = Path(items)
+    self.block_bytes = block_bytes
+    if copy_from is not None:
+      shutil.copytree(copy_from, self.items, ignore=shutil.ignore_patterns(*_SKIPPED))
+    else:
+      self.items.mkdir(parents=True)
+    self.kv = kvstore(self.items)
+    self._zarrays: dict[str, dict] = {}  # written with `finish`, in one commit
+    self._waiting: list[tuple[Any, int]] = []  # (write future, bytes)
+
+  def rename_all(self, renames: dict[str, str], delete: list[str]) -> None:
+    """In the copied database: the arrays `renames` names get their new names; those in `delete` go.
+
+    One transaction: one OCDBT commit for all of them, and all or none happen.
+    """
+    txn = ts.Transaction(atomic=True)
+    for old, new in renames.items():
+      kvstore(self.items, f"{old}/").experimental_copy_range_to(
+          kvstore(self.items, f"{new}/").with_transaction(txn)
+      ).result()
+    for name in [*renames, *delete]:
+      self.kv.with_transaction(txn).delete_range(_range(name)).result()
+    txn.commit_async().result()
+
+  def copy_keys(self, source: Source, normal: str, name: str) -> None:
+    """The encoded bytes of a source array under a new name (another database: no shared data files)."""
+    old = source.reader.name(normal)
+    for key in source.kv.list(_range(old)).result():
+      value = source.read(normal, key).value
+      self._put(f"{name}{key.decode()[len(old):]}", value)
+
+  def relocate(self, source: Source, normal: str, moves: list[tuple[tuple[int, ...], str, tuple[int, ...]]]) -> None:
+    """Copies encoded chunks of a source array: (source chunk index, destination name, its chunk index)."""
+    for index, name, new_index in moves:
+      self._put(_chunk_key(name, new_index), source.chunk(normal, index))
+
+  def describe(self, name: str, meta: dict) -> None:
+    self._zarrays[name] = meta
+
+  def create(self, name: str, shape: tuple[int, ...], dtype: np.dtype, layer_axis: int | None = None) -> ts.TensorStore:
+    """A new zarr array; a stack gets one chunk per layer, and chunks are split along the first
+    other axis to at most `block_bytes`."""
+    chunks = list(shape)
+    if layer_axis is not None:
+      chunks[layer_axis] = 1
+    free = [a for a in range(len(shape)) if a != layer_axis]
+    if free and shape[free[0]]:
+      row = int(np.prod(chunks, dtype=np.int64)) // chunks[free[0]] * np.dtype(dtype).itemsize
+      chunks[free[0]] = max(1, min(shape[free[0]], self.block_bytes // max(row, 1)))
+    meta = _zarray(shape, dtype, chunks)
+    self._zarrays[name] = meta
+    spec = {
+        "driver": "zarr",
+        "kvstore": {"driver": "ocdbt", "base": f"file://{self.items.absolute()}/", "path": f"{name}/"},
+    }
+    # assume_metadata: .zarray is written with `finish`, in one commit with the others.
+    return ts.open({**spec, "metadata": meta}, open=True, assume_metadata=True, context=CONTEXT).result()
+
+  def write(self, array: ts.TensorStore, index: tuple, block: np.ndarray) -> None:
+    self._wait_for(array[index].write(block).commit, block.nbytes)
+
+  def write_all(self, array: ts.TensorStore, values: np.ndarray) -> None:
+    """Writes `values` chunk row by chunk row, cast and made contiguous one row at a time."""
+    for index in blocks(array):
+      self.write(array, index, np.asarray(values[index], array.dtype.numpy_dtype, order="C"))
+
+  def _put(self, key: str, value: bytes) -> None:
+    self._wait_for(self.kv.write(key.encode(), value), len(value))
+
+  def _wait_for(self, future, nbytes: int) -> None:
+    # Writes left in flight share OCDBT commits (one each costs ~16 ms) and
+    # encode in parallel; their bytes stay in memory until written, so at most
+    # block_bytes of them (or one larger) wait.
+    self._waiting.append((future, nbytes))
+    while len(self._waiting) > 1 and sum(n for _, n in self._waiting) > self.block_bytes:
+      self._waiting.pop(0)[0].result()
+
+  def finish(self, skeleton: Any, step: int) -> None:
+    """Waits for every write, commits the arrays' .zarray keys, writes `_METADATA` and fsyncs everything."""
+    for future, _ in self._waiting:
+      future.result()
+    self._waiting = []
+    txn = ts.Transaction()
+    for name, meta in self._zarrays.items():
+      self.kv.with_transaction(txn).write(f"{name}/.zarray".encode(), json.dumps(meta).encode()).result()
+    txn.commit_async().result()
+    (self.items / "_METADATA").write_text(json.dumps(tree_metadata(skeleton)))
+    step_dir = self.items.parent
+    now = time.time_ns()
+    handler = ocp.PyTreeCheckpointHandler
+    # As CheckpointManager(item_handlers={"items": PyTreeCheckpointHandler()}) leaves a step,
+    # so our Checkpointer (and MaxText) list and restore it.
+    (step_dir / "_CHECKPOINT_METADATA").write_text(
+        json.dumps(
+            {
+                "item_handlers": {ITEM: f"{handler.__module__}.{handler.__qualname__}"},
+                "metrics": {},
+                "performance_metrics": {},
+                "init_timestamp_nsecs": now,
+                "commit_timestamp_nsecs": now,
+                "custom_metadata": {},
+            }
+        )
+    )
+    fsync_tree(step_dir)
+
+
+def blocks(array: ts.TensorStore) -> Iterator[tuple]:
+  """Index tuples covering `array` in whole chunks, chunk row by chunk row along the chunked axes."""
+  shape = array.shape
+  if not shape:
+    yield ()
+    return
+  chunks = array.chunk_layout.read_chunk.shape
+  ranges = [range(0, n, c) if c < n else [0] for n, c in zip(shape, chunks)]
+  for starts in np.ndindex(*[len(r) for r in ranges]):
+    yield tuple(
+        slice(r[s], min(r[s] + c, n)) if c < n else slice(None) for r, s, c, n in zip(ranges, starts, chunks, shape)
+    )
+
+
+def tree_metadata(skeleton: Any) -> dict:
+  """`_METADATA` for a tree of numpy leaves (and None entries), as orbax's PyTreeCheckpointHandler writes it."""
+  entries = {}
+  for keypath, leaf in jax.tree_util.tree_flatten_with_path(skeleton, is_leaf=lambda x: x is None)[0]:
+    keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in keypath]
+    types = [1 if isinstance(k, jax.tree_util.SequenceKey) else 2 for k in keypath]  # orbax's KeyType
+    entries[str(tuple(keys))] = {
+        "key_metadata": [{"key": key, "key_type": kind} for key, kind in zip(keys, types)],
+        "value_metadata": NONE_LEAF if leaf is None else NUMPY_LEAF,
+    }
+  return {
+      "tree_metadata": entries,
+      "use_ocdbt": True,
+      "use_zarr3": False,
+      "store_array_data_equal_to_fill_value": True,
+      "custom_metadata": None,
+  }
+
+
+def fsync_tree(root: Path) -> None:
+  """Flushes every file and folder under `root` to disk (what tensorstore was told not to do per commit)."""
+  for folder, _, names in os.walk(root):
+    for name in names:
+      with open(os.path.join(folder, name), "rb") as f:
+        os.fsync(f.fileno())
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+      os.fsync(fd)
+    finally:
+      os.close(fd)
