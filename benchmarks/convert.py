@@ -1,17 +1,20 @@
-"""Checkpoint conversion against a plain copy: throughput and peak memory, as ratios from one run.
+"""Checkpoint conversion and comparison against a plain copy: throughput and peak memory, as ratios from one run.
 
-    .venv/bin/python benchmarks/convert.py [--layers 3] [--emb 1024] [--keep DIR]
+    .venv/bin/python benchmarks/convert.py [--layers 10] [--emb 1024] [--keep DIR]
 
-Makes a ~1 GB training checkpoint (parameters + Adam mu and nu, float32 random
-values, saved with maxbridge's Checkpointer; nothing is trained), then on the
-same folder:
-  - copies it with shutil.copytree (the I/O floor: the same bytes, no work),
-    and again followed by os.sync() (orbax syncs what it writes; a plain copy
-    leaves it in the page cache),
-  - converts it Linen -> NNX layout and scanned -> unscanned, in a subprocess
-    whose peak RSS (VmHWM) is compared with the largest single array,
-  - compares the result with the source (a correctness check, also timed).
-The copy runs first, so both read the source from the page cache.
+Makes a training checkpoint (parameters + Adam mu and nu, float32 random
+values, saved with maxbridge's Checkpointer; nothing is trained; 2.25 GiB by
+default), then on the same folder:
+  - copies it with shutil.copytree (the same bytes, no work), and again followed
+    by an fsync of every file (a conversion fsyncs what it writes, as orbax does;
+    a plain copy leaves it in the page cache): the two baselines;
+  - converts it Linen -> NNX (a layout-only conversion: renamed, not decoded),
+    and Linen scanned -> NNX unscanned (every stack decoded and written layer by
+    layer), each in a subprocess whose peak RSS above its imports (VmHWM - VmRSS
+    after `import converters`) is compared with the largest single array;
+  - compares each result with the source (`maxbridge compare`, also in a
+    subprocess, timed and measured the same way).
+The copies run first, so every step reads the source from the page cache.
 Everything is written under a temporary folder, removed at the end.
 """
 
@@ -34,19 +37,19 @@ from maxbridge import checkpointing, dispatch
 # Peak RSS is the child's VmHWM, not getrusage's ru_maxrss: Linux carries
 # ru_maxrss across fork + exec, so a child would report this (larger) parent's peak.
 CHILD = """
-import json, sys
+import json, sys, time
 import converters
 def status_kib(field):
     return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1])
 baseline = status_kib("VmRSS")  # the interpreter and libraries, before any array
-conversion = converters.convert(sys.argv[1], sys.argv[2], layout="nnx", scan_layers=False, progress=True)
-print(json.dumps({
-    "baseline_kib": baseline,
-    "peak_kib": status_kib("VmHWM"),
-    "seconds": conversion.seconds,
-    "arrays_read": conversion.arrays_read,
-    "arrays_written": conversion.arrays_written,
-}))
+began = time.perf_counter()
+if sys.argv[1] == "compare":
+    result = converters.compare(sys.argv[2], sys.argv[3])
+    assert result.equal, result.report()
+else:
+    options = {"layout": dict(layout="nnx"), "unscan": dict(layout="nnx", scan_layers=False)}[sys.argv[1]]
+    converters.convert(sys.argv[2], sys.argv[3], progress=False, **options)
+print(json.dumps({"baseline_kib": baseline, "peak_kib": status_kib("VmHWM"), "seconds": time.perf_counter() - began}))
 """
 
 
@@ -77,9 +80,24 @@ def folder_bytes(path: Path) -> int:
   return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def fsync_all(path: Path) -> None:
+  for p in path.rglob("*"):
+    if p.is_file():
+      with open(p, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def child(*argv: str) -> dict:
+  began = time.perf_counter()
+  run = subprocess.run([sys.executable, "-c", CHILD, *argv], capture_output=True, text=True)
+  if run.returncode:
+    sys.exit(f"{argv[0]} failed:\n{run.stderr[-3000:]}")
+  return {**json.loads(run.stdout.strip().splitlines()[-1]), "wall": time.perf_counter() - began}
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--layers", type=int, default=3, help="decoder layers (default 3)")
+  parser.add_argument("--layers", type=int, default=10, help="decoder layers (default 10)")
   parser.add_argument("--emb", type=int, default=1024, help="model width (default 1024)")
   parser.add_argument("--vocab", type=int, default=16384, help="vocabulary (default 16384)")
   parser.add_argument("--keep", help="work in this folder and keep it (default: a temporary folder, removed)")
@@ -99,67 +117,40 @@ def main() -> None:
     source = work / "source"
     began = time.perf_counter()
     total, largest, largest_path = make_checkpoint(source, config)
+    on_disk = folder_bytes(source)
     print(
         f"made {total / 2**30:.2f} GiB of arrays in {time.perf_counter() - began:.1f} s; largest array "
-        f"{largest_path} {largest / 2**20:.0f} MiB; on disk {folder_bytes(source) / 2**30:.2f} GiB"
+        f"{largest_path} {largest / 2**20:.0f} MiB; on disk {on_disk / 2**30:.2f} GiB"
     )
-
     began = time.perf_counter()
     shutil.copytree(source, work / "copy")
     copy_s = time.perf_counter() - began
-    os.sync()  # flush the copy, then time a second one to disk: orbax syncs what it writes
     began = time.perf_counter()
     shutil.copytree(source, work / "copy-synced")
-    os.sync()
-    synced_copy_s = time.perf_counter() - began
+    fsync_all(work / "copy-synced")
+    synced_s = time.perf_counter() - began
 
-    began = time.perf_counter()
-    child = subprocess.run(
-        [sys.executable, "-c", CHILD, str(source), str(work / "converted")],
-        capture_output=True,
-        text=True,
-    )
-    convert_wall_s = time.perf_counter() - began
-    if child.returncode:
-      sys.exit(f"conversion failed:\n{child.stderr[-3000:]}")
-    result = json.loads(child.stdout.strip().splitlines()[-1])
-
-    began = time.perf_counter()
-    check = subprocess.run(
-        [sys.executable, "-m", "maxbridge.cli", "compare", str(source), str(work / "converted")],
-        capture_output=True,
-        text=True,
-    )
-    compare_s = time.perf_counter() - began
-
-    peak, baseline = result["peak_kib"] * 1024, result["baseline_kib"] * 1024
     mib = 2**20
+    print(f"checkpoint {total / mib:.0f} MiB of arrays; largest array {largest / mib:.0f} MiB")
+    print(f"  {'':28s} {'seconds':>8s} {'MiB/s':>7s} {'vs copy':>8s} {'vs copy+fsync':>14s} {'peak/largest':>13s}")
+    print(f"  {'copytree':28s} {copy_s:8.2f} {total / mib / copy_s:7.0f}")
+    print(f"  {'copytree + fsync':28s} {synced_s:8.2f} {total / mib / synced_s:7.0f}")
+    rows = [
+        ("convert linen -> nnx", "layout", source, work / "nnx"),
+        ("compare source, nnx", "compare", source, work / "nnx"),
+        ("convert scanned -> unscanned", "unscan", source, work / "unscanned"),
+        ("compare source, unscanned", "compare", source, work / "unscanned"),
+    ]
+    for label, verb, first, second in rows:
+      result = child(verb, str(first), str(second))
+      seconds, above = result["seconds"], (result["peak_kib"] - result["baseline_kib"]) * 1024
+      print(
+          f"  {label:28s} {seconds:8.2f} {total / mib / seconds:7.0f} {copy_s / seconds:7.2f}x "
+          f"{synced_s / seconds:13.2f}x {above / largest:12.2f}x"
+      )
     print(
-        f"convert: linen scanned -> nnx unscanned, {result['arrays_read']} arrays read, "
-        f"{result['arrays_written']} written"
-    )
-    print(f"  copytree        {copy_s:7.2f} s   {total / mib / copy_s:8.0f} MiB/s")
-    print(f"  copytree + sync {synced_copy_s:7.2f} s   {total / mib / synced_copy_s:8.0f} MiB/s")
-    print(
-        f"  convert         {result['seconds']:7.2f} s   {total / mib / result['seconds']:8.0f} MiB/s"
-        f"   (wall with interpreter start-up {convert_wall_s:.2f} s)"
-    )
-    print(
-        f"  throughput ratio convert/copy: {copy_s / result['seconds']:.2f}x; "
-        f"convert/(copy + sync): {synced_copy_s / result['seconds']:.2f}x"
-    )
-    print(
-        f"  peak RSS {peak / mib:.0f} MiB; after imports {baseline / mib:.0f} MiB; "
-        f"largest array {largest / mib:.0f} MiB; checkpoint {total / mib:.0f} MiB"
-    )
-    print(
-        f"  peak RSS / largest array: {peak / largest:.2f}x; "
-        f"(peak - imports) / largest array: {(peak - baseline) / largest:.2f}x; "
-        f"peak RSS / checkpoint: {peak / total:.2f}x"
-    )
-    print(
-        f"  compare source vs converted: exit {check.returncode} in {compare_s:.1f} s: "
-        f"{check.stdout.strip().splitlines()[-1] if check.stdout.strip() else check.stderr[-500:]}"
+        "  (throughput ratios: higher is faster, 1.0x = as fast as the copy; peak/largest: the process's peak RSS "
+        "above its imports, over the largest array)"
     )
   finally:
     if not args.keep:

@@ -34,6 +34,7 @@ class Conversion:
   layout: layouts.Layout
   step: int
   arrays_read: int
+  arrays_decoded: int  # read by decoding them; the others' stored bytes were copied or renamed
   arrays_written: int
   nbytes: int
   seconds: float
@@ -44,7 +45,8 @@ class Conversion:
         [
             f"source:      {self.source}: {self.source_layout.describe()}",
             f"destination: {self.destination}: {self.layout.describe()}",
-            f"step {self.step}: read {self.arrays_read} arrays, wrote {self.arrays_written} "
+            f"step {self.step}: read {self.arrays_read} arrays ({self.arrays_decoded} decoded), wrote "
+            f"{self.arrays_written} "
             f"({self.nbytes / 2**20:.1f} MiB) in {self.seconds:.1f} s",
             f"config:      {self.config or 'none (the source has no config.yml)'}",
         ]
@@ -116,7 +118,7 @@ def convert(
   # Named for this process: the next conversion to `destination` removes it if a kill left it behind.
   staging = files.temp_dir_beside(destination, STAGING)
   nbytes = sum(leaf.nbytes for leaf in job.stored.values())
-  done = False
+  done, dest = False, None
   try:
     source = storage.Source(reader)
     dest, renamed = _start(reader, source, job, staging / str(job.step) / checkpointing.ITEM, group_bytes)
@@ -124,10 +126,10 @@ def convert(
     with tqdm(
         total=nbytes, unit="B", unit_scale=True, unit_divisor=1024, disable=not show, file=sys.stderr, desc="convert"
     ) as bar:
-      arrays = 0
+      arrays = decoded = 0
       for step in job.steps:
-        if step.inputs[0] not in renamed:
-          _move(step, reader, source, dest, job)
+        if step.inputs[0] not in renamed and _move(step, reader, source, dest, job):
+          decoded += len(step.inputs)
         arrays += len(step.outputs)
         bar.set_postfix_str(f"{arrays}/{len(job.stored)} arrays", refresh=False)
         bar.update(sum(leaf.nbytes for _, leaf in step.outputs))
@@ -137,6 +139,8 @@ def convert(
     _replace(staging, destination)
     done = True
   finally:
+    if dest is not None:
+      dest.settle()
     shutil.rmtree(staging, ignore_errors=True)
     if created is not None and not done:
       shutil.rmtree(created, ignore_errors=True)
@@ -149,6 +153,7 @@ def convert(
       layout=layouts.detect(skeleton),
       step=job.step,
       arrays_read=sum(len(step.inputs) for step in job.steps),
+      arrays_decoded=decoded,
       arrays_written=len(job.stored),
       nbytes=nbytes,
       seconds=time.perf_counter() - began,
@@ -233,39 +238,41 @@ def _start(
   return dest, set(renames)
 
 
-def _move(step: plan.Step, reader, source: storage.Source, dest: storage.Destination, job: _Job) -> None:
-  """Writes one step's outputs: by copying encoded bytes where the layout allows, else by decoding."""
-  first = step.inputs[0]
+def _move(step: plan.Step, reader, source: storage.Source, dest: storage.Destination, job: _Job) -> bool:
+  """Writes one step's outputs: by copying encoded bytes where the layout allows, else by decoding (True)."""
+  first, axis = step.inputs[0], step.axis
   outputs = [(_name(path, job.kind), job.stored[path]) for path, _ in step.outputs]
-  same_dtype = all(reader.stored_leaf(n).dtype == leaf.dtype for n in step.inputs for _, leaf in outputs)
-  if step.op == "copy" and same_dtype and source.raw:
+  # Encoded bytes can be copied only from zarr v2 in OCDBT (`Source.raw`), and only when no dtype changes.
+  raw = source.raw and all(reader.stored_leaf(n).dtype == leaf.dtype for n in step.inputs for _, leaf in outputs)
+  if raw and step.op == "copy":
     dest.copy_keys(source, first, outputs[0][0])
-    return
-  if step.op == "unstack" and same_dtype and storage.per_layer(meta := source.zarray(first), step.axis):
-    axis = step.axis
-    for i, (name, leaf) in enumerate(outputs):
-      dest.describe(
-          name, {**meta, "shape": list(leaf.shape), "chunks": meta["chunks"][:axis] + meta["chunks"][axis + 1 :]}
-      )
-    dest.relocate(
-        source, first, [(idx, outputs[idx[axis]][0], idx[:axis] + idx[axis + 1 :]) for idx in source.chunks(first)]
-    )
-    return
-  if step.op == "stack" and same_dtype and (metas := [source.zarray(n) for n in step.inputs])[0] is not None:
-    layer = {k: v for k, v in metas[0].items() if k not in ("shape", "chunks")}
-    if all(
-        {k: v for k, v in m.items() if k not in ("shape", "chunks")} == layer and m["chunks"] == metas[0]["chunks"]
-        for m in metas
-    ):
-      axis, ((name, leaf),) = step.axis, outputs
-      chunks = metas[0]["chunks"][:axis] + [1] + metas[0]["chunks"][axis:]
-      dest.describe(name, {**metas[0], "shape": list(leaf.shape), "chunks": chunks})
-      for i, layer_path in enumerate(step.inputs):
-        dest.relocate(
-            source, layer_path, [(idx, name, idx[:axis] + (i,) + idx[axis:]) for idx in source.chunks(layer_path)]
-        )
-      return
+    return False
+  if raw and step.op == "unstack" and storage.per_layer(meta := source.zarray(first), axis):
+    for name, leaf in outputs:
+      dest.describe(name, {**meta, "shape": list(leaf.shape), "chunks": _without(meta["chunks"], axis)})
+    moves = [(index, outputs[index[axis]][0], tuple(_without(index, axis))) for index in source.chunks(first)]
+    dest.relocate(source, first, moves)
+    return False
+  if raw and step.op == "stack" and _alike(metas := [source.zarray(n) for n in step.inputs]):
+    ((name, leaf),) = outputs
+    chunks = metas[0]["chunks"][:axis] + [1] + metas[0]["chunks"][axis:]
+    dest.describe(name, {**metas[0], "shape": list(leaf.shape), "chunks": chunks})
+    for i, layer in enumerate(step.inputs):
+      dest.relocate(source, layer, [(index, name, index[:axis] + (i,) + index[axis:]) for index in source.chunks(layer)])
+    return False
   _decode(step, reader, dest, job, outputs)
+  return True
+
+
+def _without(values, axis: int) -> list:
+  return list(values[:axis]) + list(values[axis + 1 :])
+
+
+def _alike(metas: list[dict | None]) -> bool:
+  """Whether stored layers share dtype, encoding and chunking, so their chunks can be stacked as they are."""
+  if any(m is None for m in metas):
+    return False
+  return all({**m, "shape": None} == {**metas[0], "shape": None} for m in metas)
 
 
 def _decode(step: plan.Step, reader, dest: storage.Destination, job: _Job, outputs) -> None:

@@ -43,7 +43,9 @@ COMPRESSOR = {"id": "zstd", "level": 1}  # orbax's default for zarr arrays
 BLOCK_BYTES = 32 << 20  # see Destination
 NUMPY_LEAF = {"value_type": "np.ndarray", "skip_deserialize": False}
 NONE_LEAF = {"value_type": "None", "skip_deserialize": True}
-_SKIPPED = ("_METADATA", "_sharding", "array_metadatas", "commit_success.txt")  # describe the old names
+# What describes the arrays by their old names (orbax's tree, shardings, per-array metadata), and
+# orbax's mark of a finished save: only the database is copied.
+_SKIPPED = ("_METADATA", "_sharding", "array_metadatas", "commit_success.txt")
 
 
 def kvstore(items: Path, path: str = "") -> ts.KvStore:
@@ -213,10 +215,9 @@ class Destination:
     `block_bytes`: the most bytes written in one piece, and the most left waiting to be written."""
     self.items = Path(items)
     self.block_bytes = block_bytes
+    self.items.mkdir(parents=True)
     if copy_from is not None:
-      shutil.copytree(copy_from, self.items, ignore=shutil.ignore_patterns(*_SKIPPED))
-    else:
-      self.items.mkdir(parents=True)
+      _copy_files(Path(copy_from), self.items)
     self.kv = kvstore(self.items)
     self._zarrays: dict[str, dict] = {}  # written with `finish`, in one commit
     self._waiting: list[tuple[Any, int]] = []  # (write future, bytes)
@@ -288,6 +289,15 @@ class Destination:
     while len(self._waiting) > 1 and sum(n for _, n in self._waiting) > self.block_bytes:
       self._waiting.pop(0)[0].result()
 
+  def settle(self) -> None:
+    """Waits for the writes in flight, whatever their outcome: a folder being removed must have no writer left."""
+    for future, _ in self._waiting:
+      try:
+        future.result()
+      except Exception:  # pylint: disable=broad-except  # the error that matters is being raised already
+        pass
+    self._waiting = []
+
   def finish(self, skeleton: Any, step: int) -> None:
     """Waits for every write, commits the arrays' .zarray keys, writes `_METADATA` and fsyncs everything."""
     for future, _ in self._waiting:
@@ -316,6 +326,18 @@ class Destination:
         )
     )
     fsync_tree(step_dir)
+
+
+def _copy_files(source: Path, destination: Path) -> None:
+  # Not shutil.copytree: it copies the source's permissions, and what we write follows the user's umask.
+  for folder, folders, names in os.walk(source):
+    here = destination / Path(folder).relative_to(source)
+    folders[:] = [name for name in folders if Path(folder) != source or name not in _SKIPPED]
+    for name in folders:
+      (here / name).mkdir()
+    for name in names:
+      if Path(folder) != source or name not in _SKIPPED:
+        shutil.copyfile(os.path.join(folder, name), here / name)  # copy_file_range / sendfile: no user-space copy
 
 
 def blocks(array: ts.TensorStore) -> Iterator[tuple]:

@@ -12,6 +12,7 @@ from flax import nnx
 
 import converters
 import maxbridge as mb
+from converters import storage
 from maxbridge import checkpointing, cli, dispatch, layouts
 from conftest import tiny_config
 
@@ -190,6 +191,61 @@ def test_the_nnx_trainer_saves_what_the_converters_read():
   saved = trainer.to_checkpoint(state)
   chex.assert_trees_all_equal(saved, converters.to_linen(state))
   chex.assert_trees_all_equal(nnx.to_pure_dict(trainer.from_checkpoint(saved)), nnx.to_pure_dict(state))
+
+
+# --- at the storage level: renamed or moved, not decoded ----------------------------------
+
+
+def stored(path) -> storage.Source:
+  return storage.Source(checkpointing.CheckpointReader(path))
+
+
+def data_files(path) -> dict[str, bytes]:
+  return {p.name: p.read_bytes() for p in path.rglob("*") if p.is_file() and p.parent.name == "d"}
+
+
+def test_layout_only_conversion_renames_arrays_byte_for_byte_and_orbax_restores_them(source, tmp_path, capsys):
+  there = converters.convert(source, tmp_path / "nnx", layout="nnx", progress=True)
+  back = converters.convert(tmp_path / "nnx", tmp_path / "back", layout="linen")
+  assert there.arrays_decoded == back.arrays_decoded == 1, "only the step changes type (int32 <-> uint32)"
+  progress = capsys.readouterr().err
+  assert "39/39 arrays" in progress and "B/s" in progress, f"progress counts arrays and bytes: {progress}"
+  # The source's data files are in the result as they were: the arrays point at them under new names.
+  assert data_files(source).items() <= data_files(tmp_path / "back").items()
+  first, last = stored(source), stored(tmp_path / "back")
+  different = [p for p in first.reader.leaves if not storage.same_bytes(first, p, last, p)]
+  assert different == ["step"], "every array but the step (cast, and written anew) is stored as in the source"
+  # Orbax's own restore reads the result.
+  trainer = dispatch.create_trainer(tiny_config())
+  restored = checkpointing.Checkpointer(tmp_path / "back").restore(6, trainer.checkpoint_target())
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, restored), read_all(source))
+
+
+def test_stacks_written_here_unstack_and_restack_by_moving_chunks(source, tmp_path):
+  # Orbax stores each stack as one chunk: unstacking decodes it once.
+  decoded = converters.convert(source, tmp_path / "u", scan_layers=False, params_only=True)
+  assert decoded.arrays_decoded == 9, "the nine parameter stacks"
+  # Layers written here are one chunk each, so stacking moves their chunks: one chunk per layer.
+  stacked = converters.convert(tmp_path / "u", tmp_path / "s", scan_layers=True)
+  assert stacked.arrays_decoded == 0
+  kernel = "params/params/decoder/layers/mlp/wi_0/kernel"
+  assert stored(tmp_path / "s").zarray(kernel)["chunks"] == [64, 1, 128]
+  again = converters.convert(tmp_path / "s", tmp_path / "u2", scan_layers=False)
+  assert again.arrays_decoded == 0
+  first, last = stored(tmp_path / "u"), stored(tmp_path / "u2")
+  assert all(storage.same_bytes(first, p, last, p) for p in first.reader.leaves)
+  assert converters.compare(source, tmp_path / "s", params_only=True).equal
+  assert converters.compare(source, tmp_path / "u2", params_only=True).equal
+
+
+def test_a_conversion_failing_midway_leaves_no_destination_and_no_staging_folder(source, tmp_path, capsys):
+  damaged = tmp_path / "damaged"
+  shutil.copytree(source / "checkpoints" / "6", damaged / "6")
+  data = max((p for p in damaged.rglob("*") if p.is_file() and p.parent.name == "d"), key=os.path.getsize)
+  data.write_bytes(data.read_bytes()[: data.stat().st_size * 3 // 4])  # the first arrays still read
+  code, _, err = convert(capsys, damaged, tmp_path / "out", "--scan-layers", "false")
+  assert code == 2 and "cannot read" in err, err
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["damaged"], "no destination, no staging folder"
 
 
 # --- training resumes from a converted checkpoint --------------------------------------
