@@ -7,15 +7,21 @@ values, saved with maxbridge's Checkpointer; nothing is trained; 2.25 GiB by
 default), then on the same folder:
   - copies it with shutil.copytree (the same bytes, no work), and again followed
     by an fsync of every file (a conversion fsyncs what it writes, as orbax does;
-    a plain copy leaves it in the page cache): the two baselines;
+    a plain copy leaves it in the page cache): the two baselines, measured again
+    right before each step, so that each ratio compares runs that found the page
+    cache alike (a source larger than the cache is partly read from disk);
   - converts it Linen -> NNX (a layout-only conversion: renamed, not decoded),
     and Linen scanned -> NNX unscanned (every stack decoded and written layer by
     layer), each in a subprocess whose peak RSS above its imports (VmHWM - VmRSS
     after `import converters`) is compared with the largest single array;
   - compares each result with the source (`maxbridge compare`, also in a
-    subprocess, timed and measured the same way).
-The copies run first, so every step reads the source from the page cache.
-Everything is written under a temporary folder, removed at the end.
+    subprocess, timed and measured the same way);
+  - stacks the unscanned result again and unstacks that: layers and stacks
+    written by `convert` have one chunk per layer, so these move encoded chunks
+    and decode nothing (orbax's own saves store a stack as one chunk).
+os.sync() runs between steps (untimed), so that no step pays for writing back
+what the one before it left in the page cache. Everything is written under a
+temporary folder, removed at the end.
 """
 
 import argparse
@@ -47,7 +53,11 @@ if sys.argv[1] == "compare":
     result = converters.compare(sys.argv[2], sys.argv[3])
     assert result.equal, result.report()
 else:
-    options = {"layout": dict(layout="nnx"), "unscan": dict(layout="nnx", scan_layers=False)}[sys.argv[1]]
+    options = {
+        "layout": dict(layout="nnx"),
+        "unscan": dict(layout="nnx", scan_layers=False),
+        "stack": dict(layout="linen", scan_layers=True),
+    }[sys.argv[1]]
     converters.convert(sys.argv[2], sys.argv[3], progress=False, **options)
 print(json.dumps({"baseline_kib": baseline, "peak_kib": status_kib("VmHWM"), "seconds": time.perf_counter() - began}))
 """
@@ -87,6 +97,19 @@ def fsync_all(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def copy_seconds(source: Path, copy: Path, sync: bool) -> float:
+  """Seconds to copy `source` (and fsync the copy); the copy is removed and flushed after, untimed."""
+  os.sync()
+  began = time.perf_counter()
+  shutil.copytree(source, copy)
+  if sync:
+    fsync_all(copy)
+  seconds = time.perf_counter() - began
+  shutil.rmtree(copy)
+  os.sync()
+  return seconds
+
+
 def child(*argv: str) -> dict:
   began = time.perf_counter()
   run = subprocess.run([sys.executable, "-c", CHILD, *argv], capture_output=True, text=True)
@@ -122,35 +145,35 @@ def main() -> None:
         f"made {total / 2**30:.2f} GiB of arrays in {time.perf_counter() - began:.1f} s; largest array "
         f"{largest_path} {largest / 2**20:.0f} MiB; on disk {on_disk / 2**30:.2f} GiB"
     )
-    began = time.perf_counter()
-    shutil.copytree(source, work / "copy")
-    copy_s = time.perf_counter() - began
-    began = time.perf_counter()
-    shutil.copytree(source, work / "copy-synced")
-    fsync_all(work / "copy-synced")
-    synced_s = time.perf_counter() - began
-
+    os.sync()
     mib = 2**20
     print(f"checkpoint {total / mib:.0f} MiB of arrays; largest array {largest / mib:.0f} MiB")
-    print(f"  {'':28s} {'seconds':>8s} {'MiB/s':>7s} {'vs copy':>8s} {'vs copy+fsync':>14s} {'peak/largest':>13s}")
-    print(f"  {'copytree':28s} {copy_s:8.2f} {total / mib / copy_s:7.0f}")
-    print(f"  {'copytree + fsync':28s} {synced_s:8.2f} {total / mib / synced_s:7.0f}")
+    print(
+        f"  {'':28s} {'seconds':>8s} {'MiB/s':>7s} {'copy s':>7s} {'vs copy':>8s} {'copy+fsync s':>13s} "
+        f"{'vs copy+fsync':>14s} {'peak/largest':>13s}"
+    )
     rows = [
         ("convert linen -> nnx", "layout", source, work / "nnx"),
         ("compare source, nnx", "compare", source, work / "nnx"),
         ("convert scanned -> unscanned", "unscan", source, work / "unscanned"),
         ("compare source, unscanned", "compare", source, work / "unscanned"),
+        # Layers and stacks written by convert: one chunk per layer, moved without decoding.
+        ("convert unscanned -> scanned", "stack", work / "unscanned", work / "rescanned"),
+        ("convert that -> unscanned", "unscan", work / "rescanned", work / "unscanned-again"),
+        ("compare source, that", "compare", source, work / "unscanned-again"),
     ]
     for label, verb, first, second in rows:
+      copy_s, synced_s = copy_seconds(source, work / "copy", sync=False), copy_seconds(source, work / "copy", sync=True)
+      os.sync()
       result = child(verb, str(first), str(second))
       seconds, above = result["seconds"], (result["peak_kib"] - result["baseline_kib"]) * 1024
       print(
-          f"  {label:28s} {seconds:8.2f} {total / mib / seconds:7.0f} {copy_s / seconds:7.2f}x "
-          f"{synced_s / seconds:13.2f}x {above / largest:12.2f}x"
+          f"  {label:28s} {seconds:8.2f} {total / mib / seconds:7.0f} {copy_s:7.2f} {copy_s / seconds:7.2f}x "
+          f"{synced_s:13.2f} {synced_s / seconds:13.2f}x {above / largest:12.2f}x"
       )
     print(
-        "  (throughput ratios: higher is faster, 1.0x = as fast as the copy; peak/largest: the process's peak RSS "
-        "above its imports, over the largest array)"
+        "  (copy s: a copy of the source measured right before the step; ratios: higher is faster, 1.0x = as fast "
+        "as that copy; peak/largest: the process's peak RSS above its imports, over the largest array)"
     )
   finally:
     if not args.keep:

@@ -121,15 +121,19 @@ def convert(
   done, dest = False, None
   try:
     source = storage.Source(reader)
-    dest, renamed = _start(reader, source, job, staging / str(job.step) / checkpointing.ITEM, group_bytes)
+    actions = [(step, _action(step, reader, source, job)) for step in job.steps]
+    dest = _start(reader, source, actions, staging / str(job.step) / checkpointing.ITEM, group_bytes)
     show = progress if progress is not None else nbytes >= PROGRESS_BYTES
     with tqdm(
         total=nbytes, unit="B", unit_scale=True, unit_divisor=1024, disable=not show, file=sys.stderr, desc="convert"
     ) as bar:
       arrays = decoded = 0
-      for step in job.steps:
-        if step.inputs[0] not in renamed and _move(step, reader, source, dest, job):
+      for step, action in actions:
+        if action is None:
+          _decode(step, reader, dest, job)
           decoded += len(step.inputs)
+        elif not dest.copied:
+          action.apply(dest, source)
         arrays += len(step.outputs)
         bar.set_postfix_str(f"{arrays}/{len(job.stored)} arrays", refresh=False)
         bar.update(sum(leaf.nbytes for _, leaf in step.outputs))
@@ -199,34 +203,74 @@ def _name(normal: str, kind: str) -> str:
   return layouts.layout_path(normal, kind).replace("/", ".")  # orbax's name for the array in its store
 
 
-def _start(
-    reader, source: storage.Source, job: _Job, items: Path, block_bytes: int
-) -> tuple[storage.Destination, set[str]]:
-  """The destination database, and the source arrays already in it under their new names.
+@dataclasses.dataclass(frozen=True)
+class _Relabel:
+  """A step done on stored bytes alone: arrays renamed (`renames`, {source normal path: name}), or chunks
+  moved between a stack and its layers (`moves`: source normal path, chunk index, new name, new index)."""
 
-  When nearly every source array only changes name (Linen <-> NNX, nothing
-  cast, stacked or dropped), the source's data files are copied as files and
-  the arrays renamed in place; the few others (the step's integer type) are
-  written next to them. Otherwise the database starts empty, so that it holds
-  no data of arrays it no longer names.
+  renames: dict[str, str]
+  moves: list[tuple[str, tuple[int, ...], str, tuple[int, ...]]]
+  zarrays: dict[str, dict]  # .zarray of each new array made of moved chunks
+
+  def apply(self, dest: storage.Destination, source: storage.Source) -> None:
+    """Into a database that does not share the source's files: the encoded bytes are copied."""
+    for normal, name in self.renames.items():
+      dest.copy_keys(source, normal, name)
+    for name, meta in self.zarrays.items():
+      dest.describe(name, meta)
+    for normal, index, name, new_index in self.moves:
+      dest.relocate(source, normal, index, name, new_index)
+
+
+def _action(step: plan.Step, reader, source: storage.Source, job: _Job) -> _Relabel | None:
+  """How a step is done without decoding, or None when it must decode (a cast, a moved axis, or a stack
+  stored in one chunk, as orbax saves it). Reads metadata only."""
+  outputs = [(_name(path, job.kind), job.stored[path]) for path, _ in step.outputs]
+  # Encoded bytes are reused only from zarr v2 in OCDBT (`Source.raw`), and only when no dtype changes.
+  if not source.raw or any(reader.stored_leaf(n).dtype != leaf.dtype for n in step.inputs for _, leaf in outputs):
+    return None
+  first, axis = step.inputs[0], step.axis
+  if step.op == "copy":
+    return _Relabel({first: outputs[0][0]}, [], {})
+  if step.op == "unstack" and storage.per_layer(meta := source.zarray(first), axis):
+    zarrays = {
+        name: {**meta, "shape": list(leaf.shape), "chunks": _without(meta["chunks"], axis)} for name, leaf in outputs
+    }
+    moves = [(first, index, outputs[index[axis]][0], tuple(_without(index, axis))) for index in source.chunks(first)]
+    return _Relabel({}, moves, zarrays)
+  if step.op == "stack" and _alike(metas := [source.zarray(n) for n in step.inputs]):
+    ((name, leaf),) = outputs
+    chunks = metas[0]["chunks"][:axis] + [1] + metas[0]["chunks"][axis:]
+    moves = [
+        (n, index, name, index[:axis] + (i,) + index[axis:])
+        for i, n in enumerate(step.inputs)
+        for index in source.chunks(n)
+    ]
+    return _Relabel({}, moves, {name: {**metas[0], "shape": list(leaf.shape), "chunks": chunks}})
+  return None
+
+
+def _start(reader, source: storage.Source, actions, items: Path, block_bytes: int) -> storage.Destination:
+  """The destination database, holding the relabelled arrays already when it shares the source's files.
+
+  When nearly every source array is relabelled (renamed from Linen to NNX,
+  or its chunks moved between a stack and its layers), the source's data
+  files are copied as files and the new keys point at the same bytes: one
+  transaction, nothing read. The few others (the step's integer type) are
+  written next to them. Otherwise the database starts empty, so that it
+  holds no data of arrays it no longer names, and relabelled arrays have
+  their encoded bytes copied.
   """
-  renames = {
-      step.inputs[0]: _name(path, job.kind)
-      for step in job.steps
-      if step.op == "copy"
-      for path, _ in step.outputs
-      if reader.stored_leaf(step.inputs[0]) == job.stored[path]
-  }
-  left_behind = sum(leaf.nbytes for normal, leaf in reader.leaves.items() if normal not in renames)
-  old = {reader.name(normal): new for normal, new in renames.items()}
-  gone = sorted({path.replace("/", ".") for path in reader.stored} - set(old))
-  moved = {o: n for o, n in old.items() if o != n}
-  if (
-      not source.raw
-      or left_behind * 64 > sum(l.nbytes for l in reader.leaves.values())
-      or set(moved.values()) & (set(moved) | set(gone))
-  ):
-    return storage.Destination(items, block_bytes=block_bytes), set()
+  relabels = [action for _, action in actions if action is not None]
+  kept = {n for a in relabels for n in a.renames} | {move[0] for a in relabels for move in a.moves}
+  left_behind = sum(leaf.nbytes for normal, leaf in reader.leaves.items() if normal not in kept)
+  renames = {reader.name(n): name for a in relabels for n, name in a.renames.items()}
+  renames = {old: new for old, new in renames.items() if old != new}
+  unchanged = {reader.name(n) for a in relabels for n, name in a.renames.items()} - set(renames)
+  gone = sorted({path.replace("/", ".") for path in reader.stored} - unchanged)
+  new = set(renames.values()) | {move[2] for a in relabels for move in a.moves}
+  if not source.raw or left_behind * 64 > sum(l.nbytes for l in reader.leaves.values()) or new & set(gone):
+    return storage.Destination(items, block_bytes=block_bytes)
   # Copied files are never decoded, so check first that they hold what the index points at.
   if problem := storage.missing_data(reader.items):
     raise ConversionError(
@@ -234,34 +278,12 @@ def _start(
         f"{checkpointing.intact_before(reader.items)}"
     )
   dest = storage.Destination(items, copy_from=reader.items, block_bytes=block_bytes)
-  dest.rename_all(moved, gone)
-  return dest, set(renames)
-
-
-def _move(step: plan.Step, reader, source: storage.Source, dest: storage.Destination, job: _Job) -> bool:
-  """Writes one step's outputs: by copying encoded bytes where the layout allows, else by decoding (True)."""
-  first, axis = step.inputs[0], step.axis
-  outputs = [(_name(path, job.kind), job.stored[path]) for path, _ in step.outputs]
-  # Encoded bytes can be copied only from zarr v2 in OCDBT (`Source.raw`), and only when no dtype changes.
-  raw = source.raw and all(reader.stored_leaf(n).dtype == leaf.dtype for n in step.inputs for _, leaf in outputs)
-  if raw and step.op == "copy":
-    dest.copy_keys(source, first, outputs[0][0])
-    return False
-  if raw and step.op == "unstack" and storage.per_layer(meta := source.zarray(first), axis):
-    for name, leaf in outputs:
-      dest.describe(name, {**meta, "shape": list(leaf.shape), "chunks": _without(meta["chunks"], axis)})
-    moves = [(index, outputs[index[axis]][0], tuple(_without(index, axis))) for index in source.chunks(first)]
-    dest.relocate(source, first, moves)
-    return False
-  if raw and step.op == "stack" and _alike(metas := [source.zarray(n) for n in step.inputs]):
-    ((name, leaf),) = outputs
-    chunks = metas[0]["chunks"][:axis] + [1] + metas[0]["chunks"][axis:]
-    dest.describe(name, {**metas[0], "shape": list(leaf.shape), "chunks": chunks})
-    for i, layer in enumerate(step.inputs):
-      dest.relocate(source, layer, [(index, name, index[:axis] + (i,) + index[axis:]) for index in source.chunks(layer)])
-    return False
-  _decode(step, reader, dest, job, outputs)
-  return True
+  moves = [(reader.name(n), index, name, new_index) for a in relabels for n, index, name, new_index in a.moves]
+  dest.relabel(renames, moves, gone)
+  for action in relabels:
+    for name, meta in action.zarrays.items():
+      dest.describe(name, meta)
+  return dest
 
 
 def _without(values, axis: int) -> list:
@@ -275,8 +297,9 @@ def _alike(metas: list[dict | None]) -> bool:
   return all({**m, "shape": None} == {**metas[0], "shape": None} for m in metas)
 
 
-def _decode(step: plan.Step, reader, dest: storage.Destination, job: _Job, outputs) -> None:
+def _decode(step: plan.Step, reader, dest: storage.Destination, job: _Job) -> None:
   """Reads and writes through the zarr driver: one source array (or one layer) and one block at a time."""
+  outputs = [(_name(path, job.kind), job.stored[path]) for path, _ in step.outputs]
   if step.op == "stack":
     ((name, leaf),) = outputs
     array = dest.create(name, leaf.shape, leaf.dtype, layer_axis=step.axis)

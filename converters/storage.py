@@ -121,7 +121,7 @@ class Source:
     self.reader = reader
     self.raw = reader.zarr_driver == "zarr"  # zarr3's chunk keys are laid out differently
     self.kv = kvstore(reader.items) if self.raw else None
-    self._index: dict | None = None
+    self._by_name: dict[bytes, dict[bytes, Any]] | None = None  # from `index`, when first needed
 
   def read(self, normal: str, key: bytes) -> ts.KvStore.ReadResult:
     try:
@@ -149,11 +149,14 @@ class Source:
     """{key suffix: stored value} of an array, from the index; None when the index does not list it all."""
     if not self.raw:
       return None
-    if self._index is None:
-      self._index = index(self.reader.items)
-    name = self.reader.name(normal).encode()
-    found = {k[len(name) :]: v for k, v in self._index.items() if k.startswith(name + b"/")}
-    listed = {k[len(name) :] for k in self.kv.list(_range(name.decode())).result()}
+    if self._by_name is None:
+      self._by_name = {}
+      for key, value in index(self.reader.items).items():
+        name, _, suffix = key.partition(b"/")
+        self._by_name.setdefault(name, {})[b"/" + suffix] = value
+    name = self.reader.name(normal)
+    found = self._by_name.get(name.encode(), {})
+    listed = {k[len(name) :] for k in self.kv.list(_range(name)).result()}
     return found if set(found) == listed else None
 
 
@@ -219,22 +222,29 @@ class Destination:
     if copy_from is not None:
       _copy_files(Path(copy_from), self.items)
     self.kv = kvstore(self.items)
+    self.copied = False  # whether `relabel` ran: the database shares the source's data files
     self._zarrays: dict[str, dict] = {}  # written with `finish`, in one commit
     self._waiting: list[tuple[Any, int]] = []  # (write future, bytes)
 
-  def rename_all(self, renames: dict[str, str], delete: list[str]) -> None:
-    """In the copied database: the arrays `renames` names get their new names; those in `delete` go.
+  def relabel(self, renames: dict[str, str], moves: list[tuple[str, tuple, str, tuple]], delete: list[str]) -> None:
+    """In the copied database: arrays renamed ({old name: new}), chunks moved to other arrays
+    ((old name, chunk index, new name, new index)), and the arrays in `delete` removed.
 
-    One transaction: one OCDBT commit for all of them, and all or none happen.
+    OCDBT's `experimental_copy_range_to` points the new keys at the bytes the
+    old ones point at. One transaction: one commit for all, and all or none happen.
     """
     txn = ts.Transaction(atomic=True)
+    target = self.kv.with_transaction(txn)
     for old, new in renames.items():
-      kvstore(self.items, f"{old}/").experimental_copy_range_to(
-          kvstore(self.items, f"{new}/").with_transaction(txn)
-      ).result()
+      (self.kv / f"{old}/").experimental_copy_range_to(target / f"{new}/").result()
+    for old, index, new, new_index in moves:
+      # The exact key: a prefix "a/0.1" would also take "a/0.10".
+      exact = ts.KvStore.KeyRange(b"", b"\0")
+      (self.kv / _chunk_key(old, index)).experimental_copy_range_to(target / _chunk_key(new, new_index), exact).result()
     for name in [*renames, *delete]:
-      self.kv.with_transaction(txn).delete_range(_range(name)).result()
+      target.delete_range(_range(name)).result()
     txn.commit_async().result()
+    self.copied = True
 
   def copy_keys(self, source: Source, normal: str, name: str) -> None:
     """The encoded bytes of a source array under a new name (another database: no shared data files)."""
@@ -243,10 +253,9 @@ class Destination:
       value = source.read(normal, key).value
       self._put(f"{name}{key.decode()[len(old):]}", value)
 
-  def relocate(self, source: Source, normal: str, moves: list[tuple[tuple[int, ...], str, tuple[int, ...]]]) -> None:
-    """Copies encoded chunks of a source array: (source chunk index, destination name, its chunk index)."""
-    for index, name, new_index in moves:
-      self._put(_chunk_key(name, new_index), source.chunk(normal, index))
+  def relocate(self, source: Source, normal: str, index: tuple[int, ...], name: str, new_index: tuple[int, ...]) -> None:
+    """Copies one encoded chunk of a source array into the chunk `new_index` of the array `name`."""
+    self._put(_chunk_key(name, new_index), source.chunk(normal, index))
 
   def describe(self, name: str, meta: dict) -> None:
     self._zarrays[name] = meta

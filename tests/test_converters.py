@@ -225,9 +225,11 @@ def test_stacks_written_here_unstack_and_restack_by_moving_chunks(source, tmp_pa
   # Orbax stores each stack as one chunk: unstacking decodes it once.
   decoded = converters.convert(source, tmp_path / "u", scan_layers=False, params_only=True)
   assert decoded.arrays_decoded == 9, "the nine parameter stacks"
-  # Layers written here are one chunk each, so stacking moves their chunks: one chunk per layer.
+  # Layers written here are one chunk each, so stacking moves their chunks: one chunk per layer,
+  # pointing at the bytes of the layers' data files, copied as they are.
   stacked = converters.convert(tmp_path / "u", tmp_path / "s", scan_layers=True)
   assert stacked.arrays_decoded == 0
+  assert data_files(tmp_path / "u").items() <= data_files(tmp_path / "s").items()
   kernel = "params/params/decoder/layers/mlp/wi_0/kernel"
   assert stored(tmp_path / "s").zarray(kernel)["chunks"] == [64, 1, 128]
   again = converters.convert(tmp_path / "s", tmp_path / "u2", scan_layers=False)
