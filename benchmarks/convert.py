@@ -3,22 +3,22 @@
     .venv/bin/python benchmarks/convert.py [--layers 10] [--emb 1024] [--keep DIR]
 
 Makes a training checkpoint (parameters + Adam mu and nu, float32 random
-values, saved with maxbridge's Checkpointer; nothing is trained; 2.25 GiB by
-default), then on the same folder:
+values; nothing is trained; 2.25 GiB by default), saved twice: with
+maxbridge's Checkpointer, which stores a stack one chunk per layer, and with
+orbax's defaults, one chunk per stack (as MaxText saves on one device). Then:
   - copies it with shutil.copytree (the same bytes, no work), and again followed
     by an fsync of every file (a conversion fsyncs what it writes, as orbax does;
     a plain copy leaves it in the page cache): the two baselines, measured again
     right before each step, so that each ratio compares runs that found the page
     cache alike (a source larger than the cache is partly read from disk);
-  - converts it Linen -> NNX (a layout-only conversion: renamed, not decoded),
-    and Linen scanned -> NNX unscanned (every stack decoded and written layer by
-    layer), each in a subprocess whose peak RSS above its imports (VmHWM - VmRSS
-    after `import converters`) is compared with the largest single array;
+  - converts the first Linen -> NNX (a layout-only conversion: renamed, not
+    decoded), Linen scanned -> NNX unscanned and back (chunks moved, not
+    decoded), each in a subprocess whose peak RSS above its imports (VmHWM -
+    VmRSS after `import converters`) is compared with the largest array;
   - compares each result with the source (`maxbridge compare`, also in a
     subprocess, timed and measured the same way);
-  - stacks the unscanned result again and unstacks that: layers and stacks
-    written by `convert` have one chunk per layer, so these move encoded chunks
-    and decode nothing (orbax's own saves store a stack as one chunk).
+  - unscans the orbax-default copy, whose stacks must be decoded whole (and
+    compares it).
 os.sync() runs between steps (untimed), so that no step pays for writing back
 what the one before it left in the page cache. Everything is written under a
 temporary folder, removed at the end.
@@ -36,6 +36,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 
 import maxbridge as mb
 from maxbridge import checkpointing, dispatch
@@ -63,8 +64,12 @@ print(json.dumps({"baseline_kib": baseline, "peak_kib": status_kib("VmHWM"), "se
 """
 
 
-def make_checkpoint(directory: Path, config: mb.Config) -> tuple[int, int, str]:
-  """Writes a step-1 checkpoint of random float32 values; (total bytes, largest array bytes, its path)."""
+def make_checkpoint(directory: Path, config: mb.Config, orbax_directory: Path) -> tuple[int, int, str]:
+  """Writes a step-1 checkpoint of random float32 values; (total bytes, largest array bytes, its path).
+
+  Twice: with maxbridge's Checkpointer (one chunk per layer of a stack) into `directory`, and with
+  orbax's defaults (one chunk per stack, as MaxText saves on one device) into `orbax_directory`.
+  """
   target = dispatch.create_trainer(config).checkpoint_target()
   rng = np.random.default_rng(0)
   tree = jax.tree.map(
@@ -83,6 +88,11 @@ def make_checkpoint(directory: Path, config: mb.Config) -> tuple[int, int, str]:
   ckpt.wait()
   ckpt.close()
   config.to_yaml(directory / "config.yml")
+  manager = ocp.CheckpointManager(orbax_directory / "checkpoints", item_handlers={"items": ocp.PyTreeCheckpointHandler()})
+  manager.save(1, args=ocp.args.Composite(items=ocp.args.PyTreeSave(tree)))
+  manager.wait_until_finished()
+  manager.close()
+  config.to_yaml(orbax_directory / "config.yml")
   return total, largest, path
 
 
@@ -139,7 +149,8 @@ def main() -> None:
   try:
     source = work / "source"
     began = time.perf_counter()
-    total, largest, largest_path = make_checkpoint(source, config)
+    orbax_source = work / "orbax-source"
+    total, largest, largest_path = make_checkpoint(source, config, orbax_source)
     on_disk = folder_bytes(source)
     print(
         f"made {total / 2**30:.2f} GiB of arrays in {time.perf_counter() - began:.1f} s; largest array "
@@ -157,10 +168,10 @@ def main() -> None:
         ("compare source, nnx", "compare", source, work / "nnx"),
         ("convert scanned -> unscanned", "unscan", source, work / "unscanned"),
         ("compare source, unscanned", "compare", source, work / "unscanned"),
-        # Layers and stacks written by convert: one chunk per layer, moved without decoding.
         ("convert unscanned -> scanned", "stack", work / "unscanned", work / "rescanned"),
-        ("convert that -> unscanned", "unscan", work / "rescanned", work / "unscanned-again"),
-        ("compare source, that", "compare", source, work / "unscanned-again"),
+        # Orbax's default layout: each stack one chunk, decoded whole and written layer by layer.
+        ("orbax: scanned -> unscanned", "unscan", orbax_source, work / "orbax-unscanned"),
+        ("orbax: compare that", "compare", orbax_source, work / "orbax-unscanned"),
     ]
     for label, verb, first, second in rows:
       copy_s, synced_s = copy_seconds(source, work / "copy", sync=False), copy_seconds(source, work / "copy", sync=True)

@@ -99,11 +99,15 @@ def convert(
   Everything is checked against the metadata before any array is read; the
   destination appears only when complete; the source is only read.
 
-  Arrays that only change name (Linen <-> NNX) are not decoded: the source's
-  data files are copied and the arrays renamed in place, or their encoded
-  bytes copied (see `converters.storage`). Memory holds at most one source
-  array plus `group_bytes` being written; stacks written here have one chunk
-  per layer, so unstacking them later copies bytes without decoding.
+  Nothing is decoded that need not be (see `converters.storage`): arrays that
+  only change name (Linen <-> NNX) are renamed, and stacks stored one chunk
+  per layer (as maxbridge saves and converts them) are unstacked, or layers
+  stacked, by moving their chunks; when nearly everything is moved so, the
+  source's data files are copied as files and the new names point into them.
+  A cast, a moved layer axis, or a stack stored as one chunk (orbax's default,
+  as MaxText saves on one device) is decoded, one array at a time, and written
+  in pieces of at most `group_bytes`; tensorstore then holds that array's
+  encoded and decoded bytes together, about twice its size.
   """
   began = time.perf_counter()
   reader = checkpointing.CheckpointReader(source)

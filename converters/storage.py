@@ -8,15 +8,18 @@ a saved tree, or to copy one without decoding it. So a conversion works on that
 storage with tensorstore's kvstore and zarr drivers, and writes `_METADATA` in
 the form orbax writes for numpy leaves (`tree_metadata`):
 
-- a rename copies the array's keys to the new name with OCDBT's
-  `experimental_copy_range_to`, which points the new keys at the same data
-  files: nothing is read, decoded or written again (`Destination.rename_all`);
-- a stack stored one chunk per layer is unstacked by copying each encoded chunk
-  to the layer's key (a chunk of shape [.., 1, ..] in C order holds the bytes of
-  the layer), and layers stored as one chunk each are stacked the same way
-  (`relocate`); stacks written here have one chunk per layer for that reason;
+- a rename gives an array's keys new names; a stack stored one chunk per layer
+  is unstacked by giving each chunk its layer's key (a chunk of shape
+  [.., 1, ..] in C order holds the bytes of the layer), and layers stored as
+  one chunk each are stacked the same way. In a copy of the source's files
+  (`Destination(copy_from=...)`), OCDBT's `experimental_copy_range_to` points
+  the new keys at the bytes the old ones point at: nothing is read
+  (`Destination.relabel`, one transaction). Into an empty database, the
+  encoded bytes are copied (`copy_keys`, `relocate`): nothing is decoded.
+  Stacks written here have one chunk per layer for that reason;
 - anything else (a cast, a moved axis, a stack in one chunk, as orbax saves
-  it) is decoded and written through the zarr driver, a block at a time.
+  it by default) is decoded and written through the zarr driver, a block at a
+  time.
 """
 
 from __future__ import annotations
@@ -185,10 +188,10 @@ def _chunk_key(name: str, index: tuple[int, ...]) -> str:
   return f"{name}/{'.'.join(map(str, index)) or '0'}"  # a 0-d array's one chunk is "0"
 
 
-def _zarray(shape, dtype: np.dtype, chunks, compressor=None) -> dict:
+def _zarray(shape, dtype: np.dtype, chunks) -> dict:
   return {
       "chunks": list(chunks),
-      "compressor": compressor or COMPRESSOR,
+      "compressor": COMPRESSOR,
       "dimension_separator": ".",
       "dtype": "bfloat16" if dtype == jax.numpy.bfloat16 else np.dtype(dtype).str,
       "fill_value": None,

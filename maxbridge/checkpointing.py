@@ -98,6 +98,31 @@ def _params_first(item) -> tuple[bool, str]:
   return (not path.startswith("params/"), path)
 
 
+def _layer_chunks(tree: Any) -> Any:
+  """Orbax SaveArgs storing each layer of a stacked array as its own chunk (`shard_axes`), or None.
+
+  Orbax would store a stack as one chunk (per shard): reading one layer would
+  decode them all. One chunk per layer lets `maxbridge convert` unstack it by
+  moving chunks, decoding nothing, and lets a reader decode one layer at a
+  time. The layer axis is the one axis on which every stack agrees (a
+  checkpoint does not carry its config); where that is unclear, orbax chooses.
+  """
+  flat = layouts.flatten_tree(tree)
+  try:
+    normal = layouts.normal_paths(flat, layouts.detect(flat))
+  except layouts.LayoutError:
+    return None
+  stacks = {s: flat[s].shape for s, n in normal.items() if canonical.is_stacked(n) and hasattr(flat[s], "shape")}
+  ranks = [len(shape) for shape in stacks.values()]
+  agree = [a for a in range(min(ranks, default=0)) if len({shape[a] for shape in stacks.values()}) == 1]
+  if len(agree) != 1:
+    return None
+  chunked = ocp.SaveArgs(shard_axes=(agree[0],))
+  return jax.tree_util.tree_map_with_path(
+      lambda key, _: chunked if layouts.keypath_str(key) in stacks else ocp.SaveArgs(), tree
+  )
+
+
 class Checkpointer:
   """A CheckpointManager over `directory`, with checked restores."""
 
@@ -166,7 +191,7 @@ class Checkpointer:
     self.wait()
     self._saving = step
     try:
-      self.manager.save(step, args=ocp.args.Composite(items=ocp.args.PyTreeSave(tree)))
+      self.manager.save(step, args=ocp.args.Composite(items=ocp.args.PyTreeSave(tree, save_args=_layer_chunks(tree))))
     except Exception as e:  # orbax and tensorstore report a failed write in several types
       raise self._save_error(e) from e
 
