@@ -110,14 +110,13 @@ def compare(
 
 
 def _compare_values(plans, readers, paths, outputs, atol, rtol) -> dict[str, Difference]:
+  # Stored alike on both sides (an array or a layer with the same chunk bytes): equal, nothing decoded.
   sources = [storage.Source(r) for r in readers]
-  copies = [{step.outputs[0][0]: step.inputs[0] for step in steps if step.op == "copy"} for steps in plans]
+  views = [_views(steps) for steps in plans]
   paths = {
       p
       for p in paths
-      if not (
-          p in copies[0] and p in copies[1] and storage.same_bytes(sources[0], copies[0][p], sources[1], copies[1][p])
-      )
+      if not (p in views[0] and p in views[1] and storage.same_bytes(sources[0], views[0][p], sources[1], views[1][p]))
   }
   # The side with fewer, larger steps (stacks) drives; the other is read path by
   # path, each of its steps run once and its outputs kept until asked for.
@@ -135,6 +134,17 @@ def _compare_values(plans, readers, paths, outputs, atol, rtol) -> dict[str, Dif
       if difference:
         found[path] = difference
   return found
+
+
+def _views(steps: list[plan.Step]) -> dict[str, tuple]:
+  """{output path: `storage.Source.view` arguments} for the outputs stored as such: an array, or a layer."""
+  views = {}
+  for step in steps:
+    if step.op == "copy":
+      views[step.outputs[0][0]] = (step.inputs[0],)
+    elif step.op == "unstack":
+      views.update((path, (step.inputs[0], step.axis, i)) for i, (path, _) in enumerate(step.outputs))
+  return views
 
 
 class _Outputs:

@@ -162,26 +162,45 @@ class Source:
     listed = {k[len(name) :] for k in self.kv.list(_range(name)).result()}
     return found if set(found) == listed else None
 
+  def view(self, normal: str, axis: int | None = None, layer: int | None = None) -> tuple[dict, dict] | None:
+    """(zarr metadata, {chunk key: stored value}) of an array, or of one layer of a stack stored one
+    chunk per layer along `axis` (its chunks, keyed as the layer's own); None when not stored so."""
+    found, meta = self.stored(normal), self.zarray(normal)
+    if found is None or meta is None:
+      return None
+    chunks = {k[1:].decode(): v for k, v in found.items() if k != b"/.zarray"}
+    if axis is None:
+      return meta, chunks
+    if not per_layer(meta, axis):
+      return None
+    meta = {**meta, "shape": _drop(meta["shape"], axis), "chunks": _drop(meta["chunks"], axis)}
+    ndim = len(meta["shape"]) + 1
+    indices = {k: tuple(int(i) for i in k.split("."))[:ndim] for k in chunks}
+    return meta, {_chunk_key("", _drop(i, axis)): chunks[k] for k, i in indices.items() if i[axis] == layer}
 
-def same_bytes(a: Source, normal_a: str, b: Source, normal_b: str) -> bool:
-  """Whether two stored arrays have the same keys and bytes (so equal values), compared piece by piece.
 
-  False says nothing: the same values may be encoded or chunked differently.
-  """
-  stored_a, stored_b = a.stored(normal_a), b.stored(normal_b)
-  if stored_a is None or stored_b is None or set(stored_a) != set(stored_b):
+def same_bytes(a: Source, view_a: tuple, b: Source, view_b: tuple) -> bool:
+  """Whether two stored arrays (`Source.view`s) have the same zarr metadata and chunk bytes, so equal
+  values; compared piece by piece, nothing decoded. False says nothing: the same values may be encoded
+  or chunked differently."""
+  found_a, found_b = a.view(*view_a), b.view(*view_b)
+  if found_a is None or found_b is None or found_a[0] != found_b[0] or set(found_a[1]) != set(found_b[1]):
     return False
-  for key, value in stored_a.items():
-    other = stored_b[key]
+  for key, value in found_a[1].items():
+    other = found_b[1][key]
     if isinstance(value, tuple) and isinstance(other, tuple) and value[2] != other[2]:
       return False
-    joined_a, joined_b = _pieces(value), _pieces(other)
+    pieces_a, pieces_b = _pieces(value), _pieces(other)
     if isinstance(value, bytes) or isinstance(other, bytes):
-      if b"".join(joined_a) != b"".join(joined_b):  # inline values are small
+      if b"".join(pieces_a) != b"".join(pieces_b):  # an inline value is small
         return False
-    elif any(x != y for x, y in zip(joined_a, joined_b)):
+    elif any(x != y for x, y in zip(pieces_a, pieces_b)):
       return False
   return True
+
+
+def _drop(values, axis: int) -> list:
+  return list(values[:axis]) + list(values[axis + 1 :])
 
 
 def _chunk_key(name: str, index: tuple[int, ...]) -> str:
