@@ -176,7 +176,7 @@ class Source:
     meta = {**meta, "shape": _drop(meta["shape"], axis), "chunks": _drop(meta["chunks"], axis)}
     ndim = len(meta["shape"]) + 1
     indices = {k: tuple(int(i) for i in k.split("."))[:ndim] for k in chunks}
-    return meta, {_chunk_key("", _drop(i, axis)): chunks[k] for k, i in indices.items() if i[axis] == layer}
+    return meta, {_chunk_key("", _drop(i, axis))[1:]: chunks[k] for k, i in indices.items() if i[axis] == layer}
 
 
 def same_bytes(a: Source, view_a: tuple, b: Source, view_b: tuple) -> bool:
