@@ -69,14 +69,17 @@ class DecodeState(NamedTuple):
   logits: jax.Array  # float32 [slots, V]: the logits each slot's last token was sampled from
 
 
-def abstract_cache(config: Config, batch: int, length: int) -> Params:
+def abstract_cache(config: Config, batch: int, length: int, *, ring: bool = True) -> Params:
   """The canonical decode cache tree of `config` for `batch` rows of `length` tokens, as shapes.
+
+  A windowed layer holds a ring of its window's entries (`ops.kv_cache`);
+  `ring=False` gives it all `length`, as a packed prefill needs.
 
   `decoder/<stack>/self_attention/<entry>` (`ops.kv_cache`), stacked on a
   leading layer axis when `scan_layers` (where nn.scan and the NNX stack keep
   layer state), else one `<stack>_<i>` per layer: the same on both backends.
   """
-  layer = kv_cache.abstract(config, batch, length)
+  layer = kv_cache.abstract(config, batch, length, ring=ring)
   flat = {}
   for stack, count in canonical.layer_stacks(config):
     for name, leaf in layer.items():
@@ -99,9 +102,9 @@ def _is_axes(x) -> bool:
   return isinstance(x, tuple) and all(isinstance(name, (str, type(None))) for name in x)
 
 
-def init_cache(config: Config, batch: int, length: int) -> Params:
+def init_cache(config: Config, batch: int, length: int, *, ring: bool = True) -> Params:
   """An empty cache: zeros, so segment 0 everywhere and nothing visible."""
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract_cache(config, batch, length))
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract_cache(config, batch, length, ring=ring))
 
 
 def decode_config(config: Config) -> Config:
@@ -369,12 +372,15 @@ class Engine:
 
   def _prefill_concat_impl(self, params, tokens, positions, segment_ids, offsets, lengths, rng):
     params = self._weights(params)
-    cache = init_cache(self.config, 1, self.config.max_target_length)
+    # Not a ring even for a windowed model: a later prompt would overwrite an earlier one's last entries.
+    cache = init_cache(self.config, 1, max(tokens.shape[0], self.config.max_target_length), ring=False)
     logits, cache = self.model.cached_forward(params, cache, tokens[None], positions[None], segment_ids[None])
     prefixes = []
     for i, rng in enumerate(jax.random.split(rng, len(offsets))):
       last = logits[0, offsets[i] + lengths[i] - 1]
       one = _split_packed(cache, offsets[i], lengths[i], sequence_axis=1)
+      if kv_cache.window(self.config):
+        one = _to_ring(self.config, one, lengths[i])
       prefixes.append(Prefix(self._stacked(one), self._sample(last, rng), lengths[i], last))
     return prefixes
 
@@ -394,7 +400,7 @@ class Engine:
   # --- decode slots -----------------------------------------------------------------------------
 
   def init_decode_state(self) -> DecodeState:
-    """`max_concurrent_decodes` empty slots, each with a cache of max_target_length tokens, sharded."""
+    """`max_concurrent_decodes` empty slots, each with a cache of max_target_length tokens (or a window's ring), sharded."""
     return self._init_decode_state()
 
   def _abstract_decode_state(self) -> DecodeState:
@@ -497,6 +503,22 @@ def _split_packed(cache: Params, offset, length, *, sequence_axis: int) -> Param
     else:
       flat[path] = jnp.where(visible, jnp.roll(leaf, -offset, axis=sequence_axis), jnp.zeros((), leaf.dtype))
   return canonical.unflatten(flat)
+
+
+def _to_ring(config: Config, cache: Params, length) -> Params:
+  """One prompt's cache, its `length` entries at the front of a longer buffer -> the ring its own prefill leaves."""
+  flat, ring = canonical.flatten(cache), canonical.flatten(init_cache(config, 1, config.max_target_length))
+  for layer in {path.rsplit("/", 1)[0] for path in flat}:
+    entries = {path.rsplit("/", 1)[1]: leaf for path, leaf in flat.items() if path.startswith(layer + "/")}
+    empty = {name: ring[f"{layer}/{name}"] for name in entries}
+    written = kv_cache.ring_append(
+        empty,
+        {name: leaf for name, leaf in entries.items() if name not in kv_cache.BOOKKEEPING},
+        entries[kv_cache.POSITIONS],
+        entries[kv_cache.SEGMENT_IDS],
+    )
+    flat.update({f"{layer}/{name}": leaf for name, leaf in written.items()})
+  return _set_cache_index(canonical.unflatten(flat), length)
 
 
 def _set_cache_index(cache: Params, value) -> Params:

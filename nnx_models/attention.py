@@ -48,7 +48,9 @@ class Attention(nnx.Module):
     query = rotary.apply_rotary(query, positions, max_timescale=cfg.rope_max_timescale, scaling=cfg.rope_scaling)
     key = rotary.apply_rotary(key, positions, max_timescale=cfg.rope_max_timescale, scaling=cfg.rope_scaling)
     scale = None if initializers.query_kernel_carries_scale(cfg) else cfg.head_dim**-0.5
-    (key, value), kv = update_cache(self, {"cached_key": key, "cached_value": value}, positions, segment_ids)
+    (key, value), kv = update_cache(
+        self, {"cached_key": key, "cached_value": value}, positions, segment_ids, ring=bool(kv_cache.window(cfg))
+    )
     out, per_layer = attention.self_attention(
         query,
         key,
@@ -64,17 +66,20 @@ class Attention(nnx.Module):
 
 
 def update_cache(
-    module: nnx.Module, new: dict[str, jax.Array], positions: jax.Array, segment_ids: jax.Array
+    module: nnx.Module, new: dict[str, jax.Array], positions: jax.Array, segment_ids: jax.Array, *, ring: bool = False
 ) -> tuple[tuple[jax.Array, ...], dict[str, jax.Array]]:
   """(what attention reads for each of `new`'s entries, in order; the keyword arguments masking that read).
 
   While decoding, appends `new` ({name: [B, T, ...]}) to `module`'s cache and
-  reads all of it (`ops.kv_cache.read`); else `new`'s own values and no keywords.
+  reads all of it (`ops.kv_cache.update`; `ring` for a windowed layer's ring);
+  else `new`'s own values and no keywords.
   """
   if not hasattr(module, kv_cache.INDEX):
     return tuple(new.values()), {}
   names = (*new, kv_cache.POSITIONS, kv_cache.SEGMENT_IDS, kv_cache.INDEX)
-  cache = kv_cache.append({name: getattr(module, name)[...] for name in names}, new, positions, segment_ids)
+  cache, values, keywords = kv_cache.update(
+      {name: getattr(module, name)[...] for name in names}, new, positions, segment_ids, ring=ring
+  )
   for name, value in cache.items():
     getattr(module, name)[...] = value
-  return kv_cache.read(cache, new)
+  return values, keywords

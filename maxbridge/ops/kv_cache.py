@@ -7,6 +7,13 @@ from positions exactly as an uncached one is (`ops.attention.attention_mask`).
 Entries never written have segment 0, which no query has: they are invisible.
 `cache_index` [B] is where a row's next tokens are written, so a row may hold
 several packed prompts, or prompt padding that decoding writes over.
+
+A layer with a sliding window W (Mistral's `sliding_window_size`) keeps a ring
+of W entries per row, as MaxText's and Hugging Face's rolling caches do: token
+i of a row lands at `i mod W`, so memory stays bounded however long it decodes.
+The mask needs no change (an entry carries its own position), but a chunk of
+several tokens reads the cache as it was *before* the write, plus itself: the
+ring overwrites entries that the chunk's first tokens still see.
 """
 
 from typing import Mapping
@@ -17,6 +24,7 @@ import jax.numpy as jnp
 POSITIONS = "cache_positions"
 SEGMENT_IDS = "cache_segment_ids"
 INDEX = "cache_index"
+BOOKKEEPING = (POSITIONS, SEGMENT_IDS, INDEX)
 
 # Each entry's shape after [batch, length], and its logical axes with them.
 _ENTRY_AXES = {
@@ -42,9 +50,16 @@ def entries(config) -> dict[str, tuple[int, ...]]:
   return {"cached_key": (kv_heads, config.head_dim), "cached_value": (kv_heads, config.head_dim)}
 
 
-def abstract(config, batch: int, length: int) -> dict[str, jax.ShapeDtypeStruct]:
-  """One layer's empty cache of `length` tokens per row, as shapes."""
+def window(config) -> int:
+  """The ring length of `config`'s layers (its sliding window), or 0 for a cache of every token."""
+  return config.sliding_window_size
+
+
+def abstract(config, batch: int, length: int, *, ring: bool = True) -> dict[str, jax.ShapeDtypeStruct]:
+  """One layer's empty cache for rows of `length` tokens, as shapes: `length` entries, or (`ring`) a window's."""
   dtype = jnp.dtype(config.dtype)
+  if ring and window(config):
+    length = min(length, window(config))
   out = {name: jax.ShapeDtypeStruct((batch, length, *shape), dtype) for name, shape in entries(config).items()}
   out[POSITIONS] = out[SEGMENT_IDS] = jax.ShapeDtypeStruct((batch, length), jnp.int32)
   out[INDEX] = jax.ShapeDtypeStruct((batch,), jnp.int32)
@@ -82,6 +97,69 @@ def append(
   out[POSITIONS] = write(cache[POSITIONS], positions)
   out[SEGMENT_IDS] = write(cache[SEGMENT_IDS], segment_ids)
   out[INDEX] = index + positions.shape[1]
+  return out
+
+
+def update(
+    cache: Mapping[str, jax.Array],
+    new: Mapping[str, jax.Array],
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    ring: bool = False,
+) -> tuple[dict[str, jax.Array], tuple[jax.Array, ...], dict[str, jax.Array]]:
+  """(the updated cache; what attention reads for each of `new`'s entries, in order; the keywords masking it).
+
+  Without `ring`, `append` then `read`. With `ring` (a windowed layer's cache),
+  one token per row is written at index mod length and the ring is read; a
+  chunk writes only its last real tokens (`ring_append`) and reads the cache as
+  it was, followed by the chunk itself.
+  """
+  if not ring:
+    out = append(cache, new, positions, segment_ids)
+    return (out, *read(out, new))
+  out = ring_append(cache, new, positions, segment_ids)
+  if positions.shape[1] == 1:
+    return (out, *read(out, new))
+  values = tuple(jnp.concatenate([cache[name], new[name].astype(cache[name].dtype)], axis=1) for name in new)
+  keywords = dict(
+      kv_segment_ids=jnp.concatenate([cache[SEGMENT_IDS], segment_ids], axis=1),
+      kv_positions=jnp.concatenate([cache[POSITIONS], positions], axis=1),
+  )
+  return out, values, keywords
+
+
+def ring_append(
+    cache: Mapping[str, jax.Array], new: Mapping[str, jax.Array], positions: jax.Array, segment_ids: jax.Array
+) -> dict[str, jax.Array]:
+  """`append` into a ring of L entries per row: the row's token i (counted by `cache_index`) lands at i mod L.
+
+  A chunk's real tokens are its leading ones (padding, segment 0, trails them;
+  the engine then sets the index to the true length), and only the last L real
+  tokens survive: entry s gets the last real token i with i mod L == s, or
+  keeps its old value when the chunk has none.
+  """
+  index = cache[INDEX]
+  length, steps = cache[SEGMENT_IDS].shape[1], positions.shape[1]
+  if steps == 1:
+    return append({**cache, INDEX: index % length}, new, positions, segment_ids) | {INDEX: index + 1}
+  real = jnp.sum(segment_ids != 0, axis=1, dtype=jnp.int32)[:, None]  # [B, 1]
+  slots = jnp.arange(length, dtype=jnp.int32)[None]  # [1, L]
+  source = real - 1 - jnp.mod(real - 1 - (slots - index[:, None]), length)  # [B, L], < 0: none
+  written = source >= 0
+  source = jnp.clip(source, 0, steps - 1)
+
+  def write(buffer: jax.Array, values: jax.Array) -> jax.Array:
+    trailing = (1,) * (buffer.ndim - 2)
+    taken = jnp.take_along_axis(values.astype(buffer.dtype), source.reshape(*source.shape, *trailing), axis=1)
+    return jnp.where(written.reshape(*written.shape, *trailing), taken, buffer)
+
+  out = dict(cache)
+  for name, values in new.items():
+    out[name] = write(cache[name], values)
+  out[POSITIONS] = write(cache[POSITIONS], positions)
+  out[SEGMENT_IDS] = write(cache[SEGMENT_IDS], segment_ids)
+  out[INDEX] = index + steps
   return out
 
 
