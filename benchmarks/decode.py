@@ -1,19 +1,26 @@
 """Decoding throughput: the KV-cache engine (NNX vs Linen), the full-recompute loop, and Hugging Face eager generate.
 
     .venv/bin/python benchmarks/decode.py [--preset llama-small] [--batch 1 8] [--prompt 128] [--new 128]
-                                          [--skip-recompute] [--skip-hf] [--repeats 5]
+                                          [--skip-recompute] [--skip-hf] [--rounds 5]
 
 One process, one set of weights (llama-small, random init). The engine
 prefills each prompt, inserts it into a slot, then generates `new - 1` steps
-for all slots at once in one compiled loop (`generate_steps`); prefill and decode tokens/s are timed apart, after a
-compile run, best of --repeats interleaved runs. The recompute loop is the pre-engine `Model.generate`
-(`model.generate_by_recompute`). Hugging Face: the same weights exported with
-`export-hf`, `transformers` eager `generate` with its KV cache on torch CPU.
+for all slots at once in one compiled loop (`generate_steps`). Hugging Face:
+the same weights exported with `export-hf`, `transformers` eager `generate`
+with its KV cache on torch CPU, torch's intra-op threads set to the cores JAX's
+CPU client uses (all of this process's). The two engines and Hugging Face run
+interleaved (`bench.interleaved`: every round runs each once, in a fresh random
+order), and each ratio is the median of per-round ratios (`bench.median_ratio`),
+so load on a shared machine lands on all alike. Hugging Face's prefill is timed
+as `generate(max_new_tokens=1)` in the same rounds, its decode as the rest.
+The recompute loop (the pre-engine `Model.generate`) is timed once, after.
 Targets: NNX/Linen >= 0.98; engine >= 2x Hugging Face.
 """
 
 import argparse
 import functools
+import os
+import statistics
 import tempfile
 import time
 
@@ -22,13 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import maxbridge as mb
-from maxbridge import engine, hf, model as model_lib
+from maxbridge import bench, engine, hf, model as model_lib
 
 BACKENDS = {"linen": (False, False, False), "nnx": (True, True, True)}
 
 
 def time_engine(eng: engine.Engine, prompts: np.ndarray, new: int) -> tuple[float, float, np.ndarray]:
-  """(prefill tokens/s, decode tokens/s, the generated tokens [B, new])."""
+  """(prefill seconds, decode seconds, the generated tokens [B, new])."""
   start = time.perf_counter()
   state = eng.init_decode_state()
   for slot, prompt in enumerate(prompts):
@@ -41,9 +48,7 @@ def time_engine(eng: engine.Engine, prompts: np.ndarray, new: int) -> tuple[floa
   state, tokens = eng.generate_steps(state, new - 1)
   tokens = np.asarray(tokens)
   decode_s = time.perf_counter() - start
-  batch = len(prompts)
-  out = np.concatenate([first[:, None], tokens], axis=1)[:batch]
-  return batch * prompts.shape[1] / prefill_s, batch * (new - 1) / decode_s, out
+  return prefill_s, decode_s, np.concatenate([first[:, None], tokens], axis=1)[: len(prompts)]
 
 
 def main() -> None:
@@ -54,13 +59,15 @@ def main() -> None:
   parser.add_argument("--new", type=int, default=128)
   parser.add_argument("--skip-recompute", action="store_true")
   parser.add_argument("--skip-hf", action="store_true")
-  parser.add_argument("--repeats", type=int, default=5, help="timed runs of each; the best counts")
+  parser.add_argument("--rounds", type=int, default=5, help="interleaved timed rounds; medians count")
   args = parser.parse_args()
 
+  threads = len(os.sched_getaffinity(0))  # XLA's CPU client runs one intra-op thread per core it may use
   print(
-      f"{args.preset}, prompt {args.prompt}, {args.new} new tokens, {jax.device_count()} {jax.default_backend()} device(s)"
+      f"{args.preset}, prompt {args.prompt}, {args.new} new tokens, {jax.device_count()} {jax.default_backend()} "
+      f"device(s), {threads} cores, load {os.getloadavg()[0]:.1f}; median of {args.rounds} interleaved rounds"
   )
-  print(f"{'batch':>5} {'what':>22} {'prefill tok/s':>14} {'decode tok/s':>13} {'ratio (prefill / decode)':>24}")
+  print(f"{'batch':>5} {'what':>22} {'prefill tok/s':>14} {'decode tok/s':>13} {'end-to-end tok/s':>17}  ratios")
   for batch in args.batch:
     overrides = dict(
         max_prefill_predict_length=args.prompt, max_target_length=args.prompt + args.new, per_device_batch_size=batch
@@ -72,19 +79,74 @@ def main() -> None:
         name: engine.Engine(base.replace(**dict(zip(("pure_nnx", "enable_nnx", "pure_nnx_decoder"), flags))), params)
         for name, flags in BACKENDS.items()
     }
-    for eng in engines.values():
-      time_engine(eng, prompts, args.new)  # compile
-    # Interleaved and best of --repeats: on a shared machine the load moves between runs.
-    rates, outputs = {name: [0.0, 0.0] for name in BACKENDS}, {}
-    for _ in range(args.repeats):
-      for name, eng in engines.items():
-        prefill, decode, outputs[name] = time_engine(eng, prompts, args.new)
-        rates[name] = [max(rates[name][0], prefill), max(rates[name][1], decode)]
-    np.testing.assert_array_equal(outputs["nnx"], outputs["linen"])
+    parts, outputs, timers = {}, {}, {}
+
+    def engine_timer(name):
+      def timer():
+        prefill_s, decode_s, outputs[name] = time_engine(engines[name], prompts, args.new)
+        parts.setdefault(name, []).append((prefill_s, decode_s))
+        return prefill_s + decode_s
+
+      return timer
+
     for name in BACKENDS:
-      ratio = f"{rates[name][0] / rates['linen'][0]:.3f}x / {rates[name][1] / rates['linen'][1]:.3f}x linen"
-      print(f"{batch:>5} {'engine ' + name:>22} {rates[name][0]:>14.0f} {rates[name][1]:>13.1f} {ratio:>24}")
-    decode_rate = rates["linen"][1]
+      timers[name] = engine_timer(name)
+    if not args.skip_hf:
+      import torch  # pylint: disable=import-outside-toplevel
+      import transformers  # pylint: disable=import-outside-toplevel
+
+      torch.set_num_threads(threads)
+      with tempfile.TemporaryDirectory() as folder:
+        hf.save_hf(params, base, f"{folder}/model")
+        torch_model = transformers.AutoModelForCausalLM.from_pretrained(f"{folder}/model", torch_dtype=torch.float32)
+      torch_model.eval()
+      ids = torch.tensor(prompts, dtype=torch.long)
+
+      def hf_timer(new):
+        def timer():
+          kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, use_cache=True)
+          start = time.perf_counter()
+          with torch.no_grad():
+            outputs["hf" if new > 1 else "hf prefill"] = torch_model.generate(ids, **kwargs)
+          return time.perf_counter() - start
+
+        return timer
+
+      timers["hf"], timers["hf prefill"] = hf_timer(args.new), hf_timer(1)
+    times = bench.interleaved(timers, args.rounds, warmup=1)
+    for name in BACKENDS:
+      parts[name] = parts[name][1:]  # the warm-up (compile) run
+    np.testing.assert_array_equal(outputs["nnx"], outputs["linen"])
+
+    def rates(prefill_s, decode_s, total_s):
+      return (batch * args.prompt / prefill_s, batch * (args.new - 1) / decode_s, batch * args.new / total_s)
+
+    def row(what, rate, ratios):
+      cells = [(f"{r:{w}.{d}f}" if r is not None else " " * w) for r, w, d in zip(rate, (14, 13, 17), (0, 1, 1))]
+      print(f"{batch:>5} {what:>22} {' '.join(cells)}  {ratios}")
+
+    medians = {name: [statistics.median(p[i] for p in parts[name]) for i in (0, 1)] for name in BACKENDS}
+    for name in BACKENDS:
+      prefill, decode = (bench.median_ratio([p[i] for p in parts["linen"]], [p[i] for p in parts[name]]) for i in (0, 1))
+      row(
+          f"engine {name}",
+          rates(*medians[name], statistics.median(times[name])),
+          f"{prefill:.3f}x prefill, {decode:.3f}x decode of linen",
+      )
+    if not args.skip_hf:
+      hf_decode = [total - prefill for total, prefill in zip(times["hf"], times["hf prefill"])]
+      same = np.mean(outputs["hf"][:, args.prompt :].numpy() == outputs["linen"])
+      for name in BACKENDS:
+        engine_decode = [p[1] for p in parts[name]]
+        print(
+            f"{'':>5} {'engine ' + name + ' / HF':>22} end-to-end {bench.median_ratio(times['hf'], times[name]):.2f}x, "
+            f"decode {bench.median_ratio(hf_decode, engine_decode):.2f}x"
+        )
+      row(
+          "HF eager (torch CPU)",
+          rates(statistics.median(times["hf prefill"]), statistics.median(hf_decode), statistics.median(times["hf"])),
+          f"{same:.0%} tokens equal to the engine's; torch threads {torch.get_num_threads()}",
+      )
     if not args.skip_recompute:
       model, unrolled = engines["linen"].model, engines["linen"].params  # as the engine runs them
       run = jax.jit(
@@ -96,29 +158,9 @@ def main() -> None:
       jax.block_until_ready(call())
       start = time.perf_counter()
       jax.block_until_ready(call())
-      rate = batch * args.new / (time.perf_counter() - start)
-      print(f"{batch:>5} {'full recompute':>22} {'':>14} {rate:>13.1f} {decode_rate / rate:>10.2f}x <")
-    if not args.skip_hf:
-      import torch  # pylint: disable=import-outside-toplevel
-      import transformers  # pylint: disable=import-outside-toplevel
-
-      with tempfile.TemporaryDirectory() as folder:
-        hf.save_hf(params, base, f"{folder}/model")
-        torch_model = transformers.AutoModelForCausalLM.from_pretrained(f"{folder}/model", torch_dtype=torch.float32)
-      torch_model.eval()
-      ids = torch.tensor(prompts, dtype=torch.long)
-      kwargs = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, use_cache=True)
-      rate = 0.0
-      with torch.no_grad():
-        torch_model.generate(ids, **kwargs)
-        for _ in range(args.repeats):
-          start = time.perf_counter()
-          hf_out = torch_model.generate(ids, **kwargs)
-          rate = max(rate, batch * args.new / (time.perf_counter() - start))
-      same = np.mean(hf_out[:, args.prompt :].numpy() == outputs["linen"])
-      print(
-          f"{batch:>5} {'HF eager (torch CPU)':>22} {'':>14} {rate:>13.1f} {decode_rate / rate:>10.2f}x <  ({same:.0%} tokens equal)"
-      )
+      seconds = time.perf_counter() - start
+      engine_s = statistics.median(times["linen"])
+      row("full recompute", (None, None, batch * args.new / seconds), f"engine linen {seconds / engine_s:.1f}x faster")
 
 
 if __name__ == "__main__":
