@@ -18,8 +18,12 @@ $(STAMP): setup.py constraints.txt $(wildcard */__init__.py) | $(PYTHON)
 run: $(STAMP)
 	$(PYTHON) examples/linen_to_nnx_flip.py
 
+# --dist loadfile: each test file runs on one worker, so its module fixtures (compiled models,
+# the 8-device subprocess) are built once, not once per worker. (xdist_group marks would do
+# this per group, but xdist 3.8 loses them under pytest 9.2: it renames `item._nodeid`, which
+# pytest 9.2 no longer reads.)
 test: $(STAMP)
-	$(PYTHON) -m pytest -q -n 2 --dist loadgroup --durations=15 tests
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
 format: $(STAMP)
 	$(VENV)/bin/pyink .
@@ -47,4 +51,4 @@ test-newest:
 	$(NEWEST)/bin/pip freeze | grep -iE '^(jax|jaxlib|flax)==' > $(NEWEST)/after.txt
 	@diff $(NEWEST)/before.txt $(NEWEST)/after.txt || { echo "installing maxbridge changed jax/flax"; exit 1; }
 	@echo "newest leg:" $$(cat $(NEWEST)/after.txt)
-	$(NEWEST)/bin/python -m pytest -q -n 2 --dist loadgroup tests/test_parity.py tests/test_bridge.py tests/test_train.py tests/test_converters.py
+	$(NEWEST)/bin/python -m pytest -q -n 2 --dist loadfile tests/test_parity.py tests/test_bridge.py tests/test_train.py tests/test_converters.py

@@ -100,7 +100,7 @@ def create_model(config: Config, seed: int | None = None, *, params: Mapping[str
   Given `params` (a canonical tree, e.g. an imported checkpoint), the model
   takes those instead and no initial values are ever computed.
   """
-  model = _abstract_model(config)
+  model = abstract_model(config)
   if params is None and quantization.serves_quantized(config):
     # A serve model starts from the float model of the same seed, converted.
     params = quantize_params(
@@ -120,7 +120,7 @@ def create_model(config: Config, seed: int | None = None, *, params: Mapping[str
   return model
 
 
-def _abstract_model(config: Config) -> Model:
+def abstract_model(config: Config) -> Model:
   """The model for `config`, its parameters not yet written (NNX: abstract; Linen: none held)."""
   if config.pure_nnx:
     # Abstract: the real values are written once, by load_params.
@@ -144,9 +144,9 @@ def quantize_params(config: Config, params: Mapping[str, Any]) -> dict[str, Any]
     )
   if quantization.is_serve_tree(params):
     raise ValueError("these parameters are already quantized (kernel_qvalue/kernel_scale in place of float kernels)")
-  float_abstract = _abstract_model(config.replace(quantization="", checkpoint_is_quantized=False)).abstract_params()
+  float_abstract = abstract_model(config.replace(quantization="", checkpoint_is_quantized=False)).abstract_params()
   params = canonical.conform(params, float_abstract, config.param_scan_axis)
-  return quantization.convert(config, params, _abstract_model(config).abstract_params())
+  return quantization.convert(config, params, abstract_model(config).abstract_params())
 
 
 @functools.lru_cache(maxsize=16)

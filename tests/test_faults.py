@@ -28,9 +28,6 @@ import maxbridge as mb
 from maxbridge import checkpointing, cli, data, files, hf
 from maxbridge.config import ConfigError
 
-# One worker for the whole file: its fixtures (a trained run, a model, a compilation cache) are shared.
-pytestmark = pytest.mark.xdist_group("faults")
-
 REPO = Path(__file__).resolve().parent.parent
 # Run-only keys differ between runs below; everything a step computes is the same.
 RUN = dict(steps=3, per_device_batch_size=2, checkpoint_period=1, eval_interval=0)

@@ -10,7 +10,7 @@ import pytest
 
 import maxbridge as mb
 from maxbridge import data, dispatch
-from maxbridge.config import ConfigError
+from maxbridge.config import GRPO_REWARDS, ConfigError
 from maxbridge.loss import Forward
 from maxbridge.posttrain import grpo
 from conftest import tiny_config
@@ -22,6 +22,8 @@ def test_the_built_in_rewards_score_answer_and_format():
   assert grpo.exact_match_reward("12+7=", "19 and more") == 0.0
   assert grpo.format_reward("12+7=", "18\n") == 1.0 and grpo.format_reward("12+7=", "18\n\n") == 0.0
   assert grpo.builtin_reward("1+1=", "2\n") == pytest.approx(1.1)
+  # The config validates reward names without importing JAX, so it keeps its own list of them.
+  assert sorted(grpo.REWARDS) == sorted(GRPO_REWARDS)
 
 
 def test_advantages_are_zero_mean_and_unit_scale_within_each_group():

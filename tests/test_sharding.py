@@ -18,8 +18,6 @@ from maxbridge import sharding
 from maxbridge.config import ConfigError
 
 HERE = Path(__file__).parent
-# One worker runs this whole module, so the 8-device report is computed once.
-pytestmark = pytest.mark.xdist_group("multidevice")
 
 
 @pytest.fixture(scope="module")

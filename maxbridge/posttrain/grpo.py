@@ -187,7 +187,7 @@ def _sampler(trainer) -> Callable:
   if trainer not in _SAMPLERS:
     config = trainer.config
     # Abstract (no parameters of its own): `sample` runs it on the policy's parameters.
-    decoder = dispatch._abstract_model(engine.decode_config(config))  # pylint: disable=protected-access
+    decoder = dispatch.abstract_model(engine.decode_config(config))
     abstract = decoder.abstract_params()
     new_tokens = config.max_target_length - config.max_prefill_predict_length
 
