@@ -22,15 +22,13 @@ STEPS = 5
 
 
 def make_engine(preset: str, flags, **overrides) -> engine.Engine:
+  """Two decode slots, prompts up to 16 tokens, rows of 32 (`overrides` win)."""
   config = mb.load_config(
       preset,
       pure_nnx=flags[0],
       enable_nnx=flags[1],
       pure_nnx_decoder=flags[2],
-      per_device_batch_size=2,
-      max_prefill_predict_length=16,
-      max_target_length=32,
-      **overrides,
+      **{"per_device_batch_size": 2, "max_prefill_predict_length": 16, "max_target_length": 32, **overrides},
   )
   return engine.Engine(config, mb.create_model(config, seed=0).params())
 

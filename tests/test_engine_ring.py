@@ -5,10 +5,9 @@ import functools
 import numpy as np
 import pytest
 
-import maxbridge as mb
 from maxbridge import canonical, engine
+from test_engine import LINEN, NNX, make_engine
 
-LINEN, NNX = (False, False, False), (True, True, True)
 WINDOW = 8  # mistral-tiny's sliding_window_size
 # The longer prompt is over one window (its prefill chunk wraps the ring), and both
 # decode past twice the window: every ring entry is overwritten at least twice.
@@ -18,16 +17,7 @@ STEPS = 14
 
 @functools.lru_cache(maxsize=None)
 def ring_decode(flags) -> dict:
-  config = mb.load_config(
-      "mistral-tiny",
-      pure_nnx=flags[0],
-      enable_nnx=flags[1],
-      pure_nnx_decoder=flags[2],
-      per_device_batch_size=2,
-      max_prefill_predict_length=16,
-      max_target_length=40,
-  )
-  eng = engine.Engine(config, mb.create_model(config, seed=0).params())
+  eng = make_engine("mistral-tiny", flags, max_target_length=40)
   state = eng.init_decode_state()
   for slot, prompt in enumerate(PROMPTS):
     state = eng.insert(eng.prefill(prompt), state, slot)
