@@ -238,9 +238,10 @@ def _action(step: plan.Step, reader, source: storage.Source, job: _Job) -> _Rela
     return _Relabel({first: outputs[0][0]}, [], {})
   if step.op == "unstack" and storage.per_layer(meta := source.zarray(first), axis):
     zarrays = {
-        name: {**meta, "shape": list(leaf.shape), "chunks": _without(meta["chunks"], axis)} for name, leaf in outputs
+        name: {**meta, "shape": list(leaf.shape), "chunks": plan.without_axis(meta["chunks"], axis)}
+        for name, leaf in outputs
     }
-    moves = [(first, index, outputs[index[axis]][0], tuple(_without(index, axis))) for index in source.chunks(first)]
+    moves = [(first, index, outputs[index[axis]][0], plan.without_axis(index, axis)) for index in source.chunks(first)]
     return _Relabel({}, moves, zarrays)
   if step.op == "stack" and _alike(metas := [source.zarray(n) for n in step.inputs]):
     ((name, leaf),) = outputs
@@ -288,10 +289,6 @@ def _start(reader, source: storage.Source, actions, items: Path, block_bytes: in
     for name, meta in action.zarrays.items():
       dest.describe(name, meta)
   return dest
-
-
-def _without(values, axis: int) -> list:
-  return list(values[:axis]) + list(values[axis + 1 :])
 
 
 def _alike(metas: list[dict | None]) -> bool:

@@ -10,7 +10,7 @@ is read or written, with a message naming the path and shape at fault.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -104,7 +104,7 @@ def _from_stacks(stacked, scanned, axis, source_axis, cast, num_layers) -> list[
   counts = _stack_counts(stacked, source_axis, num_layers)
   steps = []
   for path, leaf in stacked.items():
-    layer = Leaf(_without(leaf.shape, source_axis), leaf.dtype)
+    layer = Leaf(without_axis(leaf.shape, source_axis), leaf.dtype)
     if scanned is False:
       count = counts[canonical.stack_name(path)]
       outputs = tuple((canonical.layer_path(path, i), cast(layer)) for i in range(count))
@@ -148,8 +148,9 @@ def path_order(path: str) -> tuple:
   return (group, found[0], found[1]) if found else (group, path, -1)
 
 
-def _without(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
-  return shape[:axis] + shape[axis + 1 :]
+def without_axis(values: Sequence, axis: int) -> Sequence:
+  """A shape (or chunk shape, or chunk index) without entry `axis`, as the same type."""
+  return values[:axis] + values[axis + 1 :]
 
 
 def _with(shape: tuple[int, ...], axis: int, count: int, path: str) -> tuple[int, ...]:

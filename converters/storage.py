@@ -37,6 +37,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
+from converters.plan import without_axis
 from maxbridge.checkpointing import ITEM, CheckpointReader
 
 # Written synchronously file by file, tensorstore fsyncs every OCDBT commit
@@ -173,10 +174,10 @@ class Source:
       return meta, chunks
     if not per_layer(meta, axis):
       return None
-    meta = {**meta, "shape": _drop(meta["shape"], axis), "chunks": _drop(meta["chunks"], axis)}
+    meta = {**meta, "shape": without_axis(meta["shape"], axis), "chunks": without_axis(meta["chunks"], axis)}
     ndim = len(meta["shape"]) + 1
     indices = {k: tuple(int(i) for i in k.split("."))[:ndim] for k in chunks}
-    return meta, {_chunk_key("", _drop(i, axis))[1:]: chunks[k] for k, i in indices.items() if i[axis] == layer}
+    return meta, {_chunk_key("", without_axis(i, axis))[1:]: chunks[k] for k, i in indices.items() if i[axis] == layer}
 
 
 def same_bytes(a: Source, view_a: tuple, b: Source, view_b: tuple) -> bool:
@@ -197,10 +198,6 @@ def same_bytes(a: Source, view_a: tuple, b: Source, view_b: tuple) -> bool:
     elif any(x != y for x, y in zip(pieces_a, pieces_b)):
       return False
   return True
-
-
-def _drop(values, axis: int) -> list:
-  return list(values[:axis]) + list(values[axis + 1 :])
 
 
 def _chunk_key(name: str, index: tuple[int, ...]) -> str:
