@@ -605,15 +605,6 @@ def _validate_quantization(cfg: Config) -> None:
         f"config key 'quantization' = {cfg.quantization!r} is not supported with use_qwix_quantization="
         f"{str(cfg.use_qwix_quantization).lower()} ({library}); valid values: {listed}"
     )
-  flags = (cfg.pure_nnx, cfg.enable_nnx, cfg.pure_nnx_decoder)
-  # Serving needs no interception (the layers hold frozen weights): any flags.
-  if cfg.use_qwix_quantization and cfg.quantization and not cfg.checkpoint_is_quantized and len(set(flags)) != 1:
-    raise ConfigError(
-        "use_qwix_quantization=true needs pure Linen or pure NNX: pure_nnx, enable_nnx and pure_nnx_decoder "
-        f"all false or all true (got {', '.join(str(f).lower() for f in flags)}). Qwix finds each matmul's "
-        "weights through the module running it, which a ToNNX/ToLinen boundary hides; AQT works with any flags, and so does serving a quantized checkpoint "
-        "(checkpoint_is_quantized=true)"
-    )
   if cfg.checkpoint_is_quantized and not cfg.quantization:
     raise ConfigError(
         "checkpoint_is_quantized=true needs the quantization its weights were made with: set quantization "

@@ -57,39 +57,42 @@ def _decoder_sample_inputs(config: Config) -> tuple:
   return x, positions, segment_ids, table if config.logits_via_embedding else None
 
 
+# Qwix (`quantization.quantize_linen` / `quantize_nnx`) intercepts the
+# decoder, in the decoder's own backend: it finds a matmul's weights through
+# the module running it, which a ToNNX/ToLinen boundary would hide from an
+# interception of the whole model. The top-level model's own ops (the
+# embedding lookup) are outside the rules anyway.
 def linen_decoder(config: Config) -> nn.Module:
   if config.pure_nnx_decoder:
-    return bridge.ToLinen(nnx_decoders.Decoder, kwargs=FrozenDict(config=config))
-  return linen_decoders.Decoder(config)
+    return bridge.ToLinen(quantized_nnx_decoder, kwargs=FrozenDict(config=config))
+  return quantization.quantize_linen(config, linen_decoders.Decoder(config), decoder_path="decoder")
+
+
+def quantized_nnx_decoder(config: Config, *, rngs: nnx.Rngs) -> nnx.Module:
+  """The NNX `Decoder`, quantized by Qwix when the config asks."""
+  return quantization.quantize_nnx(config, nnx_decoders.Decoder(config, rngs=rngs))
 
 
 def nnx_decoder(config: Config, rngs: nnx.Rngs) -> nnx.Module:
   if config.pure_nnx_decoder:
-    return nnx_decoders.Decoder(config, rngs=rngs)
-  return bridge.ToNNX(linen_decoders.Decoder(config), rngs=rngs).lazy_init(*_decoder_sample_inputs(config))
+    return quantized_nnx_decoder(config, rngs=rngs)
+  decoder = quantization.quantize_linen(config, linen_decoders.Decoder(config), decoder_path="")
+  return bridge.ToNNX(decoder, rngs=rngs).lazy_init(*_decoder_sample_inputs(config))
 
 
-def _linen_transformer(config: Config) -> nn.Module:
+def linen_transformer(config: Config) -> nn.Module:
+  """The Linen top-level model: a Linen Transformer, or an NNX one behind a ToLinen."""
   if config.enable_nnx:
     factory = functools.partial(nnx_decoder, config)
     return bridge.ToLinen(nnx_models.Transformer, kwargs=FrozenDict(config=config, decoder_factory=factory))
   return linen_models.Transformer(config, decoder=linen_decoder(config))
 
 
-def _nnx_transformer(config: Config, rngs: nnx.Rngs) -> nnx.Module:
+def nnx_transformer(config: Config, rngs: nnx.Rngs) -> nnx.Module:
+  """The NNX top-level model: an NNX Transformer, or a Linen one behind a ToNNX."""
   if config.enable_nnx:
     return nnx_models.Transformer(config, functools.partial(nnx_decoder, config), rngs=rngs)
-  return bridge.ToNNX(_linen_transformer(config), rngs=rngs).lazy_init(*sample_inputs(config))
-
-
-# The top-level model of each train-state backend, quantized here (Qwix) when
-# the config asks: interception wraps the whole model, never a layer.
-def linen_transformer(config: Config) -> nn.Module:
-  return quantization.quantize_linen(config, _linen_transformer(config))
-
-
-def nnx_transformer(config: Config, rngs: nnx.Rngs) -> nnx.Module:
-  return quantization.quantize_nnx(config, _nnx_transformer(config, rngs), *sample_inputs(config))
+  return bridge.ToNNX(linen_transformer(config), rngs=rngs).lazy_init(*sample_inputs(config))
 
 
 def create_model(config: Config, seed: int | None = None, *, params: Mapping[str, Any] | None = None) -> Model:

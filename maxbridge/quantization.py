@@ -13,12 +13,13 @@ run AQT's `dg_core_vjp_fwd` / `dg_core_vjp_bwd`, so the two backends give the
 same numbers. Gradients are rounded to nearest, not stochastically: no
 random key is needed, so a step is a pure function of state and batch.
 
-Qwix (`use_qwix_quantization=true`) intercepts the matmuls of a whole model,
-so layers need no hook at all: `dispatch` hands the top-level model to
-`quantize_linen` or `quantize_nnx`. QAT (weights quantized on the fly, no
-state beyond the float model's) for pure Linen or pure NNX flags: Qwix finds
-a matmul's weights and rule by the module running it, which a ToNNX/ToLinen
-boundary hides (config validation says so).
+Qwix (`use_qwix_quantization=true`) intercepts the matmuls of the decoder,
+so layers need no hook at all: `dispatch` hands the decoder, in its own
+backend, to `quantize_linen` or `quantize_nnx`. QAT (weights quantized on the
+fly, no state beyond the float model's) in every flag combination: Qwix finds
+a matmul's weights and rule through the module running it, so it intercepts
+below any ToNNX/ToLinen boundary, never across one, and every combination
+gives pure Linen's numbers.
 
 Serving (`checkpoint_is_quantized=true`, either library, any flags): dense
 layers hold frozen `kernel_qvalue` + `kernel_scale` instead of `kernel`
@@ -112,14 +113,18 @@ def uses_qwix(config: Config) -> bool:
   return is_quantized(config) and config.use_qwix_quantization
 
 
-def qwix_rules(config: Config) -> list:
-  """Qwix QAT rules, MaxText's: every weight matmul of the decoder; the embedding lookup stays float.
+def qwix_rules(config: Config, decoder_path: str = "decoder") -> list:
+  """Qwix QAT rules, MaxText's: every weight matmul inside the decoder; the embedding lookup stays float.
 
+  `decoder_path` is the decoder's own path as Qwix sees it: "decoder" in a
+  Linen top-level model, "" where the decoder is Qwix's root (an NNX decoder,
+  or a Linen one behind a ToNNX). Either way the rules match the modules
+  below it, and never the decoder itself (the tied head stays float).
   Only `dot_general` ops are rules' targets: the attention einsums multiply
   activations by activations, which MaxText's Qwix recipes leave in float.
   """
   q = config.quantization
-  common = dict(module_path="decoder/.*", op_names=("dot_general",))
+  common = dict(module_path=f"{decoder_path}/.+" if decoder_path else ".+", op_names=("dot_general",))
   if q == "int8":  # weights and activations, gradients too
     return [qwix.QtRule(weight_qtype=jnp.int8, act_qtype=jnp.int8, bwd_qtype=jnp.int8, **common)]
   if q == "int4":  # weight-only
@@ -129,25 +134,56 @@ def qwix_rules(config: Config) -> list:
   raise ValueError(f"Qwix quantization {q!r} is not built; valid values: 'int8', 'int4', 'fp8'")
 
 
-def quantize_linen(config: Config, module: nn.Module) -> nn.Module:
-  """`module` with its matmuls intercepted by Qwix when `config` asks for Qwix, else `module`."""
-  if not uses_qwix(config) or config.checkpoint_is_quantized:  # serving: the layers hold frozen weights
-    return module
-  return qwix.quantize_model(module, qwix.QtProvider(qwix_rules(config)))
+def quantize_linen(config: Config, decoder: nn.Module, decoder_path: str) -> nn.Module:
+  """A Linen `decoder` with its matmuls intercepted by Qwix when `config` asks for Qwix, else `decoder`.
 
-
-def quantize_nnx(config: Config, module: nnx.Module, *sample_inputs) -> nnx.Module:
-  """`module` quantized by Qwix when `config` asks for Qwix, else `module`.
-
-  Qwix runs one eager forward pass on `sample_inputs` to set the model up;
-  what that pass sows is popped, so the state is the float model's plus any
-  quantization state, never intermediates.
+  `decoder_path`: "decoder" for a child of the Linen Transformer, "" for the
+  root of a ToNNX (Linen paths start at the module `apply` runs).
   """
   if not uses_qwix(config) or config.checkpoint_is_quantized:  # serving: the layers hold frozen weights
-    return module
-  quantized = qwix.quantize_model(module, qwix.QtProvider(qwix_rules(config)), *sample_inputs)
-  nnx.pop(quantized, nnx.Intermediate)
+    return decoder
+  return qwix.quantize_model(decoder, qwix.QtProvider(qwix_rules(config, decoder_path)))
+
+
+def quantize_nnx(config: Config, decoder: nnx.Module) -> nnx.Module:
+  """An NNX `decoder` with its matmuls intercepted by Qwix when `config` asks for Qwix, else `decoder`.
+
+  Qwix's setup forward pass is skipped: it only creates state (static
+  activation scales, PTQ weights, LoRA), which these rules never ask for, and
+  it would sow intermediates into the model. So the quantized decoder's state
+  is the float decoder's, and its only additions are plain attributes (each
+  module's path, `qwix_rngs=None`).
+  """
+  if not uses_qwix(config) or config.checkpoint_is_quantized:  # serving: the layers hold frozen weights
+    return decoder
+  quantized = qwix.quantize_model(decoder, qwix.QtProvider(qwix_rules(config, "")), skip_nnx_init=True)
+  intercepted = type(quantized)
+  quantized.__class__ = type(
+      intercepted.__name__, (intercepted,), {"__call__": _hiding_linen_modules(intercepted.__call__)}
+  )
   return quantized
+
+
+def _hiding_linen_modules(method: Callable) -> Callable:
+  """`method` run with no Linen module current, so that Qwix finds the NNX module running each matmul.
+
+  Qwix asks Linen's module stack before it looks for an NNX module in the
+  call frames. Behind a ToLinen, that stack names the ToLinen for every
+  matmul: its path is not the layer's, and its scope holds none of the
+  layer's weights, so a weight would be taken for an activation (int4 then
+  leaves it float).
+  """
+
+  @functools.wraps(method)
+  def call(self, *args, **kwargs):
+    stack = nn.module._context.module_stack  # pylint: disable=protected-access
+    stack.append(None)
+    try:
+      return method(self, *args, **kwargs)
+    finally:
+      stack.pop()
+
+  return call
 
 
 # --- Weight-only storage of a frozen base (QLoRA, maxbridge/lora.py) --------------
@@ -349,11 +385,7 @@ def quantize_checkpoint(
   from maxbridge import checkpointing, dispatch, hf  # pylint: disable=import-outside-toplevel
   from maxbridge.config import ConfigError, load_config  # pylint: disable=import-outside-toplevel
 
-  # Read as the serve config when the quantization is given: Qwix QAT refuses mixed flags, serving does not.
-  # (A Hugging Face folder is read through the float model's tree: its flags are ours to choose anyway.)
   given = any(o.startswith("quantization=") and o != "quantization=" for o in overrides)
-  if given and not hf.is_hf_folder(source):
-    overrides += ("checkpoint_is_quantized=true",)
   if Path(source).is_dir():
     cfg, params = hf.load_pretrained(source, *overrides, config=config)
   else:

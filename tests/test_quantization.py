@@ -120,52 +120,63 @@ def qwix_config(flags, quantization, **overrides):
   return tiny_config(flags, quantization=quantization, use_qwix_quantization=True, **overrides)
 
 
+# Each also runs in one mixed flag combination, so that every combination (each
+# bridge direction around the decoder, and both at once) is checked once.
 @pytest.mark.parametrize(
-    "quantization,overrides",
+    "quantization,overrides,mixed",
     [
-        ("int8", {}),
-        ("int4", dict(scan_layers=False)),
-        ("fp8", dict(remat_policy="full")),
-        ("fp8", dict(remat_policy="full", scan_layers=False)),
+        ("int8", {}, (True, False, True)),  # NNX state > ToNNX(Linen model) > ToLinen(NNX decoder)
+        (
+            "int4",
+            dict(scan_layers=False),
+            (False, True, False),
+        ),  # Linen state > ToLinen(NNX model) > ToNNX(Linen decoder)
+        ("fp8", dict(remat_policy="full"), (False, False, True)),  # Linen model > ToLinen(NNX decoder)
+        ("fp8", dict(remat_policy="full", scan_layers=False), (True, True, False)),  # NNX model > ToNNX(Linen decoder)
     ],
     ids=["int8", "int4-unscanned", "fp8-remat", "fp8-remat-unscanned"],
 )
-def test_qwix_logits_and_gradients_match_between_linen_and_nnx(quantization, overrides, tokens, float_model):
-  results = []
+def test_qwix_logits_and_gradients_match_between_linen_nnx_and_mixed_flags(
+    quantization, overrides, mixed, tokens, float_model
+):
+  results = {}
   float_params = mb.create_model(tiny_config(**overrides), seed=0).abstract_params()
-  for flags in (LINEN, NNX):
+  for flags in (LINEN, NNX, mixed):
     model = mb.create_model(qwix_config(flags, quantization, **overrides), seed=0)
     assert model.abstract_params() == float_params, "QAT adds no parameters"
     loss = lambda params: model.apply(params, tokens).std()  # noqa: E731
-    results.append(jax.jit(jax.value_and_grad(lambda p: (loss(p), model.apply(p, tokens)), has_aux=True))(model.params()))
-  ((_, linen_logits), linen_grads), ((_, nnx_logits), nnx_grads) = results
-  np.testing.assert_allclose(nnx_logits, linen_logits, atol=1e-6, rtol=0)
-  linen_grads, nnx_grads = canonical.flatten(linen_grads), canonical.flatten(nnx_grads)
-  assert set(nnx_grads) == set(linen_grads)
-  for path, grad in linen_grads.items():
-    np.testing.assert_allclose(nnx_grads[path], grad, atol=1e-6, rtol=0, err_msg=path)
+    value_and_grad = jax.value_and_grad(lambda p: (loss(p), model.apply(p, tokens)), has_aux=True)
+    (_, logits), grads = jax.jit(value_and_grad)(model.params())
+    results[flags] = logits, canonical.flatten(grads)
+  linen_logits, linen_grads = results.pop(LINEN)
+  for flags, (logits, grads) in results.items():
+    np.testing.assert_allclose(logits, linen_logits, atol=1e-6, rtol=0, err_msg=flag_id(flags))
+    assert set(grads) == set(linen_grads)
+    for path, grad in linen_grads.items():
+      np.testing.assert_allclose(grads[path], grad, atol=1e-6, rtol=0, err_msg=f"{flag_id(flags)} {path}")
   assert np.abs(np.asarray(linen_logits) - np.asarray(float_model.logits(tokens))).max() > 1e-3
 
 
-def test_qwix_nnx_model_holds_no_intermediates_after_its_setup_pass():
-  model = mb.create_model(qwix_config(NNX, "int8"), seed=0)
-  assert not nnx.state(model.module, nnx.Intermediate), "Qwix's setup forward pass left sown values"
+@pytest.mark.parametrize("flags", [(False, True, True), (True, False, False)], ids=flag_id)
+def test_qwix_int8_logits_in_the_other_mixed_flag_combinations_equal_pure_linen(flags, tokens, qwix_qat_logits):
+  model = mb.create_model(qwix_config(flags, "int8"), seed=0)
+  np.testing.assert_array_equal(np.asarray(model.logits(tokens)), qwix_qat_logits["int8"])
+
+
+@pytest.mark.parametrize("flags", [NNX, (True, False, True)], ids=flag_id)
+def test_qwix_nnx_model_holds_only_the_float_parameters(flags, tokens):
+  model = mb.create_model(qwix_config(flags, "int8"), seed=0)
+  model.logits(tokens)
+  # No sown values, no RNG state, no quantization statistics: the float model's variables exactly.
   assert set(type(v).__name__ for _, v in nnx.to_flat_state(nnx.state(model.module))) == {"Param"}
 
 
 def test_a_float_model_built_after_a_quantized_one_gives_the_same_float_logits(tokens):
-  for flags in (LINEN, NNX):
+  for flags in (LINEN, NNX, (True, False, True)):
     before = np.asarray(mb.create_model(tiny_config(flags), seed=0).logits(tokens))
     mb.create_model(qwix_config(flags, "int8"), seed=0).logits(tokens)
     after = np.asarray(mb.create_model(tiny_config(flags), seed=0).logits(tokens))
     np.testing.assert_array_equal(after, before, err_msg=flag_id(flags))
-
-
-def test_qwix_with_mixed_flags_is_refused_with_the_reason():
-  with pytest.raises(
-      ConfigError, match=r"use_qwix_quantization=true needs pure Linen or pure NNX.*got false, true, true"
-  ):
-    qwix_config((False, True, True), "int8")
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +206,20 @@ def test_qwix_training_learns_and_ends_within_5_percent_of_float(qwix_runs, quan
 
 def test_linen_qwix_run_resumed_in_nnx_continues_the_same_losses(qwix_runs):
   np.testing.assert_allclose(qwix_runs["resumed"], qwix_runs["int8"][15:], rtol=1e-5)
+
+
+def test_qwix_run_with_the_decoder_behind_two_bridges_trains_as_pure_linen(qwix_runs, tmp_path):
+  flags = (True, False, True)  # NNX state > ToNNX(Linen model) > ToLinen(NNX decoder): the first steps of the Linen run
+  config = qwix_config(flags, "int8", base_output_directory=str(tmp_path), run_name="run", **TRAIN)
+  trainer = dispatch.create_trainer(config)
+  losses = [r["loss"] for r in mb.train(config, trainer=trainer, until_step=4, progress=False)]
+  np.testing.assert_allclose(losses, qwix_runs["int8"][:4], rtol=1e-5)
+  float_trainer = dispatch.create_trainer(tiny_config(flags))
+  assert trainer.disk_layout == float_trainer.disk_layout
+  ckpt = checkpointing.Checkpointer(tmp_path / "run" / "checkpoints")
+  saved = ckpt.restore(4, jax.tree.map(lambda x: x, float_trainer.checkpoint_target()))
+  ckpt.close()
+  assert set(saved) == {"params", "opt_state", "step"} and set(saved["params"]) == {"params"}
 
 
 # --- AQT convert and serve: frozen int8 values and scales, `maxbridge quantize` -------
@@ -386,7 +411,7 @@ def test_qwix_serving_works_with_mixed_flags(flags, tokens, float_model, qwix_qa
 
 
 def test_qwix_int4_serve_checkpoint_reloads_on_both_backends(served, tokens, qwix_qat_logits):
-  # Mixed flags: Qwix QAT refuses them, serving does not (from_pretrained sets the backend's flags anyway).
+  # Quantized with mixed flags (from_pretrained sets the backend's flags anyway).
   argv = ["quantize", str(served / "float"), str(served / "int4"), "quantization=int4", "use_qwix_quantization=true"]
   assert cli.main([*argv, "enable_nnx=true"]) == 0
   stored = checkpointing.CheckpointReader(served / "int4").leaves
