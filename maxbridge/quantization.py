@@ -151,8 +151,8 @@ def quantize_nnx(config: Config, decoder: nnx.Module) -> nnx.Module:
   Qwix's setup forward pass is skipped: it only creates state (static
   activation scales, PTQ weights, LoRA), which these rules never ask for, and
   it would sow intermediates into the model. So the quantized decoder's state
-  is the float decoder's, and its only additions are plain attributes (each
-  module's path, `qwix_rngs=None`).
+  is the float decoder's; Qwix only adds static attributes to each module
+  (`qwix_path`, `disable_quant_stats_update=False`, `qwix_rngs=None`).
   """
   if not uses_qwix(config) or config.checkpoint_is_quantized:  # serving: the layers hold frozen weights
     return decoder
