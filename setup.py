@@ -24,6 +24,9 @@ setup(
         "matplotlib>=3.11.2",
         "tqdm>=4.70.1",
         "safetensors>=0.8.0",
+        # Stacks that orbax stores as one chunk are decoded as a stream (converters/storage.py):
+        # tensorstore decodes a chunk only whole, at 4x its size in memory.
+        "zstandard>=0.25.0",
         # Quantization (maxbridge/quantization.py): AQT and Qwix.
         "aqtp>=0.9.0",
         "qwix>=0.1.8",

@@ -17,7 +17,8 @@ orbax's defaults, one chunk per stack (as MaxText saves on one device). Then:
     VmRSS after `import converters`) is compared with the largest array;
   - compares each result with the source (`maxbridge compare`, also in a
     subprocess, timed and measured the same way);
-  - unscans the orbax-default copy, whose stacks must be decoded whole (and
+  - unscans the orbax-default copy, whose stacks are stored as one chunk each
+    and are decoded as a stream, a piece of every layer at a time (and
     compares it).
 os.sync() runs between steps (untimed), so that no step pays for writing back
 what the one before it left in the page cache. Everything is written under a
@@ -169,7 +170,7 @@ def main() -> None:
         ("convert scanned -> unscanned", "unscan", source, work / "unscanned"),
         ("compare source, unscanned", "compare", source, work / "unscanned"),
         ("convert unscanned -> scanned", "stack", work / "unscanned", work / "rescanned"),
-        # Orbax's default layout: each stack one chunk, decoded whole and written layer by layer.
+        # Orbax's default layout: each stack one chunk, decoded as a stream in pieces of every layer.
         ("orbax: scanned -> unscanned", "unscan", orbax_source, work / "orbax-unscanned"),
         ("orbax: compare that", "compare", orbax_source, work / "orbax-unscanned"),
     ]

@@ -121,16 +121,17 @@ def _compare_values(plans, readers, paths, outputs, atol, rtol) -> dict[str, Dif
   # The side with fewer, larger steps (stacks) drives; the other is read path by
   # path, each of its steps run once and its outputs kept until asked for.
   lead = 0 if len(plans[0]) <= len(plans[1]) else 1
-  other = _Outputs(plans[1 - lead], readers[1 - lead].read, paths)
+  other = _Outputs(plans[1 - lead], sources[1 - lead].read_array, paths)
   found = {}
   for step in plans[lead]:
     if not any(path in paths for path, _ in step.outputs):
       continue
-    for path, array in step.run(readers[lead].read):
+    for path, array in step.run(sources[lead].read_array):
       if path not in paths:
         continue
       pair = (array, other.pop(path)) if lead == 0 else (other.pop(path), array)
       difference = _difference(path, *pair, atol, rtol)
+      del array, pair  # not held while the next step reads its arrays
       if difference:
         found[path] = difference
   return found
@@ -163,7 +164,7 @@ class _Outputs:
 
 
 def _difference(path: str, a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> Difference | None:
-  if a.dtype == b.dtype and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"):
+  if a.dtype == b.dtype and _equal(a, b):
     return None  # equal is within any tolerance; the common case, at a fraction of isclose's cost
   dtype_note = f"dtype {a.dtype} vs {b.dtype}; " if a.dtype != b.dtype else ""
   common = np.promote_types(a.dtype, b.dtype)
@@ -176,6 +177,16 @@ def _difference(path: str, a: np.ndarray, b: np.ndarray, atol: float, rtol: floa
   bad = int(close.size - np.count_nonzero(close))
   diff = float(np.max(np.abs(a - b), initial=0.0)) if a.size else 0.0
   return Difference(path, f"{dtype_note}max abs diff {diff:.6g} ({bad} of {a.size} elements differ)", diff)
+
+
+def _equal(a: np.ndarray, b: np.ndarray, block_bytes: int = 4 << 20) -> bool:
+  """np.array_equal (NaN equal to NaN), a block of rows at a time: its temporaries (a few boolean arrays the
+  size of its inputs) stay small beside arrays as large as the checkpoint's largest."""
+  equal_nan = a.dtype.kind in "fc"
+  if a.ndim == 0 or a.shape != b.shape:
+    return np.array_equal(a, b, equal_nan=equal_nan)
+  rows = max(1, block_bytes // max(1, a[0].nbytes))
+  return all(np.array_equal(a[i : i + rows], b[i : i + rows], equal_nan=equal_nan) for i in range(0, len(a), rows))
 
 
 def _scan_axis(reader: checkpointing.CheckpointReader) -> int:

@@ -104,10 +104,11 @@ def convert(
   per layer (as maxbridge saves and converts them) are unstacked, or layers
   stacked, by moving their chunks; when nearly everything is moved so, the
   source's data files are copied as files and the new names point into them.
-  A cast, a moved layer axis, or a stack stored as one chunk (orbax's default,
-  as MaxText saves on one device) is decoded, one array at a time, and written
-  in pieces of at most `group_bytes`; tensorstore then holds that array's
-  encoded and decoded bytes together, about twice its size.
+  A stack stored as one chunk (orbax's default, as MaxText saves on one
+  device) or a few (one per device shard) is decoded a piece at a time, each
+  piece a part of every layer, and the layers are written chunked by those
+  pieces. A cast or a moved layer axis is decoded one array at a time and
+  written in pieces of at most `group_bytes`.
   """
   began = time.perf_counter()
   reader = checkpointing.CheckpointReader(source)
@@ -134,7 +135,7 @@ def convert(
       arrays = decoded = 0
       for step, action in actions:
         if action is None:
-          _decode(step, reader, dest, job)
+          _decode(step, source, dest, job)
           decoded += len(step.inputs)
         elif not dest.copied:
           action.apply(dest, source)
@@ -298,14 +299,15 @@ def _alike(metas: list[dict | None]) -> bool:
   return all({**m, "shape": None} == {**metas[0], "shape": None} for m in metas)
 
 
-def _decode(step: plan.Step, reader, dest: storage.Destination, job: _Job) -> None:
-  """Reads and writes through the zarr driver: one source array (or one layer) and one block at a time."""
+def _decode(step: plan.Step, source: storage.Source, dest: storage.Destination, job: _Job) -> None:
+  """Reads and writes through the zarr driver: one source array (or one layer) and one block at a time, or
+  a stack's chunks piece by piece (`storage.Destination.unstack`)."""
   outputs = [(_name(path, job.kind), job.stored[path]) for path, _ in step.outputs]
   if step.op == "stack":
     ((name, leaf),) = outputs
     array = dest.create(name, leaf.shape, leaf.dtype, layer_axis=step.axis)
     for i, layer_path in enumerate(step.inputs):
-      values = np.expand_dims(reader.read(layer_path), step.axis)
+      values = np.expand_dims(source.read_array(layer_path), step.axis)
       for index in storage.blocks(array):
         if index[step.axis] == slice(i, i + 1) or (leaf.shape[step.axis] == 1 and index[step.axis] == slice(None)):
           block = index[: step.axis] + (slice(None),) + index[step.axis + 1 :]
@@ -313,9 +315,11 @@ def _decode(step: plan.Step, reader, dest: storage.Destination, job: _Job) -> No
     return
   first = step.inputs[0]
   if step.op == "unstack":
-    stored = reader.open(first)
+    if dest.unstack(source, first, step.axis, outputs):
+      return
+    stored = source.reader.open(first)
     by_layer = stored is not None and stored.chunk_layout.read_chunk.shape[step.axis] == 1
-    whole = None if by_layer else reader.read(first)
+    whole = None if by_layer else source.read_array(first)
     for i, (name, leaf) in enumerate(outputs):
       at = (slice(None),) * step.axis + (i,)
       # A stack chunked by layer is read a layer at a time (a tensorstore slice decodes only its chunks).
@@ -323,12 +327,15 @@ def _decode(step: plan.Step, reader, dest: storage.Destination, job: _Job) -> No
       dest.write_all(dest.create(name, leaf.shape, leaf.dtype), layer)
       del layer
     return
-  values = reader.read(first)
-  if step.op == "moveaxis":
-    values = np.moveaxis(values, step.source_axis, step.axis)
   ((name, leaf),) = outputs
   stacked = canonical.is_stacked(step.outputs[0][0])
-  dest.write_all(dest.create(name, leaf.shape, leaf.dtype, layer_axis=job.axis if stacked else None), values)
+  layer_axis = job.axis if stacked else None
+  if step.op == "copy" and dest.copy_pieces(source, first, name, leaf, layer_axis):
+    return
+  values = source.read_array(first)
+  if step.op == "moveaxis":
+    values = np.moveaxis(values, step.source_axis, step.axis)
+  dest.write_all(dest.create(name, leaf.shape, leaf.dtype, layer_axis=layer_axis), values)
 
 
 def _check_config_describes(config: Config, stored: dict[str, checkpointing.Leaf], items: Path) -> None:

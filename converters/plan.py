@@ -48,7 +48,7 @@ class Step:
     array = read(name)
     if self.op == "unstack":
       for i, (path, leaf) in enumerate(self.outputs):
-        yield path, np.asarray(array[(slice(None),) * self.axis + (i,)], leaf.dtype, order="C")
+        yield path, np.asarray(array[(slice(None),) * self.axis + (i,)], leaf.dtype)  # a view, unless cast
       return
     if self.op == "moveaxis":
       array = np.moveaxis(array, self.source_axis, self.axis)

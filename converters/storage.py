@@ -17,13 +17,24 @@ the form orbax writes for numpy leaves (`tree_metadata`):
   (`Destination.relabel`, one transaction). Into an empty database, the
   encoded bytes are copied (`copy_keys`, `relocate`): nothing is decoded.
   Stacks written here have one chunk per layer for that reason;
-- anything else (a cast, a moved axis, a stack in one chunk, as orbax saves
-  it by default) is decoded and written through the zarr driver, a block at a
-  time.
+- a stack stored in a few large chunks (orbax's default is one per array, as
+  MaxText saves on one device; a stack sharded over devices has one per
+  shard, each holding every layer) is unstacked by decoding each chunk front
+  to back in pieces (`Source.pieces`): a piece of whole rows holds a piece of
+  every layer, which fills whole chunks of the layers (`Destination.unstack`);
+- anything else (a cast, a moved axis) is decoded and written through the zarr
+  driver, a block at a time; arrays read whole are decoded chunk by chunk
+  into one buffer (`Source.read_array`).
+
+Pieces are decoded by hand (`_Chunk`, with zstd's streaming decoder) because
+tensorstore decodes a chunk only whole, holding its encoded and decoded bytes
+at once: a stack stored as one chunk peaked at 4-4.5x its size there, and a
+layer sliced from it costs a decode of the whole stack.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -36,6 +47,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
+import zstandard
 
 from converters.plan import without_axis
 from maxbridge.checkpointing import ITEM, CheckpointReader
@@ -113,6 +125,55 @@ def _pieces(value: bytes | tuple[Path, int, int], size: int = 16 << 20) -> Itera
       yield piece
 
 
+class _Chunk:
+  """The decoded bytes of one stored zarr v2 chunk (zstd-compressed or not), read front to back a piece at a time.
+
+  Memory holds the piece asked for and zstd's window (512 KiB in the chunks
+  tensorstore writes), not the chunk: the stored bytes are read from the data
+  file in 1 MiB reads.
+  """
+
+  def __init__(self, value: bytes | tuple[Path, int, int], compressed: bool, nbytes: int):
+    if isinstance(value, bytes):
+      self._file, length = io.BytesIO(value), len(value)
+    else:
+      file, offset, length = value
+      self._file = open(file, "rb")  # closed by close()
+      self._file.seek(offset)
+    if compressed:
+      # A window as large as the frame asks for: what decoding it whole would take anyway.
+      decoder = zstandard.ZstdDecompressor(max_window_size=1 << 31)
+      self._stream = decoder.stream_reader(self._file, read_size=1 << 20, read_across_frames=False, closefd=False)
+    elif length != nbytes:
+      raise OSError(f"an uncompressed chunk of {nbytes} bytes is stored in {length}")
+    else:
+      self._stream = self._file
+
+  def read(self, nbytes: int) -> np.ndarray:
+    """The next `nbytes` decoded bytes, as a new uint8 array."""
+    out = np.empty(nbytes, np.uint8)
+    view, done = memoryview(out), 0
+    while done < nbytes:
+      got = self._stream.readinto(view[done:])
+      if not got:
+        raise OSError("a chunk decodes to fewer bytes than its shape holds (truncated?)")
+      done += got
+    return out
+
+  def close(self) -> None:
+    self._file.close()
+
+
+def _stored_bytes(value: tuple[Path, int, int]) -> bytes:
+  file, offset, length = value
+  with open(file, "rb") as f:
+    f.seek(offset)
+    found = f.read(length)
+  if len(found) != length:
+    raise OSError(f"{file} ends before byte {offset + length}")
+  return found
+
+
 def _range(name: str) -> ts.KvStore.KeyRange:
   # Every key of the array `name`: "name/" up to "name0" ("0" follows "/").
   return ts.KvStore.KeyRange(f"{name}/".encode(), f"{name}0".encode())
@@ -179,6 +240,72 @@ class Source:
     indices = {k: tuple(int(i) for i in k.split("."))[:ndim] for k in chunks}
     return meta, {_chunk_key("", without_axis(i, axis))[1:]: chunks[k] for k, i in indices.items() if i[axis] == layer}
 
+  def streamable(self, normal: str) -> dict | None:
+    """The zarr metadata of an array that `pieces` can decode (zarr v2 in OCDBT, zstd-compressed or not,
+    `plain`, the dtype as stored, every chunk in the index, at least one axis), else None."""
+    meta, leaf = self.zarray(normal), self.reader.stored_leaf(normal)
+    if meta is None or not leaf.shape or not leaf.nbytes or not plain(meta):
+      return None
+    if (meta.get("compressor") or {"id": "zstd"})["id"] != "zstd":
+      return None
+    if meta["shape"] != list(leaf.shape) or meta["dtype"] != _zarray((), leaf.dtype, ())["dtype"]:
+      return None
+    stored = self.stored(normal)
+    grid = int(np.prod([-(-n // c) for n, c in zip(meta["shape"], meta["chunks"])]))
+    return meta if stored is not None and len(stored) == grid + 1 else None  # + 1: .zarray
+
+  def pieces(self, normal: str, meta: dict, depth: int, rows: int) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
+    """(region of the array, its values) covering a `streamable` array once, chunk by chunk, each chunk
+    decoded front to back: in C order a piece chunk[i_0, .., i_{depth-1}, r:r + rows] is contiguous.
+    `rows` must divide the chunk's extent along `depth` (see `piece_rows`), so that a piece lies in one
+    chunk of an array chunked by `rows` along that axis. A piece of an edge chunk is cut to the array."""
+    shape, chunks = meta["shape"], meta["chunks"]
+    dtype = self.reader.stored_leaf(normal).dtype
+    piece = (1,) * depth + (rows,) + tuple(chunks[depth + 1 :])
+    piece_bytes = int(np.prod(piece)) * dtype.itemsize
+    stored = self.stored(normal)
+    indices = {tuple(int(i) for i in k[1:].decode().split(".")): k for k in stored if k != b"/.zarray"}
+    for index in sorted(indices):
+      origin = [i * c for i, c in zip(index, chunks)]
+      chunk = None
+      try:
+        chunk = _Chunk(stored[indices[index]], meta["compressor"] is not None, int(np.prod(chunks)) * dtype.itemsize)
+        for lead in np.ndindex(*chunks[:depth]):
+          for start in range(0, chunks[depth], rows):
+            values = chunk.read(piece_bytes).view(dtype).reshape(piece)
+            corner = [o + i for o, i in zip(origin, (*lead, start))] + origin[depth + 1 :]
+            if any(c >= n for c, n in zip(corner, shape)):
+              continue  # the padding of an edge chunk
+            stop = [min(c + p, n) for c, p, n in zip(corner, piece, shape)]
+            yield tuple(map(slice, corner, stop)), values[tuple(slice(0, e - c) for c, e in zip(corner, stop))]
+            del values  # so that the next piece is decoded without this one held (its user drops it too)
+      except (OSError, zstandard.ZstdError) as e:  # a truncated or damaged data file
+        raise self.reader.damaged(normal, e) from e
+      finally:
+        if chunk is not None:
+          chunk.close()
+
+  def read_array(self, normal: str) -> np.ndarray:
+    """The array at a normal path, as `reader.read` gives it, decoded piece by piece into one buffer when it is
+    `streamable` (tensorstore would hold the encoded and decoded chunk besides it)."""
+    meta = self.streamable(normal)
+    if meta is None:
+      return self.reader.read(normal)
+    leaf = self.reader.stored_leaf(normal)
+    out = np.empty(leaf.shape, leaf.dtype)
+    for region, values in self.pieces(normal, meta, 0, piece_rows(meta, leaf.dtype, 0, BLOCK_BYTES // 4)):
+      out[region] = values
+    return out.astype(self.reader.leaves[normal].dtype, copy=False)
+
+
+def piece_rows(meta: dict, dtype: np.dtype, depth: int, budget: int) -> int:
+  """Rows along axis `depth` of a piece of a chunk (`Source.pieces`): the most that fit in `budget` bytes (at
+  least one) and divide the chunk's extent."""
+  chunks = meta["chunks"]
+  row = int(np.prod(chunks[depth + 1 :])) * np.dtype(dtype).itemsize
+  fit = min(chunks[depth], max(1, budget // max(row, 1)))
+  return max(d for d in range(1, fit + 1) if chunks[depth] % d == 0)
+
 
 def same_bytes(a: Source, view_a: tuple, b: Source, view_b: tuple) -> bool:
   """Whether two stored arrays (`Source.view`s) have the same zarr metadata and chunk bytes, so equal
@@ -218,15 +345,14 @@ def _zarray(shape, dtype: np.dtype, chunks) -> dict:
   }
 
 
+def plain(meta: dict) -> bool:
+  """Whether a stored zarr v2 array is in C order, with no filters, its chunk keys joined by dots."""
+  return meta.get("order") == "C" and not meta.get("filters") and meta.get("dimension_separator", ".") == "."
+
+
 def per_layer(meta: dict | None, axis: int) -> bool:
-  """Whether a stored stack has one chunk per layer along `axis` and is otherwise plain (C order, no filters)."""
-  return (
-      meta is not None
-      and meta["chunks"][axis] == 1
-      and meta.get("order") == "C"
-      and not meta.get("filters")
-      and meta.get("dimension_separator", ".") == "."
-  )
+  """Whether a stored stack has one chunk per layer along `axis` and is otherwise `plain`."""
+  return meta is not None and meta["chunks"][axis] == 1 and plain(meta)
 
 
 class Destination:
@@ -266,11 +392,21 @@ class Destination:
     self.copied = True
 
   def copy_keys(self, source: Source, normal: str, name: str) -> None:
-    """The encoded bytes of a source array under a new name (another database: no shared data files)."""
+    """A source array under a new name (another database: no shared data files): its encoded bytes, copied;
+    or, when a value is larger than `block_bytes`, decoded and written again a piece at a time (`copy_pieces`):
+    a value written through the kvstore is held ~3 times."""
     old = source.reader.name(normal)
-    for key in source.kv.list(_range(old)).result():
-      value = source.read(normal, key).value
-      self._put(f"{name}{key.decode()[len(old):]}", value)
+    stored = source.stored(normal)
+    if stored is None:
+      for key in source.kv.list(_range(old)).result():
+        self._put(f"{name}{key.decode()[len(old):]}", source.read(normal, key).value)
+      return
+    largest = max(len(v) if isinstance(v, bytes) else v[2] for v in stored.values())
+    if largest > self.block_bytes and self.copy_pieces(source, normal, name, source.reader.stored_leaf(normal)):
+      return
+    for suffix, value in stored.items():
+      # From the data file in one read: read through the kvstore, a value is held ~3 times too (see `index`).
+      self._put(f"{name}{suffix.decode()}", value if isinstance(value, bytes) else _stored_bytes(value))
 
   def relocate(self, source: Source, normal: str, index: tuple[int, ...], name: str, new_index: tuple[int, ...]) -> None:
     """Copies one encoded chunk of a source array into the chunk `new_index` of the array `name`."""
@@ -279,16 +415,19 @@ class Destination:
   def describe(self, name: str, meta: dict) -> None:
     self._zarrays[name] = meta
 
-  def create(self, name: str, shape: tuple[int, ...], dtype: np.dtype, layer_axis: int | None = None) -> ts.TensorStore:
-    """A new zarr array; a stack gets one chunk per layer, and chunks are split along the first
-    other axis to at most `block_bytes`."""
-    chunks = list(shape)
-    if layer_axis is not None:
-      chunks[layer_axis] = 1
-    free = [a for a in range(len(shape)) if a != layer_axis]
-    if free and shape[free[0]]:
-      row = int(np.prod(chunks, dtype=np.int64)) // chunks[free[0]] * np.dtype(dtype).itemsize
-      chunks[free[0]] = max(1, min(shape[free[0]], self.block_bytes // max(row, 1)))
+  def create(
+      self, name: str, shape: tuple[int, ...], dtype: np.dtype, layer_axis: int | None = None, chunks=None
+  ) -> ts.TensorStore:
+    """A new zarr array, chunked as `chunks` says, else: a stack gets one chunk per layer, and chunks are
+    split along the first other axis to at most `block_bytes`."""
+    if chunks is None:
+      chunks = list(shape)
+      if layer_axis is not None:
+        chunks[layer_axis] = 1
+      free = [a for a in range(len(shape)) if a != layer_axis]
+      if free and shape[free[0]]:
+        row = int(np.prod(chunks, dtype=np.int64)) // chunks[free[0]] * np.dtype(dtype).itemsize
+        chunks[free[0]] = max(1, min(shape[free[0]], self.block_bytes // max(row, 1)))
     meta = _zarray(shape, dtype, chunks)
     self._zarrays[name] = meta
     spec = {
@@ -299,22 +438,90 @@ class Destination:
     return ts.open({**spec, "metadata": meta}, open=True, assume_metadata=True, context=CONTEXT).result()
 
   def write(self, array: ts.TensorStore, index: tuple, block: np.ndarray) -> None:
-    self._wait_for(array[index].write(block).commit, block.nbytes)
+    self._wait_for(array[index].write(block, can_reference_source_data_indefinitely=True).commit, block.nbytes)
 
   def write_all(self, array: ts.TensorStore, values: np.ndarray) -> None:
     """Writes `values` chunk row by chunk row, cast and made contiguous one row at a time."""
     for index in blocks(array):
       self.write(array, index, np.asarray(values[index], array.dtype.numpy_dtype, order="C"))
 
+  def copy_pieces(self, source: Source, normal: str, name: str, leaf: Any, layer_axis: int | None = None) -> bool:
+    """Writes a source array as the array `name` (shape and dtype: `leaf`, a cast if the dtype differs) from
+    its `Source.pieces`, a stack (`layer_axis`) one chunk per layer; False, and nothing written, when the
+    source is not `streamable`."""
+    found = self._plan_pieces(source, normal, layer_axis)
+    if found is None:
+      return False
+    chunks = found[3]
+    if layer_axis is None:
+      self._write_pieces(source, normal, found, [self._create_cut(name, leaf, chunks)], None)
+      return True
+    array = self._create_cut(name, leaf, chunks[:layer_axis] + [1] + chunks[layer_axis:])
+    layers = [array[(slice(None),) * layer_axis + (i,)] for i in range(leaf.shape[layer_axis])]
+    self._write_pieces(source, normal, found, layers, layer_axis)
+    return True
+
+  def unstack(self, source: Source, normal: str, axis: int, outputs: list[tuple[str, Any]]) -> bool:
+    """Writes the layers of a stack (layer axis `axis`) as the arrays `outputs` ((name, `Leaf`), by layer)
+    from its `Source.pieces`; False, and nothing written, when the stack is not `streamable`."""
+    found = self._plan_pieces(source, normal, axis)
+    if found is None or len(found[0]["shape"]) < 2:
+      return False
+    self._write_pieces(source, normal, found, [self._create_cut(n, leaf, found[3]) for n, leaf in outputs], axis)
+    return True
+
+  def _plan_pieces(self, source: Source, normal: str, layer_axis: int | None) -> tuple[dict, int, int, list] | None:
+    """(zarr metadata, depth, rows) for the `Source.pieces` of a `streamable` array, and the chunks of a
+    layer (of the array, when `layer_axis` is None) that its pieces fill whole, so that they are written
+    without reading anything back: the stored chunks, cut to `rows` along their first axis. None when the
+    array is not streamable.
+
+    A piece of whole rows of a stack's chunk holds the same rows of each of
+    its layers, written as one chunk each (with the layer axis first, a piece
+    is rows of one layer: depth 1).
+    """
+    meta = source.streamable(normal)
+    if meta is None:
+      return None
+    depth = 1 if layer_axis == 0 and len(meta["shape"]) > 1 else 0
+    writes = meta["chunks"][layer_axis] if layer_axis is not None and depth == 0 else 1
+    stored = source.reader.stored_leaf(normal)
+    # Each write at most block_bytes / 4 (see `_wait_for`), and a piece at most ~1/16 of a large array: fewer,
+    # larger chunks than block_bytes allows, still a fraction of the array in memory.
+    budget = min(max(self.block_bytes, stored.nbytes // 16), self.block_bytes // 4 * writes)
+    rows = piece_rows(meta, stored.dtype, depth, budget)
+    chunks = list(meta["chunks"] if layer_axis is None else without_axis(meta["chunks"], layer_axis))
+    chunks[0] = rows
+    return meta, depth, rows, chunks
+
+  def _create_cut(self, name: str, leaf: Any, chunks: list[int]) -> ts.TensorStore:
+    return self.create(name, leaf.shape, leaf.dtype, chunks=[min(c, n) for c, n in zip(chunks, leaf.shape)])
+
+  def _write_pieces(self, source: Source, normal: str, planned: tuple, targets: list, layer_axis: int | None) -> None:
+    """Writes the pieces of a source array into `targets`: one array, or one per layer of a stack."""
+    meta, depth, rows, _ = planned
+
+    def write(target: ts.TensorStore, region: tuple, values: np.ndarray) -> None:
+      self.write(target, region, np.asarray(values, target.dtype.numpy_dtype, order="C"))
+
+    for region, values in source.pieces(normal, meta, depth, rows):
+      if layer_axis is None:
+        write(targets[0], region, values)
+      else:
+        for i, layer in enumerate(range(region[layer_axis].start, region[layer_axis].stop)):
+          write(targets[layer], without_axis(region, layer_axis), values[(slice(None),) * layer_axis + (i,)])
+      del values  # so that the next piece is decoded without this one held (see `Source.pieces`)
+
   def _put(self, key: str, value: bytes) -> None:
     self._wait_for(self.kv.write(key.encode(), value), len(value))
 
   def _wait_for(self, future, nbytes: int) -> None:
     # Writes left in flight share OCDBT commits (one each costs ~16 ms) and
-    # encode in parallel; their bytes stay in memory until written, so at most
-    # block_bytes of them (or one larger) wait.
+    # encode in parallel; until written, their bytes are held ~4 times (the
+    # values, encoded, and on their way through OCDBT: measured), so at most
+    # block_bytes / 4 of them (or one larger) wait.
     self._waiting.append((future, nbytes))
-    while len(self._waiting) > 1 and sum(n for _, n in self._waiting) > self.block_bytes:
+    while len(self._waiting) > 1 and sum(n for _, n in self._waiting) > self.block_bytes // 4:
       self._waiting.pop(0)[0].result()
 
   def settle(self) -> None:

@@ -2,6 +2,8 @@
 
 import os
 import shutil
+import subprocess
+import sys
 
 import chex
 import jax
@@ -9,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import tensorstore as ts
 from flax import nnx
 
 import converters
@@ -222,7 +225,7 @@ def test_layout_only_conversion_renames_arrays_byte_for_byte_and_orbax_restores_
   chex.assert_trees_all_equal(jax.tree.map(np.asarray, restored), read_all(source))
 
 
-def test_stacks_unstack_and_restack_by_moving_chunks_and_orbax_single_chunks_are_decoded_once(source, tmp_path):
+def test_stacks_unstack_and_restack_by_moving_chunks(source, tmp_path):
   kernel = "params/params/decoder/layers/mlp/wi_0/kernel"
   # Our Checkpointer stores one chunk per layer, so unstacking moves chunks and decodes nothing.
   assert stored(source).zarray(kernel)["chunks"] == [64, 1, 128]
@@ -236,14 +239,118 @@ def test_stacks_unstack_and_restack_by_moving_chunks_and_orbax_single_chunks_are
   assert stored(tmp_path / "s").zarray(kernel)["chunks"] == [64, 1, 128]
   assert converters.compare(source, tmp_path / "u", params_only=True).equal
   assert converters.compare(source, tmp_path / "s", params_only=True).equal
-  # Orbax's default (and MaxText's, on one device) is one chunk per stack: each stack is decoded once.
-  manager = ocp.CheckpointManager(tmp_path / "orbax", item_handlers={"items": ocp.PyTreeCheckpointHandler()})
-  manager.save(6, args=ocp.args.Composite(items=ocp.args.PyTreeSave(read_all(source))))
+
+
+def orbax_save(directory, tree) -> None:
+  """Saved as orbax saves by default (and MaxText, on one device): each array one chunk."""
+  manager = ocp.CheckpointManager(directory, item_handlers={"items": ocp.PyTreeCheckpointHandler()})
+  manager.save(6, args=ocp.args.Composite(items=ocp.args.PyTreeSave(tree)))
   manager.wait_until_finished()
+  manager.close()
+
+
+def orbax_restore(path) -> dict:
+  """The arrays of a step, restored by orbax itself as numpy, by normal path."""
+  items = checkpointing.CheckpointReader(path).items
+  handler = ocp.PyTreeCheckpointHandler()
+  metadata = handler.metadata(items).tree
+  restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), metadata)
+  restored = handler.restore(items, args=ocp.args.PyTreeRestore(item=metadata, restore_args=restore_args))
+  return {p.replace("/", "."): a for p, a in layouts.flatten_tree(restored).items()}
+
+
+def assert_layers_are_the_stacks(stacked, unstacked) -> int:
+  """Each layer of `unstacked` holds the bytes of its stack in `stacked` (decoded by tensorstore) at layer
+  axis 1, and orbax restores the same bytes; returns the number of layers checked."""
+  first, second = checkpointing.CheckpointReader(stacked), checkpointing.CheckpointReader(unstacked)
+  restored = orbax_restore(unstacked)
+  checked = 0
+  for path in first.leaves:
+    if "/layers/" not in path:
+      continue
+    stack = first.read(path)
+    for i in range(stack.shape[1]):
+      layer_path = path.replace("/layers/", f"/layers_{i}/")
+      layer = second.read(layer_path)
+      assert layer.dtype == stack.dtype and layer.tobytes() == stack[:, i].tobytes(), layer_path
+      assert restored[second.name(layer_path)].tobytes() == stack[:, i].tobytes(), layer_path
+      checked += 1
+  return checked
+
+
+def test_a_one_chunk_stack_unstacks_piece_by_piece_byte_for_byte(source, tmp_path):
+  """Orbax's default (MaxText's on one device, layer axis 1): each stack one chunk, decoded as a stream in
+  pieces of whole rows, each layer chunked by those rows so that every piece is written as whole chunks."""
+  kernel = "params/params/decoder/layers/mlp/wi_0/kernel"
+  orbax_save(tmp_path / "orbax", {"params": read_all(source)["params"]})
   assert stored(tmp_path / "orbax").zarray(kernel)["chunks"] == [64, 2, 128]
-  decoded = converters.convert(tmp_path / "orbax", tmp_path / "u2", scan_layers=False, params_only=True)
-  assert decoded.arrays_decoded == 9, "the nine parameter stacks"
-  assert converters.compare(tmp_path / "u", tmp_path / "u2").equal
+  # Small pieces, so that a stack is read in several: 8 rows of [64, 2, 128] (2 layers of 8 x 128 float32).
+  result = converters.convert(tmp_path / "orbax", tmp_path / "u", scan_layers=False, group_bytes=16 << 10)
+  assert result.arrays_decoded == 9, "the nine parameter stacks, each decoded once"
+  assert stored(tmp_path / "u").zarray("params/params/decoder/layers_1/mlp/wi_0/kernel")["chunks"] == [8, 128]
+  assert assert_layers_are_the_stacks(tmp_path / "orbax", tmp_path / "u") == 18
+  comparison = converters.compare(tmp_path / "orbax", tmp_path / "u")
+  assert comparison.equal and comparison.compared == 21, comparison.report()
+  # The same checkpoint from our Checkpointer (chunks moved, not decoded) is the same, byte for byte.
+  converters.convert(source, tmp_path / "moved", scan_layers=False, params_only=True)
+  assert converters.compare(tmp_path / "moved", tmp_path / "u").equal
+
+
+# Saves the parameters of a checkpoint as MaxText does on 8 devices (fsdp 4 x tensor 2), in bfloat16: each
+# array stored one chunk per shard, each chunk of a stack holding every layer.
+SHARDED_SAVE = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, jax.numpy as jnp, numpy as np, orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from maxbridge import checkpointing, layouts
+reader = checkpointing.CheckpointReader(sys.argv[1])
+flat = {p: reader.read(p) for p in reader.leaves if p.startswith("params/")}
+mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("fsdp", "tensor"))
+def place(x):
+    spec = ["fsdp" if x.shape[0] % 4 == 0 else None] + [None] * (x.ndim - 1)
+    if x.ndim == 3 and x.shape[2] % 2 == 0:
+        spec[2] = "tensor"
+    return jax.device_put(jnp.asarray(x, jnp.bfloat16), NamedSharding(mesh, PartitionSpec(*spec)))
+tree = jax.tree.map(place, layouts.build_tree(flat, "linen"))
+manager = ocp.CheckpointManager(sys.argv[2], item_handlers={"items": ocp.PyTreeCheckpointHandler()})
+manager.save(6, args=ocp.args.Composite(items=ocp.args.PyTreeSave(tree)))
+manager.wait_until_finished()
+"""
+
+
+def test_a_device_sharded_stack_unstacks_chunk_by_chunk_byte_for_byte(source, tmp_path):
+  run = subprocess.run(
+      [sys.executable, "-c", SHARDED_SAVE, str(source), str(tmp_path / "sharded")],
+      capture_output=True,
+      text=True,
+      timeout=300,
+      env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+  )
+  assert run.returncode == 0, run.stderr[-3000:]
+  kernel = "params/params/decoder/layers/mlp/wi_0/kernel"
+  assert stored(tmp_path / "sharded").zarray(kernel)["chunks"] == [16, 2, 64]
+  # One stack rewritten with chunks that do not divide it (edge chunks of 16 rows and 32 columns).
+  items = checkpointing.CheckpointReader(tmp_path / "sharded").items
+  name = "params.params.decoder.layers.mlp.wi_1.kernel"
+  values = checkpointing.CheckpointReader(tmp_path / "sharded").read(kernel.replace("wi_0", "wi_1"))
+  spec = {"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{items}/", "path": f"{name}/"}}
+  meta = {**stored(tmp_path / "sharded").zarray(kernel.replace("wi_0", "wi_1")), "chunks": [24, 2, 48]}
+  ts.open({**spec, "metadata": meta}, create=True, delete_existing=True).result().write(values).result()
+  assert stored(tmp_path / "sharded").zarray(kernel.replace("wi_0", "wi_1"))["chunks"] == [24, 2, 48]
+
+  converters.convert(tmp_path / "sharded", tmp_path / "u", scan_layers=False)
+  # Each layer chunked as its stack's chunks, without the layer axis: pieces fill them whole.
+  assert stored(tmp_path / "u").zarray("params/params/decoder/layers_0/mlp/wi_0/kernel")["chunks"] == [16, 64]
+  assert stored(tmp_path / "u").zarray("params/params/decoder/layers_0/mlp/wi_1/kernel")["chunks"] == [24, 48]
+  assert assert_layers_are_the_stacks(tmp_path / "sharded", tmp_path / "u") == 18
+  assert converters.compare(tmp_path / "sharded", tmp_path / "u").equal
+  reference, _ = converters.load_params(source, dtype=jnp.bfloat16)
+  unscanned, _ = converters.load_params(tmp_path / "u")
+  np.testing.assert_array_equal(
+      unscanned["decoder"]["layers_1"]["mlp"]["wi_1"]["kernel"],
+      reference["decoder"]["layers"]["mlp"]["wi_1"]["kernel"][:, 1],
+  )
 
 
 def test_a_conversion_failing_midway_leaves_no_destination_and_no_staging_folder(source, tmp_path, capsys):
