@@ -10,8 +10,11 @@ both gradients, int8 with int32 accumulation, MaxText's int8 recipe).
 Linen layers take `aqt_flax.AqtDotGeneral`; NNX layers call the same AQT
 `DotGeneral` config directly, which is pure JAX and needs no Linen detour. Both
 run AQT's `dg_core_vjp_fwd` / `dg_core_vjp_bwd`, so the two backends give the
-same numbers. Gradients are rounded to nearest, not stochastically: no
-random key is needed, so a step is a pure function of state and batch.
+same numbers. As in MaxText, a train step rounds the incoming gradient
+stochastically; its key comes from the seed and the step (`stochastic_rounding`,
+below), so a step is still a pure function of state and batch, on either
+backend and after a resume. Forward passes round to nearest, and so does
+everything outside a train step (eval, generate, serve): no key is needed.
 
 Qwix (`use_qwix_quantization=true`) intercepts the matmuls of the decoder,
 so layers need no hook at all: `dispatch` hands the decoder, in its own
@@ -27,10 +30,13 @@ layers hold frozen `kernel_qvalue` + `kernel_scale` instead of `kernel`
 make them from float weights (AQT convert mode, or Qwix PTQ).
 """
 
+import contextlib
+import contextvars
 import copy
+import functools
 import math
 import os
-import functools
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -58,10 +64,12 @@ def uses_aqt(config: Config) -> bool:
   return is_quantized(config) and not config.use_qwix_quantization
 
 
-@functools.lru_cache(maxsize=8)
-def _aqt_int8(local_shard_count: int) -> aqt_dot_general.DotGeneral:
+@functools.lru_cache(maxsize=16)
+def _aqt_int8(local_shard_count: int, stochastic: bool) -> aqt_dot_general.DotGeneral:
   # MaxText's int8: forward and input gradient in int8; the weight gradient in
   # int8 per local shard of the contracted (batch) axis, or float when 0.
+  # config_v3 rounds the incoming gradient (the lhs of both backward matmuls)
+  # stochastically, with jax.uniform noise, as MaxText trains.
   shards = 1 if local_shard_count == -1 else local_shard_count
   drhs = dict(drhs_bits=None, drhs_local_aqt=None, drhs_accumulator_dtype=None)
   if shards:
@@ -75,35 +83,118 @@ def _aqt_int8(local_shard_count: int) -> aqt_dot_general.DotGeneral:
       dlhs_bits=8,
       fwd_accumulator_dtype=jnp.int32,
       dlhs_accumulator_dtype=jnp.int32,
+      rng_type="jax.uniform",
       **drhs,
   )
-  aqt_config.set_stochastic_rounding(cfg, False, False, "jax.uniform")
+  if not stochastic:
+    aqt_config.set_stochastic_rounding(cfg, False, False, "jax.uniform")
   return cfg
 
 
-def aqt_dot_general_config(config: Config) -> aqt_dot_general.DotGeneral:
-  """The AQT `DotGeneral` config for `config` (int8 only: AQT takes no other `quantization`)."""
+def aqt_dot_general_config(config: Config, stochastic: bool = False) -> aqt_dot_general.DotGeneral:
+  """The AQT `DotGeneral` config for `config` (int8 only: AQT takes no other `quantization`).
+
+  `stochastic`: gradients rounded stochastically (a train step's, which then needs a key), else to nearest.
+  The forward pass rounds to nearest either way.
+  """
   if config.quantization != "int8":
     raise ValueError(f"AQT quantizes to int8 only, got quantization={config.quantization!r}")
-  return _aqt_int8(config.quantization_local_shard_count)
+  return _aqt_int8(config.quantization_local_shard_count, stochastic)
+
+
+# --- Stochastic rounding keys: from the train step, to each matmul -------------
+#
+# The train step sets its key (`stochastic_rounding`: the seed and the step
+# only) in a context read while its gradient is traced, and each AQT matmul
+# folds in a hash of its kernel's bits. Why a context: both bridges trace the
+# wrapped module inside the caller's Python call, so it crosses ToNNX/ToLinen
+# unchanged, and no layer's signature carries a key. Why not a Linen rng
+# stream (AQT's default): its keys fold in Linen scope paths, which NNX cannot
+# reproduce. Why the kernel's bits: they are the one id every backend and flag
+# combination sees identically at the matmul (NNX modules do not know their
+# path, Linen's differ behind ToNNX), and within a scanned stack, traced once
+# for all layers, each layer's kernel slice still differs. So the noise is a
+# pure function of (seed, step, weights): Linen, NNX and mixed flags draw the
+# same, and a resumed run continues as if never stopped. The micro-batches of
+# one step (gradient accumulation) share it. Outside a train step (eval,
+# generate, serve) there is no key; a gradient taken there rounds to nearest.
+
+_ROUNDING_KEY: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("rounding_key", default=None)
+_ROUNDING_STREAM = zlib.crc32(b"aqt stochastic rounding")  # apart from the seed's other uses (LoRA dropout)
+
+
+def rounding_key(config: Config, step: jax.Array) -> jax.Array:
+  """A train step's stochastic-rounding key: the seed and the step only, so a resumed run (either backend) rounds alike."""
+  seed_key = jax.random.fold_in(jax.random.key(config.seed), _ROUNDING_STREAM)
+  return jax.random.fold_in(seed_key, jnp.asarray(step, jnp.uint32))
+
+
+@contextlib.contextmanager
+def stochastic_rounding(config: Config, step: jax.Array):
+  """While a train step's gradient is traced: AQT rounds it stochastically, keyed by `rounding_key(config, step)`.
+
+  A no-op unless `config` trains with AQT; the train step (`maxbridge.state`) enters it on both backends.
+  """
+  key = rounding_key(config, step) if uses_aqt(config) and not config.checkpoint_is_quantized else None
+  token = _ROUNDING_KEY.set(key)
+  try:
+    yield
+  finally:
+    _ROUNDING_KEY.reset(token)
+
+
+def _matmul_key(kernel: jax.Array) -> jax.Array | None:
+  key = _ROUNDING_KEY.get()
+  if key is None:
+    return None
+  # An integer sum wraps exactly, in any order or sharding: the same bits give the same hash.
+  bits = jax.lax.bitcast_convert_type(jax.lax.stop_gradient(kernel), jnp.dtype(f"uint{kernel.dtype.itemsize * 8}"))
+  return jax.random.fold_in(key, jnp.sum(bits, dtype=jnp.uint32))
+
+
+class _KeyedAqtDotGeneral(aqt_flax.AqtDotGeneral):
+  """`aqt_flax.AqtDotGeneral` given its key: AQT asks `make_rng` for it, which here reads no Linen rng stream."""
+
+  key: jax.Array | None = None
+
+  def make_rng(self, name: str = "params") -> jax.Array:
+    del name
+    return self.key
+
+
+def _linen_aqt(local_shard_count: int, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+  key = _matmul_key(rhs)
+  # Made inside the calling layer's compact call: Linen adopts it as that layer's child (no variables in train mode).
+  dot_general = _KeyedAqtDotGeneral(
+      _aqt_int8(local_shard_count, key is not None), key=key, prng_name=None if key is None else "stochastic_rounding"
+  )
+  return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+
+
+def _nnx_aqt(local_shard_count: int, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+  key = _matmul_key(rhs)
+  dot_general = aqt_config.set_context(_aqt_int8(local_shard_count, key is not None), key=key, train_step=None)
+  return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
 
 
 def linen_dot_general(config: Config) -> linear.DotGeneral:
-  """The `dot_general` of a Linen `DenseGeneral` for `config`: a fresh module per layer when quantized.
+  """The `dot_general` of a Linen `DenseGeneral` for `config`: AQT's Linen module when quantized.
 
-  `parent=None` detaches the module from whichever layer is being built, so
-  the `DenseGeneral` it is given to adopts it (as its child `dot_general`).
+  The module is made per call, once its key (or none) is known: a Linen
+  module takes no key as an argument, only through `make_rng`.
   """
   if not uses_aqt(config):
     return jax.lax.dot_general
-  return aqt_flax.AqtDotGeneral(aqt_dot_general_config(config), prng_name=None, parent=None)
+  aqt_dot_general_config(config)  # checks the quantization
+  return functools.partial(_linen_aqt, config.quantization_local_shard_count)
 
 
 def nnx_dot_general(config: Config) -> linear.DotGeneral:
-  """The `dot_general` of an NNX `DenseGeneral` for `config`: AQT's config, called as a function."""
+  """The `dot_general` of an NNX `DenseGeneral` for `config`: AQT's config, called as a function (pure JAX)."""
   if not uses_aqt(config):
     return jax.lax.dot_general
-  return aqt_config.set_context(aqt_dot_general_config(config), key=None, train_step=None)
+  aqt_dot_general_config(config)  # checks the quantization
+  return functools.partial(_nnx_aqt, config.quantization_local_shard_count)
 
 
 # --- Qwix (use_qwix_quantization=true): interception, no hook in the layers -------

@@ -29,7 +29,7 @@ from flax import nnx
 from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding
 
-from maxbridge import canonical, initializers, layouts, optimizers, sharding
+from maxbridge import canonical, initializers, layouts, optimizers, quantization, sharding
 from maxbridge.config import Config
 from maxbridge.loss import Forward, Loss
 from maxbridge.model import LinenModel, linen_forward, nnx_forward
@@ -287,7 +287,8 @@ class Trainer(abc.ABC):
   def _train_step(self, state, batch: Batch, reference: Params | None = None):
     bound = self._bind(state)._replace(training=True)
     value_and_grad = jax.value_and_grad(functools.partial(self._loss, bound, reference=reference), has_aux=True)
-    grads, metrics = accumulate_gradients(value_and_grad, bound.params, batch, self.config.gradient_accumulation_steps)
+    with quantization.stochastic_rounding(self.config, bound.step):
+      grads, metrics = accumulate_gradients(value_and_grad, bound.params, batch, self.config.gradient_accumulation_steps)
     grads, grad_norm = clip_gradients(grads, self.config.gradient_clipping_threshold)
     metrics = {**metrics, "grad_norm": grad_norm, "lr": self.schedule(bound.step)}
     state = self._apply_update(bound, grads)

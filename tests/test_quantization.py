@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import maxbridge as mb
-from maxbridge import canonical, checkpointing, cli, dispatch
+from maxbridge import canonical, checkpointing, cli, data, dispatch
 from maxbridge import quantization as quantization_module
 from maxbridge.config import ConfigError
 from conftest import FLAG_COMBINATIONS, flag_id, tiny_config
@@ -70,6 +70,67 @@ def test_aqt_int8_unscanned_and_remat_match_between_backends(tokens, aqt_referen
     config = tiny_config(flags, quantization="int8", scan_layers=False, remat_policy=remat_policy)
     logits = np.asarray(mb.create_model(config, seed=0).logits(tokens))
     np.testing.assert_allclose(logits, aqt_reference[False], atol=1e-6, rtol=0, err_msg=f"{flag_id(flags)}")
+
+
+# --- AQT stochastic rounding of gradients, keyed by the train step ---------------
+
+
+@pytest.fixture(scope="module")
+def aqt_grads(tokens):
+  """flags -> (params, step or None) -> canonical gradients of an AQT int8 model (seed 0), one compile per flags."""
+  compiled = {}
+
+  def grads(flags, step):
+    if flags not in compiled:
+      config = tiny_config(flags, quantization="int8")
+      model = mb.create_model(config, seed=0)
+
+      def keyed(params, step):
+        with quantization_module.stochastic_rounding(config, step):
+          return jax.grad(lambda p: model.apply(p, tokens).std())(params)
+
+      unkeyed = jax.grad(lambda p: model.apply(p, tokens).std())
+      compiled[flags] = (model.params(), jax.jit(keyed), jax.jit(unkeyed))
+    params, keyed, unkeyed = compiled[flags]
+    return canonical.flatten(unkeyed(params) if step is None else keyed(params, step))
+
+  return grads
+
+
+def max_difference(a, b):
+  assert set(a) == set(b)
+  return max(float(np.abs(np.asarray(a[p]) - np.asarray(b[p])).max()) for p in a)
+
+
+@pytest.mark.parametrize("flags", [NNX, (False, True, False), (True, False, True)], ids=flag_id)
+def test_aqt_stochastic_rounding_gradients_are_bit_identical_to_pure_linen(flags, aqt_grads):
+  reference = aqt_grads(LINEN, 3)
+  got = aqt_grads(flags, 3)
+  for path, grad in reference.items():
+    np.testing.assert_array_equal(np.asarray(got[path]), np.asarray(grad), err_msg=f"{flag_id(flags)} {path}")
+
+
+def test_aqt_gradients_round_stochastically_by_the_step_and_to_nearest_without_a_key(aqt_grads):
+  step3, step4, nearest = aqt_grads(LINEN, 3), aqt_grads(LINEN, 4), aqt_grads(LINEN, None)
+  assert max_difference(step3, aqt_grads(LINEN, 3)) == 0.0, "the same step must round alike"
+  assert max_difference(step3, step4) > 1e-6, "the step's key changes nothing: stochastic rounding is off"
+  assert max_difference(step3, nearest) > 1e-6 and max_difference(step4, nearest) > 1e-6
+
+
+def test_the_train_step_keys_stochastic_rounding_by_its_step():
+  """One state, trained as step 0 and as step 1: the gradients (their norm) differ by their rounding only.
+
+  The step is the backends' shared `Trainer._train_step`; the Linen-run-resumed-in-NNX test below covers NNX.
+  """
+  config = tiny_config(quantization="int8")
+  trainer = dispatch.create_trainer(config)
+  tree = trainer.to_checkpoint(trainer.init_state(0))
+  batch = trainer.shard_batch(data.make_dataset(config, "train", 2).batch(0))
+  norms = []
+  for step in (0, 1, 0):
+    state = trainer.from_checkpoint({**jax.tree.map(jnp.copy, tree), "step": jnp.asarray(step, jnp.int32)})
+    norms.append(float(trainer.train_step(state, batch)[1]["grad_norm"]))
+  assert norms[0] != norms[1] and norms[0] == norms[2], norms
 
 
 @pytest.fixture(scope="module")
