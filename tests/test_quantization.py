@@ -77,12 +77,12 @@ def test_aqt_int8_unscanned_and_remat_match_between_backends(tokens, aqt_referen
 
 @pytest.fixture(scope="module")
 def aqt_grads(tokens):
-  """flags -> (params, step or None) -> canonical gradients of an AQT int8 model (seed 0), one compile per flags."""
+  """(flags, step or None, overrides) -> canonical gradients of an AQT int8 model (seed 0), one compile per model."""
   compiled = {}
 
-  def grads(flags, step):
-    if flags not in compiled:
-      config = tiny_config(flags, quantization="int8")
+  def grads(flags, step, **overrides):
+    if (flags, *overrides.items()) not in compiled:
+      config = tiny_config(flags, quantization="int8", **overrides)
       model = mb.create_model(config, seed=0)
 
       def keyed(params, step):
@@ -90,8 +90,8 @@ def aqt_grads(tokens):
           return jax.grad(lambda p: model.apply(p, tokens).std())(params)
 
       unkeyed = jax.grad(lambda p: model.apply(p, tokens).std())
-      compiled[flags] = (model.params(), jax.jit(keyed), jax.jit(unkeyed))
-    params, keyed, unkeyed = compiled[flags]
+      compiled[(flags, *overrides.items())] = (model.params(), jax.jit(keyed), jax.jit(unkeyed))
+    params, keyed, unkeyed = compiled[(flags, *overrides.items())]
     return canonical.flatten(unkeyed(params) if step is None else keyed(params, step))
 
   return grads
@@ -102,10 +102,19 @@ def max_difference(a, b):
   return max(float(np.abs(np.asarray(a[p]) - np.asarray(b[p])).max()) for p in a)
 
 
-@pytest.mark.parametrize("flags", [NNX, (False, True, False), (True, False, True)], ids=flag_id)
-def test_aqt_stochastic_rounding_gradients_are_bit_identical_to_pure_linen(flags, aqt_grads):
-  reference = aqt_grads(LINEN, 3)
-  got = aqt_grads(flags, 3)
+@pytest.mark.parametrize(
+    "flags,overrides",
+    [
+        (NNX, {}),
+        ((False, True, False), {}),
+        ((True, False, True), {}),
+        (NNX, dict(scan_layers=False, remat_policy="full")),
+    ],
+    ids=["nnx", "linen-nnx_decoder", "nnx-linen_decoder", "nnx-unscanned-remat"],
+)
+def test_aqt_stochastic_rounding_gradients_are_bit_identical_to_pure_linen(flags, overrides, aqt_grads):
+  reference = aqt_grads(LINEN, 3, **overrides)
+  got = aqt_grads(flags, 3, **overrides)
   for path, grad in reference.items():
     np.testing.assert_array_equal(np.asarray(got[path]), np.asarray(grad), err_msg=f"{flag_id(flags)} {path}")
 
