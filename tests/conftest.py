@@ -1,6 +1,9 @@
 """Shared fixtures. Models are tiny (llama-tiny) so the whole matrix stays fast."""
 
 import itertools
+import os
+import shutil
+import tempfile
 
 import jax
 import pytest
@@ -24,6 +27,24 @@ def tiny_config(flags=(False, False, False), **overrides) -> mb.Config:
       pure_nnx_decoder=pure_nnx_decoder,
       **overrides,
   )
+
+
+def pytest_configure(config):
+  """One JAX persistent compilation cache for the whole run: its xdist workers and subprocesses.
+
+  Linen, NNX and the bridged mixes of one model lower to the same HLO (that is
+  what parity means), and many files build the same tiny models, so most
+  compilations of a run are repeats. The cache is new for each run, so a run
+  never depends on what an earlier one compiled.
+  """
+  if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # not inherited: this process owns the run
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="maxbridge-jax-cache-")
+    config.add_cleanup(lambda: shutil.rmtree(os.environ.pop("JAX_COMPILATION_CACHE_DIR"), ignore_errors=True))
+  # Tiny models compile in well under JAX's default one-second threshold; cache them all.
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  # This process imported JAX before this hook ran (environment variables are read at import).
+  jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 @pytest.fixture(scope="session")
