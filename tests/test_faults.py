@@ -2,7 +2,7 @@
 
 Every in-process run shares one config (`_config`), so the train step compiles
 once; subprocesses are used only where the exit status, a hang or a signal is
-the point, and share a persistent compilation cache.
+the point, and share the run's compilation cache (`conftest.py`).
 """
 
 import contextlib
@@ -71,14 +71,9 @@ def _non_daemon_threads() -> set[threading.Thread]:
 
 
 @pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory) -> dict[str, str]:
-  """Environment for CLI subprocesses: our code first, and one compilation cache for all of them."""
-  return {
-      **os.environ,
-      "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-      "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax-cache")),
-      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-  }
+def cli_env() -> dict[str, str]:
+  """Environment for CLI subprocesses: our code first (the run's compilation cache comes with `os.environ`)."""
+  return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
 def _cli_args(tmp_path, name, **overrides) -> list[str]:
@@ -123,11 +118,11 @@ def test_a_failed_save_raises_and_leaves_no_thread_waiting(tmp_path, fault):
   assert not _non_daemon_threads() - before, f"threads left running: {_non_daemon_threads() - before}"
 
 
-def test_cli_train_whose_save_fails_exits_2_in_seconds_naming_the_last_good_checkpoint(tmp_path, compile_cache):
+def test_cli_train_whose_save_fails_exits_2_in_seconds_naming_the_last_good_checkpoint(tmp_path, cli_env):
   limit = "import resource, signal, runpy, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
   limit += "resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000)); "
   limit += "sys.argv[0] = 'maxbridge'; runpy.run_module('maxbridge.cli', run_name='__main__')"
-  env = {k: v for k, v in compile_cache.items() if not k.startswith("JAX_")}  # the limit would cut cache files
+  env = {k: v for k, v in cli_env.items() if not k.startswith("JAX_")}  # the limit would cut cache files
   proc = subprocess.run(
       [sys.executable, "-c", limit, *_cli_args(tmp_path, "full")], env=env, capture_output=True, text=True, timeout=180
   )
@@ -139,11 +134,9 @@ def test_cli_train_whose_save_fails_exits_2_in_seconds_naming_the_last_good_chec
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_ends_training_naming_the_last_good_checkpoint(tmp_path, compile_cache, signum):
+def test_a_signal_ends_training_naming_the_last_good_checkpoint(tmp_path, cli_env, signum):
   args = _cli_args(tmp_path, "sig", steps=100_000, checkpoint_period=2)
-  proc = subprocess.Popen(
-      [sys.executable, "-m", "maxbridge.cli", *args], env=compile_cache, stderr=subprocess.PIPE, text=True
-  )
+  proc = subprocess.Popen([sys.executable, "-m", "maxbridge.cli", *args], env=cli_env, stderr=subprocess.PIPE, text=True)
   try:
     deadline = time.monotonic() + 240
     while not (tmp_path / "sig" / "checkpoints" / "2" / "items" / "_METADATA").exists():
@@ -426,10 +419,10 @@ def test_an_internal_failure_exits_1_and_debug_shows_the_traceback(capsys, monke
   assert code == 1 and "Traceback" in err
 
 
-def test_a_mesh_that_does_not_divide_a_parameter_names_it(compile_cache):
+def test_a_mesh_that_does_not_divide_a_parameter_names_it(cli_env):
   argv = ["compile", "--devices", "8", "llama-tiny", "ici_tensor_parallelism=8"]
   proc = subprocess.run(
-      [sys.executable, "-m", "maxbridge.cli", *argv], env=compile_cache, capture_output=True, text=True, timeout=180
+      [sys.executable, "-m", "maxbridge.cli", *argv], env=cli_env, capture_output=True, text=True, timeout=180
   )
   assert proc.returncode == 2, proc.stderr[-3000:]
   assert "self_attention/key/kernel (64, 2, 2, 16): dimension 2 (2) does not divide over the mesh axes tensor=8" in (
