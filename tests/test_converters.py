@@ -410,6 +410,24 @@ def test_compare_names_a_single_changed_element(source, tmp_path, capsys):
   assert code == 1 and "params/params/decoder/layers_1/mlp/wi_1/kernel: max abs diff 0.25" in out
 
 
+def test_compare_matches_nan_with_nan_in_arrays_it_decodes(source, tmp_path):
+  tree = read_all(source)
+  kernel = tree["params"]["params"]["decoder"]["layers"]["mlp"]["wi_1"]["kernel"]
+  kernel[3, 1, 7] = np.nan
+  # Stored differently (one chunk per stack, one per layer), so compared by decoding both.
+  orbax_save(tmp_path / "orbax", tree)
+  ckpt = checkpointing.Checkpointer(tmp_path / "ours")
+  ckpt.save(6, tree)
+  ckpt.wait()
+  assert converters.compare(tmp_path / "orbax", tmp_path / "ours").equal
+  kernel[3, 1, 8] = np.nan
+  ckpt.save(7, tree)
+  ckpt.wait()
+  comparison = converters.compare(tmp_path / "orbax", tmp_path / "ours" / "7")
+  assert [d.path for d in comparison.differences] == ["params/params/decoder/layers/mlp/wi_1/kernel"]
+  assert "(1 of 16384 elements differ)" in comparison.differences[0].what
+
+
 def test_compare_reports_at_most_20_paths(source, tmp_path, capsys):
   converters.convert(source, tmp_path / "half", dtype="bfloat16")
   code, out, _ = compare(capsys, source, tmp_path / "half")
