@@ -4,8 +4,9 @@
                                           [--skip-recompute] [--skip-hf] [--rounds 5]
 
 One process, one set of weights (llama-small, random init). The engine
-prefills each prompt, inserts it into a slot, then generates `new - 1` steps
-for all slots at once in one compiled loop (`generate_steps`). Hugging Face:
+prefills the prompts side by side in one batched call (`prefill_batch`), as
+Hugging Face prefills its batch, inserts each into a slot, then generates
+`new - 1` steps for all slots at once in one compiled loop (`generate_steps`). Hugging Face:
 the same weights exported with `export-hf`, `transformers` eager `generate`
 with its KV cache on torch CPU, torch's intra-op threads set to the cores JAX's
 CPU client uses (all of this process's). The two engines and Hugging Face run
@@ -38,8 +39,8 @@ def time_engine(eng: engine.Engine, prompts: np.ndarray, new: int) -> tuple[floa
   """(prefill seconds, decode seconds, the generated tokens [B, new])."""
   start = time.perf_counter()
   state = eng.init_decode_state()
-  for slot, prompt in enumerate(prompts):
-    state = eng.insert(eng.prefill(prompt), state, slot)
+  for slot, prefix in enumerate(eng.prefill_batch(prompts)):
+    state = eng.insert(prefix, state, slot)
   jax.block_until_ready(state)
   prefill_s = time.perf_counter() - start
   # To host at once: generate_steps donates the state this buffer belongs to.

@@ -8,7 +8,8 @@
 
 Also MaxText's serving features: `prefill_multisampling` (several first tokens
 from one prefill, for `bulk_insert`), `prefill_concat` (several prompts packed
-into one prefill, split back into one prefix each), chunked prefill
+into one prefill, split back into one prefix each), `prefill_batch` (several
+prompts side by side in one batched prefill, one prefix each), chunked prefill
 (`prefill(..., existing_prefix=prefix)` goes on where a prefix stopped), and
 `stack_prefill_result_cache` (a prefix cache stacked on a layer axis for either
 `scan_layers`: the scanned cache tree, unstacked again on insert).
@@ -171,6 +172,7 @@ class Engine:
     self._rng = jax.random.key(config.seed)
     self._prefill = jax.jit(self._prefill_impl, static_argnames=("num_samples",))
     self._prefill_concat = jax.jit(self._prefill_concat_impl)
+    self._prefill_batch = jax.jit(self._prefill_batch_impl)
     state, tokens = self._state_shardings, slots
     self._init_decode_state = jax.jit(
         lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._abstract_decode_state()), out_shardings=state
@@ -381,6 +383,40 @@ class Engine:
       one = _split_packed(cache, offsets[i], lengths[i], sequence_axis=1)
       if kv_cache.window(self.config):
         one = _to_ring(self.config, one, lengths[i])
+      prefixes.append(Prefix(self._stacked(one), self._sample(last, rng), lengths[i], last))
+    return prefixes
+
+  def prefill_batch(self, prompts, *, params: Params | None = None, rng=None) -> list[Prefix]:
+    """Several prompts prefilled side by side, one batch row each -> one `Prefix` each, for `insert`.
+
+    What a server with several prompts waiting runs instead of one `prefill`
+    per prompt: one forward pass over [len(prompts), T] (T the longest prompt
+    padded as `prefill` pads it), whose larger matmuls run faster per token.
+    Each prefix is the one a separate `prefill` gives, up to float rounding.
+    """
+    prompts = [self._check_prompt(prompt) for prompt in prompts]
+    if not prompts:
+      raise ValueError("prefill_batch needs at least one prompt, got none")
+    lengths = np.asarray([len(prompt) for prompt in prompts], np.int32)
+    tokens = np.zeros((len(prompts), len(self._pad(prompts[int(np.argmax(lengths))]))), np.int32)
+    for row, prompt in zip(tokens, prompts):
+      row[: len(prompt)] = prompt
+    params = self._params(params)
+    rng = self._next_rng(rng)
+    return self._prefill_batch(params, tokens, lengths, rng)
+
+  def _prefill_batch_impl(self, params, tokens, lengths, rng):
+    params = self._weights(params)
+    batch, length = tokens.shape
+    cache = init_cache(self.config, batch, self.config.max_target_length)
+    offsets = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens.shape)
+    segment_ids = (offsets < lengths[:, None]).astype(jnp.int32)  # padding: segment 0, as in `prefill`
+    logits, cache = self.model.cached_forward(params, cache, tokens, offsets, segment_ids)
+    cache = _set_cache_index(cache, lengths)
+    prefixes = []
+    for i, rng in enumerate(jax.random.split(rng, batch)):
+      last = logits[i, lengths[i] - 1]
+      one = jax.tree.map(lambda leaf, i=i: leaf[i : i + 1], cache)
       prefixes.append(Prefix(self._stacked(one), self._sample(last, rng), lengths[i], last))
     return prefixes
 

@@ -211,6 +211,17 @@ def test_prefill_concat_splits_into_the_prefixes_of_separate_prefills():
     assert_same_prefix(got, want)
 
 
+@pytest.mark.parametrize("preset, flags", [("mistral-tiny", LINEN), ("deepseek3-tiny", NNX)], ids=["ring", "mla"])
+def test_prefill_batch_gives_the_prefixes_of_separate_prefills(preset, flags):
+  result = decode(preset, flags)
+  batched = result["engine"].prefill_batch(PROMPTS)
+  assert len(batched) == 2
+  for got, want in zip(batched, result["prefixes"]):
+    assert_same_prefix(got, want)
+  with pytest.raises(ValueError, match="prefill_batch needs at least one prompt"):
+    result["engine"].prefill_batch([])
+
+
 @pytest.mark.parametrize("flags", [LINEN, NNX])
 def test_chunked_prefill_equals_one_shot_prefill(flags):
   eng = decode("deepseek3-tiny", flags)["engine"]
