@@ -152,9 +152,12 @@ class _Chunk:
 
   def read(self, nbytes: int) -> np.ndarray:
     """The next `nbytes` decoded bytes, as a new uint8 array."""
-    out = np.empty(nbytes, np.uint8)
-    view, done = memoryview(out), 0
-    while done < nbytes:
+    return self.read_into(np.empty(nbytes, np.uint8))
+
+  def read_into(self, out: np.ndarray) -> np.ndarray:
+    """Fills the C-contiguous array `out` with the next decoded bytes; returns it."""
+    view, done = memoryview(out.view(np.uint8).reshape(-1)), 0
+    while done < out.nbytes:
       got = self._stream.readinto(view[done:])
       if not got:
         raise OSError("a chunk decodes to fewer bytes than its shape holds (truncated?)")
@@ -255,11 +258,15 @@ class Source:
     grid = int(np.prod([-(-n // c) for n, c in zip(meta["shape"], meta["chunks"])]))
     return meta if stored is not None and len(stored) == grid + 1 else None  # + 1: .zarray
 
-  def pieces(self, normal: str, meta: dict, depth: int, rows: int) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
+  def pieces(
+      self, normal: str, meta: dict, depth: int, rows: int, into: np.ndarray | None = None
+  ) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
     """(region of the array, its values) covering a `streamable` array once, chunk by chunk, each chunk
     decoded front to back: in C order a piece chunk[i_0, .., i_{depth-1}, r:r + rows] is contiguous.
     `rows` must divide the chunk's extent along `depth` (see `piece_rows`), so that a piece lies in one
-    chunk of an array chunked by `rows` along that axis. A piece of an edge chunk is cut to the array."""
+    chunk of an array chunked by `rows` along that axis. A piece of an edge chunk is cut to the array.
+    `into`: an array of the array's shape; a piece that is a contiguous part of it is decoded straight
+    into that part, and its values are that part (`values.base is into`: nothing left to copy)."""
     shape, chunks = meta["shape"], meta["chunks"]
     dtype = self.reader.stored_leaf(normal).dtype
     piece = (1,) * depth + (rows,) + tuple(chunks[depth + 1 :])
@@ -273,12 +280,17 @@ class Source:
         chunk = _Chunk(stored[indices[index]], meta["compressor"] is not None, int(np.prod(chunks)) * dtype.itemsize)
         for lead in np.ndindex(*chunks[:depth]):
           for start in range(0, chunks[depth], rows):
-            values = chunk.read(piece_bytes).view(dtype).reshape(piece)
             corner = [o + i for o, i in zip(origin, (*lead, start))] + origin[depth + 1 :]
+            stop = [min(c + p, n) for c, p, n in zip(corner, piece, shape)]
+            region = tuple(map(slice, corner, stop))
+            target = into[region] if into is not None else None
+            if target is not None and target.shape == piece and target.flags.c_contiguous:
+              yield region, chunk.read_into(target)
+              continue
+            values = chunk.read(piece_bytes).view(dtype).reshape(piece)
             if any(c >= n for c, n in zip(corner, shape)):
               continue  # the padding of an edge chunk
-            stop = [min(c + p, n) for c, p, n in zip(corner, piece, shape)]
-            yield tuple(map(slice, corner, stop)), values[tuple(slice(0, e - c) for c, e in zip(corner, stop))]
+            yield region, values[tuple(slice(0, e - c) for c, e in zip(corner, stop))]
             del values  # so that the next piece is decoded without this one held (its user drops it too)
       except (OSError, zstandard.ZstdError) as e:  # a truncated or damaged data file
         raise self.reader.damaged(normal, e) from e
@@ -294,8 +306,9 @@ class Source:
       return self.reader.read(normal)
     leaf = self.reader.stored_leaf(normal)
     out = np.empty(leaf.shape, leaf.dtype)
-    for region, values in self.pieces(normal, meta, 0, piece_rows(meta, leaf.dtype, 0, BLOCK_BYTES // 4)):
-      out[region] = values
+    for region, values in self.pieces(normal, meta, 0, piece_rows(meta, leaf.dtype, 0, BLOCK_BYTES // 4), into=out):
+      if values.base is not out:
+        out[region] = values
     return out.astype(self.reader.leaves[normal].dtype, copy=False)
 
 
