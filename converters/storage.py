@@ -19,9 +19,10 @@ the form orbax writes for numpy leaves (`tree_metadata`):
   Stacks written here have one chunk per layer for that reason;
 - a stack stored in a few large chunks (orbax's default is one per array, as
   MaxText saves on one device; a stack sharded over devices has one per
-  shard, each holding every layer) is unstacked by decoding each chunk front
-  to back in pieces (`Source.pieces`): a piece of whole rows holds a piece of
-  every layer, which fills whole chunks of the layers (`Destination.unstack`);
+  shard, each holding every layer), in zarr v2 or zarr3 (MaxText's default),
+  is unstacked by decoding each chunk front to back in pieces
+  (`Source.pieces`): a piece of whole rows holds a piece of every layer,
+  which fills whole chunks of the layers (`Destination.unstack`);
 - anything else (a cast, a moved axis) is decoded and written through the zarr
   driver, a block at a time; arrays read whole are decoded chunk by chunk
   into one buffer (`Source.read_array`).
@@ -38,6 +39,7 @@ import io
 import json
 import os
 import shutil
+import struct
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -178,6 +180,21 @@ def _stored_bytes(value: tuple[Path, int, int]) -> bytes:
   return found
 
 
+def _inner_chunk(value: bytes | tuple[Path, int, int], index_bytes: int) -> bytes | tuple[Path, int, int] | None:
+  """The stored bytes of the one inner chunk of a zarr3 shard (codec sharding_indexed): the index at its end
+  (`index_bytes`) gives their offset and length (two little-endian uint64, both all ones when not stored:
+  None), then maybe a crc32c."""
+  if isinstance(value, bytes):
+    tail = value[-index_bytes:]
+  else:
+    file, offset, length = value
+    tail = _stored_bytes((file, offset + length - index_bytes, index_bytes))
+  start, length = struct.unpack("<QQ", tail[:16])
+  if start == length == 2**64 - 1:
+    return None
+  return value[start : start + length] if isinstance(value, bytes) else (value[0], value[1] + start, length)
+
+
 def _range(name: str) -> ts.KvStore.KeyRange:
   # Every key of the array `name`: "name/" up to "name0" ("0" follows "/").
   return ts.KvStore.KeyRange(f"{name}/".encode(), f"{name}0".encode())
@@ -188,8 +205,8 @@ class Source:
 
   def __init__(self, reader: CheckpointReader):
     self.reader = reader
-    self.raw = reader.zarr_driver == "zarr"  # zarr3's chunk keys are laid out differently
-    self.kv = kvstore(reader.items) if self.raw else None
+    self.raw = reader.zarr_driver == "zarr"  # zarr v2: its encoded chunks are reused as they are
+    self.kv = kvstore(reader.items) if reader.zarr_driver else None
     self._by_name: dict[bytes, dict[bytes, Any]] | None = None  # from `index`, when first needed
 
   def read(self, normal: str, key: bytes) -> ts.KvStore.ReadResult:
@@ -216,7 +233,7 @@ class Source:
 
   def stored(self, normal: str) -> dict[bytes, Any] | None:
     """{key suffix: stored value} of an array, from the index; None when the index does not list it all."""
-    if not self.raw:
+    if self.kv is None:
       return None
     if self._by_name is None:
       self._by_name = {}
@@ -245,18 +262,66 @@ class Source:
     return meta, {_chunk_key("", without_axis(i, axis))[1:]: chunks[k] for k, i in indices.items() if i[axis] == layer}
 
   def streamable(self, normal: str) -> dict | None:
-    """The zarr metadata of an array that `pieces` can decode (zarr v2 in OCDBT, zstd-compressed or not,
-    `plain`, the dtype as stored, every chunk in the index, at least one axis), else None."""
-    meta, leaf = self.zarray(normal), self.reader.stored_leaf(normal)
-    if meta is None or not leaf.shape or not leaf.nbytes or not plain(meta):
+    """How `pieces` decodes an array, {"shape", "chunks", "compressed" (zstd, else raw), "values": {chunk
+    index: its stored bytes}}: zarr v2 (zstd or uncompressed, `plain`) or zarr3 (little-endian bytes, zstd
+    or not, one inner chunk per shard as orbax writes with use_zarr3) in OCDBT, the dtype as stored, every
+    chunk stored, at least one axis. Else None."""
+    leaf, stored = self.reader.stored_leaf(normal), self.stored(normal)
+    if stored is None or not leaf.shape or not leaf.nbytes:
+      return None
+    found = self._zarr2(normal, leaf) if self.raw else self._zarr3(normal, leaf)
+    if found is None or found["shape"] != list(leaf.shape):
+      return None
+    values = {}
+    for key, value in stored.items():
+      parts = key[1:].decode().split(".") if self.raw else key[1:].decode().split("/")[1:]  # "0.1", "c/0/1"
+      if key not in (b"/.zarray", b"/zarr.json"):
+        values[tuple(int(i) for i in parts)] = value
+    grid = int(np.prod([-(-n // c) for n, c in zip(found["shape"], found["chunks"])]))
+    if len(values) != grid:
+      return None
+    if found.pop("shard_index"):
+      tail = found.pop("index_bytes")
+      values = {index: _inner_chunk(value, tail) for index, value in values.items()}
+      if None in values.values():
+        return None  # an inner chunk not stored: all fill value
+    return {**found, "values": values}
+
+  def _zarr2(self, normal: str, leaf: Any) -> dict | None:
+    meta = self.zarray(normal)
+    if meta is None or not plain(meta) or meta["dtype"] != _zarray((), leaf.dtype, ())["dtype"]:
       return None
     if (meta.get("compressor") or {"id": "zstd"})["id"] != "zstd":
       return None
-    if meta["shape"] != list(leaf.shape) or meta["dtype"] != _zarray((), leaf.dtype, ())["dtype"]:
+    compressed = meta.get("compressor") is not None
+    return {"shape": meta["shape"], "chunks": meta["chunks"], "compressed": compressed, "shard_index": False}
+
+  def _zarr3(self, normal: str, leaf: Any) -> dict | None:
+    found = self.read(normal, f"{self.reader.name(normal)}/zarr.json".encode())
+    if found.state != "value":
       return None
-    stored = self.stored(normal)
-    grid = int(np.prod([-(-n // c) for n, c in zip(meta["shape"], meta["chunks"])]))
-    return meta if stored is not None and len(stored) == grid + 1 else None  # + 1: .zarray
+    meta = json.loads(found.value)
+    dtype = "bfloat16" if leaf.dtype == jax.numpy.bfloat16 else np.dtype(leaf.dtype).name
+    encoding = meta.get("chunk_key_encoding", {})
+    if meta.get("data_type") != dtype or encoding.get("name") != "default" or meta["chunk_grid"]["name"] != "regular":
+      return None
+    if encoding.get("configuration", {}).get("separator", "/") != "/":
+      return None
+    chunks, codecs, index_bytes = meta["chunk_grid"]["configuration"]["chunk_shape"], meta["codecs"], None
+    if [c["name"] for c in codecs] == ["sharding_indexed"]:
+      config = codecs[0]["configuration"]
+      index_codecs = [c["name"] for c in config["index_codecs"]]
+      if config["chunk_shape"] != chunks or config.get("index_location", "end") != "end":
+        return None
+      if index_codecs not in (["bytes"], ["bytes", "crc32c"]):
+        return None
+      codecs, index_bytes = config["codecs"], 16 + 4 * (index_codecs[-1] == "crc32c")
+    names = [c["name"] for c in codecs]
+    if names not in (["bytes"], ["bytes", "zstd"]) or codecs[0].get("configuration", {}).get("endian") != "little":
+      return None
+    sharded = index_bytes is not None
+    layout = {"shape": meta["shape"], "chunks": chunks, "compressed": "zstd" in names, "shard_index": sharded}
+    return {**layout, "index_bytes": index_bytes} if sharded else layout
 
   def pieces(
       self, normal: str, meta: dict, depth: int, rows: int, into: np.ndarray | None = None
@@ -271,13 +336,11 @@ class Source:
     dtype = self.reader.stored_leaf(normal).dtype
     piece = (1,) * depth + (rows,) + tuple(chunks[depth + 1 :])
     piece_bytes = int(np.prod(piece)) * dtype.itemsize
-    stored = self.stored(normal)
-    indices = {tuple(int(i) for i in k[1:].decode().split(".")): k for k in stored if k != b"/.zarray"}
-    for index in sorted(indices):
+    for index, value in sorted(meta["values"].items()):
       origin = [i * c for i, c in zip(index, chunks)]
       chunk = None
       try:
-        chunk = _Chunk(stored[indices[index]], meta["compressor"] is not None, int(np.prod(chunks)) * dtype.itemsize)
+        chunk = _Chunk(value, meta["compressed"], int(np.prod(chunks)) * dtype.itemsize)
         for lead in np.ndindex(*chunks[:depth]):
           for start in range(0, chunks[depth], rows):
             corner = [o + i for o, i in zip(origin, (*lead, start))] + origin[depth + 1 :]
