@@ -300,6 +300,16 @@ def test_a_one_chunk_stack_unstacks_piece_by_piece_byte_for_byte(source, tmp_pat
   assert comparison.equal and comparison.compared == 21, comparison.report()
 
 
+def test_a_truncated_one_chunk_stack_fails_clearly_and_writes_nothing(source, tmp_path, capsys):
+  orbax_save(tmp_path / "orbax", {"params": read_all(source)["params"]})
+  data = max((p for p in (tmp_path / "orbax").rglob("*") if p.is_file() and p.parent.name == "d"), key=os.path.getsize)
+  data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+  code, _, err = convert(capsys, tmp_path / "orbax", tmp_path / "out", "--scan-layers", "false")
+  assert code == 2 and "cannot read params/params/" in err and "damaged or incomplete" in err, err
+  assert not (tmp_path / "out").exists()
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["orbax"], "no staging folder left behind"
+
+
 # Saves the parameters of a checkpoint as MaxText does on 8 devices (fsdp 4 x tensor 2), in bfloat16: each
 # array stored one chunk per shard, each chunk of a stack holding every layer.
 SHARDED_SAVE = """
