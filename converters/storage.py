@@ -274,8 +274,8 @@ class Source:
       return None
     values = {}
     for key, value in stored.items():
-      parts = key[1:].decode().split(".") if self.raw else key[1:].decode().split("/")[1:]  # "0.1", "c/0/1"
-      if key not in (b"/.zarray", b"/zarr.json"):
+      if key not in (b"/.zarray", b"/zarr.json"):  # a chunk: "/0.1" (zarr v2), "/c/0/1" (zarr3)
+        parts = key[1:].decode().split(".") if self.raw else key[len(b"/c/") :].decode().split("/")
         values[tuple(int(i) for i in parts)] = value
     grid = int(np.prod([-(-n // c) for n, c in zip(found["shape"], found["chunks"])]))
     if len(values) != grid:
