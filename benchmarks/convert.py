@@ -19,7 +19,7 @@ orbax's defaults, one chunk per stack (as MaxText saves on one device). Then:
     subprocess, timed and measured the same way);
   - unscans the orbax-default copy, whose stacks are stored as one chunk each
     and are decoded as a stream, a piece of every layer at a time (and
-    compares it).
+    compares it), and the same saved in zarr3 (MaxText's default).
 os.sync() runs between steps (untimed), so that no step pays for writing back
 what the one before it left in the page cache. Everything is written under a
 temporary folder, removed at the end.
@@ -65,11 +65,14 @@ print(json.dumps({"baseline_kib": baseline, "peak_kib": status_kib("VmHWM"), "se
 """
 
 
-def make_checkpoint(directory: Path, config: mb.Config, orbax_directory: Path) -> tuple[int, int, str]:
+def make_checkpoint(
+    directory: Path, config: mb.Config, orbax_directory: Path, zarr3_directory: Path
+) -> tuple[int, int, str]:
   """Writes a step-1 checkpoint of random float32 values; (total bytes, largest array bytes, its path).
 
   Twice: with maxbridge's Checkpointer (one chunk per layer of a stack) into `directory`, and with
-  orbax's defaults (one chunk per stack, as MaxText saves on one device) into `orbax_directory`.
+  orbax's defaults (one chunk per stack, as MaxText saves on one device) into `orbax_directory`, and
+  the same in zarr3 (MaxText's default checkpoint_storage_use_zarr3) into `zarr3_directory`.
   """
   target = dispatch.create_trainer(config).checkpoint_target()
   rng = np.random.default_rng(0)
@@ -89,11 +92,13 @@ def make_checkpoint(directory: Path, config: mb.Config, orbax_directory: Path) -
   ckpt.wait()
   ckpt.close()
   config.to_yaml(directory / "config.yml")
-  manager = ocp.CheckpointManager(orbax_directory / "checkpoints", item_handlers={"items": ocp.PyTreeCheckpointHandler()})
-  manager.save(1, args=ocp.args.Composite(items=ocp.args.PyTreeSave(tree)))
-  manager.wait_until_finished()
-  manager.close()
-  config.to_yaml(orbax_directory / "config.yml")
+  for folder, zarr3 in ((orbax_directory, False), (zarr3_directory, True)):
+    handler = ocp.PyTreeCheckpointHandler(use_zarr3=zarr3)
+    manager = ocp.CheckpointManager(folder / "checkpoints", item_handlers={"items": handler})
+    manager.save(1, args=ocp.args.Composite(items=ocp.args.PyTreeSave(tree)))
+    manager.wait_until_finished()
+    manager.close()
+    config.to_yaml(folder / "config.yml")
   return total, largest, path
 
 
@@ -151,7 +156,8 @@ def main() -> None:
     source = work / "source"
     began = time.perf_counter()
     orbax_source = work / "orbax-source"
-    total, largest, largest_path = make_checkpoint(source, config, orbax_source)
+    zarr3_source = work / "zarr3-source"
+    total, largest, largest_path = make_checkpoint(source, config, orbax_source, zarr3_source)
     on_disk = folder_bytes(source)
     print(
         f"made {total / 2**30:.2f} GiB of arrays in {time.perf_counter() - began:.1f} s; largest array "
@@ -173,6 +179,7 @@ def main() -> None:
         # Orbax's default layout: each stack one chunk, decoded as a stream in pieces of every layer.
         ("orbax: scanned -> unscanned", "unscan", orbax_source, work / "orbax-unscanned"),
         ("orbax: compare that", "compare", orbax_source, work / "orbax-unscanned"),
+        ("orbax zarr3: -> unscanned", "unscan", zarr3_source, work / "zarr3-unscanned"),
     ]
     for label, verb, first, second in rows:
       copy_s, synced_s = copy_seconds(source, work / "copy", sync=False), copy_seconds(source, work / "copy", sync=True)
