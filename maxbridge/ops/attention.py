@@ -76,12 +76,9 @@ def dot_product_attention(
   with jax.named_scope("dot_product_attention"):
     if query_scale is not None:
       query = query * jnp.asarray(query_scale, query.dtype)
-    mask = attention_mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions, sliding_window_size)
-    if length == 1 and not return_max_logits:
-      out = _one_query_attention(query, key, value, mask[:, 0, 0, 0])
-      return sharding.constrain(out, ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
     query = query.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", query, key).astype(jnp.float32)
+    mask = attention_mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions, sliding_window_size)
     scores = jnp.where(mask, scores, MASK_VALUE)
     weights = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", weights, value)
@@ -93,33 +90,6 @@ def dot_product_attention(
     # every pair is masked reports MASK_VALUE.
     max_logits = jnp.max(jax.lax.stop_gradient(scores), axis=(0, 3, 4)).reshape(num_heads)
     return out, max_logits
-
-
-def _one_query_attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array) -> jax.Array:
-  """A decode step's attention: query [B, 1, N, H] over key [B, S, K, H], value [B, S, K, Hv], mask [B, S].
-
-  The dots keep the cache's [B, S, K, H] layout: each row's keys are read as
-  one [S, K*H] matrix against the query laid out block-diagonally as
-  [K*H, K*G] (query head (k, g) in column block k, zeros elsewhere), and the
-  values as [S, K*H] against the weights [S, K*G], whose diagonal blocks are
-  the outputs. The grouped einsums of `dot_product_attention` have batch dims
-  (B, K) that the cache does not lead with, and XLA CPU copied every layer's
-  keys and values head-major on every step for them. This form costs K times
-  the flops and was ~5x faster (8 layers, 8 slots of 256 positions, llama-small's
-  heads: 6 vs 31 ms on a loaded 2-core CPU).
-  """
-  batch, _, num_heads, head_dim = query.shape
-  _, length, num_kv_heads, value_dim = value.shape
-  groups = num_heads // num_kv_heads
-  eye = jnp.eye(num_kv_heads, dtype=query.dtype)
-  query = query.reshape(batch, num_kv_heads, groups, head_dim)
-  blocks = jnp.einsum("BKGH,KJ->BKHJG", query, eye).reshape(batch, num_kv_heads * head_dim, num_heads)
-  scores = jnp.einsum("BSC,BCD->BSD", key.reshape(batch, length, -1), blocks).astype(jnp.float32)  # [B, S, N]
-  scores = jnp.where(mask[:, :, None], scores, MASK_VALUE)
-  weights = jax.nn.softmax(scores, axis=1).astype(value.dtype)
-  out = jnp.einsum("BSD,BSC->BDC", weights, value.reshape(batch, length, -1))  # [B, N, K*Hv]
-  out = jnp.einsum("BKGJH,KJ->BKGH", out.reshape(batch, num_kv_heads, groups, num_kv_heads, value_dim), eye)
-  return out.reshape(batch, 1, num_heads, value_dim)
 
 
 def self_attention(
