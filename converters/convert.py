@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from converters import plan, storage
+from converters import ocdbt, plan, storage
 from converters.errors import ConversionError
 from maxbridge import canonical, checkpointing, files, layouts
 from maxbridge.config import Config, ConfigError, load_config
@@ -278,7 +278,7 @@ def _start(reader, source: storage.Source, actions, items: Path, block_bytes: in
   if not source.raw or left_behind * 64 > sum(l.nbytes for l in reader.leaves.values()) or new & set(gone):
     return storage.Destination(items, block_bytes=block_bytes)
   # Copied files are never decoded, so check first that they hold what the index points at.
-  if problem := storage.missing_data(reader.items):
+  if problem := ocdbt.missing_data(reader.items):
     raise ConversionError(
         f"cannot read {reader.items} (its data is damaged or incomplete): {problem}"
         f"{checkpointing.intact_before(reader.items)}"

@@ -27,7 +27,7 @@ the form orbax writes for numpy leaves (`tree_metadata`):
   driver, a block at a time; arrays read whole are decoded chunk by chunk
   into one buffer (`Source.read_array`).
 
-Pieces are decoded by hand (`_Chunk`, with zstd's streaming decoder) because
+Pieces are decoded by hand (`ocdbt.Chunk`, with zstd's streaming decoder) because
 tensorstore decodes a chunk only whole, holding its encoded and decoded bytes
 at once: a stack stored as one chunk peaked at 4-4.5x its size there, and a
 layer sliced from it costs a decode of the whole stack.
@@ -35,11 +35,9 @@ layer sliced from it costs a decode of the whole stack.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
-import struct
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -50,14 +48,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
-import zstandard
+import zstandard  # its errors: a damaged chunk
 
+from converters import ocdbt
 from converters.plan import without_axis
 from maxbridge.checkpointing import ITEM, CheckpointReader
 
-# Written synchronously file by file, tensorstore fsyncs every OCDBT commit
-# (~16 ms each here); `Destination.finish` fsyncs every file once instead.
-CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": False})
 COMPRESSOR = {"id": "zstd", "level": 1}  # orbax's default for zarr arrays
 BLOCK_BYTES = 32 << 20  # see Destination
 NUMPY_LEAF = {"value_type": "np.ndarray", "skip_deserialize": False}
@@ -65,134 +61,6 @@ NONE_LEAF = {"value_type": "None", "skip_deserialize": True}
 # What describes the arrays by their old names (orbax's tree, shardings, per-array metadata), and
 # orbax's mark of a finished save: only the database is copied.
 _SKIPPED = ("_METADATA", "_sharding", "array_metadatas", "commit_success.txt")
-
-
-def kvstore(items: Path, path: str = "") -> ts.KvStore:
-  spec = {"driver": "ocdbt", "base": f"file://{Path(items).absolute()}/", "path": path}
-  return ts.KvStore.open(spec, context=CONTEXT).result()
-
-
-def index(items: Path) -> dict[bytes, bytes | tuple[Path, int, int]]:
-  """{key: its inline value, or (data file, offset, length)} of the OCDBT database in `items`.
-
-  Read from OCDBT's index with `tensorstore.ocdbt.dump` (documented, public):
-  orbax and tensorstore offer no other way to reach stored bytes without
-  copying each value into memory twice (a 160 MiB value read through the
-  kvstore peaks at ~3x its size here).
-  """
-  base = ts.KvStore.open(f"file://{Path(items).absolute()}/", context=CONTEXT).result()
-  versions = ts.ocdbt.dump(base).result()["versions"]
-  found: dict[bytes, Any] = {}
-  waiting = [versions[-1]["root"]["location"]] if versions and "location" in versions[-1]["root"] else []
-  while waiting:
-    for entry in ts.ocdbt.dump(base, waiting.pop()).result()["entries"]:
-      if "inline_value" in entry:
-        found[entry["key"]] = entry["inline_value"]
-      elif "indirect_value" in entry:
-        _, base_path, relative, offset, length = entry["indirect_value"].split(":")
-        found[entry["key"]] = (Path(items) / base_path / relative, int(offset), int(length))
-      else:  # an interior node: its children
-        waiting += [v for v in entry.values() if isinstance(v, str) and v.startswith("btreenode:")]
-  return found
-
-
-def missing_data(items: Path) -> str | None:
-  """What the database in `items` points at but its files do not hold (a truncated or missing file), or None.
-
-  A database copied as files is never decoded, so this is checked first, from the index alone.
-  """
-  sizes: dict[Path, int | None] = {}
-  for value in index(items).values():
-    if isinstance(value, tuple):
-      file, offset, length = value
-      if file not in sizes:
-        sizes[file] = file.stat().st_size if file.is_file() else None
-      if sizes[file] is None or sizes[file] < offset + length:
-        held = "is missing" if sizes[file] is None else f"holds {sizes[file]} bytes"
-        return f"{file} {held}, but the index points at bytes {offset}..{offset + length}"
-  return None
-
-
-def _pieces(value: bytes | tuple[Path, int, int], size: int = 16 << 20) -> Iterator[bytes]:
-  if isinstance(value, bytes):
-    yield value
-    return
-  file, offset, length = value
-  with open(file, "rb") as f:
-    f.seek(offset)
-    while length > 0:
-      piece = f.read(min(size, length))
-      if not piece:
-        raise OSError(f"{file} ends before byte {offset + length}")
-      length -= len(piece)
-      yield piece
-
-
-class _Chunk:
-  """The decoded bytes of one stored zarr v2 chunk (zstd-compressed or not), read front to back a piece at a time.
-
-  Memory holds the piece asked for and zstd's window (512 KiB in the chunks
-  tensorstore writes), not the chunk: the stored bytes are read from the data
-  file in 1 MiB reads.
-  """
-
-  def __init__(self, value: bytes | tuple[Path, int, int], compressed: bool, nbytes: int):
-    if isinstance(value, bytes):
-      self._file, length = io.BytesIO(value), len(value)
-    else:
-      file, offset, length = value
-      self._file = open(file, "rb")  # closed by close()
-      self._file.seek(offset)
-    if compressed:
-      # A window as large as the frame asks for: what decoding it whole would take anyway.
-      decoder = zstandard.ZstdDecompressor(max_window_size=1 << 31)
-      self._stream = decoder.stream_reader(self._file, read_size=1 << 20, read_across_frames=False, closefd=False)
-    elif length != nbytes:
-      raise OSError(f"an uncompressed chunk of {nbytes} bytes is stored in {length}")
-    else:
-      self._stream = self._file
-
-  def read(self, nbytes: int) -> np.ndarray:
-    """The next `nbytes` decoded bytes, as a new uint8 array."""
-    return self.read_into(np.empty(nbytes, np.uint8))
-
-  def read_into(self, out: np.ndarray) -> np.ndarray:
-    """Fills the C-contiguous array `out` with the next decoded bytes; returns it."""
-    view, done = memoryview(out.view(np.uint8).reshape(-1)), 0
-    while done < out.nbytes:
-      got = self._stream.readinto(view[done:])
-      if not got:
-        raise OSError("a chunk decodes to fewer bytes than its shape holds (truncated?)")
-      done += got
-    return out
-
-  def close(self) -> None:
-    self._file.close()
-
-
-def _stored_bytes(value: tuple[Path, int, int]) -> bytes:
-  file, offset, length = value
-  with open(file, "rb") as f:
-    f.seek(offset)
-    found = f.read(length)
-  if len(found) != length:
-    raise OSError(f"{file} ends before byte {offset + length}")
-  return found
-
-
-def _inner_chunk(value: bytes | tuple[Path, int, int], index_bytes: int) -> bytes | tuple[Path, int, int] | None:
-  """The stored bytes of the one inner chunk of a zarr3 shard (codec sharding_indexed): the index at its end
-  (`index_bytes`) gives their offset and length (two little-endian uint64, both all ones when not stored:
-  None), then maybe a crc32c."""
-  if isinstance(value, bytes):
-    tail = value[-index_bytes:]
-  else:
-    file, offset, length = value
-    tail = _stored_bytes((file, offset + length - index_bytes, index_bytes))
-  start, length = struct.unpack("<QQ", tail[:16])
-  if start == length == 2**64 - 1:
-    return None
-  return value[start : start + length] if isinstance(value, bytes) else (value[0], value[1] + start, length)
 
 
 def _range(name: str) -> ts.KvStore.KeyRange:
@@ -206,7 +74,7 @@ class Source:
   def __init__(self, reader: CheckpointReader):
     self.reader = reader
     self.raw = reader.zarr_driver == "zarr"  # zarr v2: its encoded chunks are reused as they are
-    self.kv = kvstore(reader.items) if reader.zarr_driver else None
+    self.kv = ocdbt.kvstore(reader.items) if reader.zarr_driver else None
     self._by_name: dict[bytes, dict[bytes, Any]] | None = None  # from `index`, when first needed
 
   def read(self, normal: str, key: bytes) -> ts.KvStore.ReadResult:
@@ -237,7 +105,7 @@ class Source:
       return None
     if self._by_name is None:
       self._by_name = {}
-      for key, value in index(self.reader.items).items():
+      for key, value in ocdbt.index(self.reader.items).items():
         name, _, suffix = key.partition(b"/")
         self._by_name.setdefault(name, {})[b"/" + suffix] = value
     name = self.reader.name(normal)
@@ -282,7 +150,7 @@ class Source:
       return None
     if found.pop("shard_index"):
       tail = found.pop("index_bytes")
-      values = {index: _inner_chunk(value, tail) for index, value in values.items()}
+      values = {index: ocdbt.inner_chunk(value, tail) for index, value in values.items()}
       if None in values.values():
         return None  # an inner chunk not stored: all fill value
     return {**found, "values": values}
@@ -340,7 +208,7 @@ class Source:
       origin = [i * c for i, c in zip(index, chunks)]
       chunk = None
       try:
-        chunk = _Chunk(value, meta["compressed"], int(np.prod(chunks)) * dtype.itemsize)
+        chunk = ocdbt.Chunk(value, meta["compressed"], int(np.prod(chunks)) * dtype.itemsize)
         for lead in np.ndindex(*chunks[:depth]):
           for start in range(0, chunks[depth], rows):
             corner = [o + i for o, i in zip(origin, (*lead, start))] + origin[depth + 1 :]
@@ -395,7 +263,7 @@ def same_bytes(a: Source, view_a: tuple, b: Source, view_b: tuple) -> bool:
     other = found_b[1][key]
     if isinstance(value, tuple) and isinstance(other, tuple) and value[2] != other[2]:
       return False
-    pieces_a, pieces_b = _pieces(value), _pieces(other)
+    pieces_a, pieces_b = ocdbt.byte_pieces(value), ocdbt.byte_pieces(other)
     if isinstance(value, bytes) or isinstance(other, bytes):
       if b"".join(pieces_a) != b"".join(pieces_b):  # an inline value is small
         return False
@@ -443,7 +311,7 @@ class Destination:
     self.items.mkdir(parents=True)
     if copy_from is not None:
       _copy_files(Path(copy_from), self.items)
-    self.kv = kvstore(self.items)
+    self.kv = ocdbt.kvstore(self.items)
     self.copied = False  # whether `relabel` ran: the database shares the source's data files
     self._zarrays: dict[str, dict] = {}  # written with `finish`, in one commit
     self._waiting: list[tuple[Any, int]] = []  # (write future, bytes)
@@ -483,7 +351,7 @@ class Destination:
       return
     for suffix, value in stored.items():
       # From the data file in one read: read through the kvstore, a value is held ~3 times too (see `index`).
-      self._put(f"{name}{suffix.decode()}", value if isinstance(value, bytes) else _stored_bytes(value))
+      self._put(f"{name}{suffix.decode()}", value if isinstance(value, bytes) else ocdbt.stored_bytes(value))
 
   def relocate(self, source: Source, normal: str, index: tuple[int, ...], name: str, new_index: tuple[int, ...]) -> None:
     """Copies one encoded chunk of a source array into the chunk `new_index` of the array `name`."""
@@ -512,7 +380,7 @@ class Destination:
         "kvstore": {"driver": "ocdbt", "base": f"file://{self.items.absolute()}/", "path": f"{name}/"},
     }
     # assume_metadata: .zarray is written with `finish`, in one commit with the others.
-    return ts.open({**spec, "metadata": meta}, open=True, assume_metadata=True, context=CONTEXT).result()
+    return ts.open({**spec, "metadata": meta}, open=True, assume_metadata=True, context=ocdbt.CONTEXT).result()
 
   def write(self, array: ts.TensorStore, index: tuple, block: np.ndarray) -> None:
     self._wait_for(array[index].write(block, can_reference_source_data_indefinitely=True).commit, block.nbytes)
