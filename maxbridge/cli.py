@@ -117,9 +117,9 @@ def _import_hf(args: argparse.Namespace) -> int:
 
 
 def _lora_merge(args: argparse.Namespace) -> int:
-  from maxbridge import lora
+  from maxbridge import lora_merge
 
-  out = lora.merge_checkpoint(args.base, args.adapters, args.destination)
+  out = lora_merge.merge_checkpoint(args.base, args.adapters, args.destination)
   print(f"{out}: params-only checkpoint at step 0 (base + adapters), with config.yml")
   return 0
 

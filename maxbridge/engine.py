@@ -194,12 +194,12 @@ class Engine:
     beside it unmerged (its fingerprint checked; a QLoRA run's base is
     dequantized as training saw it).
     """
-    from maxbridge import dispatch, hf, lora  # pylint: disable=import-outside-toplevel
+    from maxbridge import dispatch, hf, lora_merge  # pylint: disable=import-outside-toplevel
 
     if adapters is None:
       model = hf.from_pretrained(path, backend=backend, **overrides)
       return cls(model.config, model=model)
-    base_config, params, tree, run_config = lora.base_and_adapters(path, adapters)
+    base_config, params, tree, run_config = lora_merge.base_and_adapters(path, adapters)
     keys = ("lora_rank", "lora_alpha", "lora_module_path", "lora_weight_qtype")
     config = base_config.replace(**dispatch.backend_flags(backend), **{key: getattr(run_config, key) for key in keys})
     return cls(config.replace(**overrides) if overrides else config, params, adapters=tree)

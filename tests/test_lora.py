@@ -12,7 +12,7 @@ from etils import epath
 import orbax.checkpoint as ocp
 
 import maxbridge as mb
-from maxbridge import canonical, checkpointing, cli, data, dispatch, lora
+from maxbridge import canonical, checkpointing, cli, data, dispatch, lora, lora_merge
 from maxbridge.config import ConfigError
 from conftest import flag_id, tiny_config
 
@@ -371,7 +371,7 @@ def test_lora_merge_refuses_an_existing_destination_and_another_base(linen_run, 
   assert cli.main(["lora-merge", _save_base(tmp_path / "base", 0), run_dir, str(tmp_path / "taken")]) == 2
   assert (tmp_path / "taken" / "file").read_text() == "mine"
   with pytest.raises(checkpointing.CheckpointError, match=r"trained on base seed 0 .* not on .*other"):
-    lora.merge_checkpoint(_save_base(tmp_path / "other", 7), run_dir, tmp_path / "merged")
+    lora_merge.merge_checkpoint(_save_base(tmp_path / "other", 7), run_dir, tmp_path / "merged")
   assert not (tmp_path / "merged").exists()
 
 

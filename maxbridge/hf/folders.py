@@ -229,10 +229,10 @@ def load_checkpoint(
   `config` (a preset name or YAML path) describes the model, in place of the
   run's config.yml: MaxText's checkpoints have none beside them.
   """
-  from maxbridge import lora  # pylint: disable=import-outside-toplevel  (lora builds on the trainers)
+  from maxbridge import lora_merge  # pylint: disable=import-outside-toplevel  (lora builds on the trainers)
 
-  if config is None and lora.holds_adapters(path):  # a LoRA run: its base with the adapters merged in
-    _, params, run_config = lora.merged_params(None, path)
+  if config is None and lora_merge.holds_adapters(path):  # a LoRA run: its base with the adapters merged in
+    _, params, run_config = lora_merge.merged_params(None, path)
     return load_config(str(checkpointing.find_config(checkpointing.resolve(path)[0])), *overrides, **kwargs), params
   params, info = checkpointing.load_params(path)
   if config is not None:
