@@ -150,7 +150,10 @@ class Source:
       return None
     if found.pop("shard_index"):
       tail = found.pop("index_bytes")
-      values = {index: ocdbt.inner_chunk(value, tail) for index, value in values.items()}
+      try:
+        values = {index: ocdbt.inner_chunk(value, tail) for index, value in values.items()}
+      except OSError as e:  # a truncated data file
+        raise self.reader.damaged(normal, e) from e
       if None in values.values():
         return None  # an inner chunk not stored: all fill value
     return {**found, "values": values}
@@ -351,7 +354,11 @@ class Destination:
       return
     for suffix, value in stored.items():
       # From the data file in one read: read through the kvstore, a value is held ~3 times too (see `index`).
-      self._put(f"{name}{suffix.decode()}", value if isinstance(value, bytes) else ocdbt.stored_bytes(value))
+      try:
+        value = value if isinstance(value, bytes) else ocdbt.stored_bytes(value)
+      except OSError as e:  # a truncated data file
+        raise source.reader.damaged(normal, e) from e
+      self._put(f"{name}{suffix.decode()}", value)
 
   def relocate(self, source: Source, normal: str, index: tuple[int, ...], name: str, new_index: tuple[int, ...]) -> None:
     """Copies one encoded chunk of a source array into the chunk `new_index` of the array `name`."""
