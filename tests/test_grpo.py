@@ -10,7 +10,8 @@ import pytest
 
 import maxbridge as mb
 from maxbridge import data, dispatch
-from maxbridge.config import GRPO_REWARDS, ConfigError
+from maxbridge.config import ConfigError
+from maxbridge.config_rules import GRPO_REWARDS
 from maxbridge.loss import Forward
 from maxbridge.posttrain import grpo
 from conftest import tiny_config
