@@ -35,6 +35,7 @@ layer sliced from it costs a decode of the whole stack.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -76,6 +77,23 @@ class Source:
     self.raw = reader.zarr_driver == "zarr"  # zarr v2: its encoded chunks are reused as they are
     self.kv = ocdbt.kvstore(reader.items) if reader.zarr_driver else None
     self._by_name: dict[bytes, dict[bytes, Any]] | None = None  # from `index`, when first needed
+
+  @contextlib.contextmanager
+  def reading(self, normal: str) -> Iterator[None]:
+    """Around a read of the stored bytes of the array `normal` from its data files (`ocdbt`): a truncated
+    or damaged file is the reader's damaged-data error, naming the array."""
+    try:
+      yield
+    except (OSError, zstandard.ZstdError) as e:
+      raise self.reader.damaged(normal, e) from e
+
+  def stored_bytes(self, normal: str, value: bytes | tuple[Path, int, int]) -> bytes:
+    """One stored value of the array `normal` (`stored`), from its data file in one read: read through the
+    kvstore, a value is held ~3 times (see `ocdbt.index`)."""
+    if isinstance(value, bytes):
+      return value
+    with self.reading(normal):
+      return ocdbt.stored_bytes(value)
 
   def read(self, normal: str, key: bytes) -> ts.KvStore.ReadResult:
     try:
@@ -150,10 +168,8 @@ class Source:
       return None
     if found.pop("shard_index"):
       tail = found.pop("index_bytes")
-      try:
+      with self.reading(normal):
         values = {index: ocdbt.inner_chunk(value, tail) for index, value in values.items()}
-      except OSError as e:  # a truncated data file
-        raise self.reader.damaged(normal, e) from e
       if None in values.values():
         return None  # an inner chunk not stored: all fill value
     return {**found, "values": values}
@@ -209,9 +225,8 @@ class Source:
     piece_bytes = int(np.prod(piece)) * dtype.itemsize
     for index, value in sorted(meta["values"].items()):
       origin = [i * c for i, c in zip(index, chunks)]
-      chunk = None
-      try:
-        chunk = ocdbt.Chunk(value, meta["compressed"], int(np.prod(chunks)) * dtype.itemsize)
+      nbytes = int(np.prod(chunks)) * dtype.itemsize
+      with self.reading(normal), contextlib.closing(ocdbt.Chunk(value, meta["compressed"], nbytes)) as chunk:
         for lead in np.ndindex(*chunks[:depth]):
           for start in range(0, chunks[depth], rows):
             corner = [o + i for o, i in zip(origin, (*lead, start))] + origin[depth + 1 :]
@@ -226,11 +241,6 @@ class Source:
               continue  # the padding of an edge chunk
             yield region, values[tuple(slice(0, e - c) for c, e in zip(corner, stop))]
             del values  # so that the next piece is decoded without this one held (its user drops it too)
-      except (OSError, zstandard.ZstdError) as e:  # a truncated or damaged data file
-        raise self.reader.damaged(normal, e) from e
-      finally:
-        if chunk is not None:
-          chunk.close()
 
   def read_array(self, normal: str) -> np.ndarray:
     """The array at a normal path, as `reader.read` gives it, decoded piece by piece into one buffer when it is
@@ -353,12 +363,7 @@ class Destination:
     if largest > self.block_bytes and self.copy_pieces(source, normal, name, source.reader.stored_leaf(normal)):
       return
     for suffix, value in stored.items():
-      # From the data file in one read: read through the kvstore, a value is held ~3 times too (see `index`).
-      try:
-        value = value if isinstance(value, bytes) else ocdbt.stored_bytes(value)
-      except OSError as e:  # a truncated data file
-        raise source.reader.damaged(normal, e) from e
-      self._put(f"{name}{suffix.decode()}", value)
+      self._put(f"{name}{suffix.decode()}", source.stored_bytes(normal, value))
 
   def relocate(self, source: Source, normal: str, index: tuple[int, ...], name: str, new_index: tuple[int, ...]) -> None:
     """Copies one encoded chunk of a source array into the chunk `new_index` of the array `name`."""
