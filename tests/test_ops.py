@@ -108,6 +108,32 @@ def test_attention_of_a_query_block_against_all_keys_is_full_attention_sliced():
   np.testing.assert_allclose(block, np.asarray(full)[:, rows], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("row", [0, 4, 10, 11])
+def test_one_query_row_a_decode_step_is_full_attention_sliced(row):
+  # One query per row takes its own path (a product and a sum, not a batched matmul).
+  q = rng.normal(size=(2, 12, 4, 8)).astype(np.float32)
+  k = rng.normal(size=(2, 12, 2, 8)).astype(np.float32)
+  v = rng.normal(size=(2, 12, 2, 8)).astype(np.float32)
+  seg, pos = PACKED_SEGMENTS, PACKED_POSITIONS
+  keys = dict(kv_segment_ids=seg, kv_positions=pos, sliding_window_size=4, query_scale=0.5)
+  full = attention.dot_product_attention(q, k, v, q_segment_ids=seg, q_positions=pos, **keys)
+  one, max_logits = attention.dot_product_attention(
+      q[:, row : row + 1],
+      k,
+      v,
+      q_segment_ids=seg[:, row : row + 1],
+      q_positions=pos[:, row : row + 1],
+      return_max_logits=True,
+      **keys,
+  )
+  assert one.shape == (2, 1, 4, 8)
+  np.testing.assert_allclose(one, np.asarray(full)[:, row : row + 1], rtol=1e-6, atol=1e-6)
+  mask = np.asarray(attention.attention_mask(seg[:, row : row + 1], seg, pos[:, row : row + 1], pos, 4))[:, 0, 0, 0]
+  scores = np.einsum("bnh,bsnh->bns", 0.5 * q[:, row], np.repeat(k, 2, axis=2))  # query head j reads kv head j // 2
+  want = np.where(mask[:, None], scores, -np.inf).max(axis=(0, 2))
+  np.testing.assert_allclose(max_logits, want, rtol=1e-6)
+
+
 def test_attention_mask_names_mismatched_shapes():
   seg = np.ones((2, 5), np.int32)
   with pytest.raises(ValueError, match=r"segment ids and positions differ in shape: queries \(2, 5\) vs \(2, 4\)"):
