@@ -1,6 +1,7 @@
 """The KV-cache engine: cached decoding equals the full forward, on both backends and a bridged mix, every family."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ from flax import nnx
 
 import converters
 import maxbridge as mb
-from maxbridge import canonical, cli, engine
+from maxbridge import canonical, cli, engine, sharding
 from maxbridge.ops import kv_cache, sampling
 
 FAMILIES = ("llama-tiny", "mistral-tiny", "qwen3-tiny", "gpt3-tiny", "mixtral-tiny", "deepseek3-tiny")
@@ -86,6 +87,33 @@ def test_the_cache_tree_is_identical_on_linen_and_nnx(preset):
   if preset == "deepseek3-tiny":  # MLA caches the latent and the rope key, not expanded keys and values
     assert {path.rsplit("/", 1)[1] for path in linen} >= {"cached_latent", "cached_key_rope"}
     assert not any("cached_key/" in path or path.endswith("cached_value") for path in linen)
+
+
+def compiled_ops(eng: engine.Engine, jitted, *args, **static) -> list[str]:
+  """The instructions of `jitted`'s compiled program, without what names each backend's modules.
+
+  Dropped: each instruction's and value's name, and its metadata, frontend
+  attributes and stack frame (source lines and op names differ by backend).
+  """
+  with sharding.active(eng.mesh, eng.config.logical_axis_rules):
+    text = jitted.lower(*args, **static).compile().as_text()
+  text = re.sub(r", (metadata|frontend_attributes)=\{[^}]*\}|, stack_frame_id=\d+", "", text)
+  return [re.sub(r"%[\w.\-]+", "%", line) for line in text.splitlines() if " = " in line]
+
+
+def test_linen_and_nnx_compile_one_and_the_same_prefill_and_decode_step():
+  # Same speed by construction: the engine's hot paths lower to the same XLA program on both backends.
+  engines = [decode("llama-tiny", flags)["engine"] for flags in (LINEN, NNX)]
+  prompt = engines[0]._pad(PROMPTS[1])
+  programs = []
+  for eng in engines:
+    params, rng = eng._params(None), jax.random.key(0)
+    prefill = compiled_ops(eng, eng._prefill, params, prompt, np.int32(11), rng, None, np.int32(0), num_samples=0)
+    step = compiled_ops(eng, eng._generate, params, eng.init_decode_state(), rng)
+    programs.append((prefill, step))
+  for name, linen_ops, nnx_ops in zip(("prefill", "decode step"), *programs):
+    assert len(linen_ops) > 100, name
+    assert linen_ops == nnx_ops, f"{name}: Linen and NNX compile to different programs"
 
 
 def test_caches_never_enter_the_parameters_or_the_model():
