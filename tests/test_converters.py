@@ -295,6 +295,8 @@ def test_a_one_chunk_stack_unstacks_piece_by_piece_byte_for_byte(source, tmp_pat
   unstacked = stored(tmp_path / "u")
   assert unstacked.zarray("params/params/decoder/layers_1/mlp/wi_0/kernel")["chunks"] == [8, 128]
   assert unstacked.zarray("params/params/decoder/layers_1/mlp/wo/kernel")["chunks"] == [32, 64]  # bfloat16: 2 bytes
+  # Written at zstd's cheapest level (see storage.STREAMED_COMPRESSOR); orbax restores the same bytes (below).
+  assert unstacked.zarray("params/params/decoder/layers_1/mlp/wi_0/kernel")["compressor"] == {"id": "zstd", "level": -1}
   assert assert_layers_are_the_stacks(tmp_path / "orbax", tmp_path / "u") == 18
   comparison = converters.compare(tmp_path / "orbax", tmp_path / "u")
   assert comparison.equal and comparison.compared == 21, comparison.report()
