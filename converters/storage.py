@@ -455,9 +455,10 @@ class Destination:
     depth = 1 if layer_axis == 0 and len(meta["shape"]) > 1 else 0
     writes = meta["chunks"][layer_axis] if layer_axis is not None and depth == 0 else 1
     stored = source.reader.stored_leaf(normal)
-    # Each write at most block_bytes / 4 (see `_wait_for`), and a piece at most ~1/16 of a large array: fewer,
-    # larger chunks than block_bytes allows, still a fraction of the array in memory.
-    budget = min(max(self.block_bytes, stored.nbytes // 16), self.block_bytes // 4 * writes)
+    # Each write at most block_bytes / 4 (see `_wait_for`), and a piece at most ~1/32 of a large array, two held
+    # at once (`ahead`): fewer, larger chunks than block_bytes allows, still a fraction of the array in memory
+    # (pieces of 1/16 peaked 0.1-0.2x the largest array higher, no faster).
+    budget = min(max(self.block_bytes // 2, stored.nbytes // 32), self.block_bytes // 4 * writes)
     rows = piece_rows(meta, stored.dtype, depth, budget)
     chunks = list(meta["chunks"] if layer_axis is None else without_axis(meta["chunks"], layer_axis))
     chunks[0] = rows
