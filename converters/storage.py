@@ -22,7 +22,8 @@ the form orbax writes for numpy leaves (`tree_metadata`):
   shard, each holding every layer), in zarr v2 or zarr3 (MaxText's default),
   is unstacked by decoding each chunk front to back in pieces
   (`Source.pieces`): a piece of whole rows holds a piece of every layer,
-  which fills whole chunks of the layers (`Destination.unstack`);
+  which fills whole chunks of the layers (`Destination.unstack`), written
+  while the next piece is decoded on another thread (`ahead`);
 - anything else (a cast, a moved axis) is decoded and written through the zarr
   driver, a block at a time; arrays read whole are decoded chunk by chunk
   into one buffer (`Source.read_array`).
