@@ -5,15 +5,7 @@ import os
 import shutil
 import tempfile
 
-# LLVM at -O1 instead of -O2 for every compile of the run (its xdist workers and
-# subprocesses inherit it): the suite is bound by XLA compiles of tiny programs,
-# which this makes about 40% cheaper. It changes how the CPU code is generated,
-# not the HLO: every comparison a test makes (Linen against NNX, sharded against
-# one device, against transformers) is between programs compiled alike.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=1".strip()
-
-import jax  # noqa: E402  (XLA reads XLA_FLAGS when its first backend starts, after this)
+import jax
 import pytest
 
 import maxbridge as mb

@@ -7,7 +7,7 @@ import os
 import sys
 
 output, run_name, num_processes, process_id, port, devices = sys.argv[1:7]
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
 
 import maxbridge as mb  # noqa: E402  (after XLA_FLAGS)
 

@@ -321,7 +321,7 @@ def test_a_truncated_one_chunk_stack_fails_clearly_and_writes_nothing(source, tm
 # array stored one chunk per shard, each chunk of a stack holding every layer.
 SHARDED_SAVE = """
 import os, sys
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax, jax.numpy as jnp, numpy as np, orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from maxbridge import checkpointing, layouts
