@@ -110,7 +110,7 @@ def test_attention_of_a_query_block_against_all_keys_is_full_attention_sliced():
 
 @pytest.mark.parametrize("row", [0, 4, 10, 11])
 def test_one_query_row_a_decode_step_is_full_attention_sliced(row):
-  # One query per row takes its own path (a product and a sum, not a batched matmul).
+  # What a decode step runs: one query per row against every cached key.
   q = rng.normal(size=(2, 12, 4, 8)).astype(np.float32)
   k = rng.normal(size=(2, 12, 2, 8)).astype(np.float32)
   v = rng.normal(size=(2, 12, 2, 8)).astype(np.float32)

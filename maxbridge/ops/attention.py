@@ -77,11 +77,11 @@ def dot_product_attention(
     if query_scale is not None:
       query = query * jnp.asarray(query_scale, query.dtype)
     query = query.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = _scores(query, key).astype(jnp.float32)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", query, key).astype(jnp.float32)
     mask = attention_mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions, sliding_window_size)
     scores = jnp.where(mask, scores, MASK_VALUE)
     weights = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
-    out = _weighted_values(weights, value)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", weights, value)
     out = out.reshape(batch, length, num_heads, value.shape[-1])
     out = sharding.constrain(out, ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
     if not return_max_logits:
@@ -90,24 +90,6 @@ def dot_product_attention(
     # every pair is masked reports MASK_VALUE.
     max_logits = jnp.max(jax.lax.stop_gradient(scores), axis=(0, 3, 4)).reshape(num_heads)
     return out, max_logits
-
-
-def _scores(query: jax.Array, key: jax.Array) -> jax.Array:
-  """query [B, T, K, G, H], key [B, S, K, H] -> [B, K, G, T, S]."""
-  if query.shape[1] == 1:
-    # One query per row (a decode step): a product and a sum over H read the
-    # cache where it lies. As a batched matmul, XLA's CPU backend first
-    # transposes every layer's whole [B, S, K, H] cache to put (B, K) first:
-    # 1.7x the CPU time of the attention of a decode step (llama-small, 8 slots).
-    return jnp.sum(query[:, 0, None] * key[:, :, :, None], axis=-1).transpose(0, 2, 3, 1)[:, :, :, None]
-  return jnp.einsum("BTKGH,BSKH->BKGTS", query, key)
-
-
-def _weighted_values(weights: jax.Array, value: jax.Array) -> jax.Array:
-  """weights [B, K, G, T, S], value [B, S, K, Hv] -> [B, T, K, G, Hv]; one query per row as in `_scores`."""
-  if weights.shape[3] == 1:
-    return jnp.sum(weights[:, :, :, 0].transpose(0, 3, 1, 2)[..., None] * value[:, :, :, None], axis=1)[:, None]
-  return jnp.einsum("BKGTS,BSKH->BTKGH", weights, value)
 
 
 def self_attention(
