@@ -488,9 +488,11 @@ def _quiet_library_tracebacks() -> None:
   """Libraries log the errors of their threads with a traceback (orbax, for a failed save); the
   command reports the error itself, in one message. Their one-line log messages stay, and
   warnings print as one line."""
-  logger = logging.getLogger("absl")  # orbax and jax log through absl
-  if _drop_traceback not in logger.filters:
-    logger.addFilter(_drop_traceback)
+  # orbax and jax log through absl; asyncio logs, whenever the garbage collector gets to them,
+  # the failed writes of orbax's save tasks that no one awaited once the first had failed.
+  for logger in (logging.getLogger("absl"), logging.getLogger("asyncio")):
+    if _drop_traceback not in logger.filters:
+      logger.addFilter(_drop_traceback)
   # tensorstore's callbacks report theirs as unraisable (after a failed save, orbax's event
   # loop is closed under them); each distinct one becomes a line.
   seen = set()
