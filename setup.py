@@ -24,7 +24,7 @@ setup(
         "matplotlib>=3.11.2",
         "tqdm>=4.70.1",
         "safetensors>=0.8.0",
-        # Stacks that orbax stores as one chunk are decoded as a stream (converters/storage.py):
+        # Stacks that orbax stores as one chunk are decoded as a stream (converters/source.py):
         # tensorstore decodes a chunk only whole, at 4x its size in memory.
         "zstandard>=0.25.0",
         # Quantization (maxbridge/quantization.py): AQT and Qwix.

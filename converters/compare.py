@@ -9,8 +9,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from converters import plan, storage
+from converters import plan
 from converters.errors import ConversionError
+from converters.source import Source, same_bytes
 from maxbridge import canonical, checkpointing
 from maxbridge.config import ConfigError, load_config
 
@@ -111,12 +112,12 @@ def compare(
 
 def _compare_values(plans, readers, paths, outputs, atol, rtol) -> dict[str, Difference]:
   # Stored alike on both sides (an array or a layer with the same chunk bytes): equal, nothing decoded.
-  sources = [storage.Source(r) for r in readers]
+  sources = [Source(r) for r in readers]
   views = [_views(steps) for steps in plans]
   paths = {
       p
       for p in paths
-      if not (p in views[0] and p in views[1] and storage.same_bytes(sources[0], views[0][p], sources[1], views[1][p]))
+      if not (p in views[0] and p in views[1] and same_bytes(sources[0], views[0][p], sources[1], views[1][p]))
   }
   # The side with fewer, larger steps (stacks) drives; the other is read path by
   # path, each of its steps run once and its outputs kept until asked for.
@@ -138,7 +139,7 @@ def _compare_values(plans, readers, paths, outputs, atol, rtol) -> dict[str, Dif
 
 
 def _views(steps: list[plan.Step]) -> dict[str, tuple]:
-  """{output path: `storage.Source.view` arguments} for the outputs stored as such: an array, or a layer."""
+  """{output path: `Source.view` arguments} for the outputs stored as such: an array, or a layer."""
   views = {}
   for step in steps:
     if step.op == "copy":

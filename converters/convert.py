@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from converters import ocdbt, plan, storage
+from converters import keys, ocdbt, plan, storage
 from converters.errors import ConversionError
+from converters.source import Source, per_layer
 from maxbridge import canonical, checkpointing, files, layouts
 from maxbridge.config import Config, ConfigError, load_config
 
@@ -78,7 +79,7 @@ def convert(
     force: bool = False,
     config: str | os.PathLike | None = None,
     progress: bool | None = None,
-    group_bytes: int = storage.BLOCK_BYTES,
+    group_bytes: int = keys.BLOCK_BYTES,
 ) -> Conversion:
   """Converts the checkpoint at `source` into a CheckpointManager directory `destination`.
 
@@ -125,7 +126,7 @@ def convert(
   nbytes = sum(leaf.nbytes for leaf in job.stored.values())
   done, dest = False, None
   try:
-    source = storage.Source(reader)
+    source = Source(reader)
     actions = [(step, _action(step, reader, source, job)) for step in job.steps]
     dest = _start(reader, source, actions, staging / str(job.step) / checkpointing.ITEM, group_bytes)
     show = progress if progress is not None else nbytes >= PROGRESS_BYTES
@@ -217,7 +218,7 @@ class _Relabel:
   moves: list[tuple[str, tuple[int, ...], str, tuple[int, ...]]]
   zarrays: dict[str, dict]  # .zarray of each new array made of moved chunks
 
-  def apply(self, dest: storage.Destination, source: storage.Source) -> None:
+  def apply(self, dest: storage.Destination, source: Source) -> None:
     """Into a database that does not share the source's files: the encoded bytes are copied."""
     for normal, name in self.renames.items():
       dest.copy_keys(source, normal, name)
@@ -227,7 +228,7 @@ class _Relabel:
       dest.relocate(source, normal, index, name, new_index)
 
 
-def _action(step: plan.Step, reader, source: storage.Source, job: _Job) -> _Relabel | None:
+def _action(step: plan.Step, reader, source: Source, job: _Job) -> _Relabel | None:
   """How a step is done without decoding, or None when it must decode (a cast, a moved axis, or a stack
   stored in one chunk, as orbax saves it). Reads metadata only."""
   outputs = [(_name(path, job.kind), job.stored[path]) for path, _ in step.outputs]
@@ -237,7 +238,7 @@ def _action(step: plan.Step, reader, source: storage.Source, job: _Job) -> _Rela
   first, axis = step.inputs[0], step.axis
   if step.op == "copy":
     return _Relabel({first: outputs[0][0]}, [], {})
-  if step.op == "unstack" and storage.per_layer(meta := source.zarray(first), axis):
+  if step.op == "unstack" and per_layer(meta := source.zarray(first), axis):
     zarrays = {
         name: {**meta, "shape": list(leaf.shape), "chunks": plan.without_axis(meta["chunks"], axis)}
         for name, leaf in outputs
@@ -256,7 +257,7 @@ def _action(step: plan.Step, reader, source: storage.Source, job: _Job) -> _Rela
   return None
 
 
-def _start(reader, source: storage.Source, actions, items: Path, block_bytes: int) -> storage.Destination:
+def _start(reader, source: Source, actions, items: Path, block_bytes: int) -> storage.Destination:
   """The destination database, holding the relabelled arrays already when it shares the source's files.
 
   When nearly every source array is relabelled (renamed from Linen to NNX,
@@ -299,7 +300,7 @@ def _alike(metas: list[dict | None]) -> bool:
   return all({**m, "shape": None} == {**metas[0], "shape": None} for m in metas)
 
 
-def _decode(step: plan.Step, source: storage.Source, dest: storage.Destination, job: _Job) -> None:
+def _decode(step: plan.Step, source: Source, dest: storage.Destination, job: _Job) -> None:
   """Reads and writes through the zarr driver: one source array (or one layer) and one block at a time, or
   a stack's chunks piece by piece (`storage.Destination.unstack`)."""
   outputs = [(_name(path, job.kind), job.stored[path]) for path, _ in step.outputs]

@@ -1,4 +1,4 @@
-"""The bytes of an OCDBT database as stored, reached without tensorstore decoding them (for `converters/storage.py`).
+"""The bytes of an OCDBT database as stored, reached without tensorstore decoding them (for `source.py`, `storage.py`).
 
 `index` lists where each value lies (inline, or a range of a data file);
 `Chunk` decodes one stored zarr chunk front to back a piece at a time, with

@@ -16,7 +16,7 @@ from flax import nnx
 
 import converters
 import maxbridge as mb
-from converters import storage
+from converters.source import Source, same_bytes
 from maxbridge import checkpointing, cli, dispatch, layouts
 from conftest import tiny_config
 
@@ -200,8 +200,8 @@ def test_the_nnx_trainer_saves_what_the_converters_read():
 # --- at the storage level: renamed or moved, not decoded ----------------------------------
 
 
-def stored(path) -> storage.Source:
-  return storage.Source(checkpointing.CheckpointReader(path))
+def stored(path) -> Source:
+  return Source(checkpointing.CheckpointReader(path))
 
 
 def data_files(path) -> dict[str, bytes]:
@@ -217,7 +217,7 @@ def test_layout_only_conversion_renames_arrays_byte_for_byte_and_orbax_restores_
   # The source's data files are in the result as they were: the arrays point at them under new names.
   assert data_files(source).items() <= data_files(tmp_path / "back").items()
   first, last = stored(source), stored(tmp_path / "back")
-  different = [p for p in first.reader.leaves if not storage.same_bytes(first, (p,), last, (p,))]
+  different = [p for p in first.reader.leaves if not same_bytes(first, (p,), last, (p,))]
   assert different == [], "every array is stored as in the source (the step, cast twice, encodes the same)"
   # Orbax's own restore reads the result.
   trainer = dispatch.create_trainer(tiny_config())
