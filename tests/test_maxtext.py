@@ -85,6 +85,14 @@ def test_a_checkpoint_without_config_says_how_to_pass_one(maxtext, tmp_path, cap
   assert (tmp_path / "hf" / "config.json").is_file()
 
 
+def test_a_config_that_does_not_describe_the_checkpoint_is_named_in_the_error(maxtext, capsys):
+  step_dir, _ = maxtext["nnx"]
+  with pytest.raises(HFError, match=r"config='llama-small' does not describe the checkpoint in .*decoder_norm/scale"):
+    mb.from_pretrained(step_dir, config="llama-small")
+  assert cli.main(["generate", str(step_dir), "--config", "llama-small", "--max-new-tokens", "1"]) == 2
+  assert "config='llama-small' does not describe the checkpoint" in capsys.readouterr().err
+
+
 def test_convert_with_a_config_writes_it_beside_the_result(maxtext, tokens, tmp_path):
   step_dir, params = maxtext["nnx"]
   with pytest.raises(converters.ConversionError, match="does not describe the checkpoint"):

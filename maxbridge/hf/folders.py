@@ -236,7 +236,14 @@ def load_checkpoint(
     return load_config(str(checkpointing.find_config(checkpointing.resolve(path)[0])), *overrides, **kwargs), params
   params, info = checkpointing.load_params(path)
   if config is not None:
-    return load_config(os.fspath(config), *overrides, **kwargs), params
+    cfg = load_config(os.fspath(config), *overrides, **kwargs)
+    if not cfg.checkpoint_is_quantized:  # a quantized tree holds other leaves than the float model's
+      # Here, where the user's choice of config is known: a later shape error could not name it.
+      try:
+        canonical.check(params, abstract_params(cfg), cfg.param_scan_axis)
+      except ValueError as e:
+        raise HFError(f"config={os.fspath(config)!r} does not describe the checkpoint in {path}: {e}") from e
+    return cfg, params
   config_file = checkpointing.find_config(info.items)
   if config_file is None:
     raise HFError(
