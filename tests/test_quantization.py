@@ -12,6 +12,7 @@ import maxbridge as mb
 from maxbridge import canonical, checkpointing, cli, data, dispatch
 from maxbridge import quantization as quantization_module
 from maxbridge.config import ConfigError
+from maxbridge.train import global_batch_size
 from conftest import FLAG_COMBINATIONS, flag_id, tiny_config
 
 LINEN = (False, False, False)
@@ -131,13 +132,16 @@ def test_the_train_step_keys_stochastic_rounding_by_its_step():
 
   The step is the backends' shared `Trainer._train_step`; the Linen-run-resumed-in-NNX test below covers NNX.
   """
-  config = tiny_config(quantization="int8")
+  # The config, batch shape and state types of the `runs` fixture's int8 run (a fresh run's state, with its weakly
+  # typed step, not a checkpoint's), so that the two share their compiled init and step through the suite's
+  # compilation cache: a step of its own compiled for 10 s.
+  config = tiny_config(quantization="int8", **TRAIN)
   trainer = dispatch.create_trainer(config)
-  tree = trainer.to_checkpoint(trainer.init_state(0))
-  batch = trainer.shard_batch(data.make_dataset(config, "train", 2).batch(0))
+  initial = trainer.init_state(0)
+  batch = trainer.shard_batch(data.make_dataset(config, "train", global_batch_size(config)).batch(0))
   norms = []
   for step in (0, 1, 0):
-    state = trainer.from_checkpoint({**jax.tree.map(jnp.copy, tree), "step": jnp.asarray(step, jnp.int32)})
+    state = jax.tree.map(jnp.copy, initial).replace(step=initial.step + step)  # a copy: the step donates its state
     norms.append(float(trainer.train_step(state, batch)[1]["grad_norm"]))
   assert norms[0] != norms[1] and norms[0] == norms[2], norms
 
