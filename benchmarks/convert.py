@@ -6,11 +6,13 @@ Makes a training checkpoint (parameters + Adam mu and nu, float32 random
 values; nothing is trained; 2.25 GiB by default), saved twice: with
 maxbridge's Checkpointer, which stores a stack one chunk per layer, and with
 orbax's defaults, one chunk per stack (as MaxText saves on one device). Then:
-  - copies it with shutil.copytree (the same bytes, no work), and again followed
-    by an fsync of every file (a conversion fsyncs what it writes, as orbax does;
-    a plain copy leaves it in the page cache): the two baselines, measured again
-    right before each step, so that each ratio compares runs that found the page
-    cache alike (a source larger than the cache is partly read from disk);
+  - copies each step's source with shutil.copytree (the same bytes, no work),
+    and again followed by an fsync of every file (a conversion fsyncs what it
+    writes, as orbax does; a plain copy leaves it in the page cache): the two
+    baselines, measured again right before each step. Every file the copy or
+    the step reads is read once beforehand, untimed, so that both find it in
+    the page cache: left alone, the kernel evicts it at moments that vary from
+    run to run, and the baselines swung 0.7-7.4 s;
   - converts the first Linen -> NNX (a layout-only conversion: renamed, not
     decoded), Linen scanned -> NNX unscanned and back (chunks moved, not
     decoded), each in a subprocess whose peak RSS above its imports (VmHWM -
@@ -113,9 +115,19 @@ def fsync_all(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def warm(*folders: Path) -> None:
+  for folder in folders:
+    for p in folder.rglob("*"):
+      if p.is_file():
+        with open(p, "rb") as f:
+          while f.read(1 << 24):
+            pass
+
+
 def copy_seconds(source: Path, copy: Path, sync: bool) -> float:
   """Seconds to copy `source` (and fsync the copy); the copy is removed and flushed after, untimed."""
   os.sync()
+  warm(source)
   began = time.perf_counter()
   shutil.copytree(source, copy)
   if sync:
@@ -182,8 +194,9 @@ def main() -> None:
         ("orbax zarr3: -> unscanned", "unscan", zarr3_source, work / "zarr3-unscanned"),
     ]
     for label, verb, first, second in rows:
-      copy_s, synced_s = copy_seconds(source, work / "copy", sync=False), copy_seconds(source, work / "copy", sync=True)
+      copy_s, synced_s = copy_seconds(first, work / "copy", sync=False), copy_seconds(first, work / "copy", sync=True)
       os.sync()
+      warm(first, *([second] if verb == "compare" else []))
       result = child(verb, str(first), str(second))
       seconds, above = result["seconds"], (result["peak_kib"] - result["baseline_kib"]) * 1024
       print(
@@ -191,8 +204,9 @@ def main() -> None:
           f"{synced_s:13.2f} {synced_s / seconds:13.2f}x {above / largest:12.2f}x"
       )
     print(
-        "  (copy s: a copy of the source measured right before the step; ratios: higher is faster, 1.0x = as fast "
-        "as that copy; peak/largest: the process's peak RSS above its imports, over the largest array)"
+        "  (copy s: a copy of the step's source measured right before it, both reading from the page cache; "
+        "ratios: higher is faster, 1.0x = as fast as that copy; peak/largest: the process's peak RSS above its "
+        "imports, over the largest array)"
     )
   finally:
     if not args.keep:
