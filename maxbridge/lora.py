@@ -64,7 +64,7 @@ from jax.sharding import Mesh
 from maxbridge import canonical, checkpointing, files, initializers, layouts, quantization
 from maxbridge.config import Config
 from maxbridge.model import LinenModel, NNXModel, linen_forward, nnx_forward
-from maxbridge.state import Bound, LinenTrainer, NNXTrainer, Params
+from maxbridge.state import Bound, LinenTrainer, NNXTrainer, Params, int32_step
 
 SUFFIXES = ("_lora_a", "_lora_b")
 COLLECTION = "lora"  # the adapters' collection in the Linen state and in checkpoints
@@ -411,8 +411,10 @@ class LinenLoraTrainer(_LoraMixin, LinenTrainer):
     return COLLECTION
 
   def _create(self, stored: dict, adapters: dict | None = None) -> LoraTrainState:
-    return LoraTrainState.create(
-        apply_fn=self.model.apply, params={COLLECTION: adapters}, tx=self.tx, base={"params": stored}
+    return int32_step(
+        LoraTrainState.create(
+            apply_fn=self.model.apply, params={COLLECTION: adapters}, tx=self.tx, base={"params": stored}
+        )
     )
 
   def abstract_state(self):

@@ -366,6 +366,15 @@ class Trainer(abc.ABC):
     ...
 
 
+def int32_step(state: train_state.TrainState) -> train_state.TrainState:
+  """`state` with its step an int32 0, as a restored state has it.
+
+  `TrainState.create` starts from a Python 0, weakly typed under jit: a fresh
+  and a resumed state would each compile a train step of their own.
+  """
+  return state.replace(step=jnp.zeros((), jnp.int32))
+
+
 class LinenTrainer(Trainer):
 
   def __init__(self, config: Config, model: LinenModel, mesh: Mesh | None = None, **hooks):
@@ -378,7 +387,8 @@ class LinenTrainer(Trainer):
     return "params"
 
   def _create(self, params: dict) -> train_state.TrainState:
-    return train_state.TrainState.create(apply_fn=self.model.apply, params={"params": params}, tx=self.tx)
+    state = train_state.TrainState.create(apply_fn=self.model.apply, params={"params": params}, tx=self.tx)
+    return int32_step(state)
 
   def abstract_state(self):
     return jax.eval_shape(self._create, self.abstract_params)

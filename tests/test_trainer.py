@@ -154,3 +154,21 @@ def test_an_nnx_model_holding_a_non_param_variable_still_runs(tokens):
   # Un-jitted, so that this call traces the module as it is now.
   np.testing.assert_allclose(model.apply(model.params(), tokens), want, atol=1e-6)
   assert "calls" not in model.params() and int(model.module.calls[...]) == 0
+
+
+@pytest.mark.parametrize("backend", ["linen", "nnx"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_fresh_and_a_resumed_state_run_one_compiled_train_step(backend, lora):
+  """A fresh state's leaves have the types of a restored one, weak types included: a resumed run compiles nothing new."""
+  flags = (True, True, True) if backend == "nnx" else (False, False, False)
+  trainer = dispatch.create_trainer(tiny_config(flags, **({"lora_rank": 4} if lora else {})))
+  fresh = trainer.init_state(0)
+  tree = trainer.to_checkpoint(fresh)
+  # As `mb.train` resumes: LoRA checkpoints hold the adapters only, put back into a state holding the base.
+  resumed = trainer.from_checkpoint(tree) if trainer.saves_params else trainer.with_checkpoint(fresh, tree)
+
+  def types(state):
+    state = nnx.state(state) if isinstance(state, nnx.Module) else state
+    return jax.tree.map(lambda x: (x.dtype, x.shape, jax.typeof(x).weak_type), state)
+
+  assert types(fresh) == types(resumed)
