@@ -11,8 +11,9 @@ orbax's defaults, one chunk per stack (as MaxText saves on one device). Then:
     writes, as orbax does; a plain copy leaves it in the page cache): the two
     baselines, measured again right before each step. Every file the copy or
     the step reads is read once beforehand, untimed, so that both find it in
-    the page cache: left alone, the kernel evicts it at moments that vary from
-    run to run, and the baselines swung 0.7-7.4 s;
+    the page cache (left alone, the kernel evicts it at moments that vary from
+    run to run). The writes still vary, with the dirty pages the kernel is
+    writing back at the time: the plain copy swung 0.9-6.0 s in one run;
   - converts the first Linen -> NNX (a layout-only conversion: renamed, not
     decoded), Linen scanned -> NNX unscanned and back (chunks moved, not
     decoded), each in a subprocess whose peak RSS above its imports (VmHWM -
