@@ -132,9 +132,8 @@ def test_the_train_step_keys_stochastic_rounding_by_its_step():
 
   The step is the backends' shared `Trainer._train_step`; the Linen-run-resumed-in-NNX test below covers NNX.
   """
-  # The config, batch shape and state types of the `runs` fixture's int8 run (a fresh run's state, with its weakly
-  # typed step, not a checkpoint's), so that the two share their compiled init and step through the suite's
-  # compilation cache: a step of its own compiled for 10 s.
+  # The config, batch shape and state types of the `runs` fixture's int8 run, so that the two share their compiled
+  # init and step through the suite's compilation cache: a step of its own compiled for 10 s.
   config = tiny_config(quantization="int8", **TRAIN)
   trainer = dispatch.create_trainer(config)
   initial = trainer.init_state(0)
