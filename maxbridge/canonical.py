@@ -173,8 +173,17 @@ def conform(tree: Mapping[str, Any], abstract: Mapping[str, Any], axis: int) -> 
 
 
 def check(tree: Mapping[str, Any], abstract: Mapping[str, Any], axis: int) -> None:
-  """`conform`'s checks alone: leaves need only a shape (arrays, or `jax.ShapeDtypeStruct`s)."""
-  _checked(tree, abstract, axis)
+  """`conform`'s checks alone: leaves need only a shape (arrays, or `jax.ShapeDtypeStruct`s).
+
+  Checked on shapes: a tree stored unscanned for a scanned model is not stacked
+  (a copy of every layer) just to be checked.
+  """
+  _checked(
+      # Only shapes are compared; a leaf without a dtype (a Python number) still has one here.
+      jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", np.float32)), tree),
+      abstract,
+      axis,
+  )
 
 
 def _checked(tree: Mapping[str, Any], abstract: Mapping[str, Any], axis: int) -> tuple[dict, dict]:
