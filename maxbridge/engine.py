@@ -380,7 +380,7 @@ class Engine:
     prefixes = []
     for i, rng in enumerate(jax.random.split(rng, len(offsets))):
       last = logits[0, offsets[i] + lengths[i] - 1]
-      one = _split_packed(cache, offsets[i], lengths[i], sequence_axis=1)
+      one = _split_packed(cache, offsets[i], lengths[i])
       if kv_cache.window(self.config):
         one = _to_ring(self.config, one, lengths[i])
       prefixes.append(Prefix(self._stacked(one), self._sample(last, rng), lengths[i], last))
@@ -522,7 +522,7 @@ class Engine:
     return state, tokens.T
 
 
-def _split_packed(cache: Params, offset, length, *, sequence_axis: int) -> Params:
+def _split_packed(cache: Params, offset, length) -> Params:
   """One prompt's cache out of a packed prefill: its entries moved to the front, the rest cleared.
 
   Its segment becomes 1, the one decoding reads; positions are its own already.
@@ -532,13 +532,14 @@ def _split_packed(cache: Params, offset, length, *, sequence_axis: int) -> Param
     if path.endswith("/" + kv_cache.INDEX):
       flat[path] = jnp.full_like(leaf, length)
       continue
+    axis = kv_cache.sequence_axis(path.rsplit("/", 1)[1])
     shape = [1] * leaf.ndim
-    shape[sequence_axis] = leaf.shape[sequence_axis]
-    visible = jnp.arange(leaf.shape[sequence_axis]).reshape(shape) < length
+    shape[axis] = leaf.shape[axis]
+    visible = jnp.arange(leaf.shape[axis]).reshape(shape) < length
     if path.endswith("/" + kv_cache.SEGMENT_IDS):
       flat[path] = jnp.broadcast_to(visible, leaf.shape).astype(leaf.dtype)
     else:
-      flat[path] = jnp.where(visible, jnp.roll(leaf, -offset, axis=sequence_axis), jnp.zeros((), leaf.dtype))
+      flat[path] = jnp.where(visible, jnp.roll(leaf, -offset, axis=axis), jnp.zeros((), leaf.dtype))
   return canonical.unflatten(flat)
 
 
@@ -550,7 +551,7 @@ def _to_ring(config: Config, cache: Params, length) -> Params:
     empty = {name: ring[f"{layer}/{name}"] for name in entries}
     written = kv_cache.ring_append(
         empty,
-        {name: leaf for name, leaf in entries.items() if name not in kv_cache.BOOKKEEPING},
+        {name: kv_cache.from_stored(name, leaf) for name, leaf in entries.items() if name not in kv_cache.BOOKKEEPING},
         entries[kv_cache.POSITIONS],
         entries[kv_cache.SEGMENT_IDS],
     )

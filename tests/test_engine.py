@@ -116,6 +116,21 @@ def test_linen_and_nnx_compile_one_and_the_same_prefill_and_decode_step():
     assert linen_ops == nnx_ops, f"{name}: Linen and NNX compile to different programs"
 
 
+def test_a_decode_step_reads_keys_and_values_where_they_lie_in_the_cache():
+  # Stored in the layout the attention products read (`ops.kv_cache`), no layer's cached keys or values are
+  # transposed or copied by a decode step; stored token-major, every layer's were, on every step.
+  eng = decode("llama-tiny", LINEN)["engine"]
+  state = eng.init_decode_state()
+  flat = canonical.flatten(state.cache)
+  sizes = {leaf.size for path, leaf in flat.items() if path.endswith(("/cached_key", "/cached_value"))}
+  moved = []
+  for line in compiled_ops(eng, eng._generate, eng._params(None), state, jax.random.key(0)):
+    found = re.search(r"= f32\[([\d,]+)\]\S* (transpose|copy)\(", line)
+    if found and np.prod([int(d) for d in found.group(1).split(",")]) in sizes:
+      moved.append(line.strip())
+  assert sizes and not moved, moved[:4]
+
+
 def test_caches_never_enter_the_parameters_or_the_model():
   for flags in (LINEN, NNX, MIX):
     eng = decode("llama-tiny", flags)["engine"]
@@ -199,7 +214,9 @@ def visible_entries(cache) -> dict:
     if name in (kv_cache.SEGMENT_IDS, kv_cache.INDEX):
       out[path] = np.asarray(leaf)
     else:
-      shape = segments.shape + (1,) * (leaf.ndim - segments.ndim)
+      lead = segments.ndim - 2  # a stacked cache's layer axis
+      shape = [*segments.shape[:-1], *(1,) * (leaf.ndim - segments.ndim)]  # segments [..., B, S] along the entry's
+      shape.insert(lead + kv_cache.sequence_axis(name), segments.shape[-1])  # batch and sequence axes
       out[path] = np.where(segments.reshape(shape) != 0, np.asarray(leaf), 0)
   return out
 

@@ -213,8 +213,8 @@ def test_engine_decoding_on_a_2x2x2_mesh_equals_one_device_with_the_cache_sharde
   # Slots split over data x fsdp (x expert, size 1 here), kv heads over tensor; positions and segments follow the slots.
   slots = ("data", "fsdp", "expert")
   want = {
-      "cached_key": PartitionSpec(slots, None, "tensor", None),
-      "cached_value": PartitionSpec(slots, None, "tensor", None),
+      "cached_key": PartitionSpec(slots, "tensor", None, None),
+      "cached_value": PartitionSpec(slots, "tensor", None, None),
       "cache_positions": PartitionSpec(slots, None),
       "cache_segment_ids": PartitionSpec(slots, None),
       "cache_index": PartitionSpec(slots),

@@ -77,11 +77,16 @@ def dot_product_attention(
     if query_scale is not None:
       query = query * jnp.asarray(query_scale, query.dtype)
     query = query.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", query, key).astype(jnp.float32)
+    # Batch and head axes first in every product (query [B, K, G, T, H], keys
+    # and values [B, K, S, H]), the layout a decode cache is stored in
+    # (`ops.kv_cache`): it is then read where it lies, not copied into it.
+    query = query.transpose(0, 2, 3, 1, 4)
+    key, value = jnp.moveaxis(key, 1, 2), jnp.moveaxis(value, 1, 2)
+    scores = jnp.einsum("BKGTH,BKSH->BKGTS", query, key).astype(jnp.float32)
     mask = attention_mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions, sliding_window_size)
     scores = jnp.where(mask, scores, MASK_VALUE)
     weights = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", weights, value)
+    out = jnp.einsum("BKGTS,BKSH->BKGTH", weights, value).transpose(0, 3, 1, 2, 4)
     out = out.reshape(batch, length, num_heads, value.shape[-1])
     out = sharding.constrain(out, ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
     if not return_max_logits:
