@@ -78,8 +78,8 @@ def dot_product_attention(
       query = query * jnp.asarray(query_scale, query.dtype)
     query = query.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
     # Batch and head axes first in every product (query [B, K, G, T, H], keys
-    # and values [B, K, S, H]), the layout a decode cache is stored in
-    # (`ops.kv_cache`): it is then read where it lies, not copied into it.
+    # and values [B, K, S, H]), as a decode cache stores them (`ops.kv_cache`,
+    # keys transposed): it is then read where it lies, not copied.
     query = query.transpose(0, 2, 3, 1, 4)
     key, value = jnp.moveaxis(key, 1, 2), jnp.moveaxis(value, 1, 2)
     scores = jnp.einsum("BKGTH,BKSH->BKGTS", query, key).astype(jnp.float32)
