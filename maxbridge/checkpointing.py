@@ -477,6 +477,17 @@ class CheckpointInfo:
   config: Config | None  # the run's config.yml, when the checkpoint has one
 
 
+_PARAMS = "params/params/"  # where a train state's parameters lie, as normal paths
+
+
+def stored_params(path: str | os.PathLike) -> dict:
+  """The canonical parameter tree of a checkpoint (see `load_params`) as `jax.ShapeDtypeStruct`s, from its
+  metadata alone: enough to check a model against it before reading any array."""
+  reader = CheckpointReader(path)
+  flat = {p[len(_PARAMS) :]: reader.stored_leaf(p) for p in reader.leaves if p.startswith(_PARAMS)}
+  return canonical.unflatten({p: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for p, leaf in flat.items()})
+
+
 def load_params(path: str | os.PathLike, *, dtype: Any = None) -> tuple[dict, CheckpointInfo]:
   """The canonical parameter tree of any checkpoint this package reads, as numpy arrays.
 
@@ -487,9 +498,7 @@ def load_params(path: str | os.PathLike, *, dtype: Any = None) -> tuple[dict, Ch
   parameters only, one array at a time.
   """
   reader = CheckpointReader(path)
-  prefix = "params/params/"
-  flat = {p[len(prefix) :]: reader.read(p) for p in reader.leaves if p.startswith(prefix)}
-  tree = canonical.unflatten(flat)
+  tree = canonical.unflatten({p[len(_PARAMS) :]: reader.read(p) for p in reader.leaves if p.startswith(_PARAMS)})
   if dtype is not None:
     tree = layouts.cast_floating(tree, dtype)
   config_file = find_config(reader.items)

@@ -93,6 +93,19 @@ def test_a_config_that_does_not_describe_the_checkpoint_is_named_in_the_error(ma
   assert "config='llama-small' does not describe the checkpoint" in capsys.readouterr().err
 
 
+def test_a_wrong_config_is_reported_from_the_metadata_before_any_array_is_read(maxtext, monkeypatch):
+  step_dir, _ = maxtext["nnx"]
+  reads, read = [], checkpointing.CheckpointReader.read
+  monkeypatch.setattr(
+      checkpointing.CheckpointReader, "read", lambda self, normal: reads.append(normal) or read(self, normal)
+  )
+  with pytest.raises(HFError, match="config='llama-small' does not describe the checkpoint"):
+    mb.from_pretrained(step_dir, config="llama-small")
+  assert reads == []
+  mb.from_pretrained(step_dir, config="llama-tiny")
+  assert "params/params/decoder/decoder_norm/scale" in reads
+
+
 def test_convert_with_a_config_writes_it_beside_the_result(maxtext, tokens, tmp_path):
   step_dir, params = maxtext["nnx"]
   with pytest.raises(converters.ConversionError, match="does not describe the checkpoint"):

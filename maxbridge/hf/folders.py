@@ -234,16 +234,17 @@ def load_checkpoint(
   if config is None and lora_merge.holds_adapters(path):  # a LoRA run: its base with the adapters merged in
     _, params, run_config = lora_merge.merged_params(None, path)
     return load_config(str(checkpointing.find_config(checkpointing.resolve(path)[0])), *overrides, **kwargs), params
-  params, info = checkpointing.load_params(path)
   if config is not None:
     cfg = load_config(os.fspath(config), *overrides, **kwargs)
     if not cfg.checkpoint_is_quantized:  # a quantized tree holds other leaves than the float model's
-      # Here, where the user's choice of config is known: a later shape error could not name it.
+      # Here, where the user's choice of config is known (a later shape error could not name it), and
+      # on the metadata: a wrong config is reported before gigabytes are read.
       try:
-        canonical.check(params, abstract_params(cfg), cfg.param_scan_axis)
+        canonical.check(checkpointing.stored_params(path), abstract_params(cfg), cfg.param_scan_axis)
       except ValueError as e:
         raise HFError(f"config={os.fspath(config)!r} does not describe the checkpoint in {path}: {e}") from e
-    return cfg, params
+    return cfg, checkpointing.load_params(path)[0]
+  params, info = checkpointing.load_params(path)
   config_file = checkpointing.find_config(info.items)
   if config_file is None:
     raise HFError(
