@@ -64,7 +64,7 @@ from jax.sharding import Mesh
 from maxbridge import canonical, checkpointing, files, initializers, layouts, quantization
 from maxbridge.config import Config
 from maxbridge.model import LinenModel, NNXModel, linen_forward, nnx_forward
-from maxbridge.state import Bound, LinenTrainer, NNXTrainer, Params, int32_step
+from maxbridge.state import Bound, LinenTrainer, NNXTrainer, Params, int32_disk_step, int32_step
 
 SUFFIXES = ("_lora_a", "_lora_b")
 COLLECTION = "lora"  # the adapters' collection in the Linen state and in checkpoints
@@ -525,7 +525,7 @@ class NNXLoraTrainer(_LoraMixin, NNXTrainer):
   def to_checkpoint(self, state) -> dict:
     flat = {layouts.keypath_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]}
     tree = jax.tree_util.tree_map_with_path(lambda path, _: flat[_nnx_path(layouts.keypath_str(path))], self.disk_layout)
-    return {**tree, "step": tree["step"].astype(jnp.int32) if hasattr(tree["step"], "astype") else tree["step"]}
+    return int32_disk_step(tree)
 
   def with_checkpoint(self, state, tree: dict):
     pure: dict = {}

@@ -489,7 +489,7 @@ class NNXTrainer(Trainer):
 
   def to_checkpoint(self, state) -> dict:
     tree = layouts.nnx_to_linen(nnx.to_pure_dict(state), self.disk_layout)
-    return {**tree, "step": _as_int32(tree["step"])}
+    return int32_disk_step(tree)
 
   def from_checkpoint(self, tree: dict):
     pure = layouts.linen_to_nnx(tree)
@@ -528,6 +528,10 @@ class NNXTrainer(Trainer):
 # --- the on-disk step ---------------------------------------------------
 
 
-def _as_int32(step: Any) -> Any:
-  # The same mapping also carries trees of shardings, which have no dtype.
-  return step.astype(jnp.int32) if hasattr(step, "astype") else step
+def int32_disk_step(tree: dict) -> dict:
+  """A checkpoint tree with its step as int32, as Linen's train state holds it (NNX's optimizer counts in uint32).
+
+  The same mapping also carries trees of shardings, whose step has no dtype: left as it is.
+  """
+  step = tree["step"]
+  return {**tree, "step": step.astype(jnp.int32) if hasattr(step, "astype") else step}
