@@ -9,14 +9,9 @@ import os
 import sys
 import tempfile
 
-# Compiled for speed of compiling: this script is almost all compilation (~110 tiny
-# programs, 0.1 s of running each). LLVM's -O0 and XLA CPU's older elemental emitters
-# cut that to a third. Every check compares runs of this one process with each other
-# (sharded vs one device, NNX vs Linen), all compiled alike; the float results move by
-# ~1e-7 relative against the default flags, well inside the 1e-4 to 1e-6 tolerances.
-# XLA's own passes (SPMD partitioning, fusion) run as always.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}"
+from fast_compile import xla_flags  # a constant; imports no JAX
+
+os.environ["XLA_FLAGS"] = xla_flags(8)
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import numpy as np  # noqa: E402

@@ -7,11 +7,9 @@ import os
 import sys
 
 output, run_name, num_processes, process_id, port, devices = sys.argv[1:7]
-# Compiled for speed of compiling, as in multidevice_checks.py: a two-step run is almost all
-# compilation, and the test compares this run with another compiled alike (rtol 1e-5).
-os.environ["XLA_FLAGS"] = (
-    f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-)
+from fast_compile import xla_flags  # noqa: E402  (a constant; no JAX)
+
+os.environ["XLA_FLAGS"] = xla_flags(int(devices))
 
 import maxbridge as mb  # noqa: E402  (after XLA_FLAGS)
 
