@@ -104,7 +104,8 @@ def convert(
   only change name (Linen <-> NNX) are renamed, and stacks stored one chunk
   per layer (as maxbridge saves and converts them) are unstacked, or layers
   stacked, by moving their chunks; when nearly everything is moved so, the
-  source's data files are copied as files and the new names point into them.
+  source's data files are linked (copied where they cannot be) and the new
+  names point into them: no array's bytes are written.
   A stack stored as one chunk (orbax's default, as MaxText saves on one
   device) or a few (one per device shard) is decoded a piece at a time, each
   piece a part of every layer, and the layers are written chunked by those

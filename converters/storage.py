@@ -12,10 +12,10 @@ the form orbax writes for numpy leaves (`tree_metadata`):
 - a rename gives an array's keys new names; a stack stored one chunk per layer
   is unstacked by giving each chunk its layer's key (a chunk of shape
   [.., 1, ..] in C order holds the bytes of the layer), and layers stored as
-  one chunk each are stacked the same way. In a copy of the source's files
-  (`Destination(copy_from=...)`), OCDBT's `experimental_copy_range_to` points
-  the new keys at the bytes the old ones point at: nothing is read
-  (`Destination.relabel`, one transaction). Into an empty database, the
+  one chunk each are stacked the same way. In a copy of the source's
+  database (`Destination(copy_from=...)`, its data files linked), OCDBT's
+  `experimental_copy_range_to` points the new keys at the bytes the old ones
+  point at: nothing is read (`Destination.relabel`, one transaction). Into an empty database, the
   encoded bytes are copied (`copy_keys`, `relocate`): nothing is decoded.
   Stacks written here have one chunk per layer for that reason;
 - a stack stored in a few large chunks (orbax's default is one per array, as
@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -69,7 +70,8 @@ class Destination:
   """A new items folder: an OCDBT database, written array by array, then described by `finish`."""
 
   def __init__(self, items: Path, copy_from: Path | None = None, block_bytes: int = BLOCK_BYTES):
-    """`copy_from`: start from a file copy of that items folder's database (its arrays keep their names).
+    """`copy_from`: start from a copy of that items folder's database, its data files linked (`_copy_files`;
+    its arrays keep their names).
     `block_bytes`: the most bytes written in one piece, and the most left waiting to be written."""
     self.items = Path(items)
     self.block_bytes = block_bytes
@@ -282,15 +284,50 @@ class Destination:
 
 
 def _copy_files(source: Path, destination: Path) -> None:
+  """The files of an items folder's database, the data files linked where the file system allows, else copied.
+
+  OCDBT never writes into a data file once it is written (a commit adds new
+  ones, and replaces the manifest, which is copied), so the two databases may
+  share them: a layout-only conversion then writes no array's bytes at all, and
+  the source stays as it was. A link shares the source file's owner and mode,
+  so only a file that a copy would give the same ones is linked (the user's
+  own, with the mode their umask gives). Linking fails across file systems;
+  such files are copied too.
+  """
   # Not shutil.copytree: it copies the source's permissions, and what we write follows the user's umask.
+  mode = _new_file_mode()
   for folder, folders, names in os.walk(source):
     here = destination / Path(folder).relative_to(source)
     folders[:] = [name for name in folders if Path(folder) != source or name not in _SKIPPED]
     for name in folders:
       (here / name).mkdir()
     for name in names:
-      if Path(folder) != source or name not in _SKIPPED:
-        shutil.copyfile(os.path.join(folder, name), here / name)  # copy_file_range / sendfile: no user-space copy
+      if Path(folder) == source and name in _SKIPPED:
+        continue
+      path = os.path.join(folder, name)
+      if Path(folder).name == "d" and _owned_with_mode(path, mode):  # a data file, as a copy would be
+        try:
+          os.link(path, here / name)
+          continue
+        except OSError:
+          pass
+      shutil.copyfile(path, here / name)  # copy_file_range / sendfile: no user-space copy
+
+
+def _new_file_mode() -> int | None:
+  """The mode a file created now gets (0o666 less the umask), or None where the umask cannot be read without
+  setting it (os.umask sets it, which another thread would see): Linux reports it in /proc."""
+  try:
+    with open("/proc/self/status", encoding="ascii") as status:
+      umask = next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+  except (OSError, StopIteration, ValueError):
+    return None
+  return 0o666 & ~umask
+
+
+def _owned_with_mode(path: str, mode: int | None) -> bool:
+  found = os.stat(path)
+  return mode is not None and found.st_uid == os.getuid() and stat.S_IMODE(found.st_mode) == mode
 
 
 def blocks(array: ts.TensorStore) -> Iterator[tuple]:

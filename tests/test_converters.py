@@ -1,5 +1,6 @@
 """Checkpoint converters and comparator: exact round trips, resumed training, clear failures."""
 
+import errno
 import os
 import shutil
 import subprocess
@@ -223,6 +224,34 @@ def test_layout_only_conversion_renames_arrays_byte_for_byte_and_orbax_restores_
   trainer = dispatch.create_trainer(tiny_config())
   restored = checkpointing.Checkpointer(tmp_path / "back").restore(6, trainer.checkpoint_target())
   chex.assert_trees_all_equal(jax.tree.map(np.asarray, restored), read_all(source))
+
+
+def data_inodes(path) -> dict[str, int]:
+  return {p.name: p.stat().st_ino for p in path.rglob("*") if p.is_file() and p.parent.name == "d"}
+
+
+def test_a_layout_only_conversion_shares_the_source_data_files_and_leaves_the_source_as_it_was(source, tmp_path):
+  copy = tmp_path / "src"
+  shutil.copytree(source, copy)
+  before = listing(copy)
+  converters.convert(copy, tmp_path / "nnx", layout="nnx")
+  # The result links the source's data files (no array's bytes written), and the source is untouched.
+  assert data_inodes(copy).items() <= data_inodes(tmp_path / "nnx").items()
+  assert listing(copy) == before
+  want = read_all(copy)
+  shutil.rmtree(copy)  # the links keep the data
+  chex.assert_trees_all_equal(read_all(tmp_path / "nnx"), want)
+
+
+def test_data_files_that_cannot_be_linked_are_copied(source, tmp_path, monkeypatch):
+  def refuse(*_):
+    raise OSError(errno.EXDEV, "Invalid cross-device link")  # as between two file systems
+
+  monkeypatch.setattr(os, "link", refuse)
+  converters.convert(source, tmp_path / "nnx", layout="nnx")
+  assert data_files(source).items() <= data_files(tmp_path / "nnx").items()
+  assert not set(data_inodes(source).values()) & set(data_inodes(tmp_path / "nnx").values())
+  assert converters.compare(source, tmp_path / "nnx").equal
 
 
 def test_stacks_unstack_and_restack_by_moving_chunks(source, tmp_path):
