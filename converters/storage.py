@@ -15,8 +15,9 @@ the form orbax writes for numpy leaves (`tree_metadata`):
   one chunk each are stacked the same way. In a copy of the source's
   database (`Destination(copy_from=...)`, its data files linked), OCDBT's
   `experimental_copy_range_to` points the new keys at the bytes the old ones
-  point at: nothing is read (`Destination.relabel`, one transaction). Into an empty database, the
-  encoded bytes are copied (`copy_keys`, `relocate`): nothing is decoded.
+  point at: nothing is read (`Destination.relabel`, one transaction). Into
+  an empty database, the encoded bytes are copied (`copy_keys`, `relocate`):
+  nothing is decoded.
   Stacks written here have one chunk per layer for that reason;
 - a stack stored in a few large chunks (orbax's default is one per array, as
   MaxText saves on one device; a stack sharded over devices has one per
