@@ -26,8 +26,8 @@ orbax's defaults, one chunk per stack (as MaxText saves on one device). Then:
 os.sync() runs between steps (untimed), so that no step pays for writing back
 what the one before it left in the page cache, and as many bytes as the step
 or copy writes are written and removed right before it (`fault_in`), so that
-neither pays the hypervisor for faulting in pages left free a while. Everything is written under a
-temporary folder, removed at the end.
+neither pays the hypervisor for faulting in pages left free a while.
+Everything is written under a temporary folder, removed at the end.
 """
 
 import argparse

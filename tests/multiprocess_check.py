@@ -7,7 +7,7 @@ import os
 import sys
 
 output, run_name, num_processes, process_id, port, devices = sys.argv[1:7]
-from fast_compile import xla_flags  # noqa: E402  (a constant; no JAX)
+from fast_compile import xla_flags  # noqa: E402  (a constant; imports no JAX)
 
 os.environ["XLA_FLAGS"] = xla_flags(int(devices))
 
