@@ -29,9 +29,11 @@ format: $(STAMP)
 	$(VENV)/bin/pyink .
 	$(VENV)/bin/ruff check --fix .
 
+# lint-imports: the layer, backend-independence and no-cycle contracts of pyproject.toml.
 lint: $(STAMP)
 	$(VENV)/bin/pyink --check --diff .
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 
 # The newest releases PyPI serves for Python 3.12 (MaxText's interpreter), installed
 # first as a MaxText environment would hold them; maxbridge must install beside them

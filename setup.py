@@ -41,7 +41,8 @@ setup(
             "tokenizers>=0.23.3",
         ],
         # `make lint` / `make format`; exact, so formatting never drifts between machines.
-        "dev": ["pyink==26.5.1", "ruff==0.17.6"],
+        # import-linter: the layer contracts in pyproject.toml (see ARCHITECTURE.md).
+        "dev": ["pyink==26.5.1", "ruff==0.17.6", "import-linter==2.17"],
     },
     entry_points={"console_scripts": ["maxbridge=maxbridge.cli:main"]},
 )

@@ -32,7 +32,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import maxbridge as mb  # noqa: E402
-from maxbridge import checkpointing, dispatch  # noqa: E402
+from maxbridge.core import checkpointing  # noqa: E402
+from maxbridge.training import recipe
 
 BACKENDS = {"linen": (False, False, False), "nnx": (True, True, True)}
 
@@ -67,8 +68,8 @@ def main() -> None:
     cases = {}
     for backend, (pure_nnx, enable_nnx, decoder) in BACKENDS.items():
       flags = dict(pure_nnx=pure_nnx, enable_nnx=enable_nnx, pure_nnx_decoder=decoder)
-      saver = dispatch.create_trainer(mb.load_config(args.preset, **flags, ici_fsdp_parallelism=n))
-      other = dispatch.create_trainer(
+      saver = recipe.create_trainer(mb.load_config(args.preset, **flags, ici_fsdp_parallelism=n))
+      other = recipe.create_trainer(
           mb.load_config(args.preset, **flags, ici_fsdp_parallelism=n // 2, ici_tensor_parallelism=2)
       )
       tree = saver.to_checkpoint(saver.init_state(0))

@@ -45,7 +45,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 import maxbridge as mb
-from maxbridge import checkpointing, dispatch
+from maxbridge.core import checkpointing
+from maxbridge.training import recipe
 
 # Peak RSS is the child's VmHWM, not getrusage's ru_maxrss: Linux carries
 # ru_maxrss across fork + exec, so a child would report this (larger) parent's peak.
@@ -79,7 +80,7 @@ def make_checkpoint(
   orbax's defaults (one chunk per stack, as MaxText saves on one device) into `orbax_directory`, and
   the same in zarr3 (MaxText's default checkpoint_storage_use_zarr3) into `zarr3_directory`.
   """
-  target = dispatch.create_trainer(config).checkpoint_target()
+  target = recipe.create_trainer(config).checkpoint_target()
   rng = np.random.default_rng(0)
   tree = jax.tree.map(
       lambda leaf: (

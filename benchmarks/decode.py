@@ -32,7 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import maxbridge as mb
-from maxbridge import bench, engine, hf, model as model_lib
+from maxbridge.training import bench
+from maxbridge.serving import engine
+from maxbridge.interop import hf
+from maxbridge.models import model as model_lib
 
 BACKENDS = {"linen": (False, False, False), "nnx": (True, True, True)}
 PREFILL_REPEATS = 5

@@ -4,7 +4,7 @@
 
 Each round runs one GRPO step per backend, in turn, on the same seed (so both
 sample the same completions): sampling (the engine's cached decoding from the
-policy's parameters, `grpo.Rollouts`), scoring (the reward function and
+policy's parameters, `Rollouts`), scoring (the reward function and
 packing, on the host) and the update (`Trainer.train_step`, waited for).
 Reports the median seconds of each phase per backend and NNX / Linen.
 """
@@ -16,8 +16,9 @@ import time
 import jax
 
 import maxbridge as mb
-from maxbridge import dispatch
-from maxbridge.posttrain import grpo
+from maxbridge.models import dispatch
+from maxbridge.training import recipe
+from maxbridge.training import rollouts
 
 
 def main() -> None:
@@ -40,22 +41,22 @@ def main() -> None:
         max_target_length=6 + args.new_tokens,
         **dispatch.backend_flags(name),
     )
-    trainer = dispatch.create_trainer(config)
+    trainer = recipe.create_trainer(config)
     state = trainer.init_state(config.seed)
     trainer.set_reference(state)
-    runs[name] = [trainer, grpo.Rollouts(config, trainer), state]
+    runs[name] = [trainer, rollouts.Rollouts(config, trainer), state]
   times = {name: {"sampling": [], "scoring": [], "update": []} for name in runs}
   for step in range(1 + args.warmup + args.steps):
     for name, run in runs.items():
-      trainer, rollouts, state = run
-      batch, _ = rollouts.batch(step, state)
+      trainer, sampler, state = run
+      batch, _ = sampler.batch(step, state)
       began = time.perf_counter()
       state, metrics = trainer.train_step(state, batch)
       jax.block_until_ready(metrics)
       run[2] = state
       if step > args.warmup:
-        times[name]["sampling"].append(rollouts.timings["sampling_s"])
-        times[name]["scoring"].append(rollouts.timings["scoring_s"])
+        times[name]["sampling"].append(sampler.timings["sampling_s"])
+        times[name]["scoring"].append(sampler.timings["scoring_s"])
         times[name]["update"].append(time.perf_counter() - began)
   print(
       f"{args.preset}, {jax.devices()[0].platform}: {args.prompts} prompts x {args.generations} generations, "

@@ -17,7 +17,8 @@ import jax
 import numpy as np
 
 import maxbridge as mb
-from maxbridge import bench, dispatch
+from maxbridge.training import bench
+from maxbridge.models import dispatch
 
 
 def _bytes(tree) -> int:

@@ -16,7 +16,8 @@ import jax
 from flax import nnx
 
 import maxbridge as mb
-from maxbridge import data, dispatch
+from maxbridge.training import data
+from maxbridge.training import recipe
 
 
 def main() -> None:
@@ -27,7 +28,7 @@ def main() -> None:
   args = parser.parse_args()
 
   config = mb.load_config(args.preset, pure_nnx=True, enable_nnx=True, pure_nnx_decoder=True)
-  trainer = dispatch.create_trainer(config)
+  trainer = recipe.create_trainer(config)
   batch = trainer.shard_batch(data.make_dataset(config, "train", args.batch).batch(0))
 
   state = trainer.init_state(0)

@@ -22,7 +22,10 @@ import jax
 import numpy as np
 
 import maxbridge as mb
-from maxbridge import bench, checkpointing, dispatch, quantization
+from maxbridge.training import bench
+from maxbridge.core import checkpointing
+from maxbridge.models import dispatch
+from maxbridge.interop import quantize
 
 VARIANTS = {
     "f32": {},
@@ -61,7 +64,7 @@ def serve_bytes(preset: str) -> None:
     print(header)
     print("-" * len(header))
     for name, overrides in SERVE_FORMATS.items():
-      quantization.quantize_checkpoint(root / "f32", root / name.replace(" ", "-"), *overrides)
+      quantize.quantize_checkpoint(root / "f32", root / name.replace(" ", "-"), *overrides)
       leaves = checkpointing.CheckpointReader(root / name.replace(" ", "-")).leaves
       kernels = [p for p in leaves if p.endswith("/kernel_qvalue")]
       quantized = sum(leaves[p].nbytes + leaves[p.replace("_qvalue", "_scale")].nbytes for p in kernels)

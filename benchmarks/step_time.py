@@ -8,7 +8,7 @@ how it times and what the columns mean: `maxbridge/bench.py`.
 
 import argparse
 
-from maxbridge import bench
+from maxbridge.training import bench
 
 
 def main() -> None:

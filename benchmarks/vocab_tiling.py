@@ -29,7 +29,8 @@ import jax
 import numpy as np
 
 import maxbridge as mb
-from maxbridge import data, dispatch
+from maxbridge.training import data
+from maxbridge.training import recipe
 
 BACKENDS = {"linen": (False, False, False), "nnx": (True, True, True)}
 
@@ -67,7 +68,7 @@ def main() -> None:
             pure_nnx_decoder=decoder,
             dataset_type="synthetic",
         )
-        trainer = dispatch.create_trainer(config)
+        trainer = recipe.create_trainer(config)
         global_batch = args.batch * jax.device_count()
         batch = trainer.shard_batch(data.make_dataset(config, "train", global_batch).batch(0))
         state = trainer.init_state(0)

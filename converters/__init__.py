@@ -25,9 +25,9 @@ from converters.convert import Conversion, convert
 from converters.errors import ConversionError
 from converters.plan import PlanError
 from converters.trees import detect_layout, to_linen, to_nnx
-from maxbridge.canonical import stack_layers, unstack_layers
-from maxbridge.checkpointing import CheckpointError, CheckpointInfo, load_params
-from maxbridge.layouts import Layout, LayoutError
+from maxbridge.core.canonical import stack_layers, unstack_layers
+from maxbridge.core.checkpointing import CheckpointError, CheckpointInfo, load_params
+from maxbridge.core.layouts import Layout, LayoutError
 
 __all__ = [
     "CheckpointError",

@@ -12,8 +12,8 @@ import numpy as np
 from converters import plan
 from converters.errors import ConversionError
 from converters.source import Source, same_bytes
-from maxbridge import canonical, checkpointing
-from maxbridge.config import ConfigError, load_config
+from maxbridge.core import canonical, checkpointing
+from maxbridge.core.config import ConfigError, load_config
 
 MAX_LINES = 20
 

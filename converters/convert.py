@@ -9,14 +9,16 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 from tqdm import tqdm
 
 from converters import keys, ocdbt, plan, storage
 from converters.errors import ConversionError
 from converters.source import Source, per_layer
-from maxbridge import canonical, checkpointing, files, layouts
-from maxbridge.config import Config, ConfigError, load_config
+from maxbridge.core import canonical, checkpointing, files, layouts
+from maxbridge.core.config import Config, ConfigError, load_config
+from maxbridge.interop.hf.folders import abstract_params
 
 # Below this many bytes a conversion takes a moment: no progress bar.
 PROGRESS_BYTES = 256 << 20
@@ -342,10 +344,6 @@ def _decode(step: plan.Step, source: Source, dest: storage.Destination, job: _Jo
 
 def _check_config_describes(config: Config, stored: dict[str, checkpointing.Leaf], items: Path) -> None:
   """The config.yml written beside the result must describe its parameters, or it would not load."""
-  import jax  # pylint: disable=import-outside-toplevel
-
-  from maxbridge.hf.folders import abstract_params  # pylint: disable=import-outside-toplevel
-
   prefix = "params/params/"
   params = {
       p[len(prefix) :]: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for p, leaf in stored.items() if p.startswith(prefix)

@@ -1,6 +1,6 @@
 """The converters' error: a request that cannot be done, and why."""
 
-from maxbridge.checkpointing import CheckpointError
+from maxbridge.core.checkpointing import CheckpointError
 
 
 class ConversionError(CheckpointError):

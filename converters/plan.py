@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from converters.errors import ConversionError
-from maxbridge import canonical
-from maxbridge.checkpointing import Leaf
+from maxbridge.core import canonical
+from maxbridge.core.checkpointing import Leaf
 
 
 class PlanError(ConversionError):

@@ -24,7 +24,7 @@ import zstandard  # its errors: a damaged chunk
 from converters import ocdbt
 from converters.keys import BLOCK_BYTES, chunk_key, key_range, zarray_for
 from converters.plan import without_axis
-from maxbridge.checkpointing import CheckpointReader
+from maxbridge.core.checkpointing import CheckpointReader
 
 
 class Source:

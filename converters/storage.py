@@ -52,7 +52,7 @@ from converters import ocdbt
 from converters.keys import BLOCK_BYTES, COMPRESSOR, chunk_key, key_range, zarray_for
 from converters.plan import without_axis
 from converters.source import Source, ahead, piece_rows
-from maxbridge.checkpointing import ITEM
+from maxbridge.core.checkpointing import ITEM
 
 # For arrays written from decoded pieces (`Destination.unstack`, `copy_pieces`): still zstd frames in zarr v2,
 # which orbax and tensorstore decode whatever the level, to the same values. A negative level stores literals

@@ -8,7 +8,7 @@ from typing import Any
 
 from flax import nnx
 
-from maxbridge import canonical, checkpointing, layouts
+from maxbridge.core import canonical, checkpointing, layouts
 
 
 def detect_layout(tree_or_metadata: Any) -> layouts.Layout:

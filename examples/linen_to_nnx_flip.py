@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt
 from matplotlib import ticker
 
 import maxbridge as mb
-from maxbridge import dispatch
+from maxbridge.training import recipe
 
 NNX_FLAGS = dict(pure_nnx=True, enable_nnx=True, pure_nnx_decoder=True)
 LINEN_ONLY, FLIPPED = "linen-only", "linen-to-nnx"
@@ -190,7 +190,7 @@ def main() -> None:
   # Run A: pure Linen from start to finish. Its trainer (the compiled Linen
   # step) serves run B's Linen half too: the two configs differ in run_name only.
   linen_config = make_config(LINEN_ONLY, args.output, steps)
-  linen = dispatch.create_trainer(linen_config)
+  linen = recipe.create_trainer(linen_config)
   linen_only = mb.train(linen_config, trainer=linen, progress=True)
 
   # Run B: Linen up to the halfway checkpoint, then the same run directory

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 
 from linen_models.linears import dense
 from linen_models.normalizations import RMSNorm
-from maxbridge import initializers
-from maxbridge.config import Config
+from maxbridge.core import initializers
+from maxbridge.core.config import Config
 from maxbridge.ops import attention, kv_cache, rotary
 
 
@@ -38,8 +38,12 @@ class Attention(nn.Module):
       norm = dict(epsilon=cfg.normalization_layer_epsilon, **dtypes)
       query = RMSNorm(head_dim, name="query_norm", **norm)(query)
       key = RMSNorm(head_dim, name="key_norm", **norm)(key)
-    query = rotary.apply_rotary(query, positions, max_timescale=cfg.rope_max_timescale, scaling=cfg.rope_scaling)
-    key = rotary.apply_rotary(key, positions, max_timescale=cfg.rope_max_timescale, scaling=cfg.rope_scaling)
+    query = rotary.apply_rotary(
+        query, positions, max_timescale=cfg.rope_max_timescale, scaling=rotary.scaling_from_config(cfg)
+    )
+    key = rotary.apply_rotary(
+        key, positions, max_timescale=cfg.rope_max_timescale, scaling=rotary.scaling_from_config(cfg)
+    )
     scale = None if initializers.query_kernel_carries_scale(cfg) else head_dim**-0.5
     (key, value), kv = update_cache(
         self, {"cached_key": key, "cached_value": value}, positions, segment_ids, ring=bool(kv_cache.window(cfg))

@@ -19,8 +19,8 @@ from linen_models.linears import dense
 from linen_models.llama import DecoderLayer
 from linen_models.mixtral import MixtralDecoderLayer
 from linen_models.normalizations import norm
-from maxbridge import canonical
-from maxbridge.config import Config
+from maxbridge.core import canonical
+from maxbridge.core.config import Config
 from maxbridge.ops import embedding as embedding_ops
 from maxbridge.ops import linear
 from maxbridge.ops import output_head

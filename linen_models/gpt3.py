@@ -13,8 +13,8 @@ import jax
 from linen_models.attention import update_cache
 from linen_models.linears import dense
 from linen_models.normalizations import norm
-from maxbridge import initializers
-from maxbridge.config import Config
+from maxbridge.core import initializers
+from maxbridge.core.config import Config
 from maxbridge.ops import attention, mlp
 
 

@@ -13,8 +13,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxbridge import initializers, quantization
-from maxbridge.config import Config
+from maxbridge.core import initializers
+from maxbridge.ops import quantization
+from maxbridge.core.config import Config
 from maxbridge.ops import linear
 
 

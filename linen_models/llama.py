@@ -14,7 +14,7 @@ import jax
 from linen_models.attention import Attention
 from linen_models.mlp import MlpBlock
 from linen_models.normalizations import norm
-from maxbridge.config import Config
+from maxbridge.core.config import Config
 
 
 class DecoderLayer(nn.Module):

@@ -4,7 +4,7 @@ import flax.linen as nn
 import jax
 
 from linen_models.linears import dense
-from maxbridge.config import Config
+from maxbridge.core.config import Config
 from maxbridge.ops import mlp
 
 

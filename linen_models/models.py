@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from linen_models.embeddings import Embed
-from maxbridge.config import Config
+from maxbridge.core.config import Config
 
 
 class Transformer(nn.Module):

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from linen_models.mlp import MlpBlock
-from maxbridge import initializers
-from maxbridge.config import Config
+from maxbridge.core import initializers
+from maxbridge.core.config import Config
 from maxbridge.ops import linear
 from maxbridge.ops import moe as moe_ops
 

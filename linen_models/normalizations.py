@@ -4,8 +4,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxbridge import initializers
-from maxbridge.config import Config
+from maxbridge.core import initializers
+from maxbridge.core.config import Config
 from maxbridge.ops import normalization
 
 

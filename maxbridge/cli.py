@@ -20,7 +20,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Sequence
 
-from maxbridge.config import load_config
+from maxbridge.core.config import load_config
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -33,9 +33,9 @@ EXIT_GRACE_S = 5.0
 
 def _train(args: argparse.Namespace) -> int:
   config = load_config(args.preset, *args.overrides)  # a bad key fails here, before JAX starts
-  # Imported here: jax loads only for the verbs that need it. (maxbridge.train
-  # the function shadows the module of that name on the package.)
-  from maxbridge.train import run_directory, train
+  # Each verb imports what it runs, here and below: jax loads only for the verbs that need it, and after
+  # the arguments and the config are checked.
+  from maxbridge.training.loop import run_directory, train
 
   records = train(config)
   run_dir = run_directory(config)
@@ -109,7 +109,7 @@ def _bool(text: str) -> bool:
 
 
 def _import_hf(args: argparse.Namespace) -> int:
-  from maxbridge import hf
+  from maxbridge.interop import hf
 
   out = hf.import_hf(args.source, args.destination, *args.overrides, scan_layers=args.scan_layers, dtype=args.dtype)
   print(f"{out}: params-only checkpoint at step 0, with config.yml")
@@ -117,7 +117,7 @@ def _import_hf(args: argparse.Namespace) -> int:
 
 
 def _lora_merge(args: argparse.Namespace) -> int:
-  from maxbridge import lora_merge
+  from maxbridge.interop import lora_merge
 
   out = lora_merge.merge_checkpoint(args.base, args.adapters, args.destination)
   print(f"{out}: params-only checkpoint at step 0 (base + adapters), with config.yml")
@@ -125,17 +125,17 @@ def _lora_merge(args: argparse.Namespace) -> int:
 
 
 def _export_hf(args: argparse.Namespace) -> int:
-  from maxbridge import hf
+  from maxbridge.interop import pretrained
 
-  out = hf.export_hf(args.source, args.destination, dtype=args.dtype, config=args.config)
+  out = pretrained.export_hf(args.source, args.destination, dtype=args.dtype, config=args.config)
   print(f"{out}: config.json + model.safetensors")
   return 0
 
 
 def _quantize(args: argparse.Namespace) -> int:
-  from maxbridge import quantization
+  from maxbridge.interop import quantize
 
-  out = quantization.quantize_checkpoint(args.source, args.destination, *args.overrides, config=args.config)
+  out = quantize.quantize_checkpoint(args.source, args.destination, *args.overrides, config=args.config)
   print(f"{out}: serve checkpoint (quantized values and scales in place of float kernels) at step 0, with config.yml")
   return 0
 
@@ -143,11 +143,13 @@ def _quantize(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
   from pathlib import Path
 
-  from maxbridge import checkpointing, dispatch, hf
+  from maxbridge.core import checkpointing
+  from maxbridge.interop import pretrained
+  from maxbridge.models import dispatch
 
   flags = dispatch.backend_flags(args.backend)
   if Path(args.source).is_dir():
-    config, params = hf.load_pretrained(args.source, *args.overrides, config=args.config, **flags)
+    config, params = pretrained.load_pretrained(args.source, *args.overrides, config=args.config, **flags)
     model = dispatch.create_model(config, params=params)
   else:  # a preset or YAML file: MaxText's load_parameters_path, else a random model for smoke tests
     config = load_config(args.source, *args.overrides, **flags)
@@ -164,9 +166,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _tokenizer(source: str, vocab_size: int):
   """(encode, decode): tokenizer.json through `tokenizers` when the source has one, else bytes."""
-  from maxbridge import hf
+  from maxbridge.interop import pretrained
 
-  folder = hf.tokenizer_folder(source)
+  folder = pretrained.tokenizer_folder(source)
   if folder is not None:
     try:
       from tokenizers import Tokenizer
@@ -202,7 +204,8 @@ def _shardings(args: argparse.Namespace) -> int:
   _virtual_devices(args)
   import jax
 
-  from maxbridge import aot, sharding
+  from maxbridge.core import sharding
+  from maxbridge.training import aot
 
   rows = aot.sharding_rows(config)
   print(aot.format_table(rows, sharding.mesh_shape(config, jax.device_count())))
@@ -212,7 +215,7 @@ def _shardings(args: argparse.Namespace) -> int:
 def _compile(args: argparse.Namespace) -> int:
   config = load_config(args.preset, *args.overrides)
   _virtual_devices(args)
-  from maxbridge import aot
+  from maxbridge.training import aot
 
   result = aot.compile_train_step(config)
   gib = 2**30
@@ -229,7 +232,7 @@ def _compile(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
   load_config(args.preset, *args.overrides)  # a bad key fails here, before JAX starts
-  from maxbridge import bench
+  from maxbridge.training import bench
 
   bench.step_time(args.preset, *args.overrides, steps=args.steps, warmup=args.warmup, combos=args.combos, scan=args.scan)
   return 0

@@ -2,4 +2,4 @@
 
 # The process-wide NNX settings every model here relies on (no eager sharding,
 # attribute-style sow) live in maxbridge.bridge; importing a model sets them.
-from maxbridge import bridge as _bridge  # noqa: F401, E402
+from maxbridge.core import bridge as _bridge  # noqa: F401, E402

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxbridge import initializers
-from maxbridge.config import Config
+from maxbridge.core import initializers
+from maxbridge.core.config import Config
 from maxbridge.ops import attention, kv_cache, rotary
 from nnx_models.linears import dense
 from nnx_models.normalizations import RMSNorm
@@ -45,8 +45,12 @@ class Attention(nnx.Module):
     if cfg.use_qk_norm:
       query = self.query_norm(query)
       key = self.key_norm(key)
-    query = rotary.apply_rotary(query, positions, max_timescale=cfg.rope_max_timescale, scaling=cfg.rope_scaling)
-    key = rotary.apply_rotary(key, positions, max_timescale=cfg.rope_max_timescale, scaling=cfg.rope_scaling)
+    query = rotary.apply_rotary(
+        query, positions, max_timescale=cfg.rope_max_timescale, scaling=rotary.scaling_from_config(cfg)
+    )
+    key = rotary.apply_rotary(
+        key, positions, max_timescale=cfg.rope_max_timescale, scaling=rotary.scaling_from_config(cfg)
+    )
     scale = None if initializers.query_kernel_carries_scale(cfg) else cfg.head_dim**-0.5
     (key, value), kv = update_cache(
         self, {"cached_key": key, "cached_value": value}, positions, segment_ids, ring=bool(kv_cache.window(cfg))

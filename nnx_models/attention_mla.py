@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxbridge import initializers
-from maxbridge.config import Config
+from maxbridge.core import initializers
+from maxbridge.core.config import Config
 from maxbridge.ops import attention, mla
 from nnx_models.attention import update_cache
 from nnx_models.linears import dense

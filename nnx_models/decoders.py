@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxbridge import canonical
-from maxbridge.config import Config
+from maxbridge.core import canonical
+from maxbridge.core.config import Config
 from maxbridge.ops import embedding as embedding_ops
 from maxbridge.ops import linear
 from maxbridge.ops import output_head

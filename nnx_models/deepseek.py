@@ -4,7 +4,7 @@
 import jax
 from flax import nnx
 
-from maxbridge.config import Config
+from maxbridge.core.config import Config
 from nnx_models.attention_mla import MLA
 from nnx_models.llama import DecoderLayer
 from nnx_models.mixtral import moe_per_layer

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxbridge import initializers
+from maxbridge.core import initializers
 from maxbridge.ops import embedding as embedding_ops
 
 

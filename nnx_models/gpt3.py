@@ -10,8 +10,8 @@ live in the decoder (`position_embedder`, `logits_via_embedding`).
 import jax
 from flax import nnx
 
-from maxbridge import initializers
-from maxbridge.config import Config
+from maxbridge.core import initializers
+from maxbridge.core.config import Config
 from maxbridge.ops import attention, mlp
 from nnx_models.attention import update_cache
 from nnx_models.linears import dense

@@ -12,7 +12,7 @@ from typing import ClassVar
 import jax
 from flax import nnx
 
-from maxbridge.config import Config
+from maxbridge.core.config import Config
 from nnx_models.attention import Attention
 from nnx_models.mlp import MlpBlock
 from nnx_models.normalizations import norm

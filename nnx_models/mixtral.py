@@ -3,7 +3,7 @@
 import jax
 from flax import nnx
 
-from maxbridge.config import Config
+from maxbridge.core.config import Config
 from nnx_models.llama import DecoderLayer
 from nnx_models.moe import RoutedMoE
 

@@ -3,7 +3,7 @@
 import jax
 from flax import nnx
 
-from maxbridge.config import Config
+from maxbridge.core.config import Config
 from maxbridge.ops import mlp
 from nnx_models.linears import dense
 

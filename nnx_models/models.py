@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxbridge.config import Config
+from maxbridge.core.config import Config
 from nnx_models.embeddings import Embed
 
 

@@ -18,7 +18,10 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import maxbridge as mb  # noqa: E402
-from maxbridge import canonical, checkpointing, data, dispatch, engine, sharding  # noqa: E402
+from maxbridge.core import canonical, checkpointing, sharding  # noqa: E402
+from maxbridge.training import data
+from maxbridge.serving import engine
+from maxbridge.training import recipe
 
 MESHES = {"8x1x1": (8, 1, 1), "1x8x1": (1, 8, 1), "1x4x2": (1, 4, 2), "2x2x2": (2, 2, 2)}
 BACKENDS = {
@@ -81,10 +84,10 @@ def _expert_kernels(params):
 def main():
   report = {"devices": jax.device_count(), "losses": {}, "specs": {}}
   # Every sharded run, of any backend, is compared with this one: Linen on one device.
-  _, report["losses"]["linen@1"] = train(dispatch.create_trainer(config(BACKENDS["linen"]), single_device_mesh()), STEPS)
+  _, report["losses"]["linen@1"] = train(recipe.create_trainer(config(BACKENDS["linen"]), single_device_mesh()), STEPS)
   for mesh_name, shape in MESHES.items():
     for name, flags in BACKENDS.items():
-      trainer = dispatch.create_trainer(config(flags, shape))
+      trainer = recipe.create_trainer(config(flags, shape))
       report["specs"][f"{name}@{mesh_name}"] = specs(trainer)
       if name in ("linen", "nnx") or mesh_name == "2x2x2":
         _, report["losses"][f"{name}@{mesh_name}"] = train(trainer, STEPS)
@@ -92,20 +95,20 @@ def main():
   # The large-model training features, sharded with fsdp and tensor on, on both backends.
   report["features"] = {}
   for name in ("linen", "nnx"):
-    one = dispatch.create_trainer(config(BACKENDS[name], **FEATURES), single_device_mesh())
+    one = recipe.create_trainer(config(BACKENDS[name], **FEATURES), single_device_mesh())
     _, report["features"][f"{name}@1"] = train(one, STEPS)
     _, report["features"][f"{name}@2x2x2"] = train(
-        dispatch.create_trainer(config(BACKENDS[name], (2, 2, 2), **FEATURES)), STEPS
+        recipe.create_trainer(config(BACKENDS[name], (2, 2, 2), **FEATURES)), STEPS
     )
 
   # Save on one mesh with Linen, restore onto another with NNX, and go on.
   with tempfile.TemporaryDirectory() as tmp:
-    saver = dispatch.create_trainer(config(BACKENDS["linen"], (1, 8, 1)))
+    saver = recipe.create_trainer(config(BACKENDS["linen"], (1, 8, 1)))
     state, head = train(saver, 2)
     ckpt = checkpointing.Checkpointer(tmp)
     ckpt.save(2, saver.to_checkpoint(state))
     ckpt.wait()
-    loader = dispatch.create_trainer(config(BACKENDS["nnx"], (2, 2, 2)))
+    loader = recipe.create_trainer(config(BACKENDS["nnx"], (2, 2, 2)))
     restored = loader.from_checkpoint(ckpt.restore(2, loader.checkpoint_target()))
     placed = {
         leaf.sharding.spec == want.spec
@@ -116,7 +119,7 @@ def main():
 
   # A logical name with no rule is replicated (with a warning), never a crash.
   rules = tuple(r for r in config(BACKENDS["linen"]).logical_axis_rules if r[0] != "mlp")
-  trainer = dispatch.create_trainer(config(BACKENDS["nnx"], logical_axis_rules=rules))
+  trainer = recipe.create_trainer(config(BACKENDS["nnx"], logical_axis_rules=rules))
   _, losses = train(trainer, 1)
   report["missing_rule"] = {
       "loss": losses[0],
@@ -127,9 +130,9 @@ def main():
   # QLoRA with adapter dropout: the nf4 base's codes and block scales, and the adapters, sharded on 2x2x2.
   report["lora"] = {}
   for name in ("linen", "nnx"):
-    one = dispatch.create_trainer(config(BACKENDS[name], **LORA), single_device_mesh())
+    one = recipe.create_trainer(config(BACKENDS[name], **LORA), single_device_mesh())
     _, report["lora"][f"{name}@1"] = train(one, STEPS)
-    trainer = dispatch.create_trainer(config(BACKENDS[name], (2, 2, 2), **LORA))
+    trainer = recipe.create_trainer(config(BACKENDS[name], (2, 2, 2), **LORA))
     state = trainer.init_state(0)
     before = jax.device_get(trainer.stored_base(state))
     state, report["lora"][f"{name}@2x2x2"] = train(trainer, STEPS, state)
@@ -145,9 +148,9 @@ def main():
   report["experts"] = {}
   for preset in ("mixtral-tiny", "deepseek3-tiny"):
     for name in ("linen", "nnx"):
-      one = dispatch.create_trainer(config(BACKENDS[name], preset=preset), single_device_mesh())
+      one = recipe.create_trainer(config(BACKENDS[name], preset=preset), single_device_mesh())
       _, report["experts"][f"{preset}/{name}@1"] = train(one, STEPS)
-      trainer = dispatch.create_trainer(config(BACKENDS[name], (1, 2, 1, 4), preset=preset))
+      trainer = recipe.create_trainer(config(BACKENDS[name], (1, 2, 1, 4), preset=preset))
       state, report["experts"][f"{preset}/{name}@1x2x1x4"] = train(trainer, STEPS)
       report["experts"][f"{preset}/{name}/specs"] = {
           path: spec for path, spec in specs(trainer).items() if path.startswith("['params']") and "wi_0" in path

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 from flax.nnx import bridge as flax_bridge
 
-from maxbridge import bridge
+from maxbridge.core import bridge
 
 
 class Layer(nnx.Module):

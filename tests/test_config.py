@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import yaml
 
-from maxbridge.config import BASE_CONFIG, Config, ConfigError, available_presets, load_config
+from maxbridge.core.config import BASE_CONFIG, Config, ConfigError, available_presets, load_config
 
 
 def test_base_yml_declares_every_config_field():

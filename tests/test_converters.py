@@ -18,7 +18,9 @@ from flax import nnx
 import converters
 import maxbridge as mb
 from converters.source import Source, same_bytes
-from maxbridge import checkpointing, cli, dispatch, layouts
+from maxbridge.core import checkpointing, layouts
+from maxbridge.training import recipe
+from maxbridge import cli
 from conftest import tiny_config
 
 NNX = (True, True, True)
@@ -37,7 +39,7 @@ def source(tmp_path_factory):
       lambda leaf: rng.standard_normal(leaf.shape).astype(leaf.dtype)
       if jnp.issubdtype(leaf.dtype, jnp.floating)
       else np.full(leaf.shape, 6, leaf.dtype),
-      dispatch.create_trainer(config).checkpoint_target(),
+      recipe.create_trainer(config).checkpoint_target(),
   )
   ckpt = checkpointing.Checkpointer(directory / "checkpoints")
   ckpt.save(6, tree)
@@ -110,7 +112,7 @@ def test_scanned_to_unscanned_to_scanned_is_exact_with_optimizer_state(source, t
 
 def test_converted_checkpoint_restores_into_a_trainer(source, tmp_path):
   converters.convert(source, tmp_path / "ckpt", layout="nnx")
-  trainer = dispatch.create_trainer(tiny_config(NNX))
+  trainer = recipe.create_trainer(tiny_config(NNX))
   ckpt = checkpointing.Checkpointer(tmp_path / "ckpt")
   restored = trainer.params(trainer.from_checkpoint(ckpt.restore(6, trainer.checkpoint_target())))
   expected, _ = converters.load_params(source)
@@ -171,7 +173,7 @@ def test_older_nnx_checkpoint_with_value_wrappers_and_integer_layer_keys(source,
 
 
 def test_in_memory_converters_fill_an_nnx_train_state():
-  trainer = dispatch.create_trainer(tiny_config(NNX, scan_layers=False))
+  trainer = recipe.create_trainer(tiny_config(NNX, scan_layers=False))
   state = trainer.init_state(0)
   linen = converters.to_linen(state)
   assert linen["step"].dtype == jnp.int32 and linen["opt_state"][1] is None
@@ -191,7 +193,7 @@ def test_in_memory_converters_fill_an_nnx_train_state():
 def test_the_nnx_trainer_saves_what_the_converters_read():
   # Two readers of one mapping: the trainer's (driven by its abstract tree) and
   # the converters' (driven by paths alone) must give the same linen tree.
-  trainer = dispatch.create_trainer(tiny_config(NNX, scan_layers=False))
+  trainer = recipe.create_trainer(tiny_config(NNX, scan_layers=False))
   state = trainer.init_state(0)
   saved = trainer.to_checkpoint(state)
   chex.assert_trees_all_equal(saved, converters.to_linen(state))
@@ -221,7 +223,7 @@ def test_layout_only_conversion_renames_arrays_byte_for_byte_and_orbax_restores_
   different = [p for p in first.reader.leaves if not same_bytes(first, (p,), last, (p,))]
   assert different == [], "every array is stored as in the source (the step, cast twice, encodes the same)"
   # Orbax's own restore reads the result.
-  trainer = dispatch.create_trainer(tiny_config())
+  trainer = recipe.create_trainer(tiny_config())
   restored = checkpointing.Checkpointer(tmp_path / "back").restore(6, trainer.checkpoint_target())
   chex.assert_trees_all_equal(jax.tree.map(np.asarray, restored), read_all(source))
 
@@ -353,7 +355,7 @@ import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax, jax.numpy as jnp, numpy as np, orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from maxbridge import checkpointing, layouts
+from maxbridge.core import checkpointing, layouts
 reader = checkpointing.CheckpointReader(sys.argv[1])
 flat = {p: reader.read(p) for p in reader.leaves if p.startswith("params/")}
 mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("fsdp", "tensor"))

@@ -3,8 +3,8 @@ import json
 import numpy as np
 import pytest
 
-from maxbridge.config import load_config
-from maxbridge.data import BATCH_KEYS, EVAL_EVERY, Dataset, _stdlib_documents, make_dataset, pack
+from maxbridge.core.config import load_config
+from maxbridge.training.data import BATCH_KEYS, EVAL_EVERY, Dataset, _stdlib_documents, make_dataset, pack
 
 
 def _config(**overrides):

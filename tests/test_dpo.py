@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 import maxbridge as mb
-from maxbridge import data, dispatch
-from maxbridge.config import ConfigError
-from maxbridge.loss import Forward
-from maxbridge.posttrain import dpo
+from maxbridge.training import data
+from maxbridge.core.config import ConfigError
+from maxbridge.training.loss import Forward
+from maxbridge.training.posttrain import dpo
+from maxbridge.training import recipe
 from conftest import tiny_config
 
 BACKENDS = {"linen": (False, False, False), "nnx": (True, True, True), "mix": (True, False, True)}
@@ -122,7 +123,7 @@ def runs(tmp_path_factory):
   trainers, records = {}, {}
   for name, flags in BACKENDS.items():
     config = dpo_config(flags, base_output_directory=str(root), run_name=name, enable_checkpointing=False)
-    trainers[name] = dispatch.create_trainer(config)
+    trainers[name] = recipe.create_trainer(config)
     records[name] = mb.train(config, trainer=trainers[name], progress=False)
   return root, trainers, records
 
@@ -195,7 +196,7 @@ def test_dpo_learns_the_built_in_preferences():
   # about 0.5 (first 20 steps) to above 0.9 (last 20), and the held-out pairs' loss falls from
   # log 2 = 0.693 (the loss of a policy that still equals its reference) to 0.61.
   config = tiny_config(use_dpo=True, dpo_beta=0.1, learning_rate=1e-3, steps=80)
-  trainer = dispatch.create_trainer(config)
+  trainer = recipe.create_trainer(config)
   dataset = data.make_dataset(config, "train", 8)
   state = trainer.init_state(0)
   trainer.set_reference(state)

@@ -11,8 +11,12 @@ from flax import nnx
 
 import converters
 import maxbridge as mb
-from maxbridge import canonical, cli, engine, sharding
+from maxbridge.core import canonical, sharding
+from maxbridge import cli
+from maxbridge.serving import engine
+from maxbridge.models import model as model_lib
 from maxbridge.ops import kv_cache, sampling
+from maxbridge.models import decoding
 
 FAMILIES = ("llama-tiny", "mistral-tiny", "qwen3-tiny", "gpt3-tiny", "mixtral-tiny", "deepseek3-tiny")
 LINEN, NNX, MIX = (False, False, False), (True, True, True), (True, True, False)  # MIX: NNX model, bridged Linen decoder
@@ -79,7 +83,7 @@ def test_cached_decoding_is_the_full_forward_in_two_slots_of_different_lengths(p
 @pytest.mark.parametrize("preset", ["llama-tiny", "deepseek3-tiny"])
 def test_the_cache_tree_is_identical_on_linen_and_nnx(preset):
   linen, nnx_ = (canonical.flatten(decode(preset, flags)["prefixes"][1].cache) for flags in (LINEN, NNX))
-  want = canonical.flatten(engine.abstract_cache(decode(preset, LINEN)["engine"].config, 1, 32))
+  want = canonical.flatten(decoding.abstract_cache(decode(preset, LINEN)["engine"].config, 1, 32))
   assert sorted(linen) == sorted(nnx_) == sorted(want)
   for path, leaf in linen.items():
     assert leaf.shape == want[path].shape and leaf.dtype == want[path].dtype, path
@@ -194,7 +198,7 @@ def test_model_generate_runs_on_the_cache_and_matches_the_recompute_reference():
   for sample, temperature in ((False, 0.0), (True, 0.7)):
     got = model.generate(prompt, 6, temperature=temperature, seed=3)
     want = jax.jit(
-        functools.partial(mb.model.generate_by_recompute, model.apply), static_argnames=("max_new_tokens", "sample")
+        functools.partial(model_lib.generate_by_recompute, model.apply), static_argnames=("max_new_tokens", "sample")
     )(params, prompt, jnp.float32(temperature), jax.random.key(3), max_new_tokens=6, sample=sample)
     if not sample:
       np.testing.assert_array_equal(got, want)
@@ -300,7 +304,7 @@ def test_a_scanned_model_decodes_on_the_stacked_cache_tree(flags):
   model = mb.create_model(config, params=eng.params)
   prompt = jnp.asarray(PROMPTS[0], jnp.int32)[None]
   positions = jnp.arange(prompt.shape[1], dtype=jnp.int32)[None]
-  cache = engine.init_cache(config, 1, 32)
+  cache = decoding.init_cache(config, 1, 32)
   logits, cache = jax.jit(model.cached_forward)(model.params(), cache, prompt, positions, jnp.ones_like(prompt))
   want = decode("llama-tiny", flags)["prefixes"][0]
   np.testing.assert_allclose(logits[0, -1], want.logits, atol=1e-5, rtol=1e-5)

@@ -5,8 +5,9 @@ import functools
 import numpy as np
 import pytest
 
-from maxbridge import canonical, engine
+from maxbridge.core import canonical
 from maxbridge.ops import kv_cache
+from maxbridge.models import decoding
 from test_engine import LINEN, NNX, make_engine
 
 WINDOW = 8  # mistral-tiny's sliding_window_size
@@ -67,7 +68,7 @@ def test_a_windowed_layer_caches_window_entries_per_row():
     if not path.endswith("cache_index"):
       assert rows_and_entries(path, leaf) == (2, WINDOW), path
   # However long the rows, and the same tree (names, shapes, dtypes) on both backends.
-  for path, leaf in canonical.flatten(engine.abstract_cache(eng.config, 1, 4096)).items():
+  for path, leaf in canonical.flatten(decoding.abstract_cache(eng.config, 1, 4096)).items():
     assert rows_and_entries(path, leaf) == ((1,) if path.endswith("cache_index") else (1, WINDOW)), path
 
 

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import maxbridge as mb
-from maxbridge import canonical, initializers
+from maxbridge.core import canonical, initializers
 from maxbridge.ops import attention, losses
 from maxbridge.ops import moe as moe_ops
 from conftest import FLAG_COMBINATIONS, flag_id

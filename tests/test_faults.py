@@ -25,8 +25,12 @@ import yaml
 
 import converters
 import maxbridge as mb
-from maxbridge import checkpointing, cli, data, files, hf
-from maxbridge.config import ConfigError
+from maxbridge.core import checkpointing, files
+from maxbridge import cli
+from maxbridge.training import data
+from maxbridge.interop import hf
+from maxbridge.core.config import ConfigError
+from maxbridge.interop import pretrained
 
 REPO = Path(__file__).resolve().parent.parent
 # Run-only keys differ between runs below; everything a step computes is the same.
@@ -155,7 +159,7 @@ def test_a_signal_ends_training_naming_the_last_good_checkpoint(tmp_path, cli_en
 
 
 def test_a_first_signal_is_held_for_the_step_boundary_and_a_second_stops_at_once():
-  train_lib = importlib.import_module("maxbridge.train")  # `maxbridge.train` the attribute is the function
+  train_lib = importlib.import_module("maxbridge.training.loop")  # `maxbridge.train` the attribute is the function
   stop = train_lib._StopSignals()  # pylint: disable=protected-access
   stop.check()  # nothing caught: the loop goes on
   stop(signal.SIGTERM, None)  # held, not raised inside whatever JAX or orbax is doing
@@ -232,7 +236,7 @@ def test_export_hf_refuses_a_config_that_does_not_describe_the_checkpoint(traine
   run = _copy(trained, tmp_path)
   _mismatched_config(run)
   with pytest.raises(hf.HFError, match=r"does not describe its checkpoint.*mlp/wi_0/kernel has shape"):
-    hf.export_hf(run, tmp_path / "out")
+    pretrained.export_hf(run, tmp_path / "out")
   assert not (tmp_path / "out").exists()
 
 
@@ -301,14 +305,14 @@ _HF_LLAMA = dict(
     ],
 )
 def test_hugging_face_configs_we_cannot_honour_are_refused(changes, match):
-  from maxbridge.hf.mapping import config_from_hf
+  from maxbridge.interop.hf.mapping import config_from_hf
 
   with pytest.raises(hf.HFError, match=match):
     config_from_hf({**_HF_LLAMA, **changes})
 
 
 def test_an_override_on_import_wins_over_config_json():
-  from maxbridge.hf.mapping import config_from_hf
+  from maxbridge.interop.hf.mapping import config_from_hf
 
   assert config_from_hf(_HF_LLAMA, "rope_max_timescale=500000").rope_max_timescale == 500000
 
@@ -478,7 +482,7 @@ def test_stale_temporaries_of_a_killed_convert_are_removed(trained, tmp_path):
 def test_stale_temporaries_of_a_killed_import_and_save_are_removed(trained, tmp_path):
   out = tmp_path / "exported"
   stale = _leftover(out, "writing", _dead_pid())
-  hf.export_hf(trained, out)
+  pretrained.export_hf(trained, out)
   assert not stale.exists() and (out / "config.json").is_file()
   run = _copy(trained, tmp_path, "resumed")
   orbax_tmp = run / "checkpoints" / "3.orbax-checkpoint-tmp-1234"
@@ -536,7 +540,7 @@ def test_overrides_are_accepted_anywhere_on_the_command_line(argv):
 def test_files_are_written_with_the_users_umask(trained, tmp_path):
   previous = os.umask(0o002)
   try:
-    hf.export_hf(trained, tmp_path / "exported")
+    pretrained.export_hf(trained, tmp_path / "exported")
     converters.convert(trained, tmp_path / "converted" / "checkpoints", layout="nnx")
     mb.load_config("llama-tiny").to_yaml(tmp_path / "config.yml")
   finally:

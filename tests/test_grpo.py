@@ -9,11 +9,14 @@ import numpy as np
 import pytest
 
 import maxbridge as mb
-from maxbridge import data, dispatch
-from maxbridge.config import ConfigError
-from maxbridge.config_rules import GRPO_REWARDS
-from maxbridge.loss import Forward
-from maxbridge.posttrain import grpo
+from maxbridge.training import data
+from maxbridge.models import dispatch
+from maxbridge.core.config import ConfigError
+from maxbridge.core.config_rules import GRPO_REWARDS
+from maxbridge.training.loss import Forward
+from maxbridge.training.posttrain import grpo
+from maxbridge.training import recipe
+from maxbridge.training import rollouts
 from conftest import tiny_config
 
 
@@ -96,8 +99,8 @@ def grpo_runs():
   """Three GRPO steps (sampling, scoring, update) from seed 0 per backend; the trainers are reused below."""
   trainers, records = {}, {}
   for name, flags in BACKENDS.items():
-    trainers[name] = dispatch.create_trainer(grpo_config(flags))
-    records[name] = grpo.train_grpo(grpo_config(flags), trainer=trainers[name])[1]
+    trainers[name] = recipe.create_trainer(grpo_config(flags))
+    records[name] = rollouts.train_grpo(grpo_config(flags), trainer=trainers[name])[1]
   return trainers, records
 
 
@@ -149,7 +152,7 @@ def test_grpo_refuses_bad_rewards_and_a_single_generation(grpo_runs, tmp_path):
           progress=False,
       )
     assert not out.exists(), f"a run with reward_function={reward!r} must write nothing"
-  assert grpo.load_reward("maxbridge.posttrain.grpo.exact_match_reward") is grpo.exact_match_reward
+  assert grpo.load_reward("maxbridge.training.posttrain.grpo.exact_match_reward") is grpo.exact_match_reward
   assert grpo.load_reward("format") is grpo.format_reward
 
 
@@ -170,7 +173,7 @@ def test_grpo_raises_the_reward_of_a_briefly_sft_trained_model():
       warmup_steps_fraction=0.0,
       steps=20,
   )
-  trainer = dispatch.create_trainer(sft)
+  trainer = recipe.create_trainer(sft)
   dataset = data.make_dataset(sft, "train", 8)
   state = trainer.init_state(0)
   for step in range(sft.steps):
@@ -183,14 +186,14 @@ def test_grpo_raises_the_reward_of_a_briefly_sft_trained_model():
       learning_rate=3e-3,
       steps=40,
   )
-  rewards = [r["mean_reward"] for r in grpo.train_grpo(config, params=trainer.model_params(state))[1]]
+  rewards = [r["mean_reward"] for r in rollouts.train_grpo(config, params=trainer.model_params(state))[1]]
   first, last = np.mean(rewards[:10]), np.mean(rewards[-10:])
   assert last > first + 0.015, f"mean reward {first:.3f} (first 10 steps) -> {last:.3f} (last 10): {rewards}"
 
 
 def test_grpo_with_lora_trains_the_adapters_identically_on_linen_and_nnx():
   # The reference is the base with the adapters off: the KL is 0 before the first update, then not.
-  runs = [grpo.train_grpo(grpo_config(flags, lora_rank=4, steps=2))[1] for flags in ((False,) * 3, (True,) * 3)]
+  runs = [rollouts.train_grpo(grpo_config(flags, lora_rank=4, steps=2))[1] for flags in ((False,) * 3, (True,) * 3)]
   for want, got in zip(*runs, strict=True):
     assert got["completions"] == want["completions"]
     for key in METRICS:

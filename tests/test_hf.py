@@ -18,7 +18,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import maxbridge as mb  # noqa: E402
-from maxbridge import canonical, cli, dispatch, hf  # noqa: E402
+from maxbridge.core import canonical  # noqa: E402
+from maxbridge import cli
+from maxbridge.models import dispatch
+from maxbridge.interop import hf
+from maxbridge.interop import pretrained
 
 LOGITS_TOL = 1e-4
 PROMPT = np.array([[3, 17, 250, 42, 9], [100, 1, 77, 200, 31]], np.int64)
@@ -186,8 +190,8 @@ def test_export_loads_in_transformers_and_reimports_exactly(reference, tmp_path)
   assert max_diff(logits, reference.logits) <= 1e-5
   # The round trip through Hugging Face's layout changes no parameter at all.
   assert cli.main(["import-hf", str(tmp_path / "exported"), str(tmp_path / "again"), "--scan-layers", "false"]) == 0
-  _, first = hf.load_checkpoint(tmp_path / "ckpt")
-  _, again = hf.load_checkpoint(tmp_path / "again")
+  _, first = pretrained.load_checkpoint(tmp_path / "ckpt")
+  _, again = pretrained.load_checkpoint(tmp_path / "again")
   first = canonical.flatten(canonical.unstack_layers(first, 1) if canonical.is_scanned(first) else first)
   again = canonical.flatten(again)
   assert sorted(first) == sorted(again)

@@ -11,8 +11,9 @@ import pytest
 
 import maxbridge as mb
 from conftest import FLAG_COMBINATIONS, flag_id, tiny_config
-from maxbridge import data, dispatch
-from maxbridge.train import step_key
+from maxbridge.training import data
+from maxbridge.training.loop import step_key
+from maxbridge.training import recipe
 
 FEATURES = dict(num_vocab_tiling=2, use_qk_clip=True, qk_clip_threshold=0.5)
 SOWN = ("intermediates", "Intermediate", "hidden_states", "max_logits", "moe_lb_loss")
@@ -31,7 +32,7 @@ def batch():
 
 @pytest.mark.parametrize("flags", FLAG_COMBINATIONS, ids=flag_id)
 def test_no_sown_value_reaches_the_state_its_shardings_the_step_or_the_checkpoint(flags, batch):
-  trainer = dispatch.create_trainer(tiny_config(flags, **FEATURES))
+  trainer = recipe.create_trainer(tiny_config(flags, **FEATURES))
   state = trainer.init_state(0)
   stepped, metrics = trainer.train_step(state, trainer.shard_batch(batch))
   assert float(metrics["maxima"]["max_logits"].max()) > FEATURES["qk_clip_threshold"], "the step should have clipped"
@@ -63,7 +64,7 @@ def test_a_linen_run_resumed_with_the_nnx_flags_continues_the_same_losses(tmp_pa
         eval_interval=0,
         **FEATURES,
     )
-    trainer = trainers.setdefault(step_key(config), dispatch.create_trainer(config))
+    trainer = trainers.setdefault(step_key(config), recipe.create_trainer(config))
     records = list(mb.train(config, trainer=trainer, until_step=until_step, progress=False))
     return [(r["loss"], r["max_logits"]) for r in records]
 
@@ -80,7 +81,7 @@ def test_qk_clip_under_gradient_accumulation_uses_the_max_over_micro_batches(fla
   """Two micro-batches clip exactly as the whole batch does: the max logit is a max over both."""
   results = []
   for micro in (1, 2):
-    trainer = dispatch.create_trainer(tiny_config(flags, gradient_accumulation_steps=micro, **FEATURES))
+    trainer = recipe.create_trainer(tiny_config(flags, gradient_accumulation_steps=micro, **FEATURES))
     state, metrics = trainer.train_step(trainer.init_state(0), trainer.shard_batch(batch))
     results.append((trainer.params(state), metrics))
   (whole_params, whole), (micro_params, micro) = results

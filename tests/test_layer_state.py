@@ -18,8 +18,8 @@ from flax import nnx
 import maxbridge as mb
 from linen_models import decoders as linen_decoders
 from linen_models import llama as linen_llama
-from maxbridge import canonical, initializers
-from maxbridge.model import flat_intermediates
+from maxbridge.core import canonical, initializers
+from maxbridge.models.model import flat_intermediates
 from nnx_models import decoders as nnx_decoders
 from nnx_models import llama as nnx_llama
 from conftest import tiny_config

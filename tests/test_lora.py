@@ -12,11 +12,16 @@ from etils import epath
 import orbax.checkpoint as ocp
 
 import maxbridge as mb
-from maxbridge import canonical, checkpointing, cli, data, dispatch, lora, lora_merge
-from maxbridge.config import ConfigError
+from maxbridge.core import canonical, checkpointing
+from maxbridge import cli
+from maxbridge.training import data
+from maxbridge.models import lora
+from maxbridge.interop import lora_merge
+from maxbridge.core.config import ConfigError
+from maxbridge.training import recipe
 from conftest import flag_id, tiny_config
 
-train_module = importlib.import_module("maxbridge.train")  # `maxbridge.train` the function shadows it
+train_module = importlib.import_module("maxbridge.training.loop")  # `maxbridge.train` the function shadows it
 
 LINEN = (False, False, False)
 NNX = (True, True, True)
@@ -46,11 +51,11 @@ def test_bad_lora_config_names_the_key(overrides, match):
 
 def test_a_module_path_matching_nothing_lists_the_kernels():
   with pytest.raises(ValueError, match=r"matches no kernel .* decoder/layers/mlp/wi_0/kernel"):
-    dispatch.create_trainer(tiny_config(lora_rank=4, lora_module_path="decoder/layers_0/.*"))
+    recipe.create_trainer(tiny_config(lora_rank=4, lora_module_path="decoder/layers_0/.*"))
 
 
 def test_adapters_have_canonical_names_and_shapes():
-  trainer = dispatch.create_trainer(tiny_config(NNX, **LORA, lora_module_path=r"decoder/layers/self_attention/.*"))
+  trainer = recipe.create_trainer(tiny_config(NNX, **LORA, lora_module_path=r"decoder/layers/self_attention/.*"))
   flat = {p: x.shape for p, x in canonical.flatten(trainer.abstract_adapters).items()}
   # llama-tiny: emb 64, 4 query heads and 2 kv heads of 16, 2 layers stacked on axis 1; rank 4.
   assert flat == {
@@ -107,7 +112,7 @@ def _train(trainer):
 
 @pytest.fixture(scope="module")
 def trainers():
-  return {flags: dispatch.create_trainer(tiny_config(flags, **RUN)) for flags in BACKENDS}
+  return {flags: recipe.create_trainer(tiny_config(flags, **RUN)) for flags in BACKENDS}
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +159,7 @@ def test_the_optimizer_state_covers_the_adapters_only(flags, runs):
 
 
 def test_unscanned_lora_logs_the_scanned_losses(runs):
-  trainer = dispatch.create_trainer(tiny_config(NNX, **RUN, scan_layers=False))
+  trainer = recipe.create_trainer(tiny_config(NNX, **RUN, scan_layers=False))
   np.testing.assert_allclose(_train(trainer)["losses"], runs[LINEN]["losses"], rtol=0, atol=1e-5)
 
 
@@ -166,7 +171,7 @@ def test_remat_accumulation_and_vocab_tiling_with_an_adapted_head_match_across_b
       num_vocab_tiling=2,
       lora_module_path=r"decoder/(layers/(self_attention|mlp)/\w+|logits_dense)/kernel",
   )
-  linen, nnx = (_train(dispatch.create_trainer(tiny_config(flags, **{**RUN, **overrides}))) for flags in (LINEN, NNX))
+  linen, nnx = (_train(recipe.create_trainer(tiny_config(flags, **{**RUN, **overrides}))) for flags in (LINEN, NNX))
   assert "logits_dense" in linen["adapters"]["decoder"]
   np.testing.assert_allclose(nnx["losses"], linen["losses"], rtol=0, atol=1e-5)
   assert linen["losses"][-1] < linen["losses"][0]
@@ -183,7 +188,7 @@ QLORA_IDS = [f"{qtype}-{'nnx' if flags == NNX else 'linen'}" for qtype, flags in
 @pytest.fixture(scope="module")
 def qlora_runs():
   return {
-      (qtype, flags): _train(dispatch.create_trainer(tiny_config(flags, **RUN, **QLORA[qtype])))
+      (qtype, flags): _train(recipe.create_trainer(tiny_config(flags, **RUN, **QLORA[qtype])))
       for qtype, flags in QLORA_CASES
   }
 
@@ -399,7 +404,7 @@ def test_merged_then_exported_model_matches_the_adapted_model_in_transformers(tm
   assert cli.main(["export-hf", str(tmp_path / "merged"), str(tmp_path / "exported")]) == 0
 
   # The adapted model as training runs it (the base with the adapters merged in), restored from the run.
-  trainer = dispatch.create_trainer(config)
+  trainer = recipe.create_trainer(config)
   checkpoints = checkpointing.Checkpointer(run_dir / "checkpoints", create=False)
   restored = checkpoints.restore(STEPS, trainer.checkpoint_target())
   checkpoints.close()

@@ -8,10 +8,13 @@ from flax import nnx
 
 import converters
 import maxbridge as mb
-from maxbridge import canonical, checkpointing, cli, dispatch, optimizers
-from maxbridge.config import ConfigError
-from maxbridge.hf import HFError
-from maxbridge.train import initial_state
+from maxbridge.core import canonical, checkpointing
+from maxbridge import cli
+from maxbridge.training import optimizers
+from maxbridge.core.config import ConfigError
+from maxbridge.interop.hf import HFError
+from maxbridge.training.loop import initial_state
+from maxbridge.training import recipe
 from conftest import tiny_config
 
 LINEN = (False, False, False)
@@ -35,7 +38,7 @@ def maxtext(tmp_path_factory):
   root = tmp_path_factory.mktemp("maxtext")
   found = {}
   for name, flags, scanned in (("linen-scanned", LINEN, True), ("linen-unscanned", LINEN, False), ("nnx", NNX, False)):
-    trainer = dispatch.create_trainer(tiny_config(flags, scan_layers=scanned))
+    trainer = recipe.create_trainer(tiny_config(flags, scan_layers=scanned))
     state = trainer.init_state(7)
     tree = trainer.to_checkpoint(state) if flags == LINEN else nnx.to_pure_dict(state)
     found[name] = (_save(root / name, tree), jax.device_get(trainer.params(state)))
@@ -136,7 +139,7 @@ def test_load_parameters_path_starts_a_new_run_from_those_parameters(maxtext, to
   step_dir, params = maxtext[name]
   flags = BACKENDS[backend]
   config = tiny_config(flags, load_parameters_path=str(step_dir / "items" if backend == "nnx" else step_dir))
-  trainer = dispatch.create_trainer(config)
+  trainer = recipe.create_trainer(config)
   state = initial_state(config, trainer)
   assert trainer.step(state) == 0
   started = jax.device_get(trainer.params(state))
@@ -181,14 +184,14 @@ def test_a_run_with_its_own_checkpoints_ignores_the_load_keys(uninterrupted, tmp
   assert mb.train(again.replace(load_parameters_path=missing), progress=False) == []
   new = again.replace(run_name="new", load_parameters_path=missing)
   with pytest.raises(checkpointing.CheckpointError, match=r"load_parameters_path=.*nowhere.*no such file"):
-    initial_state(new, dispatch.create_trainer(new))
+    initial_state(new, recipe.create_trainer(new))
 
 
 def test_load_full_state_path_refuses_a_params_only_checkpoint(tmp_path):
   _save(tmp_path / "p", {"params": {"params": mb.create_model(tiny_config()).params()}}, step=0)
   config = tiny_config(LINEN, load_full_state_path=str(tmp_path / "p" / "0"))
   with pytest.raises(checkpointing.CheckpointError, match="parameters only.*load_parameters_path"):
-    initial_state(config, dispatch.create_trainer(config))
+    initial_state(config, recipe.create_trainer(config))
 
 
 def test_learning_rate_schedule_steps_plans_the_schedule_past_steps():
@@ -202,7 +205,7 @@ def test_learning_rate_schedule_steps_plans_the_schedule_past_steps():
 def test_stopping_at_step_6_of_a_12_step_schedule_and_resuming_equals_the_whole_run(tmp_path):
   common = dict(base_output_directory=str(tmp_path), checkpoint_period=6, **RUN)
   config = tiny_config(run_name="whole", steps=12, **common)
-  trainer = dispatch.create_trainer(config)  # compiled once for the whole run and the resumed one
+  trainer = recipe.create_trainer(config)  # compiled once for the whole run and the resumed one
   whole = mb.train(config, trainer=trainer, progress=False)
   head = mb.train(tiny_config(run_name="split", steps=6, learning_rate_schedule_steps=12, **common), progress=False)
   tail = mb.train(config.replace(run_name="split"), trainer=trainer, progress=False)

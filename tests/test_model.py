@@ -7,7 +7,9 @@ import pytest
 from flax import nnx
 
 import maxbridge as mb
-from maxbridge import canonical, vocab_tiling
+from maxbridge.core import canonical
+from maxbridge.models import model as model_lib
+from maxbridge.training import vocab_tiling
 from maxbridge.ops import rotary
 from conftest import tiny_config
 
@@ -101,10 +103,10 @@ def test_tokens_must_be_two_dimensional(model):
 
 def test_seven_billion_parameter_preset_builds_abstractly():
   """llama2-7b is never materialised here; its canonical tree is checked by shape only."""
-  from maxbridge import dispatch
+  from maxbridge.models import dispatch
 
   config = mb.load_config("llama2-7b")
-  model = mb.model.LinenModel(config, dispatch.linen_transformer(config), dispatch.sample_inputs(config))
+  model = model_lib.LinenModel(config, dispatch.linen_transformer(config), dispatch.sample_inputs(config))
   shapes = canonical.flatten(model.abstract_params())
   assert shapes["decoder/layers/self_attention/query/kernel"].shape == (4096, 32, 32, 128)
   assert shapes["decoder/layers/mlp/wi_0/kernel"].shape == (4096, 32, 11008)
@@ -115,13 +117,13 @@ def test_seven_billion_parameter_preset_builds_abstractly():
 @pytest.mark.parametrize("preset, total", [("llama3.1-8b", 8_030_261_248), ("llama3.1-70b", 70_553_706_496)])
 def test_llama3_1_presets_have_the_published_parameter_counts(preset, total):
   """Built abstractly on both backends; the totals are Meta's published counts."""
-  from maxbridge import dispatch
+  from maxbridge.models import dispatch
 
   config = mb.load_config(preset)
-  assert config.rope_scaling == rotary.Llama3Scaling(8.0, 1.0, 4.0, 8192)
+  assert rotary.scaling_from_config(config) == rotary.Llama3Scaling(8.0, 1.0, 4.0, 8192)
   nnx_config = config.replace(pure_nnx=True, enable_nnx=True, pure_nnx_decoder=True)
-  linen = mb.model.LinenModel(config, dispatch.linen_transformer(config), dispatch.sample_inputs(config))
-  nnx_model = mb.model.NNXModel(nnx_config, nnx.eval_shape(lambda: dispatch.nnx_transformer(nnx_config, nnx.Rngs(0))))
+  linen = model_lib.LinenModel(config, dispatch.linen_transformer(config), dispatch.sample_inputs(config))
+  nnx_model = model_lib.NNXModel(nnx_config, nnx.eval_shape(lambda: dispatch.nnx_transformer(nnx_config, nnx.Rngs(0))))
   for model in (linen, nnx_model):
     shapes = canonical.flatten(model.abstract_params())
     assert sum(int(np.prod(s.shape)) for s in shapes.values()) == total

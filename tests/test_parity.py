@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import maxbridge as mb
-from maxbridge import canonical
+from maxbridge.core import canonical
 from maxbridge.ops import losses
 from conftest import FLAG_COMBINATIONS, flag_id, tiny_config
 

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 import maxbridge as mb
-from maxbridge import canonical, data, dispatch, qk_clip
-from maxbridge.config import ConfigError
+from maxbridge.core import canonical
+from maxbridge.training import data, qk_clip
+from maxbridge.core.config import ConfigError
+from maxbridge.training import recipe
 
 
 def _maxima(config, low=0.5, high=3.0):
@@ -137,7 +139,7 @@ def tokens():
 
 
 def _one_step(config):
-  trainer = dispatch.create_trainer(config)
+  trainer = recipe.create_trainer(config)
   batch = data.make_dataset(config, "train", 4).batch(0)
   state, metrics = trainer.train_step(trainer.init_state(0), batch)
   return canonical.unstack_layers(trainer.params(state), config.param_scan_axis), metrics

@@ -9,10 +9,15 @@ import pytest
 from flax import nnx
 
 import maxbridge as mb
-from maxbridge import canonical, checkpointing, cli, data, dispatch
-from maxbridge import quantization as quantization_module
-from maxbridge.config import ConfigError
-from maxbridge.train import global_batch_size
+from maxbridge.core import canonical, checkpointing
+from maxbridge import cli
+from maxbridge.training import data
+from maxbridge.models import dispatch
+from maxbridge.ops import quantization as quantization_module
+from maxbridge.core.config import ConfigError
+from maxbridge.training.loop import global_batch_size
+from maxbridge.training import recipe
+from maxbridge.interop import pretrained, quantize
 from conftest import FLAG_COMBINATIONS, flag_id, tiny_config
 
 LINEN = (False, False, False)
@@ -135,7 +140,7 @@ def test_the_train_step_keys_stochastic_rounding_by_its_step():
   # The config, batch shape and state types of the `runs` fixture's int8 run, so that the two share their compiled
   # init and step through the suite's compilation cache: a step of its own compiled for 10 s.
   config = tiny_config(quantization="int8", **TRAIN)
-  trainer = dispatch.create_trainer(config)
+  trainer = recipe.create_trainer(config)
   initial = trainer.init_state(0)
   batch = trainer.shard_batch(data.make_dataset(config, "train", global_batch_size(config)).batch(0))
   norms = []
@@ -174,11 +179,11 @@ def test_linen_aqt_run_resumed_in_nnx_continues_the_same_losses(runs):
 
 
 def test_aqt_state_and_checkpoints_hold_no_intermediates(runs):
-  float_trainer = dispatch.create_trainer(tiny_config())
+  float_trainer = recipe.create_trainer(tiny_config())
   for flags in (LINEN, NNX):
-    trainer = dispatch.create_trainer(tiny_config(flags, quantization="int8"))
+    trainer = recipe.create_trainer(tiny_config(flags, quantization="int8"))
     assert trainer.disk_layout == float_trainer.disk_layout, flag_id(flags)
-  nnx_state = dispatch.create_trainer(tiny_config(NNX, quantization="int8")).abstract_state()
+  nnx_state = recipe.create_trainer(tiny_config(NNX, quantization="int8")).abstract_state()
   assert not nnx.state(nnx_state, nnx.Intermediate), "sown values in the NNX train state"
   ckpt = checkpointing.Checkpointer(runs["root"] / "int8" / "checkpoints")
   saved = ckpt.restore(30, jax.tree.map(lambda x: x, float_trainer.checkpoint_target()))
@@ -284,10 +289,10 @@ def test_linen_qwix_run_resumed_in_nnx_continues_the_same_losses(qwix_runs):
 def test_qwix_run_with_the_decoder_behind_two_bridges_trains_as_pure_linen(qwix_runs, tmp_path):
   flags = (True, False, True)  # NNX state > ToNNX(Linen model) > ToLinen(NNX decoder): the first steps of the Linen run
   config = qwix_config(flags, "int8", base_output_directory=str(tmp_path), run_name="run", **TRAIN)
-  trainer = dispatch.create_trainer(config)
+  trainer = recipe.create_trainer(config)
   losses = [r["loss"] for r in mb.train(config, trainer=trainer, until_step=4, progress=False)]
   np.testing.assert_allclose(losses, qwix_runs["int8"][:4], rtol=1e-5)
-  float_trainer = dispatch.create_trainer(tiny_config(flags))
+  float_trainer = recipe.create_trainer(tiny_config(flags))
   assert trainer.disk_layout == float_trainer.disk_layout
   ckpt = checkpointing.Checkpointer(tmp_path / "run" / "checkpoints")
   saved = ckpt.restore(4, jax.tree.map(lambda x: x, float_trainer.checkpoint_target()))
@@ -373,7 +378,7 @@ def test_serve_checkpoint_stores_int8_kernels_in_a_quarter_of_their_float_bytes(
   # Wide enough that a per-channel float32 scale (1/in_features of the kernel) stays under 1%.
   config = tiny_config(base_emb_dim=256, head_dim=64, base_mlp_dim=512)
   save_float_checkpoint(tmp_path / "float", config, mb.create_model(config, seed=0).params())
-  quantization_module.quantize_checkpoint(tmp_path / "float", tmp_path / "int8", "quantization=int8")
+  quantize.quantize_checkpoint(tmp_path / "float", tmp_path / "int8", "quantization=int8")
   stored = checkpointing.CheckpointReader(tmp_path / "int8").leaves
   float_leaves = checkpointing.CheckpointReader(tmp_path / "float").leaves
   assert not [p for p in stored if p.endswith("/kernel")], "a float kernel on disk"
@@ -401,11 +406,10 @@ def test_serve_checkpoint_prefills_and_generates(served, capsys):
 
 
 def test_quantize_reads_hugging_face_folders_and_load_parameters_path(served, float_model, tmp_path):
-  from maxbridge import hf
 
-  hf.export_hf(served / "float", tmp_path / "hf")
+  pretrained.export_hf(served / "float", tmp_path / "hf")
   assert cli.main(["quantize", str(tmp_path / "hf"), str(tmp_path / "from_hf"), "quantization=int8"]) == 0
-  _, hf_params = hf.load_pretrained(tmp_path / "hf")
+  _, hf_params = pretrained.load_pretrained(tmp_path / "hf")
   expected = dispatch.quantize_params(serve_config(), hf_params)
   got, _ = checkpointing.load_params(tmp_path / "from_hf")
   for path, value in canonical.flatten(expected).items():

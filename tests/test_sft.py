@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 import maxbridge as mb
-from maxbridge import data, dispatch
-from maxbridge.posttrain import sft
+from maxbridge.training import data
+from maxbridge.models import dispatch
+from maxbridge.training.posttrain import sft
+from maxbridge.training import recipe
 from conftest import tiny_config
 
 BACKENDS = {"linen": (False, False, False), "nnx": (True, True, True)}
@@ -122,7 +124,7 @@ def demo_config(flags=BACKENDS["linen"]):
 @pytest.fixture(scope="module")
 def trainers():
   """The demo's trainer per backend, compiled once for the tests below."""
-  return {name: dispatch.create_trainer(demo_config(BACKENDS[name])) for name in ("linen", "nnx")}
+  return {name: recipe.create_trainer(demo_config(BACKENDS[name])) for name in ("linen", "nnx")}
 
 
 def test_sft_losses_are_equal_on_linen_and_nnx(trainers):

@@ -14,8 +14,8 @@ import pytest
 from jax.sharding import PartitionSpec
 
 import maxbridge as mb
-from maxbridge import sharding
-from maxbridge.config import ConfigError
+from maxbridge.core import sharding
+from maxbridge.core.config import ConfigError
 
 HERE = Path(__file__).parent
 

@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 
 import maxbridge as mb
-from maxbridge import checkpointing, data, dispatch
-from maxbridge.train import TrainingDiverged, step_key
+from maxbridge.core import checkpointing
+from maxbridge.training import data
+from maxbridge.training.loop import TrainingDiverged, step_key
+from maxbridge.training import recipe
 from conftest import tiny_config
 
 LINEN = (False, False, False)
@@ -31,7 +33,7 @@ TRAINERS = {}
 def trainer_for(config):
   key = step_key(config)
   if key not in TRAINERS:
-    TRAINERS[key] = dispatch.create_trainer(config)
+    TRAINERS[key] = recipe.create_trainer(config)
   return TRAINERS[key]
 
 
@@ -89,7 +91,7 @@ def test_gradient_accumulation_equals_the_full_batch(flags):
   batch = data.make_dataset(tiny_config(), "train", 8).batch(0)
   results = []
   for micro in (1, 4):
-    trainer = dispatch.create_trainer(tiny_config(flags, gradient_accumulation_steps=micro))
+    trainer = recipe.create_trainer(tiny_config(flags, gradient_accumulation_steps=micro))
     state, metrics = trainer.train_step(trainer.init_state(0), batch)
     results.append((trainer.params(state), metrics))
   (full_params, full), (acc_params, acc) = results
@@ -99,13 +101,13 @@ def test_gradient_accumulation_equals_the_full_batch(flags):
 
 
 def test_gradient_accumulation_grads_match_within_1e6():
-  from maxbridge import state as state_lib
+  from maxbridge.training import trainer as state_lib
 
   config = tiny_config()
-  trainer = dispatch.create_trainer(config)
+  trainer = recipe.create_trainer(config)
   params = trainer.params(trainer.init_state(0))
   batch = {k: jnp.asarray(v) for k, v in data.make_dataset(config, "train", 8).batch(0).items()}
-  cross_entropy = dispatch.create_loss(config)
+  cross_entropy = recipe.create_loss(config)
   value_and_grad = jax.value_and_grad(
       lambda p, b: cross_entropy.terms(
           trainer.model.apply(p, b["inputs"], b["inputs_position"], b["inputs_segmentation"]), b, {}
@@ -134,7 +136,7 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     )
   steps = checkpointing.Checkpointer(tmp_path / "nan" / "checkpoints").all_steps()
   assert steps, "the good steps before the divergence were checkpointed"
-  trainer = dispatch.create_trainer(tiny_config())
+  trainer = recipe.create_trainer(tiny_config())
   restored = trainer.from_checkpoint(
       checkpointing.Checkpointer(tmp_path / "nan" / "checkpoints").restore(max(steps), trainer.checkpoint_target())
   )
@@ -171,7 +173,7 @@ def test_checkpoint_has_maxtext_layout(tmp_path):
 
 def test_nnx_aux_in_a_checkpoint_is_ignored(tmp_path):
   """MaxText's NNX path adds an `nnx_aux` subtree (RNG state); a loader may ignore it."""
-  trainer = dispatch.create_trainer(tiny_config(NNX))
+  trainer = recipe.create_trainer(tiny_config(NNX))
   state = trainer.init_state(0)
   tree = trainer.to_checkpoint(state)
   tree["nnx_aux"] = {"rngs": {"params": {"key": jnp.zeros((2,), jnp.uint32)}}}
@@ -184,10 +186,11 @@ def test_nnx_aux_in_a_checkpoint_is_ignored(tmp_path):
 
 KILL_MID_SAVE = textwrap.dedent("""
     import os, signal, sys
-    from maxbridge import checkpointing, dispatch
+    from maxbridge.core import checkpointing
+    from maxbridge.training import recipe
     import maxbridge as mb
     config = mb.load_config("llama-tiny", base_emb_dim=512, base_mlp_dim=2048, base_num_decoder_layers=4)
-    trainer = dispatch.create_trainer(config)
+    trainer = recipe.create_trainer(config)
     state = trainer.init_state(0)
     ckpt = checkpointing.Checkpointer(sys.argv[1])
     ckpt.save(1, trainer.to_checkpoint(state))
@@ -207,7 +210,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
   ckpt = checkpointing.Checkpointer(directory)
   assert ckpt.all_steps() == [1]
   config = mb.load_config("llama-tiny", base_emb_dim=512, base_mlp_dim=2048, base_num_decoder_layers=4)
-  trainer = dispatch.create_trainer(config)
+  trainer = recipe.create_trainer(config)
   restored = trainer.from_checkpoint(ckpt.restore(1, trainer.checkpoint_target()))
   chex.assert_trees_all_equal(trainer.params(restored), trainer.params(trainer.init_state(0)))
 
@@ -247,8 +250,8 @@ def test_moe_load_balancing_loss_is_part_of_the_training_loss(flags):
       load_balance_loss_weight=0.5,
   )
   batch = data.make_dataset(config, "train", 4).batch(0)
-  with_lb = dispatch.create_trainer(config)
-  without_lb = dispatch.create_trainer(config.replace(load_balance_loss_weight=0.0))
+  with_lb = recipe.create_trainer(config)
+  without_lb = recipe.create_trainer(config.replace(load_balance_loss_weight=0.0))
   _, metrics = with_lb.train_step(with_lb.init_state(0), batch)
   _, baseline = without_lb.train_step(without_lb.init_state(0), batch)
   assert float(metrics["moe_lb_loss"]) > 0 and float(baseline["moe_lb_loss"]) == 0

@@ -10,8 +10,10 @@ import pytest
 from flax import nnx
 
 import maxbridge as mb
-from maxbridge import data, dispatch
-from maxbridge.loss import CrossEntropy, Loss
+from maxbridge.training import data
+from maxbridge.models import dispatch
+from maxbridge.training.loss import CrossEntropy, Loss
+from maxbridge.training import recipe
 from conftest import tiny_config
 
 BACKENDS = {"linen": (False, False, False), "nnx": (True, True, True)}
@@ -45,7 +47,7 @@ class CompletionOnly(Loss):
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_a_loss_with_an_extra_batch_key_trains_and_matches_a_hand_computation(backend):
   config = tiny_config(BACKENDS[backend])
-  trainer = dispatch.create_trainer(config, loss=CompletionOnly())
+  trainer = recipe.create_trainer(config, loss=CompletionOnly())
   batch = first_batch(config)
   length = batch["inputs"].shape[1]
   batch["completion_mask"] = np.broadcast_to(np.arange(length) >= length // 2, batch["inputs"].shape).astype(np.int32)
@@ -74,7 +76,7 @@ def test_a_loss_with_an_extra_batch_key_trains_and_matches_a_hand_computation(ba
 
 def one_step(config, **hooks) -> dict:
   """params, metrics and optimizer state (as numpy) after one step from seed 0 on the first batch."""
-  trainer = dispatch.create_trainer(config, **hooks)
+  trainer = recipe.create_trainer(config, **hooks)
   state, metrics = trainer.train_step(trainer.init_state(0), first_batch(config))
   out = {"params": trainer.params(state), "metrics": metrics, "opt_state": trainer.to_checkpoint(state)["opt_state"]}
   return jax.tree.map(np.asarray, out)
@@ -129,7 +131,7 @@ def test_after_update_acts_on_canonical_parameters_the_same_on_both_backends(pla
 
 def test_train_refuses_a_trainer_built_for_another_config(tmp_path):
   config = tiny_config(base_output_directory=str(tmp_path), run_name="r", steps=2)
-  trainer = dispatch.create_trainer(config.replace(learning_rate=1.0))
+  trainer = recipe.create_trainer(config.replace(learning_rate=1.0))
   with pytest.raises(ValueError, match=r"differs in learning_rate \(trainer: 1.0, run: 0.00"):
     mb.train(config, trainer=trainer, progress=False)
   assert not (tmp_path / "r").exists(), "nothing is written for a refused trainer"
@@ -161,7 +163,7 @@ def test_an_nnx_model_holding_a_non_param_variable_still_runs(tokens):
 def test_a_fresh_and_a_resumed_state_run_one_compiled_train_step(backend, lora):
   """A fresh state's leaves have the types of a restored one, weak types included: a resumed run compiles nothing new."""
   flags = (True, True, True) if backend == "nnx" else (False, False, False)
-  trainer = dispatch.create_trainer(tiny_config(flags, **({"lora_rank": 4} if lora else {})))
+  trainer = recipe.create_trainer(tiny_config(flags, **({"lora_rank": 4} if lora else {})))
   fresh = trainer.init_state(0)
   tree = trainer.to_checkpoint(fresh)
   # As `mb.train` resumes: LoRA checkpoints hold the adapters only, put back into a state holding the base.

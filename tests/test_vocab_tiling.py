@@ -7,9 +7,11 @@ import pytest
 
 import maxbridge as mb
 from conftest import FLAG_COMBINATIONS, flag_id, tiny_config
-from maxbridge import canonical, data, dispatch, vocab_tiling
-from maxbridge.config import ConfigError
+from maxbridge.core import canonical
+from maxbridge.training import data, vocab_tiling
+from maxbridge.core.config import ConfigError
 from maxbridge.ops import losses
+from maxbridge.training import recipe
 
 B, T, D, V = 4, 8, 16, 64
 
@@ -64,7 +66,7 @@ def test_tiling_that_does_not_divide_the_rows_names_the_key_and_valid_values(pro
 
 def _grads(config, batch):
   """(loss sum, canonical gradients) of the configured training loss at the seed-0 initial state."""
-  trainer = dispatch.create_trainer(config)
+  trainer = recipe.create_trainer(config)
   state = trainer.init_state(0)
 
   @jax.jit
@@ -105,7 +107,7 @@ def test_model_loss_and_every_gradient_match_untiled_and_linen_matches_nnx(tied)
 @pytest.mark.parametrize("flags", FLAG_COMBINATIONS, ids=flag_id)
 def test_every_flag_combination_trains_tiled_with_the_untiled_numbers(flags, tiled_reference):
   config = tiny_config(flags, num_vocab_tiling=2, gradient_accumulation_steps=2)
-  trainer = dispatch.create_trainer(config)
+  trainer = recipe.create_trainer(config)
   state, metrics = trainer.train_step(trainer.init_state(0), tiled_reference["batch"])
   np.testing.assert_allclose(metrics["loss"], tiled_reference["loss"], rtol=1e-5)
   np.testing.assert_allclose(metrics["grad_norm"], tiled_reference["grad_norm"], rtol=1e-5)
@@ -116,7 +118,7 @@ def test_every_flag_combination_trains_tiled_with_the_untiled_numbers(flags, til
 def tiled_reference():
   """One untiled pure-Linen step with two micro-batches (gradient accumulation)."""
   config = tiny_config(gradient_accumulation_steps=2)
-  trainer = dispatch.create_trainer(config)
+  trainer = recipe.create_trainer(config)
   batch = _batch(config)
   state, metrics = trainer.train_step(trainer.init_state(0), batch)
   return {"batch": batch, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "params": trainer.params(state)}

@@ -7,7 +7,7 @@ may differ in length and offset (a query block against a cache of keys).
 import jax
 import jax.numpy as jnp
 
-from maxbridge import sharding
+from maxbridge.core import sharding
 
 # A large finite negative, not -inf: a fully masked row then gives a uniform
 # softmax instead of NaNs that would poison the gradients.

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 from flax.nnx.nn.dtypes import promote_dtype
 
-from maxbridge import sharding
+from maxbridge.core import sharding
 from maxbridge.ops.linear import DotGeneral
 
 

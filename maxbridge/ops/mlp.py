@@ -2,7 +2,7 @@
 
 import jax
 
-from maxbridge import sharding
+from maxbridge.core import sharding
 
 
 def silu_gate(gate: jax.Array, up: jax.Array) -> jax.Array:

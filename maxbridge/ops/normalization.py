@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 
-from maxbridge import sharding
+from maxbridge.core import sharding
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, *, epsilon: float, dtype: jnp.dtype) -> jax.Array:

@@ -10,7 +10,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from maxbridge import sharding
+from maxbridge.core import sharding
 
 
 def output_logits(x: jax.Array, *, norm: Callable[[jax.Array], jax.Array], project: Callable[[jax.Array], jax.Array]):

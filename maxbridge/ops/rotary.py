@@ -38,6 +38,18 @@ class Llama3Scaling:
     return 1.0 / scaled
 
 
+def scaling_from_config(config) -> Llama3Scaling | None:
+  """Llama 3.1's RoPE frequency scaling from a config's `rope_*` keys, or None for plain RoPE."""
+  if config.rope_type != "llama3.1" or not config.rope_use_scale:
+    return None
+  return Llama3Scaling(
+      config.rope_factor,
+      config.rope_low_freq_factor,
+      config.rope_high_freq_factor,
+      config.original_max_position_embeddings,
+  )
+
+
 def apply_rotary(
     x: jax.Array,
     positions: jax.Array,

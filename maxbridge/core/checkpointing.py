@@ -1,0 +1,506 @@
+"""Orbax checkpoints in MaxText's layout: `<dir>/<step>/items/` holding the on-disk tree.
+
+Both backends save and restore the same tree (see `maxbridge.state`). Orbax
+writes each step into a temporary folder and renames it when complete, so a
+save killed midway leaves no step that restores half-written.
+
+`Checkpointer` saves and restores whole train states; `CheckpointReader` and
+`load_params` read any checkpoint (ours, MaxText's Linen or NNX, params-only)
+one array at a time, for `maxbridge.hf` and the converters.
+
+A save that fails (a full disk, a file where the folder should be) raises
+`CheckpointSaveError` from `save` or `wait`, and `close` always returns:
+orbax makes a step's folders inside `save` itself here, so no background
+thread is ever left waiting for a folder that will never exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+from etils import epath
+
+from maxbridge.core import canonical, layouts
+from maxbridge.core.config import Config, load_config
+
+ITEM = "items"  # CheckpointManager's item name, as MaxText and maxbridge save
+CONFIG = "config.yml"
+# Subtrees a loader may ignore: MaxText's NNX path saves its RNG state here.
+IGNORED_SUBTREES = layouts.IGNORED
+
+
+class CheckpointError(ValueError):
+  """A checkpoint that cannot be read or does not fit the model; the message names the step folder."""
+
+
+class CheckpointSaveError(OSError):
+  """A save that failed (disk full, unwritable folder); the message names the step and the reason."""
+
+
+_ORBAX_TMP = ".orbax-checkpoint-tmp"
+
+
+def step_problem(step_dir: str | os.PathLike) -> str | None:
+  """Why the step folder `step_dir` cannot be restored, or None when it looks intact.
+
+  Reads only `items/_METADATA` (a small JSON file), so listing every step stays cheap.
+  """
+  meta = Path(step_dir) / ITEM / "_METADATA"
+  if not (Path(step_dir) / ITEM).is_dir():
+    return f"it has no {ITEM}/ folder (an empty or partly deleted step)"
+  if not meta.is_file():
+    return f"{ITEM}/_METADATA is missing"
+  try:
+    tree = json.loads(meta.read_bytes())
+  except (ValueError, OSError) as e:
+    return f"{ITEM}/_METADATA is not readable JSON ({type(e).__name__})"
+  if not isinstance(tree, dict) or not isinstance(tree.get("tree_metadata"), dict):
+    return f"{ITEM}/_METADATA holds no tree metadata"
+  return None
+
+
+def describe_last_good(directory: str | os.PathLike, steps: list[int]) -> str:
+  """ "step 3 in runs/x/checkpoints", for messages; or that none is there."""
+  return f"step {max(steps)} in {directory}" if steps else f"none in {directory}"
+
+
+def _paths(tree: Any) -> dict[str, Any]:
+  leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {layouts.keypath_str(path): leaf for path, leaf in leaves}
+
+
+def _foreign_layout(tree: Any):
+  """The layout of a checkpoint written in another layout (NNX, older MaxText NNX); None for ours.
+
+  `maxbridge.layouts` is the one place that maps layouts; an unknown tree
+  is left to the path checks below, which name what does not match.
+  """
+  try:
+    layout = layouts.detect(tree)
+  except layouts.LayoutError:
+    return None
+  return None if layout.is_normal or layout.kind == layouts.CANONICAL else layout
+
+
+def _params_first(item) -> tuple[bool, str]:
+  # Parameters before their optimizer-state echoes: the first line is the one to read.
+  path = item[0] if isinstance(item, tuple) else item
+  return (not path.startswith("params/"), path)
+
+
+def _layer_chunks(tree: Any) -> Any:
+  """Orbax SaveArgs storing each layer of a stacked array as its own chunk (`shard_axes`), or None.
+
+  Orbax would store a stack as one chunk (per shard): reading one layer would
+  decode them all. One chunk per layer lets `maxbridge convert` unstack it by
+  moving chunks, decoding nothing, and lets a reader decode one layer at a
+  time. The layer axis is the one axis on which every stack agrees (a
+  checkpoint does not carry its config); where that is unclear, orbax chooses.
+  """
+  flat = layouts.flatten_tree(tree)
+  try:
+    normal = layouts.normal_paths(flat, layouts.detect(flat))
+  except layouts.LayoutError:
+    return None
+  stacks = {s: flat[s].shape for s, n in normal.items() if canonical.is_stacked(n) and hasattr(flat[s], "shape")}
+  ranks = [len(shape) for shape in stacks.values()]
+  agree = [a for a in range(min(ranks, default=0)) if len({shape[a] for shape in stacks.values()}) == 1]
+  if len(agree) != 1:
+    return None
+  chunked = ocp.SaveArgs(shard_axes=(agree[0],))
+  return jax.tree_util.tree_map_with_path(
+      lambda key, _: chunked if layouts.keypath_str(key) in stacks else ocp.SaveArgs(), tree
+  )
+
+
+class Checkpointer:
+  """A CheckpointManager over `directory`, with checked restores."""
+
+  def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = None, create: bool = True):
+    """`create=False` reads a folder that may not exist yet; the first `save` makes it."""
+    self.directory = os.fspath(directory)
+    self._saving: int | None = None  # the step of the save in flight
+    self.manager = ocp.CheckpointManager(
+        os.path.abspath(self.directory),
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            create=create,
+            # Made in the caller's thread: a folder that cannot be made raises in save(),
+            # instead of leaving orbax's commit threads waiting for it for ever (a hang at exit).
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+        ),
+        # Named up front so metadata can be read before any save or restore.
+        item_handlers={ITEM: ocp.PyTreeCheckpointHandler()},
+    )
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return list(self.manager.all_steps())
+
+  def intact_steps(self) -> list[int]:
+    """The steps whose folders look restorable (see `step_problem`), oldest first."""
+    return [s for s in self.all_steps() if step_problem(self.step_dir(s)) is None]
+
+  def step_dir(self, step: int) -> Path:
+    return Path(self.directory) / str(step)
+
+  def latest_intact_step(self) -> int | None:
+    """The latest step, checked: a damaged latest step is an error naming the intact step before it.
+
+    Resuming silently from an older step would retrain steps and then collide
+    with the damaged folder on its next save; the user decides instead.
+    """
+    steps = self.all_steps()
+    if not steps:
+      return None
+    problem = step_problem(self.step_dir(steps[-1]))
+    if problem is None:
+      return steps[-1]
+    raise CheckpointError(f"{self.step_dir(steps[-1])} is damaged: {problem}; {self._fallback(steps[-1])}")
+
+  def _fallback(self, damaged: int) -> str:
+    earlier = [s for s in self.intact_steps() if s < damaged]
+    if not earlier:
+      return f"no earlier step in {self.directory} is intact"
+    return f"step {earlier[-1]} is intact: move {self.step_dir(damaged)} away (or delete it) to resume from step {earlier[-1]}"
+
+  def remove_temporaries(self) -> None:
+    """Removes the folders of saves that never finished (a killed or failed run), before saving again."""
+    if os.path.isdir(self.directory):
+      for entry in Path(self.directory).iterdir():
+        if _ORBAX_TMP in entry.name and entry.name.split(".")[0].isdigit():
+          shutil.rmtree(entry, ignore_errors=True)
+
+  def save(self, step: int, tree: dict) -> None:
+    """Starts an asynchronous save; arrays are copied off the live state before it returns.
+
+    Raises `CheckpointSaveError` for this step, or for the save before it if that one failed.
+    """
+    self.wait()
+    self._saving = step
+    try:
+      self.manager.save(step, args=ocp.args.Composite(items=ocp.args.PyTreeSave(tree, save_args=_layer_chunks(tree))))
+    except Exception as e:  # orbax and tensorstore report a failed write in several types
+      raise self._save_error(e) from e
+
+  def wait(self) -> None:
+    """Waits for the save in flight; raises `CheckpointSaveError` if it failed."""
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:
+      raise self._save_error(e) from e
+    self._saving = None
+
+  def close(self) -> CheckpointSaveError | None:
+    """Finishes the save in flight and releases orbax's threads. Never raises: returns the save's error."""
+    error = None
+    try:
+      self.wait()
+    except CheckpointSaveError as e:
+      error = e
+    try:
+      self.manager.close()
+    except Exception as e:
+      error = error or self._save_error(e)
+    if error is not None:
+      self.remove_temporaries()
+    return error
+
+  def _save_error(self, e: Exception) -> CheckpointSaveError:
+    step, self._saving = self._saving, None
+    reason = " ".join(str(e).split())
+    reason = reason if len(reason) <= 300 else reason[:300] + "..."
+    what = f"checkpoint step {step}" if step is not None else "a checkpoint"
+    return CheckpointSaveError(f"could not save {what} in {self.directory}: {type(e).__name__}: {reason}")
+
+  def restore(self, step: int, target: dict) -> dict:
+    """Restores `step` into the abstract `target` tree, after checking every path and shape."""
+    if step not in self.manager.all_steps():
+      raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; available: {self.all_steps()}")
+    problem = step_problem(self.step_dir(step))
+    if problem is None:
+      try:
+        stored_tree = self.manager.item_metadata(step)[ITEM].tree
+      except Exception as e:  # orbax raises many types for a damaged folder; all mean the same here
+        problem = f"its metadata cannot be read ({type(e).__name__}: {e})"
+    if problem is not None:
+      raise CheckpointError(f"{self.step_dir(step)} is damaged: {problem}; {self._fallback(step)}")
+    layout = _foreign_layout(stored_tree)
+    stored = _paths(layouts.normalize(stored_tree, layout) if layout else stored_tree)
+    wanted = _paths(target)
+    where = f"checkpoint {os.path.join(self.directory, str(step))}"
+    missing = sorted(set(wanted) - set(stored), key=_params_first)
+    unknown = sorted(
+        (p for p in set(stored) - set(wanted) if p.split("/")[0] not in IGNORED_SUBTREES),
+        key=_params_first,
+    )
+    if missing or unknown:
+      lines = [f"  missing: {p} {tuple(wanted[p].shape)}" for p in missing[:20]]
+      lines += [f"  unexpected: {p}" for p in unknown[:20]]
+      raise CheckpointError(f"{where} does not match the model:\n" + "\n".join(lines))
+    misshaped = [
+        f"  {path} has shape {tuple(stored[path].shape)}, the model expects {tuple(want.shape)}"
+        for path, want in sorted(wanted.items(), key=_params_first)
+        if tuple(stored[path].shape) != tuple(want.shape)
+    ]
+    if misshaped:
+      more = f"\n  ... and {len(misshaped) - 20} more" if len(misshaped) > 20 else ""
+      raise CheckpointError(f"{where} does not match the model:\n" + "\n".join(misshaped[:20]) + more)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None) or device),
+        target,
+    )
+    # A checkpoint in another layout is read in its own structure, then renamed.
+    on_disk = layouts.stored_like(stored_tree, layout, target) if layout else target
+    try:
+      restored = self.manager.restore(
+          step,
+          args=ocp.args.Composite(
+              items=ocp.args.PyTreeRestore(
+                  on_disk,
+                  restore_args=ocp.checkpoint_utils.construct_restore_args(on_disk),
+                  # Only the ignored subtrees can be left behind: checked above.
+                  partial_restore=True,
+              )
+          ),
+      )
+    except Exception as e:  # tensorstore reports missing or damaged data files in several types
+      reason = " ".join(str(e).split())[:300]
+      raise CheckpointError(
+          f"{self.step_dir(step)} is damaged: its data cannot be read ({type(e).__name__}: {reason}); "
+          f"{self._fallback(step)}"
+      ) from e
+    return layouts.normalize(restored["items"], layout) if layout else restored["items"]
+
+
+# --- any checkpoint, read array by array -------------------------------------------
+
+
+def resolve(path: str | os.PathLike) -> tuple[Path, int | None]:
+  """(items directory, step) of a run, checkpoints, step or items directory; the latest step."""
+  given = Path(path)
+  if not given.exists():
+    raise CheckpointError(f"{given}: no such file or directory")
+  if (given / "_METADATA").is_file():
+    return given, _step_of(given.parent)
+  if (given / ITEM).is_dir():
+    return given / ITEM, _step_of(given)
+  checkpoints = given / "checkpoints" if (given / "checkpoints").is_dir() else given
+  found = sorted(int(d.name) for d in checkpoints.iterdir() if d.name.isdigit()) if checkpoints.is_dir() else []
+  problems = {step: step_problem(checkpoints / str(step)) for step in found}
+  steps = [step for step in found if problems[step] is None]
+  damaged = [step for step in found if problems[step] is not None and (not steps or step > steps[-1])]
+  if not steps:
+    why = "".join(f"; {checkpoints / str(s)} is damaged: {problems[s]}" for s in damaged[-3:])
+    raise CheckpointError(
+        f"{given} is not a checkpoint: expected a run directory (holding checkpoints/<step>/items), "
+        f"a checkpoints directory (holding <step>/items), a step directory (holding items/) or an "
+        f"items directory (holding _METADATA){why}"
+    )
+  for step in damaged:
+    print(
+        f"maxbridge: skipped {checkpoints / str(step)} (damaged: {problems[step]}); reading step {steps[-1]}",
+        file=sys.stderr,
+    )
+  return checkpoints / str(steps[-1]) / ITEM, steps[-1]
+
+
+def intact_before(items: Path) -> str:
+  """For an error about the step holding `items`: the latest intact step before it, if any."""
+  step_dir = items.absolute().parent
+  if not step_dir.name.isdigit():
+    return ""
+  earlier = sorted(
+      (int(d.name) for d in step_dir.parent.iterdir() if d.name.isdigit() and int(d.name) < int(step_dir.name)),
+      reverse=True,
+  )
+  intact = next((s for s in earlier if step_problem(step_dir.parent / str(s)) is None), None)
+  return (
+      f"; step {intact} is intact ({step_dir.parent / str(intact)})"
+      if intact is not None
+      else "; no earlier step is intact"
+  )
+
+
+def _step_of(step_dir: Path) -> int | None:
+  return int(step_dir.name) if step_dir.name.isdigit() else None
+
+
+def find_config(items: Path) -> Path | None:
+  """The config.yml of the run a checkpoint belongs to: next to its steps, or in the run directory."""
+  checkpoints = items.parent.parent
+  for candidate in (checkpoints / CONFIG, checkpoints.parent / CONFIG):
+    if candidate.is_file():
+      return candidate
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+  """An array's shape and dtype, as a checkpoint's metadata gives them: all a conversion plan needs."""
+
+  shape: tuple[int, ...]
+  dtype: np.dtype
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+# No chunk cache: each array is read once, and a cache would hold it a second time.
+TENSORSTORE = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+
+
+class CheckpointReader:
+  """One checkpoint in any layout, read through normal paths (see `maxbridge.layouts`), one array at a time.
+
+  Memory holds one array, not the checkpoint. Orbax's default store (one OCDBT
+  database of zarr arrays, as MaxText saves too) is read with tensorstore
+  directly, array by array or slice by slice (`open`): orbax restores whole
+  trees, and restoring one leaf of a large tree through it re-plans the whole
+  tree for every array. Other checkpoints are read through orbax's restore,
+  one leaf at a time (PLACEHOLDER for the rest).
+  """
+
+  def __init__(self, path: str | os.PathLike):
+    self.items, self.step = resolve(path)
+    self._handler = ocp.PyTreeCheckpointHandler()
+    try:
+      self.tree = self._handler.metadata(epath.Path(self.items.absolute())).tree
+    except Exception as e:  # orbax raises many types for a bad folder; all mean the same here
+      reason = " ".join(str(e).split())[:300]
+      raise CheckpointError(
+          f"cannot read the checkpoint metadata in {self.items} (damaged?): {type(e).__name__}: {reason}"
+          f"{intact_before(self.items)}"
+      ) from e
+    self.stored = layouts.flatten_tree(self.tree)
+    try:
+      self.layout = layouts.detect(self.stored)
+      self._normal = layouts.normal_paths(self.stored, self.layout)
+    except layouts.LayoutError as e:
+      raise CheckpointError(f"{self.items}: {e}") from e
+    self._stored_path = {normal: stored for stored, normal in self._normal.items()}
+    for stored in self._normal:
+      if not hasattr(self.stored[stored], "shape"):
+        raise CheckpointError(
+            f"{stored} in {self.items} is a {type(self.stored[stored]).__name__}, not an array; "
+            "checkpoints of arrays only are supported"
+        )
+    self.leaves = {
+        normal: Leaf(tuple(self.stored[s].shape), layouts.layout_dtype(normal, self.stored[s].dtype, layouts.LINEN))
+        for s, normal in self._normal.items()
+    }
+    self.reads = 0
+    # The items folder's own flags; orbax's metadata API does not report them.
+    flags = json.loads((self.items / "_METADATA").read_bytes())
+    self.zarr_driver = ("zarr3" if flags.get("use_zarr3") else "zarr") if flags.get("use_ocdbt") else None
+
+  def stored_leaf(self, normal: str) -> Leaf:
+    """Shape and dtype as stored (`leaves` gives the step as int32 whatever the layout stores)."""
+    stored = self.stored[self._stored_path[normal]]
+    return Leaf(tuple(stored.shape), np.dtype(stored.dtype))
+
+  def name(self, normal: str) -> str:
+    """The array's name in the checkpoint's store: orbax joins the tree keys with dots."""
+    return self._stored_path[normal].replace("/", ".")
+
+  def open(self, normal: str) -> ts.TensorStore | None:
+    """The stored array as a tensorstore (index it to read a slice); None when orbax's store is not OCDBT."""
+    if self.zarr_driver is None:
+      return None
+    kvstore = {"driver": "ocdbt", "base": f"file://{self.items.absolute()}/", "path": self.name(normal) + "/"}
+    try:
+      return ts.open({"driver": self.zarr_driver, "kvstore": kvstore}, open=True, context=TENSORSTORE).result()
+    except Exception as e:  # tensorstore reports damaged data in several types
+      raise self.damaged(self._stored_path[normal], e) from e
+
+  def damaged(self, stored: str, e: Exception) -> CheckpointError:
+    """The error for data of `stored` (a stored path) that cannot be read."""
+    reason = " ".join(str(e).split())[:300]
+    return CheckpointError(
+        f"cannot read {stored} from {self.items} (its data is damaged or incomplete): {type(e).__name__}: "
+        f"{reason}{intact_before(self.items)}"
+    )
+
+  def read(self, normal: str) -> np.ndarray:
+    """The array at a normal path, as a numpy array (the step as int32)."""
+    stored = self._stored_path[normal]
+    array = self._read_tensorstore(normal) if self.zarr_driver else self._restore(stored)
+    want = self.leaves[normal]
+    if array.shape != want.shape:
+      raise CheckpointError(f"{stored} in {self.items} holds shape {array.shape}, but its metadata says {want.shape}")
+    self.reads += 1
+    return array.astype(want.dtype, copy=False)
+
+  def _read_tensorstore(self, normal: str) -> np.ndarray:
+    array = self.open(normal)
+    try:
+      return np.asarray(array.read().result())
+    except Exception as e:
+      raise self.damaged(self._stored_path[normal], e) from e
+
+  def _restore(self, stored: str) -> np.ndarray:
+    item = jax.tree_util.tree_map_with_path(
+        lambda key, _: 0 if layouts.keypath_str(key) == stored else ocp.PLACEHOLDER, self.tree
+    )
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+    try:
+      restored = self._handler.restore(
+          epath.Path(self.items.absolute()),
+          args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args),
+      )
+      return np.asarray(layouts.flatten_tree(restored)[stored])
+    except Exception as e:  # tensorstore reports damaged data in several types
+      raise self.damaged(stored, e) from e
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+  """Where `load_params` read from, and what it found there."""
+
+  items: Path
+  step: int | None
+  layout: layouts.Layout
+  config: Config | None  # the run's config.yml, when the checkpoint has one
+
+
+_PARAMS = "params/params/"  # where a train state's parameters lie, as normal paths
+
+
+def stored_params(path: str | os.PathLike) -> dict:
+  """The canonical parameter tree of a checkpoint (see `load_params`) as `jax.ShapeDtypeStruct`s, from its
+  metadata alone: enough to check a model against it before reading any array."""
+  reader = CheckpointReader(path)
+  flat = {p[len(_PARAMS) :]: reader.stored_leaf(p) for p in reader.leaves if p.startswith(_PARAMS)}
+  return canonical.unflatten({p: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for p, leaf in flat.items()})
+
+
+def load_params(path: str | os.PathLike, *, dtype: Any = None) -> tuple[dict, CheckpointInfo]:
+  """The canonical parameter tree of any checkpoint this package reads, as numpy arrays.
+
+  `path`: a run, checkpoints, step or items directory (the latest step is
+  taken) in any layout: ours, MaxText's Linen or NNX checkpoints, params-only
+  decode checkpoints. The tree is as stored, scanned or not; give it to
+  `Model.load_params` (which stacks or unstacks it to fit the model). Reads
+  parameters only, one array at a time.
+  """
+  reader = CheckpointReader(path)
+  tree = canonical.unflatten({p[len(_PARAMS) :]: reader.read(p) for p in reader.leaves if p.startswith(_PARAMS)})
+  if dtype is not None:
+    tree = layouts.cast_floating(tree, dtype)
+  config_file = find_config(reader.items)
+  config = load_config(str(config_file)) if config_file else None
+  return tree, CheckpointInfo(reader.items, reader.step, reader.layout, config)

@@ -1,0 +1,395 @@
+"""Configuration: base.yml defaults, a preset or YAML file, then overrides.
+
+Here: reading the sources, coercing each value to its key's type, and Config.
+The rules a value must pass, and MaxText's keys, are in maxbridge/config_rules.py.
+Pure Python on purpose (no jax import), so the CLI can reject a bad key
+before paying for JAX start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from maxbridge.core import config_rules, files
+from maxbridge.core.config_rules import ConfigError
+
+CONFIG_DIR = Path(__file__).parent.parent / "configs"  # maxbridge/configs: data, beside the code that reads it
+BASE_CONFIG = CONFIG_DIR / "base.yml"
+PRESET_DIR = CONFIG_DIR / "models"
+MESH_AXES = ("data", "fsdp", "tensor", "expert")  # maxbridge.sharding builds the mesh with these names
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Config:
+  """A validated, immutable run configuration. Defaults live in configs/base.yml."""
+
+  # model
+  model_name: str
+  decoder_block: str
+  base_emb_dim: int
+  base_num_query_heads: int
+  base_num_kv_heads: int
+  head_dim: int
+  base_mlp_dim: int
+  base_num_decoder_layers: int
+  vocab_size: int
+  max_target_length: int
+  dtype: str
+  weight_dtype: str
+  normalization_layer_epsilon: float
+  rope_max_timescale: int
+  rope_type: str
+  rope_use_scale: bool
+  rope_factor: float
+  rope_low_freq_factor: float
+  rope_high_freq_factor: float
+  original_max_position_embeddings: int
+  scan_layers: bool
+  param_scan_axis: int
+  remat_policy: str
+  logits_via_embedding: bool
+  pure_nnx: bool
+  enable_nnx: bool
+  pure_nnx_decoder: bool
+  seed: int
+  override_model_config: bool
+  # model families (MaxText names; see configs/base.yml)
+  sliding_window_size: int
+  use_qk_norm: bool
+  trainable_position_size: int
+  num_experts: int
+  num_experts_per_tok: int
+  moe_mlp_dim: int
+  sparse_matmul: bool
+  load_balance_loss_weight: float
+  shared_experts: int
+  routed_score_func: str
+  routed_bias: bool
+  routed_scaling_factor: float
+  n_routing_groups: int
+  topk_routing_group: int
+  first_num_dense_layers: int
+  q_lora_rank: int
+  kv_lora_rank: int
+  qk_nope_head_dim: int
+  qk_rope_head_dim: int
+  v_head_dim: int
+  # training
+  run_name: str
+  base_output_directory: str
+  steps: int
+  per_device_batch_size: int
+  learning_rate: float
+  learning_rate_schedule_steps: int
+  warmup_steps_fraction: float
+  cosine_learning_rate_final_fraction: float
+  adam_b1: float
+  adam_b2: float
+  adam_eps: float
+  adam_weight_decay: float
+  gradient_clipping_threshold: float
+  gradient_accumulation_steps: int
+  z_loss_multiplier: float
+  num_vocab_tiling: int
+  use_qk_clip: bool
+  qk_clip_threshold: float
+  dataset_type: str
+  dataset_path: str
+  sft_train_on_completion_only: bool
+  tokenizer_path: str
+  use_dpo: bool
+  dpo_beta: float
+  dpo_label_smoothing: float
+  use_grpo: bool
+  num_generations: int
+  grpo_beta: float
+  grpo_epsilon: float
+  reward_function: str
+  eval_interval: int
+  eval_steps: int
+  enable_checkpointing: bool
+  checkpoint_period: int
+  max_to_keep: int
+  log_period: int
+  load_parameters_path: str
+  load_full_state_path: str
+  # LoRA fine-tuning (see maxbridge/lora.py)
+  lora_rank: int
+  lora_alpha: float
+  lora_module_path: str
+  lora_dropout: float
+  lora_weight_qtype: str
+  # inference (maxbridge.engine)
+  max_prefill_predict_length: int
+  decode_sampling_strategy: str
+  decode_sampling_temperature: float
+  decode_sampling_top_k: int
+  decode_sampling_nucleus_p: float
+  stack_prefill_result_cache: bool
+  # quantization (see maxbridge/quantization.py)
+  quantization: str
+  use_qwix_quantization: bool
+  checkpoint_is_quantized: bool
+  quantization_local_shard_count: int
+  # sharding
+  ici_data_parallelism: int
+  ici_fsdp_parallelism: int
+  ici_tensor_parallelism: int
+  ici_expert_parallelism: int
+  logical_axis_rules: tuple
+  # multi-process
+  num_processes: int
+  process_id: int
+  coordinator_address: str
+
+  def __post_init__(self) -> None:
+    # Coercing here rather than in load_config means Config(...),
+    # replace() and load_config() can never disagree about what is valid.
+    for name, kind in _FIELD_TYPES.items():
+      value = getattr(self, name)
+      coerced = _coerce(name, value, kind)
+      if coerced is not value:
+        object.__setattr__(self, name, coerced)
+    config_rules.validate(self)
+
+  # MaxText reads model sizes through these (it scales base_* by a global
+  # factor); we keep the names so ported code reads the same, without the scale.
+  @property
+  def emb_dim(self) -> int:
+    return self.base_emb_dim
+
+  @property
+  def num_query_heads(self) -> int:
+    return self.base_num_query_heads
+
+  @property
+  def num_kv_heads(self) -> int:
+    return self.base_num_kv_heads
+
+  @property
+  def mlp_dim(self) -> int:
+    return self.base_mlp_dim
+
+  @property
+  def num_decoder_layers(self) -> int:
+    return self.base_num_decoder_layers
+
+  @property
+  def normalization(self) -> str:
+    """The layers' and final norm: "layer_norm" (GPT-2/3, with a bias) or "rms_norm" (every other family)."""
+    return "layer_norm" if self.decoder_block == "gpt3" else "rms_norm"
+
+  @property
+  def schedule_steps(self) -> int:
+    """The steps the learning-rate schedule spans: learning_rate_schedule_steps, or steps when -1."""
+    return self.steps if self.learning_rate_schedule_steps == -1 else self.learning_rate_schedule_steps
+
+  def replace(self, **changes: Any) -> Config:
+    """A new Config with `changes` applied and validated."""
+    config_rules.check_known(changes, _FIELD_TYPES, source="replace()")
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict[str, Any]:
+    return {name: getattr(self, name) for name in _FIELD_TYPES}
+
+  def to_yaml(self, path: str | os.PathLike[str]) -> None:
+    """Write every key to `path`; a reader never sees a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    files.write_text(path, yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+_FIELD_TYPES: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
+
+_BOOL_WORDS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
+def _coerce(key: str, value: Any, kind: type) -> Any:
+  """`value` as `kind`, accepting the strings a command line or YAML file gives."""
+  if kind is bool:
+    if isinstance(value, bool):
+      return value
+    if isinstance(value, int) and value in (0, 1):
+      return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _BOOL_WORDS:
+      return _BOOL_WORDS[value.strip().lower()]
+  elif kind is int:
+    # bool is an int subclass; `steps=True` is a mistake, not 1.
+    if isinstance(value, int) and not isinstance(value, bool):
+      return value
+    if isinstance(value, str):
+      try:
+        return int(value.strip())
+      except ValueError:
+        pass
+  elif kind is float:
+    if isinstance(value, float):
+      return value
+    if isinstance(value, int) and not isinstance(value, bool):
+      return float(value)
+    # PyYAML reads `1e-5` (no dot) as a string, so files need this too.
+    if isinstance(value, str):
+      try:
+        return float(value.strip())
+      except ValueError:
+        pass
+  elif kind is tuple:
+    return _axis_rules(key, value)
+  elif kind is str:
+    if isinstance(value, str):
+      return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      return str(value)
+  expected = "bool (true/false/yes/no/1/0)" if kind is bool else kind.__name__
+  raise ConfigError(f"config key {key!r} expects {expected}, got {value!r}")
+
+
+def _axis_rules(key: str, value: Any) -> tuple[tuple[str, Any], ...]:
+  """[[logical, mesh axes], ...] -> a hashable tuple; [] or null means replicated."""
+  if isinstance(value, str):
+    try:
+      value = yaml.safe_load(value)
+    except yaml.YAMLError as e:
+      raise ConfigError(f"config key {key!r} is not valid YAML: {e}") from e
+  if not isinstance(value, (list, tuple)):
+    raise ConfigError(f"config key {key!r} expects a list of [logical_name, mesh_axes], got {value!r}")
+  rules = []
+  for entry in value:
+    if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], str)):
+      raise ConfigError(f"config key {key!r}: entry {entry!r} is not [logical_name, mesh_axes]")
+    name, axes = entry
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    unknown = [a for a in axes if a not in MESH_AXES]
+    if unknown:
+      raise ConfigError(f"config key {key!r}: {name!r} maps to unknown mesh axes {unknown}; valid: {list(MESH_AXES)}")
+    rules.append((name, axes or None))
+  return tuple(rules)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+  """safe_load, except that a key given twice is an error: YAML would silently keep the last."""
+
+  def construct_mapping(self, node, deep=False):
+    seen = {}
+    for key_node, _ in node.value:
+      key = self.construct_object(key_node, deep=deep)
+      if key in seen:
+        raise yaml.constructor.ConstructorError(
+            None,
+            None,
+            f"key {key!r} appears twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1})",
+            key_node.start_mark,
+        )
+      seen[key] = key_node.start_mark.line
+    return super().construct_mapping(node, deep=deep)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+  try:
+    text = path.read_bytes().decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}); YAML configs must be UTF-8") from e
+  except OSError as e:
+    raise ConfigError(f"{path} cannot be read: {e.strerror or e}") from e
+  try:
+    data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: builds plain data only
+  except yaml.MarkedYAMLError as e:
+    where = f"{path}:{e.problem_mark.line + 1}" if e.problem_mark else str(path)
+    raise ConfigError(f"{where}: not valid YAML: {e.problem}") from e
+  except yaml.YAMLError as e:
+    raise ConfigError(f"{path} is not valid YAML: {' '.join(str(e).split())}") from e
+  if data is None:
+    return {}
+  if not isinstance(data, dict):
+    raise ConfigError(f"{path} must hold a mapping of config keys, got {type(data).__name__}")
+  return data
+
+
+def _parse_override(text: str) -> tuple[str, str]:
+  # The value stays a string: _coerce converts it by the key's declared type,
+  # so `remat_policy=none` stays the string 'none' and `run_name=123` a name.
+  key, sep, value = text.partition("=")
+  if not sep or not key.strip():
+    raise ConfigError(f"override {text!r} is not of the form key=value")
+  return key.strip(), value.strip()
+
+
+def available_presets() -> list[str]:
+  """Names accepted by load_config, one per file in configs/models/."""
+  return sorted(p.stem for p in PRESET_DIR.glob("*.yml"))
+
+
+def _resolve(preset_or_path: str) -> Path:
+  path = Path(preset_or_path)
+  if path.suffix in (".yml", ".yaml") or path.is_file():
+    if not path.is_file():
+      raise ConfigError(f"config file {str(path)!r} does not exist")
+    return path
+  preset = PRESET_DIR / f"{preset_or_path}.yml"
+  if not preset.is_file():
+    raise ConfigError(f"unknown preset {preset_or_path!r}; available presets: {', '.join(available_presets())}")
+  return preset
+
+
+def load_config(preset_or_path: str | None = None, *overrides: str, **kwargs: Any) -> Config:
+  """Build a Config from base.yml, a preset name or YAML path, then overrides.
+
+  Later sources win: base.yml < preset/file < "key=value" strings < kwargs.
+  As in MaxText, `model_name=<preset>` may name the preset instead.
+
+      load_config("llama-tiny", "steps=20", pure_nnx=True)
+      load_config(model_name="llama-tiny", steps=20)
+  """
+  named = [value for key, value in map(_parse_override, overrides) if key == "model_name"]
+  named += [kwargs["model_name"]] if "model_name" in kwargs else []
+  if preset_or_path is None:
+    if not named:
+      raise ConfigError(
+          f"no model given: pass a preset or YAML path, or model_name=<preset>; presets: {', '.join(available_presets())}"
+      )
+    preset_or_path = str(named[-1])
+  # MaxText's spelling (the CLI turns model_name= into the preset, so compare).
+  by_model_name = bool(named) and preset_or_path == str(named[-1])
+  values = _read_yaml(BASE_CONFIG)
+  if set(values) != set(_FIELD_TYPES):
+    # Guards the promise that base.yml documents every key.
+    drift = sorted(set(values) ^ set(_FIELD_TYPES))
+    raise ConfigError(f"{BASE_CONFIG} and Config disagree on keys: {drift}")
+
+  path = _resolve(preset_or_path)
+  model = config_rules.known_only(_read_yaml(path), _FIELD_TYPES, source=str(path))
+  values.update(model)
+  values.update(config_rules.known_only(dict(map(_parse_override, overrides)), _FIELD_TYPES, source="overrides"))
+  values.update(config_rules.known_only(kwargs, _FIELD_TYPES, source="keyword arguments"))
+  if by_model_name and not _coerce("override_model_config", values["override_model_config"], bool):
+    _refuse_model_overrides(values["model_name"], model, values)
+  return Config(**values)
+
+
+# Set by our preset files but not by MaxText's model files: a run's length, not the model's.
+_RUN_KEYS_IN_PRESETS = frozenset({"model_name", "max_target_length"})
+
+
+def _refuse_model_overrides(model_name: str, model: Mapping[str, Any], values: Mapping[str, Any]) -> None:
+  """MaxText's rule where MaxText's spelling (model_name=) names the preset: its model keys are fixed.
+
+  A positional preset, maxbridge's own spelling, takes overrides freely.
+  """
+  changed = [
+      f"{key}={model[key]!r} (given {values[key]!r})"
+      for key in model
+      if key not in _RUN_KEYS_IN_PRESETS
+      and _coerce(key, values[key], _FIELD_TYPES[key]) != _coerce(key, model[key], _FIELD_TYPES[key])
+  ]
+  if changed:
+    raise ConfigError(
+        f"model_name={model_name!r} sets {', '.join(changed)}; as in MaxText, overriding a model's own keys "
+        "needs override_model_config=true (or name the preset positionally, which takes overrides freely)"
+    )

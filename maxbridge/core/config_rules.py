@@ -1,0 +1,469 @@
+"""What a Config must satisfy, and which MaxText keys a config file may carry.
+
+maxbridge.config reads and coerces the values; the rules live here, apart, so
+each reads as a table or a plain function of one Config. Pure Python (no jax),
+like maxbridge.config, so the CLI rejects a bad key before JAX starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+import warnings
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+import yaml
+
+# `maxbridge.core.config.Config`, which runs these rules on every instance: so this module cannot import it.
+Config = Any
+
+
+class ConfigError(ValueError):
+  """A configuration key or value that cannot be used; the message says which and why."""
+
+
+# Decoder families, by MaxText's names: llama2 (also Mistral and Qwen3 through
+# sliding_window_size / use_qk_norm), gpt3 (GPT-2/3), mixtral (MoE), deepseek (MLA + MoE).
+DECODER_BLOCKS = ("llama2", "mistral", "qwen3", "gpt3", "mixtral", "deepseek")
+# MaxText's `quantization` values ("" = float). Each library accepts a subset.
+QUANTIZATIONS = ("", "int8", "int4", "fp8", "nf4")
+QUANTIZATIONS_BY_LIBRARY = {"aqt": ("", "int8"), "qwix": ("", "int8", "int4", "fp8")}
+# GRPO's built-in verifiable rewards for the built-in arithmetic prompts (maxbridge/posttrain/grpo.py).
+GRPO_REWARDS = ("arithmetic", "exact_match", "format")
+
+
+def _positive(value: float) -> bool:
+  return value > 0
+
+
+# Each rule: key, test the value must pass, and what a valid value is.
+_RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    *(
+        (key, _positive, "a positive integer")
+        for key in (
+            "base_emb_dim",
+            "base_num_query_heads",
+            "base_num_kv_heads",
+            "head_dim",
+            "base_mlp_dim",
+            "base_num_decoder_layers",
+            "vocab_size",
+            "max_target_length",
+            "rope_max_timescale",
+            "original_max_position_embeddings",
+            "steps",
+            "per_device_batch_size",
+            "eval_steps",
+            "checkpoint_period",
+            "max_to_keep",
+            "log_period",
+            "gradient_accumulation_steps",
+        )
+    ),
+    *(
+        (key, lambda v: v == -1 or v > 0, "a positive integer, or -1 for the remaining devices")
+        for key in ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism", "ici_expert_parallelism")
+    ),
+    ("num_processes", _positive, "a positive integer"),
+    ("process_id", lambda v: v >= 0, ">= 0"),
+    (
+        "learning_rate_schedule_steps",
+        lambda v: v == -1 or v > 0,
+        "a positive integer (the steps the schedule spans), or -1 for steps",
+    ),
+    *(
+        (key, _positive, "a positive integer")
+        for key in (
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_mlp_dim",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+        )
+    ),
+    *(
+        (key, lambda v: v >= 0, ">= 0 (0 disables it)")
+        for key in ("sliding_window_size", "trainable_position_size", "q_lora_rank", "shared_experts")
+    ),
+    *(
+        (key, lambda v: v == -1 or v > 0, "a positive integer, or -1 for no group-limited routing")
+        for key in ("n_routing_groups", "topk_routing_group")
+    ),
+    ("first_num_dense_layers", lambda v: v >= 0, ">= 0"),
+    ("load_balance_loss_weight", lambda v: v >= 0, ">= 0 (0 disables the loss)"),
+    ("routed_scaling_factor", _positive, "> 0"),
+    ("rope_factor", lambda v: v >= 1, ">= 1 (how many times slower the longest wavelengths turn)"),
+    ("rope_low_freq_factor", _positive, "> 0"),
+    ("normalization_layer_epsilon", _positive, "> 0"),
+    ("adam_eps", _positive, "> 0"),
+    ("learning_rate", lambda v: v >= 0, ">= 0"),
+    ("adam_weight_decay", lambda v: v >= 0, ">= 0"),
+    ("gradient_clipping_threshold", lambda v: v >= 0, ">= 0 (0 disables clipping)"),
+    ("z_loss_multiplier", lambda v: v >= 0, ">= 0"),
+    ("num_vocab_tiling", _positive, "a positive integer (1 disables tiling)"),
+    ("dpo_beta", _positive, "> 0"),
+    ("dpo_label_smoothing", lambda v: 0 <= v <= 0.5, "in [0, 0.5] (0 is plain DPO)"),
+    ("num_generations", lambda v: v >= 2, ">= 2 (GRPO's advantages compare the completions of one prompt)"),
+    ("grpo_beta", lambda v: v >= 0, ">= 0 (0 drops the KL penalty)"),
+    ("grpo_epsilon", lambda v: 0 < v < 1, "in (0, 1) (the policy ratio is clipped to [1 - epsilon, 1 + epsilon])"),
+    ("qk_clip_threshold", lambda v: 0 < v < float("inf"), "a finite number > 0"),
+    (
+        "quantization_local_shard_count",
+        lambda v: v >= -1,
+        "-1 (one shard per slice), 0 (float weight gradients) or a positive shard count",
+    ),
+    ("eval_interval", lambda v: v >= 0, ">= 0 (0 disables evaluation)"),
+    ("lora_rank", lambda v: v >= 0, ">= 0 (0 disables LoRA)"),
+    ("lora_alpha", _positive, "> 0 (adapters are scaled by lora_alpha / lora_rank)"),
+    ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1) (the probability of dropping an adapter input feature)"),
+    ("warmup_steps_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("cosine_learning_rate_final_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("adam_b1", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("adam_b2", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("max_prefill_predict_length", _positive, "a positive integer"),
+    ("decode_sampling_temperature", lambda v: 0 <= v < float("inf"), ">= 0 (0 is greedy)"),
+    ("decode_sampling_top_k", lambda v: v >= 0, ">= 0"),
+    ("decode_sampling_nucleus_p", lambda v: v == -1 or 0 < v <= 1, "in (0, 1], or -1 when unused"),
+)
+
+_CHOICES: dict[str, tuple[Any, ...]] = {
+    "decoder_block": DECODER_BLOCKS,
+    "routed_score_func": ("", "sigmoid"),
+    "rope_type": ("default", "llama3.1"),
+    "dtype": ("float32", "bfloat16"),
+    "weight_dtype": ("float32", "bfloat16"),
+    "remat_policy": ("none", "full", "minimal"),
+    "param_scan_axis": (0, 1),
+    "dataset_type": ("embedded", "synthetic", "text", "sft"),
+    "decode_sampling_strategy": ("greedy", "weighted", "topk", "nucleus"),
+    "quantization": QUANTIZATIONS,
+    "lora_weight_qtype": ("", "int8", "nf4"),
+}
+
+
+def validate(cfg: Config) -> None:
+  """Raise ConfigError naming the first rule `cfg` breaks; Config runs this on every instance."""
+  for field in dataclasses.fields(cfg):
+    value = getattr(cfg, field.name)
+    # Config coerces before it validates, so exactly its float keys hold floats here.
+    if isinstance(value, float) and not math.isfinite(value):
+      raise ConfigError(f"config key {field.name!r} = {value!r} is invalid; it must be a finite number")
+  for key, ok, valid in _RULES:
+    value = getattr(cfg, key)
+    if not ok(value):  # written as "not ok" so NaN fails too
+      raise ConfigError(f"config key {key!r} = {value!r} is invalid; it must be {valid}")
+  for key, choices in _CHOICES.items():
+    value = getattr(cfg, key)
+    if value not in choices:
+      listed = ", ".join(repr(c) for c in choices)
+      raise ConfigError(f"config key {key!r} = {value!r} is invalid; valid values: {listed}")
+  if cfg.base_num_query_heads % cfg.base_num_kv_heads:
+    raise ConfigError(
+        f"base_num_query_heads={cfg.base_num_query_heads} must be a multiple of "
+        f"base_num_kv_heads={cfg.base_num_kv_heads}: each kv head serves an equal group of query heads"
+    )
+  if cfg.max_target_length < 2:
+    # One token has no next token to predict: every loss would be over zero targets.
+    raise ConfigError(
+        f"max_target_length={cfg.max_target_length} is too short to train on; it must be >= 2 "
+        "(each token predicts the next)"
+    )
+  if cfg.trainable_position_size and cfg.max_target_length > cfg.trainable_position_size:
+    raise ConfigError(
+        f"max_target_length={cfg.max_target_length} exceeds trainable_position_size="
+        f"{cfg.trainable_position_size}: the learned position table has no row for positions past "
+        f"{cfg.trainable_position_size - 1}; lower max_target_length or raise trainable_position_size"
+    )
+  if cfg.load_parameters_path and cfg.load_full_state_path:
+    raise ConfigError(
+        "load_parameters_path and load_full_state_path are both set: a new run starts from one checkpoint; "
+        "set load_parameters_path for its parameters only, or load_full_state_path for parameters, "
+        "optimizer state and step"
+    )
+  if cfg.process_id >= cfg.num_processes:
+    raise ConfigError(f"process_id={cfg.process_id} must be below num_processes={cfg.num_processes}")
+  _validate_family(cfg)
+  _validate_quantization(cfg)
+  _validate_lora(cfg)
+  if cfg.dataset_type == "text" and not cfg.dataset_path:
+    raise ConfigError("dataset_type='text' needs dataset_path (a text file to train on)")
+  if cfg.use_dpo and cfg.dataset_type not in ("embedded", "sft"):
+    raise ConfigError(
+        f"use_dpo=true reads preference pairs: dataset_type must be 'sft' (prompt/chosen/rejected .jsonl rows "
+        f"in dataset_path) or 'embedded' (the built-in set), got {cfg.dataset_type!r}"
+    )
+  if cfg.use_dpo and cfg.num_vocab_tiling > 1:
+    raise ConfigError("use_dpo=true computes full logits for its log-probabilities; set num_vocab_tiling=1")
+  _validate_grpo(cfg)
+
+
+def _validate_grpo(cfg: Config) -> None:
+  if cfg.reward_function not in GRPO_REWARDS and not re.fullmatch(
+      r"[A-Za-z_][\w]*(\.[A-Za-z_]\w*)+", cfg.reward_function
+  ):
+    listed = ", ".join(repr(r) for r in GRPO_REWARDS)
+    raise ConfigError(
+        f"config key 'reward_function' = {cfg.reward_function!r} is invalid; valid values: {listed}, "
+        "or the dotted path of a Python callable (package.module.function)"
+    )
+  if not cfg.use_grpo:
+    return
+  if cfg.use_dpo:
+    raise ConfigError("use_grpo=true and use_dpo=true: a run trains one objective; set one of them to false")
+  if cfg.dataset_type != "embedded":
+    raise ConfigError(
+        f"use_grpo=true samples completions of the built-in arithmetic prompts: dataset_type must be 'embedded', "
+        f"got {cfg.dataset_type!r}"
+    )
+  if cfg.max_target_length <= cfg.max_prefill_predict_length:
+    raise ConfigError(
+        f"use_grpo=true samples max_target_length - max_prefill_predict_length tokens per completion: "
+        f"max_target_length={cfg.max_target_length} must exceed max_prefill_predict_length="
+        f"{cfg.max_prefill_predict_length}"
+    )
+  if cfg.num_vocab_tiling > 1:
+    raise ConfigError("use_grpo=true computes full logits for its log-probabilities; set num_vocab_tiling=1")
+  if cfg.num_processes > 1:
+    raise ConfigError(f"use_grpo=true samples in one process: num_processes={cfg.num_processes} must be 1")
+
+
+def _validate_lora(cfg: Config) -> None:
+  try:
+    re.compile(cfg.lora_module_path)
+  except re.error as e:
+    raise ConfigError(f"config key 'lora_module_path' = {cfg.lora_module_path!r} is not a regular expression: {e}") from e
+  if cfg.lora_weight_qtype and not cfg.lora_rank:
+    raise ConfigError(
+        f"lora_weight_qtype={cfg.lora_weight_qtype!r} quantizes the frozen base of a LoRA run (QLoRA): "
+        "set lora_rank > 0, or lora_weight_qtype=''"
+    )
+  if cfg.lora_weight_qtype and cfg.quantization:
+    raise ConfigError(
+        f"lora_weight_qtype={cfg.lora_weight_qtype!r} with quantization={cfg.quantization!r}: QLoRA stores its "
+        "base quantized and runs the matmuls on the dequantized weights; set quantization=''"
+    )
+  if cfg.lora_rank and cfg.use_qk_clip:
+    raise ConfigError(
+        "lora_rank > 0 with use_qk_clip=true: QK-Clip rescales the query/key kernels after each update, "
+        "which LoRA keeps frozen; set use_qk_clip=false"
+    )
+  if cfg.lora_rank and cfg.load_full_state_path:
+    raise ConfigError(
+        "lora_rank > 0 with load_full_state_path: a LoRA run starts from base parameters "
+        "(load_parameters_path) and a fresh optimizer for its adapters"
+    )
+
+
+def _validate_family(cfg: Config) -> None:
+  """Cross-key rules of the decoder families; each message names the keys at fault."""
+  block = cfg.decoder_block
+  if cfg.use_qk_clip and cfg.use_qk_norm:
+    raise ConfigError(
+        "use_qk_clip=true with use_qk_norm=true: the query/key RMSNorm undoes any scaling of the "
+        "query kernel, and already bounds the logits; set use_qk_clip=false"
+    )
+  if cfg.rope_type == "llama3.1" and block in ("gpt3", "deepseek"):
+    raise ConfigError(
+        f"rope_type='llama3.1' scales the RoPE of Llama-style attention; decoder_block={block!r} has its own "
+        "positions: set rope_type='default'"
+    )
+  if cfg.rope_high_freq_factor <= cfg.rope_low_freq_factor:
+    raise ConfigError(
+        f"rope_high_freq_factor={cfg.rope_high_freq_factor} must exceed rope_low_freq_factor="
+        f"{cfg.rope_low_freq_factor}: they bound the band of wavelengths that blends scaled and unscaled"
+    )
+  if cfg.num_experts_per_tok > cfg.num_experts:
+    raise ConfigError(f"num_experts_per_tok={cfg.num_experts_per_tok} must be at most num_experts={cfg.num_experts}")
+  if block in ("mixtral", "deepseek") and cfg.num_experts < 2:
+    raise ConfigError(f"decoder_block={block!r} routes tokens to experts: num_experts must be >= 2")
+  if block in ("gpt3", "deepseek") and cfg.base_num_query_heads != cfg.base_num_kv_heads:
+    raise ConfigError(
+        f"decoder_block={block!r} has no grouped-query attention: base_num_kv_heads="
+        f"{cfg.base_num_kv_heads} must equal base_num_query_heads={cfg.base_num_query_heads}"
+    )
+  if block == "qwen3" and not cfg.use_qk_norm:
+    raise ConfigError(
+        "decoder_block='qwen3' normalises each query and key head: set use_qk_norm=true "
+        "(without it the model is decoder_block='llama2')"
+    )
+  # No such rule for mistral: Mistral 7B v0.2 and later have no window
+  # (Hugging Face's sliding_window: null), and import as sliding_window_size=0.
+  if block in ("gpt3", "deepseek") and (cfg.sliding_window_size or cfg.use_qk_norm):
+    raise ConfigError(
+        f"decoder_block={block!r} has its own attention, which reads neither sliding_window_size="
+        f"{cfg.sliding_window_size} nor use_qk_norm={cfg.use_qk_norm}: leave them at 0 and false"
+    )
+  if block == "gpt3" and cfg.trainable_position_size == 0:
+    raise ConfigError(
+        "decoder_block='gpt3' learns absolute positions: set trainable_position_size "
+        "(the longest sequence it can read, e.g. max_target_length)"
+    )
+  if block == "deepseek":
+    if cfg.first_num_dense_layers > cfg.base_num_decoder_layers:
+      raise ConfigError(
+          f"first_num_dense_layers={cfg.first_num_dense_layers} exceeds "
+          f"base_num_decoder_layers={cfg.base_num_decoder_layers}"
+      )
+    if cfg.qk_rope_head_dim % 2:
+      raise ConfigError(f"qk_rope_head_dim={cfg.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+    groups, top_groups = cfg.n_routing_groups, cfg.topk_routing_group
+    if (groups == -1) != (top_groups == -1):
+      raise ConfigError(f"n_routing_groups={groups} and topk_routing_group={top_groups}: set both, or both to -1")
+    if groups != -1:
+      if cfg.num_experts % groups or cfg.num_experts // groups < 2:
+        raise ConfigError(
+            f"n_routing_groups={groups} must split num_experts={cfg.num_experts} into equal "
+            "groups of at least 2 experts (groups are ranked by their top-2 scores)"
+        )
+      if top_groups > groups:
+        raise ConfigError(f"topk_routing_group={top_groups} exceeds n_routing_groups={groups}")
+      if cfg.num_experts_per_tok > top_groups * (cfg.num_experts // groups):
+        raise ConfigError(
+            f"num_experts_per_tok={cfg.num_experts_per_tok} exceeds the experts in "
+            f"topk_routing_group={top_groups} groups of {cfg.num_experts // groups}"
+        )
+
+
+def _validate_quantization(cfg: Config) -> None:
+  library = "qwix" if cfg.use_qwix_quantization else "aqt"
+  supported = QUANTIZATIONS_BY_LIBRARY[library]
+  if cfg.quantization not in supported:
+    listed = ", ".join(repr(c) for c in supported)
+    raise ConfigError(
+        f"config key 'quantization' = {cfg.quantization!r} is not supported with use_qwix_quantization="
+        f"{str(cfg.use_qwix_quantization).lower()} ({library}); valid values: {listed}"
+    )
+  if cfg.checkpoint_is_quantized and not cfg.quantization:
+    raise ConfigError(
+        "checkpoint_is_quantized=true needs the quantization its weights were made with: set quantization "
+        f"(one of {', '.join(repr(c) for c in supported if c)})"
+    )
+
+
+# Config's key names are passed in (`keys`): Config applies these rules, so this module cannot import it.
+
+
+def check_known(values: Mapping[str, Any], keys: Collection[str], source: str) -> None:
+  """Raise ConfigError for the first key of `values` not among `keys`, naming the closest valid one."""
+  for key in values:
+    if key not in keys:
+      raise ConfigError(f"{_unknown(key, keys)} (from {source})")
+
+
+def _unknown(key: Any, keys: Collection[str]) -> str:
+  close = difflib.get_close_matches(str(key), keys, n=1)
+  hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(keys)}"
+  return f"unknown config key {key!r}; {hint}"
+
+
+# MaxText keys (its base.yml) that change where a run logs, profiles or stores
+# things, never what it computes: a MaxText YAML may carry them, and they are ignored.
+_MAXTEXT_IGNORED = frozenset(
+    {
+        "hardware",
+        "enable_tensorboard",
+        "metrics_file",
+        "gcs_metrics",
+        "save_config_to_gcs",
+        "log_config",
+        "profiler",
+        "profiler_steps",
+        "skip_first_n_steps_for_profiler",
+        "profile_cleanly",
+        "upload_all_profiler_results",
+        "jax_cache_dir",
+        "jax_debug_log_modules",
+        "enable_goodput_recording",
+        "monitor_goodput",
+        "goodput_upload_interval_seconds",
+        "enable_pathways_goodput",
+        "monitor_step_time_deviation",
+        "step_deviation_interval_seconds",
+        "enable_checkpoint_cloud_logger",
+        "async_checkpointing",
+        "checkpoint_storage_use_ocdbt",
+        "checkpoint_storage_use_zarr3",
+        "checkpoint_storage_concurrent_gb",
+        "checkpoint_storage_target_data_file_size_bytes",
+        "dump_hlo",
+        "dump_hlo_local_dir",
+        "dump_hlo_gcs_dir",
+        "dump_hlo_module_name",
+        "dump_hlo_xla_flags",
+        "dump_hlo_upload_all",
+    }
+)
+
+# MaxText keys whose value is fixed here: accepted at that value (what maxbridge
+# computes), refused at any other, since the numbers would differ.
+_MAXTEXT_FIXED: dict[str, Any] = {
+    "global_parameter_scale": 1,
+    "mlp_activations": ["silu", "linear"],
+    "dropout_rate": 0,
+    "fused_qkv": False,
+    "fused_mlp": False,
+    "num_slices": 1,
+    "dcn_data_parallelism": -1,
+    "dcn_fsdp_parallelism": 1,
+    "dcn_tensor_parallelism": 1,
+    "dcn_pipeline_parallelism": 1,
+    "ici_sequence_parallelism": 1,
+    "ici_pipeline_parallelism": 1,
+}
+
+
+# MaxText's names for keys that maxbridge spells otherwise: read as maxbridge's key.
+_MAXTEXT_RENAMED = {"max_num_checkpoints_to_keep": "max_to_keep"}
+# MaxText keys that one maxbridge key covers together with another: refused, naming ours.
+_ONE_SEED = (
+    "seed (maxbridge's one seed sets both parameter init and data order; MaxText's "
+    "init_weights_seed and data_shuffle_seed set one each)"
+)
+_MAXTEXT_MERGED = {"init_weights_seed": _ONE_SEED, "data_shuffle_seed": _ONE_SEED}
+
+
+def known_only(values: Mapping[str, Any], keys: Collection[str], source: str) -> dict[str, Any]:
+  """`values` without MaxText's keys that do not change the numbers (each reported by name),
+  MaxText's names for our keys renamed; any other key not among `keys` is an error, all of them named at once."""
+  ignored, problems, renamed = [], [], {}
+  for key, value in values.items():
+    if key in keys:
+      continue
+    if key in _MAXTEXT_RENAMED:
+      ours = _MAXTEXT_RENAMED[key]
+      if ours in values:
+        problems.append(f"{key!r} (MaxText's name for {ours!r}) and {ours!r} are both given; keep one")
+      renamed[ours] = value
+      continue
+    if key in _MAXTEXT_MERGED:
+      problems.append(f"MaxText key {key!r} is not supported; set {_MAXTEXT_MERGED[key]}")
+      continue
+    if key in _MAXTEXT_IGNORED:
+      ignored.append(key)
+    elif key in _MAXTEXT_FIXED:
+      parsed = yaml.safe_load(value) if isinstance(value, str) else value
+      fixed = _MAXTEXT_FIXED[key]
+      if parsed == fixed or (isinstance(fixed, list) and parsed == tuple(fixed)):
+        ignored.append(key)
+      else:
+        problems.append(f"MaxText key {key!r} = {value!r} is not supported; maxbridge computes only {key}={fixed!r}")
+    else:
+      problems.append(_unknown(key, keys))
+  if len(problems) == 1:
+    raise ConfigError(f"{problems[0]} (from {source})")
+  if problems:
+    raise ConfigError(
+        f"{len(problems)} config keys are not supported (from {source}); each would change what is computed:\n  "
+        + "\n  ".join(problems)
+    )
+  if ignored:
+    warnings.warn(
+        f"ignoring MaxText config keys that do not change what maxbridge computes (from {source}): " + ", ".join(ignored),
+        stacklevel=3,  # load_config's caller: load_config calls this directly
+    )
+  return {**{key: value for key, value in values.items() if key in keys}, **renamed}

@@ -1,0 +1,152 @@
+"""Parameter initializers, and the one table that picks them by canonical path.
+
+`mb.create_model` does not use the backends' RNG plumbing: each parameter's key
+is derived from the seed and its canonical (unscanned) path, so every flag
+combination, scanned or not, starts from the same numbers. Modules never pick
+initial values: they hold a `placeholder` until `init_params` writes `rules`'.
+"""
+
+import dataclasses
+import fnmatch
+import zlib
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from maxbridge.core import canonical
+
+Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
+
+
+def query_kernel_carries_scale(config) -> bool:
+  """Whether the query kernel holds attention's 1/sqrt(head_dim), so that attention does not scale at run time.
+
+  MaxText's Llama numerics fold the factor into the query kernel (DESIGN.md).
+  Elsewhere it cannot be folded: query/key norms (Qwen3) would undo it, MLA
+  (DeepSeek) scales by 1/sqrt(nope + rope) at run time as MaxText and Hugging
+  Face do, and GPT-2/3's fused `qkv_proj` has no query kernel of its own. The
+  initializers, the attention layers and the Hugging Face mapping all ask here.
+  """
+  return config.decoder_block not in ("deepseek", "gpt3") and not config.use_qk_norm
+
+
+@dataclasses.dataclass(frozen=True)
+class InitOptions:
+  """What initial values depend on besides the parameter tree.
+
+  Hashable and small, so that one compiled initialiser serves every config
+  that shares them (every flag combination of one model).
+  """
+
+  param_scan_axis: int
+  query_kernel_carries_scale: bool
+
+  @classmethod
+  def from_config(cls, config) -> "InitOptions":
+    return cls(config.param_scan_axis, query_kernel_carries_scale(config))
+
+
+def placeholder(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype = jnp.float32) -> jax.Array:
+  """What a module holds for a parameter when built, before `init_params` writes the real value.
+
+  Modules are built under `eval_shape` or `jit` (`create_model`, the trainers),
+  where this costs nothing. Zeros, so that parameters never written stand out.
+  """
+  del key
+  return jnp.zeros(shape, dtype)
+
+
+def kernel(in_ndim: int = 1, scale: float = 1.0) -> Initializer:
+  """Truncated-normal fan-in scaling over the first `in_ndim` axes (MaxText's nd_dense_init)."""
+
+  def init(key, shape, dtype=jnp.float32):
+    axes = tuple(range(len(shape)))
+    base = jax.nn.initializers.variance_scaling(
+        1.0, "fan_in", "truncated_normal", in_axis=axes[:in_ndim], out_axis=axes[in_ndim:]
+    )
+    return (base(key, shape, jnp.float32) * scale).astype(dtype)
+
+  return init
+
+
+def query_kernel(carries_scale: bool) -> Initializer:
+  """A fan-in kernel, times 1/sqrt(head_dim) (its last axis) when it carries attention's scale."""
+  if not carries_scale:
+    return kernel()
+
+  def init(key, shape, dtype=jnp.float32):
+    return kernel(in_ndim=1, scale=shape[-1] ** -0.5)(key, shape, dtype)
+
+  return init
+
+
+def embedding() -> Initializer:
+  return lambda key, shape, dtype=jnp.float32: jax.random.normal(key, shape, dtype)
+
+
+def ones() -> Initializer:
+  return lambda key, shape, dtype=jnp.float32: jnp.ones(shape, dtype)
+
+
+def zeros() -> Initializer:
+  return lambda key, shape, dtype=jnp.float32: jnp.zeros(shape, dtype)
+
+
+def expert_kernel() -> Initializer:
+  """[experts, in, out]: fan-in scaling over `in`, each expert drawn independently."""
+
+  def init(key, shape, dtype=jnp.float32):
+    base = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=1, out_axis=2, batch_axis=0)
+    return base(key, shape, jnp.float32).astype(dtype)
+
+  return init
+
+
+def lora_a() -> Initializer:
+  """A LoRA adapter's A [*in, rank]: fan-in scaling over its input axes (B starts at zero)."""
+  return lambda key, shape, dtype=jnp.float32: kernel(in_ndim=len(shape) - 1)(key, shape, dtype)
+
+
+def rules(options: InitOptions) -> tuple[tuple[str, Initializer], ...]:
+  """The table: first match wins; patterns are fnmatch globs over unscanned canonical paths."""
+  return (
+      ("*/embedding", embedding()),
+      ("*/scale", ones()),
+      # Also MLA's query kernel (q_lora_rank=0), which never carries the scale.
+      ("*/self_attention/query/kernel", query_kernel(options.query_kernel_carries_scale)),
+      ("*/self_attention/out/kernel", kernel(in_ndim=2)),
+      ("*/kernel", kernel()),
+      ("*/kernel_lora_a", lora_a()),
+      ("*/kernel_lora_b", zeros()),
+      ("*/bias", zeros()),
+      # Routed experts (MaxText's MoeBlock_0 keeps them as bare [E, in, out] params).
+      ("*/MoeBlock_0/wi_0", expert_kernel()),
+      ("*/MoeBlock_0/wi_1", expert_kernel()),
+      ("*/MoeBlock_0/wo", expert_kernel()),
+  )
+
+
+def initializer_for(path: str, options: InitOptions) -> Initializer:
+  for pattern, init in rules(options):
+    if fnmatch.fnmatchcase(path, pattern):
+      return init
+  raise KeyError(f"no initializer rule matches parameter {path!r}; add one to initializers.rules")
+
+
+def key_for(seed: int | jax.Array, path: str) -> jax.Array:
+  # crc32 is stable across processes (Python's hash() is salted).
+  return jax.random.fold_in(jax.random.key(seed), zlib.crc32(path.encode()))
+
+
+def init_params(abstract: dict, seed: int | jax.Array, options: InitOptions) -> dict:
+  """Canonical parameters for the abstract tree; scanned layers are the unscanned ones stacked."""
+  axis = options.param_scan_axis
+  scanned = canonical.is_scanned(abstract)
+  per_layer = canonical.unstack_layers(abstract, axis) if scanned else abstract
+  flat = {
+      path: initializer_for(path, options)(key_for(seed, path), leaf.shape, leaf.dtype)
+      for path, leaf in canonical.flatten(per_layer).items()
+  }
+  tree = canonical.unflatten(flat)
+  return canonical.stack_layers(tree, axis) if scanned else tree

@@ -1,0 +1,173 @@
+"""The one loop each way between Hugging Face tensors and the canonical tree, and configs."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from maxbridge.core import canonical
+from maxbridge.core.config import BASE_CONFIG, Config, load_config
+from maxbridge.interop.hf.families import HFError, Rule, family_for_config, family_for_model_type
+
+# --- configs -----------------------------------------------------------------------------
+
+
+def config_from_hf(hf_config: Mapping[str, Any], *overrides: str, **kwargs: Any) -> Config:
+  """A Config for a Hugging Face config.json (a dict); `overrides`/`kwargs` as in load_config."""
+  if not isinstance(hf_config, Mapping):
+    raise HFError(f"config.json must hold a JSON object, got a {type(hf_config).__name__}")
+  family = family_for_model_type(hf_config.get("model_type"))
+  values = family.config_from_hf(hf_config)
+  values["model_name"] = str(hf_config.get("_name_or_path") or family.model_type)
+  # An override names a key on purpose: it wins over the one read from config.json.
+  given = {text.partition("=")[0].strip() for text in overrides}
+  values = {key: value for key, value in values.items() if key not in given}
+  # Keys a Hugging Face config does not set keep base.yml's defaults.
+  return load_config(str(BASE_CONFIG), *overrides, **{**values, **kwargs})
+
+
+def config_to_hf(cfg: Config, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
+  """config.json for `cfg`; keys of `base` (an imported model's original config) are kept."""
+  family = family_for_config(cfg)
+  hf = dict(base or {})
+  hf.pop("torch_dtype", None)
+  hf.update(family.config_to_hf(cfg))
+  if family.model_type != "gpt2":  # GPT-2's is n_positions, a model size
+    # Not a model size here (max_target_length is a training length): kept from
+    # an imported model's config, else the longest sequence this config trains on.
+    hf.setdefault("max_position_embeddings", cfg.max_target_length)
+  hf.update(
+      model_type=family.model_type,
+      architectures=[family.architecture],
+      dtype=jnp.dtype(cfg.weight_dtype).name,
+  )
+  return hf
+
+
+# --- tensors -----------------------------------------------------------------------------
+
+
+def _expansions(rule: Rule, cfg: Config) -> list[tuple[int | None, str]]:
+  """(Hugging Face layer index, canonical path) pairs a rule can produce."""
+  if "{layer}" not in rule.ours:
+    return [(None, rule.ours)]
+  return [(i, rule.ours.format(layer=path)) for i, path in enumerate(canonical.layer_paths(cfg))]
+
+
+def to_hf_tensors(params: Mapping[str, Any], cfg: Config) -> dict[str, Any]:
+  """Canonical tree (scanned or not) -> {Hugging Face name: array}."""
+  flat = canonical.flatten(_unscanned(params, cfg))
+  family = family_for_config(cfg)
+  tensors: dict[str, Any] = {}
+  used = set()
+  for rule in family.rules:
+    for layer, path in _expansions(rule, cfg):
+      if path not in flat:
+        continue
+      used.add(path)
+      value = flat[path]
+      if "{expert}" in rule.hf:
+        for expert in range(value.shape[0]):
+          tensors[rule.hf.format(layer=layer, expert=expert)] = rule.transform.to_hf(value[expert], cfg)
+      else:
+        tensors[rule.hf.format(layer=layer)] = rule.transform.to_hf(value, cfg)
+  unmapped = sorted(set(flat) - used)
+  if unmapped:
+    raise HFError(f"no Hugging Face name for canonical parameters: {unmapped}")
+  return tensors
+
+
+def expected_hf_shapes(cfg: Config, abstract: Mapping[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
+  """{Hugging Face name: shape} the model of `cfg` (abstract canonical tree) reads."""
+  return jax.eval_shape(lambda p: to_hf_tensors(p, cfg), _unscanned(abstract, cfg))
+
+
+def from_hf_tensors(
+    tensors: Mapping[str, Any], cfg: Config, abstract: Mapping[str, Any], *, where: str = "folder"
+) -> dict[str, Any]:
+  """{Hugging Face name: array, or a lazy tensor from `open_hf_tensors`} -> unscanned canonical tree.
+
+  Names and shapes are checked first: a tensor no rule claims, or one the
+  model needs but `tensors` lacks, is an error naming it; values are computed
+  in float32 and cast to the abstract tree's dtypes.
+  """
+  family = family_for_config(cfg)
+  tensors = {family.normalize_name(name): tensor for name, tensor in tensors.items()}
+  tensors = {
+      name: tensor
+      for name, tensor in tensors.items()
+      if not any(re.fullmatch(pattern, name) for pattern in family.ignored)
+  }
+  expected = expected_hf_shapes(cfg, abstract)
+  given = set(tensors)
+  tied_copy = {"lm_head.weight"} if cfg.logits_via_embedding else set()
+  missing = sorted(set(expected) - given)
+  unknown = sorted(given - set(expected) - tied_copy)
+  if missing or unknown:
+    lines = [f"  missing: {name} {tuple(expected[name].shape)}" for name in missing[:20]]
+    lines += [f"  unknown: {name}" for name in unknown[:20]]
+    more = len(missing) + len(unknown) - len(lines)
+    lines += [f"  ... and {more} more"] if more > 0 else []
+    raise HFError(
+        f"the Hugging Face tensors in {where} do not match a {cfg.decoder_block} model of this "
+        "config:\n" + "\n".join(lines)
+    )
+  shapes = {name: _shape(tensors[name]) for name in expected}
+  misshaped = [
+      f"  {name} has shape {shapes[name]}, expected {tuple(want.shape)}"
+      for name, want in expected.items()
+      if shapes[name] != tuple(want.shape)
+  ]
+  if misshaped:
+    raise HFError(f"Hugging Face tensors in {where} have the wrong shapes:\n" + "\n".join(misshaped[:20]))
+
+  want_flat = canonical.flatten(_unscanned(abstract, cfg))
+  flat = {}
+  for rule in family.rules:
+    for layer, path in _expansions(rule, cfg):
+      if path not in want_flat:
+        continue
+      want = want_flat[path]
+      if "{expert}" in rule.hf:
+        value = jnp.stack(
+            [
+                rule.transform.to_ours(_load(tensors[rule.hf.format(layer=layer, expert=e)]), want.shape[1:], cfg)
+                for e in range(want.shape[0])
+            ]
+        )
+      else:
+        value = rule.transform.to_ours(_load(tensors[rule.hf.format(layer=layer)]), want.shape, cfg)
+      flat[path] = value.astype(want.dtype)
+  return canonical.unflatten(flat)
+
+
+def _unscanned(tree: Mapping[str, Any], cfg: Config) -> dict[str, Any]:
+  if canonical.is_scanned(tree):
+    return canonical.unstack_layers(tree, cfg.param_scan_axis)
+  return canonical.unflatten(canonical.flatten(tree))
+
+
+class LazyTensor:
+  """A tensor in a safetensors file, read when first needed."""
+
+  def __init__(self, handle, name: str):
+    self.handle, self.name = handle, name
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(self.handle.get_slice(self.name).get_shape())
+
+  def __call__(self):
+    return self.handle.get_tensor(self.name)
+
+
+def _shape(tensor) -> tuple[int, ...]:
+  return tuple(tensor.shape)
+
+
+def _load(tensor):
+  value = tensor() if isinstance(tensor, LazyTensor) else tensor
+  return jnp.asarray(value, jnp.float32)

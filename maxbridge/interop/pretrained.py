@@ -1,0 +1,210 @@
+"""Any checkpoint a user holds, read as (Config, canonical parameters) or as an `mb.Model`.
+
+Ours (a run, its checkpoints or one step), MaxText's (with a config that
+describes it), a LoRA run (its base with the adapters merged in: the base is
+named by the run folder's `lora_base.json`, whose fingerprint is checked before
+anything is merged) or a Hugging Face folder; and ours written back as a
+Hugging Face folder (`export_hf`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from maxbridge.core import canonical, checkpointing, layouts
+from maxbridge.core.config import Config, load_config
+from maxbridge.interop.hf import folders
+from maxbridge.interop.hf.families import HF_CONFIG_SIDECAR, HFError
+from maxbridge.models import dispatch
+from maxbridge.models.lora import COLLECTION, REFERENCE_FILE, dequantize_base, fingerprint, merge, quantize_base
+
+
+def load_checkpoint(
+    path: str | os.PathLike, *overrides: str, config: str | os.PathLike | None = None, **kwargs: Any
+) -> tuple[Config, dict]:
+  """(Config, canonical params) of a maxbridge or MaxText checkpoint or run directory, in any layout.
+
+  `config` (a preset name or YAML path) describes the model, in place of the
+  run's config.yml: MaxText's checkpoints have none beside them.
+  """
+  if config is None and holds_adapters(path):  # a LoRA run: its base with the adapters merged in
+    _, params, run_config = merged_params(None, path)
+    return load_config(str(checkpointing.find_config(checkpointing.resolve(path)[0])), *overrides, **kwargs), params
+  if config is not None:
+    cfg = load_config(os.fspath(config), *overrides, **kwargs)
+    if not cfg.checkpoint_is_quantized:  # a quantized tree holds other leaves than the float model's
+      # Here, where the user's choice of config is known (a later shape error could not name it), and
+      # on the metadata: a wrong config is reported before gigabytes are read.
+      try:
+        canonical.check(checkpointing.stored_params(path), folders.abstract_params(cfg), cfg.param_scan_axis)
+      except ValueError as e:
+        raise HFError(f"config={os.fspath(config)!r} does not describe the checkpoint in {path}: {e}") from e
+    return cfg, checkpointing.load_params(path)[0]
+  params, info = checkpointing.load_params(path)
+  config_file = checkpointing.find_config(info.items)
+  if config_file is None:
+    raise HFError(
+        f"{path} has no config.yml beside its checkpoints (or in its run directory), so the model it holds "
+        "cannot be rebuilt; say which model it is with a preset or YAML file: config='llama2-7b' "
+        "(or config='path/to.yml') in Python, --config llama2-7b on the command line"
+    )
+  return load_config(str(config_file), *overrides, **kwargs), params
+
+
+def sidecar(path: str | os.PathLike) -> tuple[dict[str, Any] | None, Path | None]:
+  """The original Hugging Face config.json kept by import-hf, and the folder it lies in."""
+  config_file = checkpointing.find_config(checkpointing.resolve(path)[0])
+  if config_file is None or not (config_file.parent / HF_CONFIG_SIDECAR).is_file():
+    return None, None
+  return json.loads((config_file.parent / HF_CONFIG_SIDECAR).read_text()), config_file.parent
+
+
+def export_hf(
+    source: str | os.PathLike,
+    destination: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    config: str | os.PathLike | None = None,
+) -> Path:
+  """Writes a maxbridge checkpoint as a Hugging Face folder (config.json + model.safetensors).
+
+  `config`: a preset or YAML path, for a checkpoint without config.yml (MaxText's).
+  """
+  cfg, params = load_checkpoint(source, config=config)
+  base, folder = sidecar(source)
+  try:
+    out = folders.save_hf(params, cfg, destination, dtype=dtype, base_config=base)
+  except folders.ParamsDisagree as e:
+    given = f"config={config!r}" if config is not None else "its config.yml"
+    raise HFError(f"{source}: {given} does not describe its checkpoint; nothing was written. {e}") from e
+  if folder is not None:
+    folders.copy_tokenizer_files(folder, out)
+  return out
+
+
+def from_pretrained(
+    path: str | os.PathLike, backend: str = "linen", *, config: str | os.PathLike | None = None, **overrides: Any
+):
+  """An `mb.Model` from a Hugging Face folder (config.json + safetensors) or a maxbridge or MaxText checkpoint.
+
+  `backend` sets the three flags ("linen": all Linen, "nnx": all NNX); keyword
+  `overrides` are config keys (e.g. `scan_layers=False`, or the flags themselves).
+  `config` (a preset such as "llama2-7b", or a YAML path) describes a checkpoint
+  that has no config.yml beside it, as MaxText's have none.
+  """
+  cfg, params = load_pretrained(path, config=config, **{**dispatch.backend_flags(backend), **overrides})
+  return dispatch.create_model(cfg, params=params)
+
+
+def load_pretrained(
+    path: str | os.PathLike, *overrides: str, config: str | os.PathLike | None = None, **kwargs: Any
+) -> tuple[Config, dict]:
+  """(Config, canonical params) of a Hugging Face folder or a maxbridge or MaxText checkpoint."""
+  if folders.is_hf_folder(path):
+    if config is not None:
+      raise HFError(f"{path} is a Hugging Face folder: its config.json describes the model; drop config={config!r}")
+    return folders.load_hf(path, *overrides, **kwargs)
+  if Path(path).exists():
+    return load_checkpoint(path, *overrides, config=config, **kwargs)
+  raise FileNotFoundError(f"{path}: no such Hugging Face folder or maxbridge checkpoint")
+
+
+def tokenizer_folder(path: str | os.PathLike) -> Path | None:
+  """The folder holding `path`'s tokenizer.json: the Hugging Face folder, or beside config.yml."""
+  path = Path(path)
+  if (path / "tokenizer.json").is_file():
+    return path
+  try:
+    _, folder = sidecar(path)
+  except (ValueError, OSError):
+    return None
+  return folder if folder is not None and (folder / "tokenizer.json").is_file() else None
+
+
+# --- LoRA runs ---
+
+
+def load_adapters(path: str | os.PathLike) -> tuple[dict, Config, dict | None]:
+  """(adapter tree as stored, the run's config, its base reference) of a LoRA run, checkpoints or step folder."""
+  # Read whole here: `CheckpointReader` maps parameter layouts, and an adapter tree is none of them.
+
+  items, _ = checkpointing.resolve(path)
+  handler = ocp.PyTreeCheckpointHandler()
+  stored = handler.metadata(epath.Path(items.absolute())).tree
+  if COLLECTION not in (stored.get("params") or {}):
+    raise checkpointing.CheckpointError(f"{items} holds no adapters (params/{COLLECTION}): it is not a LoRA run's")
+  item = {"params": {COLLECTION: stored["params"][COLLECTION]}}
+  restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+  restored = handler.restore(
+      epath.Path(items.absolute()),
+      args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True),
+  )
+  config_file = checkpointing.find_config(items)
+  if config_file is None:
+    raise checkpointing.CheckpointError(
+        f"{items}: no config.yml in its run directory, so lora_alpha/lora_rank are unknown"
+    )
+  reference_file = config_file.parent / REFERENCE_FILE
+  reference = json.loads(reference_file.read_text()) if reference_file.is_file() else None
+  return restored["params"][COLLECTION], load_config(str(config_file)), reference
+
+
+def holds_adapters(path: str | os.PathLike) -> bool:
+  """Whether `path` is a LoRA run, its checkpoints, a step or an items folder of them: a run folder holding
+  config.yml and a base reference, at most three levels up (looked up without reading the checkpoint)."""
+  path = Path(path).absolute()
+  runs = [path, *list(path.parents)[:3]]
+  return any((run / REFERENCE_FILE).is_file() and (run / "config.yml").is_file() for run in runs)
+
+
+def base_and_adapters(base: str | os.PathLike | None, adapters: str | os.PathLike) -> tuple[Config, dict, dict, Config]:
+  """(base config, the base as the run trained on it, the run's adapters, the run's config), both trees unscanned.
+
+  `base` defaults to the run's own base (its `load_parameters_path`); it is
+  checked against the fingerprint the run recorded. A QLoRA run's base is
+  returned dequantized, as its adapters saw it.
+  """
+
+  tree, run_config, reference = load_adapters(adapters)
+  if base is None:
+    if not run_config.load_parameters_path:
+      raise checkpointing.CheckpointError(
+          f"{adapters} was trained on a randomly initialised base ({reference and reference['base']}); "
+          "there is no base checkpoint to apply its adapters to"
+      )
+    base = run_config.load_parameters_path
+  base_config, params = load_pretrained(base)
+  params = layouts.cast_floating(jax.device_get(params), np.dtype(run_config.weight_dtype))
+  if run_config.lora_weight_qtype:
+    quantized = run_config.replace(param_scan_axis=base_config.param_scan_axis)
+    params = jax.device_get(dequantize_base(quantized, quantize_base(quantized, params)))
+  if reference is not None:
+    found = fingerprint(params, base_config.param_scan_axis)
+    if found != reference["fingerprint"]:
+      raise checkpointing.CheckpointError(
+          f"{adapters} was trained on base {reference['base']} (fingerprint {reference['fingerprint']}), "
+          f"not on {base} (fingerprint {found}); give the base it was trained on"
+      )
+  unscanned = canonical.unstack_layers(params, base_config.param_scan_axis)
+  return base_config, unscanned, canonical.unstack_layers(tree, run_config.param_scan_axis), run_config
+
+
+def merged_params(base: str | os.PathLike | None, adapters: str | os.PathLike) -> tuple[Config, dict, Config]:
+  """(base config, base + alpha/r * A @ B in the base's scan form, the run's config); see `base_and_adapters`."""
+  base_config, params, tree, run_config = base_and_adapters(base, adapters)
+  # Merged layer by layer, unscanned, then stacked when the base's config.yml says so.
+  try:
+    merged = jax.device_get(merge(run_config, params, tree))
+  except ValueError as e:
+    raise checkpointing.CheckpointError(f"{adapters} does not fit {base or run_config.load_parameters_path}: {e}") from e
+  if base_config.scan_layers:  # (a Hugging Face folder reads unscanned)
+    merged = canonical.stack_layers(merged, base_config.param_scan_axis)
+  return base_config, merged, run_config

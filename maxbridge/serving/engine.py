@@ -1,0 +1,516 @@
+"""`mb.Engine`: prefill, insert and generate over decode slots with a KV cache, on MaxText's MaxEngine shape.
+
+    engine = mb.Engine(config, params)              # or mb.Engine.from_pretrained(path)
+    prefix = engine.prefill(tokens, true_length)    # cache, first token, next_pos, logits
+    state = engine.init_decode_state()              # per_device_batch_size slots per device
+    state = engine.insert(prefix, state, slot)
+    state, tokens = engine.generate(state)          # one token for every slot
+
+Also MaxText's serving features: `prefill_multisampling` (several first tokens
+from one prefill, for `bulk_insert`), `prefill_concat` (several prompts packed
+into one prefill, split back into one prefix each), `prefill_batch` (several
+prompts side by side in one batched prefill, one prefix each), chunked prefill
+(`prefill(..., existing_prefix=prefix)` goes on where a prefix stopped), and
+`stack_prefill_result_cache` (a prefix cache stacked on a layer axis for either
+`scan_layers`: the scanned cache tree, unstacked again on insert).
+
+The cache is one canonical tree on both backends (`abstract_cache`), given to
+the model's attention layers as Linen's "cache" collection or as `nnx.Cache`
+variables (`Model.cached_forward`); the model itself never holds one. Every
+step is jitted once per shape and donates the decode state it replaces;
+`generate_steps` runs many steps in one compiled loop.
+
+The engine decodes with unrolled layers (`decode_config`: scan_layers=False,
+as MaxText's decode checkpoints are), whatever the checkpoint's layout: a
+scanned layer loop reslices every stacked weight on each step, which made one
+decoded token ~10x slower on CPU. Its caches are therefore one entry per layer,
+and a prefix with `stack_prefill_result_cache` holds the scanned (stacked) tree.
+
+LoRA adapters (`adapters=`, or `from_pretrained(base, adapters=run)`) are held
+beside the base parameters, never merged into them: each compiled step adds
+lora_alpha / lora_rank * A @ B to the kernels it reads (`lora.merge`, the
+training forward pass's own), so one base serves any adapter set of the same
+shapes (`set_adapters`) without a recompile. The price, with adapters merged
+outside the layers (see maxbridge/lora.py), is rank x kernel size more flops
+per adapted kernel and step.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax.sharding import Mesh, PartitionSpec
+
+from maxbridge.core import canonical, sharding
+from maxbridge.core.config import Config
+from maxbridge.interop import pretrained
+from maxbridge.models import decoding, dispatch, lora
+from maxbridge.models import model as model_lib
+from maxbridge.models.model import Model
+from maxbridge.ops import kv_cache, sampling
+
+Params = dict[str, Any]
+
+
+class Prefix(NamedTuple):
+  """What `prefill` gives `insert`: one prompt's cache (batch 1), its first sampled token and where decoding goes on."""
+
+  cache: Params
+  token: jax.Array  # int32 [], or [num_samples] from prefill_multisampling
+  next_pos: jax.Array  # int32 []: the prompt's length, the position of `token`
+  logits: jax.Array  # float32 [V]: the logits `token` was sampled from
+
+
+class DecodeState(NamedTuple):
+  """Every slot's cache, its last token (the next step's input) and that token's position."""
+
+  cache: Params
+  tokens: jax.Array  # int32 [slots]
+  next_pos: jax.Array  # int32 [slots]
+  logits: jax.Array  # float32 [slots, V]: the logits each slot's last token was sampled from
+
+
+def _is_axes(x) -> bool:
+  return isinstance(x, tuple) and all(isinstance(name, (str, type(None))) for name in x)
+
+
+class Engine:
+  """Prefill, insert and generate over `per_device_batch_size` slots per device; see the module docstring."""
+
+  def __init__(
+      self,
+      config: Config,
+      params: Params | None = None,
+      *,
+      model: Model | None = None,
+      mesh: Mesh | None = None,
+      adapters: Params | None = None,
+  ):
+    if not 0 < config.max_prefill_predict_length < config.max_target_length:
+      raise ValueError(
+          f"max_prefill_predict_length={config.max_prefill_predict_length} must be in [1, max_target_length="
+          f"{config.max_target_length}): the cache holds max_target_length tokens, prompt and continuation"
+      )
+    if model is None:
+      model = dispatch.create_model(decoding.decode_config(config), params=params)
+    else:
+      if params is not None:
+        model.load_params(params)
+      model = model_lib.decode_model(model)
+    self.config = decoding.decode_config(config)
+    self.model = model
+    # Parameters and decode slots are sharded by their logical axes (the cache's
+    # `cache_*` rules in logical_axis_rules): slots split over data and fsdp.
+    self.mesh = sharding.create_mesh(self.config) if mesh is None else mesh
+    rules = self.config.logical_axis_rules
+    specs = jax.tree.map(lambda axes: PartitionSpec(*axes), model.logical_axes(), is_leaf=_is_axes)
+    self.params = jax.device_put(model.params(), sharding.spec_tree_to_shardings(specs, self.mesh, rules))
+    self._abstract_params = model.abstract_params()
+    self.set_adapters(adapters)
+    slots = sharding.named_sharding(self.mesh, ("cache_batch",), rules)
+    self._state_shardings = DecodeState(
+        jax.tree.map(
+            lambda axes: sharding.named_sharding(self.mesh, axes, rules),
+            decoding.cache_logical_axes(self.config),
+            is_leaf=_is_axes,
+        ),
+        slots,
+        slots,
+        sharding.named_sharding(self.mesh, ("cache_batch", None), rules),
+    )
+    sharding.check_divisible(self._abstract_decode_state(), self._state_shardings)
+    self._rng = jax.random.key(config.seed)
+    self._prefill = jax.jit(self._prefill_impl, static_argnames=("num_samples",))
+    self._prefill_concat = jax.jit(self._prefill_concat_impl)
+    self._prefill_batch = jax.jit(self._prefill_batch_impl)
+    state, tokens = self._state_shardings, slots
+    self._init_decode_state = jax.jit(
+        lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._abstract_decode_state()), out_shardings=state
+    )
+    self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=state)
+    self._generate = jax.jit(self._generate_impl, donate_argnums=(1,), out_shardings=(state, tokens))
+    self._generate_steps = jax.jit(
+        self._generate_steps_impl,
+        donate_argnums=(1,),
+        static_argnames=("num_steps",),
+        out_shardings=(state, sharding.named_sharding(self.mesh, ("cache_batch", None), rules)),
+    )
+
+  @classmethod
+  def from_pretrained(cls, path, backend: str = "linen", *, adapters=None, **overrides) -> "Engine":
+    """An engine on a maxbridge checkpoint or a Hugging Face folder (`mb.from_pretrained`).
+
+    `adapters`: a LoRA run (or its checkpoints) trained on `path`, served
+    beside it unmerged (its fingerprint checked; a QLoRA run's base is
+    dequantized as training saw it).
+    """
+    if adapters is None:
+      model = pretrained.from_pretrained(path, backend=backend, **overrides)
+      return cls(model.config, model=model)
+    base_config, params, tree, run_config = pretrained.base_and_adapters(path, adapters)
+    keys = ("lora_rank", "lora_alpha", "lora_module_path", "lora_weight_qtype")
+    config = base_config.replace(**dispatch.backend_flags(backend), **{key: getattr(run_config, key) for key in keys})
+    return cls(config.replace(**overrides) if overrides else config, params, adapters=tree)
+
+  def _adapters(self, adapters: Params) -> Params:
+    """`adapters` checked against this engine's model and config, unrolled and sharded as their kernels."""
+
+    if not lora.is_enabled(self.config):
+      raise ValueError("adapters= needs the LoRA run's lora_rank and lora_alpha in the engine's config (lora_rank > 0)")
+    abstract = lora.abstract_adapters(self.config, self._abstract_params)
+    try:
+      adapters = canonical.conform(adapters, abstract, self.config.param_scan_axis)
+    except ValueError as e:
+      raise ValueError(f"adapters do not fit this model and lora_rank={self.config.lora_rank}: {e}") from e
+    axes = lora.adapter_axes(self.config, self._abstract_params, self.model.logical_axes())
+    specs = jax.tree.map(lambda names: PartitionSpec(*names), axes, is_leaf=_is_axes)
+    return jax.device_put(adapters, sharding.spec_tree_to_shardings(specs, self.mesh, self.config.logical_axis_rules))
+
+  @property
+  def max_concurrent_decodes(self) -> int:
+    return self.config.per_device_batch_size * self.mesh.size
+
+  def set_adapters(self, adapters: Params | None) -> None:
+    """Serves `adapters` (a canonical adapter tree, scanned or not) from now on; None serves the base alone."""
+    self.adapters = None if adapters is None else self._adapters(adapters)
+
+  def _params(self, params: Params | None) -> tuple[Params, Params | None]:
+    """(the engine's own parameters, or `params` unrolled to its layout; its adapters), as the compiled steps
+    take them: `_weights` merges them there."""
+    if params is not None:
+      params = canonical.conform(params, self._abstract_params, self.config.param_scan_axis)
+    return self.params if params is None else params, self.adapters
+
+  def _weights(self, params: tuple[Params, Params | None]) -> Params:
+    base, adapters = params
+    if adapters is None:
+      return base
+
+    return lora.merge(self.config, base, adapters)
+
+  # --- sampling ---------------------------------------------------------------------------------
+
+  def _next_rng(self, rng):
+    if rng is not None:
+      return rng
+    self._rng, rng = jax.random.split(self._rng)
+    return rng
+
+  def _sample(self, logits, rng):
+    cfg = self.config
+    strategy = "greedy" if cfg.decode_sampling_temperature == 0 else cfg.decode_sampling_strategy
+    return sampling.sample(
+        logits,
+        rng,
+        strategy=strategy,
+        temperature=cfg.decode_sampling_temperature,
+        top_k=cfg.decode_sampling_top_k,
+        nucleus_p=cfg.decode_sampling_nucleus_p,
+    )
+
+  # --- prefill ----------------------------------------------------------------------------------
+
+  def prefill(
+      self,
+      tokens,
+      true_length: int | None = None,
+      *,
+      existing_prefix: Prefix | None = None,
+      params: Params | None = None,
+      rng=None,
+  ) -> Prefix:
+    """One prompt (int [T], the first `true_length` real, the rest padding) -> its `Prefix`.
+
+    With `existing_prefix`, a chunk that continues that prefix (chunked
+    prefill): its tokens take the positions after the prefix's. The prompt is
+    padded to a power of two (at most max_prefill_predict_length), so prompts
+    of nearby lengths share one compiled prefill.
+    """
+    return self._run_prefill(tokens, true_length, existing_prefix, params, rng, num_samples=0)
+
+  def prefill_multisampling(
+      self, tokens, true_length: int | None = None, num_samples: int = 1, *, params: Params | None = None, rng=None
+  ) -> Prefix:
+    """One prefill, `num_samples` first tokens drawn from its logits (`Prefix.token` [num_samples]).
+
+    `bulk_insert` of the prefix into `num_samples` slots gives each slot its own token.
+    """
+    if num_samples < 1:
+      raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    return self._run_prefill(tokens, true_length, None, params, rng, num_samples=int(num_samples))
+
+  def _run_prefill(self, tokens, true_length, existing_prefix, params, rng, *, num_samples: int) -> Prefix:
+    tokens = self._check_prompt(tokens)
+    true_length = len(tokens) if true_length is None else int(true_length)
+    if not 0 < true_length <= len(tokens):
+      raise ValueError(f"true_length={true_length} must be in [1, {len(tokens)}] (the prompt's length)")
+    padded = self._pad(tokens)
+    cache, start = None, np.int32(0)
+    if existing_prefix is not None:
+      cache, start = self._unstacked(existing_prefix.cache), existing_prefix.next_pos
+      if int(start) + len(padded) > self.config.max_target_length:
+        raise ValueError(
+            f"a chunk of {len(padded)} tokens (padded) after {int(start)} exceeds max_target_length="
+            f"{self.config.max_target_length}, the tokens a cache holds"
+        )
+    params = self._params(params)
+    rng = self._next_rng(rng)
+    return self._prefill(params, padded, np.int32(true_length), rng, cache, start, num_samples=num_samples)
+
+  def _pad(self, tokens: np.ndarray) -> np.ndarray:
+    length = min(max(16, 1 << (len(tokens) - 1).bit_length()), self.config.max_prefill_predict_length)
+    padded = np.zeros((length,), np.int32)
+    padded[: len(tokens)] = tokens
+    return padded
+
+  def _check_prompt(self, tokens) -> np.ndarray:
+    tokens = np.asarray(tokens)
+    limit = self.config.max_prefill_predict_length
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+      raise ValueError(f"a prompt must be int tokens [length], got {tokens.dtype} {tokens.shape}")
+    if tokens.size == 0:
+      raise ValueError("a prompt must hold at least one token, got an empty one")
+    if tokens.size > limit:
+      raise ValueError(f"the prompt has {tokens.size} tokens, more than max_prefill_predict_length={limit}")
+    vocab = self.config.vocab_size
+    bad = np.flatnonzero((tokens < 0) | (tokens >= vocab))
+    if bad.size:
+      raise ValueError(
+          f"prompt token {int(tokens[bad[0]])} at index {int(bad[0])} is outside the vocabulary [0, {vocab})"
+      )
+    return tokens.astype(np.int32)
+
+  def _prefill_impl(self, params, tokens, true_length, rng, cache, start, *, num_samples: int):
+    params = self._weights(params)
+    if cache is None:
+      cache = decoding.init_cache(self.config, 1, self.config.max_target_length)
+    offsets = jnp.arange(tokens.shape[0], dtype=jnp.int32)[None]
+    # Padding gets segment 0: no real token ever sees it, and decoding writes over it.
+    segment_ids = (offsets < true_length).astype(jnp.int32)
+    logits, cache = self.model.cached_forward(params, cache, tokens[None], start + offsets, segment_ids)
+    next_pos = start + true_length
+    cache = _set_cache_index(cache, next_pos)
+    last = logits[0, true_length - 1]
+    token = self._sample(jnp.broadcast_to(last, (num_samples, last.shape[0])) if num_samples else last, rng)
+    return Prefix(self._stacked(cache), token, next_pos, last)
+
+  def prefill_concat(self, prompts, *, params: Params | None = None, rng=None) -> list[Prefix]:
+    """Several prompts packed into one prefill (segment ids and positions per prompt) -> one `Prefix` each.
+
+    Together they must fit max_prefill_predict_length. Each prefix is the one
+    a separate `prefill` gives, up to float rounding.
+    """
+    prompts = [self._check_prompt(prompt) for prompt in prompts]
+    lengths = [len(prompt) for prompt in prompts]
+    if not prompts or sum(lengths) > self.config.max_prefill_predict_length:
+      raise ValueError(
+          f"prefill_concat packs 1 or more prompts into max_prefill_predict_length="
+          f"{self.config.max_prefill_predict_length} tokens; got {len(prompts)} prompts of {sum(lengths)} tokens"
+      )
+    tokens = self._pad(np.concatenate(prompts))
+    positions, segment_ids = np.zeros_like(tokens), np.zeros_like(tokens)
+    offsets = np.cumsum([0, *lengths[:-1]]).astype(np.int32)
+    for i, (offset, length) in enumerate(zip(offsets, lengths)):
+      positions[offset : offset + length] = np.arange(length)
+      segment_ids[offset : offset + length] = i + 1
+    params = self._params(params)
+    rng = self._next_rng(rng)
+    lengths = np.asarray(lengths, np.int32)
+    return self._prefill_concat(params, tokens, positions, segment_ids, offsets, lengths, rng)
+
+  def _prefill_concat_impl(self, params, tokens, positions, segment_ids, offsets, lengths, rng):
+    params = self._weights(params)
+    # Not a ring even for a windowed model: a later prompt would overwrite an earlier one's last entries.
+    cache = decoding.init_cache(self.config, 1, max(tokens.shape[0], self.config.max_target_length), ring=False)
+    logits, cache = self.model.cached_forward(params, cache, tokens[None], positions[None], segment_ids[None])
+    prefixes = []
+    for i, rng in enumerate(jax.random.split(rng, len(offsets))):
+      last = logits[0, offsets[i] + lengths[i] - 1]
+      one = _split_packed(cache, offsets[i], lengths[i])
+      if kv_cache.window(self.config):
+        one = _to_ring(self.config, one, lengths[i])
+      prefixes.append(Prefix(self._stacked(one), self._sample(last, rng), lengths[i], last))
+    return prefixes
+
+  def prefill_batch(self, prompts, *, params: Params | None = None, rng=None) -> list[Prefix]:
+    """Several prompts prefilled side by side, one batch row each -> one `Prefix` each, for `insert`.
+
+    What a server with several prompts waiting runs instead of one `prefill`
+    per prompt: one compiled forward pass over [len(prompts), T] (T the longest
+    prompt padded as `prefill` pads it). On accelerators its larger matmuls use
+    the hardware better; on a 2-core CPU it measured no faster per token.
+    Each prefix is the one a separate `prefill` gives, up to float rounding.
+    """
+    prompts = [self._check_prompt(prompt) for prompt in prompts]
+    if not prompts:
+      raise ValueError("prefill_batch needs at least one prompt, got none")
+    lengths = np.asarray([len(prompt) for prompt in prompts], np.int32)
+    tokens = np.zeros((len(prompts), len(self._pad(prompts[int(np.argmax(lengths))]))), np.int32)
+    for row, prompt in zip(tokens, prompts):
+      row[: len(prompt)] = prompt
+    params = self._params(params)
+    rng = self._next_rng(rng)
+    return self._prefill_batch(params, tokens, lengths, rng)
+
+  def _prefill_batch_impl(self, params, tokens, lengths, rng):
+    params = self._weights(params)
+    batch, length = tokens.shape
+    cache = decoding.init_cache(self.config, batch, self.config.max_target_length)
+    offsets = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens.shape)
+    segment_ids = (offsets < lengths[:, None]).astype(jnp.int32)  # padding: segment 0, as in `prefill`
+    logits, cache = self.model.cached_forward(params, cache, tokens, offsets, segment_ids)
+    cache = _set_cache_index(cache, lengths)
+    prefixes = []
+    for i, rng in enumerate(jax.random.split(rng, batch)):
+      last = logits[i, lengths[i] - 1]
+      one = jax.tree.map(lambda leaf, i=i: leaf[i : i + 1], cache)
+      prefixes.append(Prefix(self._stacked(one), self._sample(last, rng), lengths[i], last))
+    return prefixes
+
+  # --- the prefix cache's layout ------------------------------------------------------------------
+
+  def _stacked(self, cache: Params) -> Params:
+    """With stack_prefill_result_cache, the layers' caches stacked on a leading layer axis (the scanned tree)."""
+    if self.config.stack_prefill_result_cache:
+      return canonical.stack_layers(cache, axis=0)
+    return cache
+
+  def _unstacked(self, cache: Params) -> Params:
+    if self.config.stack_prefill_result_cache:
+      return canonical.unstack_layers(cache, axis=0)
+    return cache
+
+  # --- decode slots -----------------------------------------------------------------------------
+
+  def init_decode_state(self) -> DecodeState:
+    """`max_concurrent_decodes` empty slots, each with a cache of max_target_length tokens (or a window's ring), sharded."""
+    return self._init_decode_state()
+
+  def _abstract_decode_state(self) -> DecodeState:
+    slots = self.max_concurrent_decodes
+    return DecodeState(
+        decoding.abstract_cache(self.config, slots, self.config.max_target_length),
+        jax.ShapeDtypeStruct((slots,), jnp.int32),
+        jax.ShapeDtypeStruct((slots,), jnp.int32),
+        jax.ShapeDtypeStruct((slots, self.config.vocab_size), jnp.float32),
+    )
+
+  def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
+    """`prefix` into `slot`, replacing what the slot held; `decode_state` is donated."""
+    return self.bulk_insert(prefix, decode_state, [slot])
+
+  def bulk_insert(self, prefix: Prefix, decode_state: DecodeState, slots) -> DecodeState:
+    """`prefix` into each of `slots` (one compiled insert per number of slots); `decode_state` is donated."""
+    slots = tuple(int(s) for s in slots)
+    samples = np.shape(prefix.token)
+    if samples and samples[0] != len(slots):
+      raise ValueError(f"a prefix of {samples[0]} samples goes into as many slots, got {len(slots)} slots {slots}")
+    count = self.max_concurrent_decodes
+    for slot in slots:
+      if not 0 <= slot < count:
+        raise ValueError(f"slot {slot} is out of range: this engine has {count} slots, 0..{count - 1}")
+    return self._insert(prefix, decode_state, jnp.asarray(slots, jnp.int32))
+
+  def _insert_impl(self, prefix, state, slots):
+    cache, tokens, next_pos, logits = state
+    prefix_cache = self._unstacked(prefix.cache)
+    for i, slot in enumerate(slots):  # traced slots: one compiled insert per number of slots
+      cache = jax.tree.map(
+          lambda whole, one, slot=slot: jax.lax.dynamic_update_slice_in_dim(whole, one, slot, 0),
+          cache,
+          prefix_cache,
+      )
+      tokens = tokens.at[slot].set(prefix.token[i] if prefix.token.ndim else prefix.token)
+      next_pos = next_pos.at[slot].set(prefix.next_pos)
+      logits = logits.at[slot].set(prefix.logits)
+    return DecodeState(cache, tokens, next_pos, logits)
+
+  def generate(
+      self, decode_state: DecodeState, *, params: Params | None = None, rng=None
+  ) -> tuple[DecodeState, jax.Array]:
+    """One step for every slot: (new state, int32 [slots] the tokens sampled); `decode_state` is donated.
+
+    A slot must not run past max_target_length tokens (its cache would keep
+    only the last ones); `Model.generate` bounds this for its prompts.
+    """
+    with sharding.active(self.mesh, self.config.logical_axis_rules):  # activation constraints while tracing
+      return self._generate(self._params(params), decode_state, self._next_rng(rng))
+
+  def _generate_impl(self, params, state, rng):
+    return self._step(self._weights(params), state, rng)
+
+  def _step(self, params, state, rng):
+    cache, tokens, next_pos, _ = state
+    ones = jnp.ones_like(tokens)[:, None]
+    logits, cache = self.model.cached_forward(params, cache, tokens[:, None], next_pos[:, None], ones)
+    logits = logits[:, 0]
+    new = self._sample(logits, rng)
+    return DecodeState(cache, new, next_pos + 1, logits), new
+
+  def generate_steps(
+      self, decode_state: DecodeState, num_steps: int, *, params: Params | None = None, rng=None
+  ) -> tuple[DecodeState, jax.Array]:
+    """`num_steps` of `generate` in one compiled loop: (new state, int32 [slots, num_steps]); state donated.
+
+    Step i samples with `jax.random.split(rng, num_steps)[i]`, so it equals
+    `generate` called with those keys; no token leaves the device in between.
+    """
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+      raise ValueError(f"num_steps must be a whole number >= 1, got {num_steps!r}")
+    with sharding.active(self.mesh, self.config.logical_axis_rules):
+      return self._generate_steps(self._params(params), decode_state, self._next_rng(rng), num_steps=num_steps)
+
+  def _generate_steps_impl(self, params, state, rng, *, num_steps: int):
+    params = self._weights(params)  # once, outside the loop
+    state, tokens = jax.lax.scan(
+        lambda state, rng: self._step(params, state, rng), state, jax.random.split(rng, num_steps)
+    )
+    return state, tokens.T
+
+
+def _split_packed(cache: Params, offset, length) -> Params:
+  """One prompt's cache out of a packed prefill: its entries moved to the front, the rest cleared.
+
+  Its segment becomes 1, the one decoding reads; positions are its own already.
+  """
+  flat = canonical.flatten(cache)
+  for path, leaf in flat.items():
+    if path.endswith("/" + kv_cache.INDEX):
+      flat[path] = jnp.full_like(leaf, length)
+      continue
+    axis = kv_cache.sequence_axis(path.rsplit("/", 1)[1])
+    shape = [1] * leaf.ndim
+    shape[axis] = leaf.shape[axis]
+    visible = jnp.arange(leaf.shape[axis]).reshape(shape) < length
+    if path.endswith("/" + kv_cache.SEGMENT_IDS):
+      flat[path] = jnp.broadcast_to(visible, leaf.shape).astype(leaf.dtype)
+    else:
+      flat[path] = jnp.where(visible, jnp.roll(leaf, -offset, axis=axis), jnp.zeros((), leaf.dtype))
+  return canonical.unflatten(flat)
+
+
+def _to_ring(config: Config, cache: Params, length) -> Params:
+  """One prompt's cache, its `length` entries at the front of a longer buffer -> the ring its own prefill leaves."""
+  flat, ring = canonical.flatten(cache), canonical.flatten(decoding.init_cache(config, 1, config.max_target_length))
+  for layer in {path.rsplit("/", 1)[0] for path in flat}:
+    entries = {path.rsplit("/", 1)[1]: leaf for path, leaf in flat.items() if path.startswith(layer + "/")}
+    empty = {name: ring[f"{layer}/{name}"] for name in entries}
+    written = kv_cache.ring_append(
+        empty,
+        {name: kv_cache.from_stored(name, leaf) for name, leaf in entries.items() if name not in kv_cache.BOOKKEEPING},
+        entries[kv_cache.POSITIONS],
+        entries[kv_cache.SEGMENT_IDS],
+    )
+    flat.update({f"{layer}/{name}": leaf for name, leaf in written.items()})
+  return _set_cache_index(canonical.unflatten(flat), length)
+
+
+def _set_cache_index(cache: Params, value) -> Params:
+  """Every layer's next write index set to `value` (after a padded prefill: the true length)."""
+  flat = canonical.flatten(cache)
+  for path, leaf in flat.items():
+    if path.endswith("/" + kv_cache.INDEX):
+      flat[path] = jnp.full_like(leaf, value)
+  return canonical.unflatten(flat)

@@ -1,0 +1,503 @@
+"""The training loop: one loop for every flag combination.
+
+A run directory `<base_output_directory>/<run_name>/` holds `config.yml`,
+`metrics.jsonl` (one JSON object per step) and `checkpoints/<step>/`. Running
+again with the same directory resumes from the latest checkpoint, whatever the
+flags: both backends read and write the same checkpoint layout.
+"""
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from absl import logging
+from tqdm import tqdm
+
+from maxbridge.core import canonical, checkpointing, files, layouts, sharding
+from maxbridge.training import data
+from maxbridge.models import lora
+from maxbridge.ops import quantization
+from maxbridge.core.config import Config
+from maxbridge.training import recipe, rollouts
+
+
+class TrainingDiverged(FloatingPointError):
+  pass
+
+
+def run_directory(config: Config) -> Path:
+  return Path(config.base_output_directory) / (config.run_name or config.model_name)
+
+
+# Keys that change where and how often a run writes, never what a step computes.
+_RUN_ONLY_KEYS = frozenset(
+    {
+        "run_name",
+        "base_output_directory",
+        "enable_checkpointing",
+        "checkpoint_period",
+        "max_to_keep",
+        "eval_interval",
+        "eval_steps",
+        "log_period",
+        "dataset_type",
+        "dataset_path",
+        "reward_function",
+        "sft_train_on_completion_only",
+        "tokenizer_path",
+        "load_parameters_path",
+        "load_full_state_path",
+    }
+)
+
+
+def step_key(config: Config) -> tuple:
+  """What a train step computes, from `config`: two configs with equal keys can share a trainer."""
+  return tuple((k, v) for k, v in config.to_dict().items() if k not in _RUN_ONLY_KEYS)
+
+
+def _check_trainer(trainer, config: Config) -> None:
+  ours, theirs = dict(step_key(config)), dict(step_key(trainer.config))
+  differ = [f"{k} (trainer: {theirs.get(k)!r}, run: {ours.get(k)!r})" for k in sorted(ours) if ours[k] != theirs.get(k)]
+  if differ:
+    raise ValueError(f"trainer= was built for another config; it differs in {', '.join(differ)}")
+
+
+def global_batch_size(config: Config) -> int:
+  """Rows per step: per device, times devices, times micro-batches (as MaxText)."""
+  return config.per_device_batch_size * jax.device_count() * config.gradient_accumulation_steps
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+  """SIGINT or SIGTERM stopped the run; the message names the last good checkpoint.
+
+  A KeyboardInterrupt, so that `except Exception` in a caller's code does not swallow it.
+  """
+
+  def __init__(self, message: str, signum: int = signal.SIGINT):
+    super().__init__(message)
+    self.signum = signum
+
+
+class MetricsLog:
+  """metrics.jsonl, one object per step.
+
+  On resume, lines past the checkpoint (logged by a run that stopped before
+  saving them) are dropped: the resumed run logs those steps again. Nothing
+  else is ever removed. A torn last line, which a kill leaves, is dropped with
+  a message; damage anywhere else is an error naming the line.
+  """
+
+  def __init__(self, path: Path, records: list[str], resume_step: int):
+    self.path = path
+    kept = "".join(line + "\n" for line in records if json.loads(line)["step"] < resume_step)
+    if not path.exists() or path.read_text(encoding="utf-8") != kept:
+      files.write_text(path, kept)
+
+  @staticmethod
+  def read(path: Path, report: bool = True) -> list[str]:
+    """The lines of an existing log, checked; a torn last line is left out (with a message if `report`)."""
+    if not path.exists():
+      return []
+    try:
+      lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+      raise checkpointing.CheckpointError(f"{path} cannot be read: {e}") from e
+    records = []
+    for number, line in enumerate(lines, start=1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+          raise ValueError("not an object with an integer step")
+      except ValueError as e:
+        if number == len(lines):
+          if report:
+            print(f"maxbridge: {path}:{number}: dropped a torn last line (a killed run leaves one)", file=sys.stderr)
+          continue
+        raise checkpointing.CheckpointError(
+            f"{path}:{number}: not a metrics record ({e}); fix or remove that line to resume"
+        ) from e
+      records.append(line)
+    return records
+
+  def append(self, record: dict) -> None:
+    with self.path.open("a") as f:
+      f.write(json.dumps(record) + "\n")
+
+
+class _StopSignals:
+  """SIGINT and SIGTERM stop the run between steps, so that the exit names the last good checkpoint.
+
+  The first signal is held until the loop checks (`check`), at a step
+  boundary: an exception raised at an arbitrary point inside JAX's dispatch
+  or orbax's bookkeeping could leave their threads waiting on each other, and
+  the process hanging at exit. A second signal raises at once.
+  """
+
+  def __init__(self):
+    self.caught: int | None = None
+
+  def __call__(self, signum, frame):
+    if self.caught is not None:
+      raise TrainingInterrupted(_SIGNAL_NAMES[self.caught], self.caught)
+    self.caught = signum
+
+  def check(self) -> None:
+    if self.caught is not None:
+      raise TrainingInterrupted(_SIGNAL_NAMES[self.caught], self.caught)
+
+
+_SIGNAL_NAMES = {signal.SIGINT: "interrupted (SIGINT)", signal.SIGTERM: "terminated (SIGTERM)"}
+
+
+@contextlib.contextmanager
+def _stop_signals():
+  """Installs a `_StopSignals` for SIGINT and SIGTERM while the run lasts (main thread only)."""
+  stop = _StopSignals()
+  if threading.current_thread() is not threading.main_thread():
+    yield stop
+    return
+  previous = {s: signal.signal(s, stop) for s in _SIGNAL_NAMES}
+  try:
+    yield stop
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+  """Holds SIGINT and SIGTERM while orbax starts a save, then acts on them: an interrupt inside
+  orbax's bookkeeping could leave its threads waiting on each other."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  caught = []
+  previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    yield
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+    if caught:  # now acted on as it would have been
+      handler = previous[caught[0]]
+      if callable(handler):
+        handler(caught[0], None)
+      elif handler == signal.SIG_DFL:
+        os.kill(os.getpid(), caught[0])
+
+
+def _check_writable(path: Path) -> None:
+  # Found now, not when the first checkpoint is due, hours into the run.
+  existing = next(p for p in (path, *path.parents) if p.exists())
+  if not existing.is_dir():
+    raise checkpointing.CheckpointError(f"{existing} is a file, so the run folder {path} cannot be made")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise checkpointing.CheckpointError(f"{existing} is not writable, so nothing can be saved under {path}")
+
+
+def _check_folder(path: Path) -> None:
+  if path.exists() and not path.is_dir():
+    raise checkpointing.CheckpointError(f"{path} exists and is not a folder; move it away or choose another run_name")
+
+
+def train(config: Config, *, trainer=None, until_step: int | None = None, progress: bool = True) -> list[dict]:
+  """Trains `config` in its run directory (resuming if it holds checkpoints); returns this call's metrics.
+
+  `until_step` stops this call early (with a checkpoint) without changing the
+  run: the schedule still spans `config.steps`, so a later call continues it.
+  `trainer` (from `recipe.create_trainer`, for a config with the same
+  `step_key`) brings its own loss and hooks, and its compiled steps: pass the
+  same one to several calls in a process (a resume, a flag flip back) to
+  compile once.
+
+  Nothing in the run directory changes until the run is known to start (data
+  read, checkpoint restored into the model, first step compiled and run); a
+  run that fails before saving a checkpoint removes the folder it created. A failure, SIGINT or SIGTERM ends
+  the call with the last good checkpoint named (TrainingInterrupted for the
+  signals; a note on any other exception).
+  """
+  with _stop_signals() as stop:
+    return _train(config, trainer, until_step, progress, stop)
+
+
+def _train(config: Config, trainer, until_step: int | None, progress: bool, stop: _StopSignals) -> list[dict]:
+  end = config.steps if until_step is None else min(until_step, config.steps)
+  if trainer is not None:
+    _check_trainer(trainer, config)
+  sharding.initialize_distributed(config)
+  # Every process trains and checkpoints (orbax saves collectively); one writes the logs.
+  primary = jax.process_index() == 0
+  run_dir = run_directory(config)
+  checkpoints = run_dir / "checkpoints"
+  _check_folder(run_dir)
+  _check_folder(checkpoints)
+  if trainer is None:
+    trainer = recipe.create_trainer(config)
+  sharding.check_divisible(trainer.abstract_state(), trainer.state_shardings)
+  sampler = train_data = eval_data = None
+  if config.use_grpo:  # batches sampled from the policy as it trains; no held-out set
+    sampler = rollouts.Rollouts(config, trainer)
+  else:
+    train_data = data.make_dataset(config, "train", global_batch_size(config))
+    eval_data = data.make_dataset(config, "eval", global_batch_size(config)) if config.eval_interval else None
+  # Read-only with enable_checkpointing=false: the run resumes, and saves nothing.
+  ckpt = (
+      checkpointing.Checkpointer(checkpoints, max_to_keep=config.max_to_keep, create=False)
+      if config.enable_checkpointing or checkpoints.is_dir()
+      else None
+  )
+  saving = ckpt if config.enable_checkpointing else None
+  try:
+    _check_writable(checkpoints if saving else run_dir)
+    start = (ckpt.latest_intact_step() if ckpt else None) or 0
+    metrics_path = run_dir / "metrics.jsonl"
+    # Every process decides the same: the run folder is shared (orbax saves into it collectively).
+    history = MetricsLog.read(metrics_path, report=primary)
+    if history and not start:
+      raise checkpointing.CheckpointError(
+          f"{metrics_path} holds {len(history)} steps of an earlier run, but {checkpoints} has no checkpoint "
+          "to resume from: training from step 0 would rewrite that history. Choose a new run_name, or move "
+          "metrics.jsonl away"
+      )
+    resumed = bool(start)
+    if resumed:
+      # As in MaxText, a run's own checkpoints win over load_parameters_path / load_full_state_path.
+      restored = ckpt.restore(start, trainer.checkpoint_target())
+      if trainer.saves_params:
+        state = trainer.from_checkpoint(restored)
+      else:  # adapters only (LoRA): the base comes from where the run started, checked below
+        state = trainer.with_checkpoint(initial_state(config, trainer), restored)
+      logging.info("resumed %s from step %d", run_dir, start)
+    else:
+      state = initial_state(config, trainer)
+      start = trainer.step(state)
+    if trainer.loss.frozen_reference:
+      # The run's starting policy (DPO's reference), rebuilt on resume: checkpoints hold the policy only.
+      trainer.set_reference(initial_state(config, trainer) if resumed else state)
+    base_reference = None
+    if lora.is_enabled(config):
+      base_reference = lora.base_reference(config, trainer.params(state))
+      lora.check_base(run_dir, base_reference)
+  except KeyboardInterrupt as e:
+    raise _stopped(e, None, ckpt, checkpoints, None) from None
+  except BaseException:
+    if ckpt:
+      ckpt.close()
+    raise
+
+  new_run = not run_dir.exists()
+  records = []
+  bar = tqdm(
+      range(start, end),
+      initial=start,
+      total=config.steps,
+      desc=run_dir.name,
+      unit="step",
+      disable=not (progress and primary),
+  )
+  step, log = start, None
+  try:
+    for step in bar:
+      stop.check()
+      sampled = {}
+      if sampler is not None:
+        local, sampled = sampler.batch(step, state)
+      else:
+        local = train_data.batch(step, jax.process_index(), jax.process_count())
+      batch = trainer.shard_batch(local)
+      began = time.perf_counter()
+      state, metrics = trainer.train_step(state, batch)
+      metrics = jax.device_get(metrics)  # also waits for the step: the timing below is real
+      seconds = time.perf_counter() - began
+      if step == start:
+        # The first step compiled and ran (a step that cannot be built fails above): the run has
+        # started, and from here on it writes into its folder.
+        log = _open_run(config, run_dir, history, start, saving, primary, base_reference)
+      loss = float(metrics["loss"])
+      if not math.isfinite(loss):
+        raise TrainingDiverged(f"loss is {loss} at step {step}; training stopped")
+      record = {
+          "step": step,
+          "loss": loss,
+          "lr": float(metrics["lr"]),
+          "grad_norm": float(metrics["grad_norm"]),
+          "tokens_per_s": float(metrics["tokens"]) / seconds,
+      }
+      for key in trainer.loss.metric_keys:  # the loss's own (DPO: reward accuracy, rewards, margins)
+        record[key] = float(metrics[key])
+      for key in ("mean_reward", "completion_length"):  # GRPO's sampled completions
+        if key in sampled:
+          record[key] = sampled[key]
+      if "maxima" in metrics:  # QK-Clip: the largest attention logit over layers and heads, before clipping
+        record["max_logits"] = float(metrics["maxima"]["max_logits"].max())
+      done = step + 1
+      if eval_data is not None and (done % config.eval_interval == 0 or done == config.steps):
+        record["eval_loss"] = evaluate(trainer, state, eval_data, config.eval_steps)
+      if log:
+        log.append(record)
+      records.append(record)
+      bar.set_postfix(loss=f"{loss:.3f}")
+      if done % config.log_period == 0 and not bar.disable:
+        bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in record.items() if k != "step"), sys.stderr)
+      if saving and (done % config.checkpoint_period == 0 or done == end):
+        tree = trainer.to_checkpoint(state)
+        # A finite loss at this step says nothing of the update it made: check
+        # the state itself, so the last checkpoint is always a good one.
+        if not _all_finite(tree):
+          raise TrainingDiverged(f"the state became non-finite at step {step}; training stopped")
+        with _signals_deferred():
+          saving.save(done, tree)
+    if saving:
+      saving.wait()  # the last save's failure surfaces here, not after we report success
+  except BaseException as e:
+    bar.close()
+    raise _stopped(e, step, ckpt, checkpoints, run_dir if new_run and primary else None) from None
+  bar.close()
+  if ckpt:
+    ckpt.close()
+  return records
+
+
+def _open_run(
+    config: Config, run_dir: Path, history: list[str], start: int, saving, primary: bool, base_reference: dict | None
+):
+  """Writes the run's config.yml (and a LoRA run's base reference) and makes its folders; returns its metrics log
+  (None off the primary)."""
+  run_dir.mkdir(parents=True, exist_ok=True)
+  if saving:
+    Path(saving.directory).mkdir(exist_ok=True)
+  if not primary:
+    return None
+  config.to_yaml(run_dir / "config.yml")
+  if base_reference is not None and not (run_dir / lora.REFERENCE_FILE).exists():
+    lora.write_reference(run_dir, base_reference)
+  if saving:
+    saving.remove_temporaries()
+  return MetricsLog(run_dir / "metrics.jsonl", history, resume_step=start)
+
+
+def _stopped(error: BaseException, step: int | None, ckpt, checkpoints: Path, created: Path | None) -> BaseException:
+  """`error`, once the save in flight has finished, saying where the run can resume from.
+
+  A run folder this call created and never checkpointed into is removed: a
+  failed new run leaves nothing behind.
+  """
+  late = ckpt.close() if ckpt else None  # waits for the save in flight, never raises
+  steps = ckpt.intact_steps() if ckpt else []
+  last_good = checkpointing.describe_last_good(checkpoints, steps)
+  removed = ""
+  if created is not None and not steps:
+    shutil.rmtree(created, ignore_errors=True)
+    removed = f"; removed the new run folder {created}"
+  if isinstance(error, KeyboardInterrupt):
+    signum = getattr(error, "signum", signal.SIGINT)
+    what = "interrupted (SIGINT)" if signum == signal.SIGINT else "terminated (SIGTERM)"
+    when = f"at step {step}" if step is not None else "before training started"
+    return TrainingInterrupted(f"{what} {when}; the last good checkpoint: {last_good}{removed}", signum)
+  if isinstance(error, TrainingDiverged):
+    return TrainingDiverged(f"{error}. The last good checkpoint: {last_good}{removed}")
+  if late is not None and not isinstance(error, checkpointing.CheckpointSaveError):
+    error.add_note(str(late))
+  error.add_note(f"the last good checkpoint: {last_good}{removed}")
+  return error
+
+
+def initial_state(config: Config, trainer):
+  """A new run's first state: MaxText's load_full_state_path (parameters, optimizer state and step)
+  or load_parameters_path (parameters; a fresh optimizer at step 0), else initialised from the seed.
+
+  Either path is a `<step>/items` or step folder in any layout `maxbridge.layouts` reads,
+  scanned or not: the layers are stacked or unstacked to fit this run.
+  """
+  if config.load_full_state_path:
+    return _full_state(config.load_full_state_path, trainer)
+  if not config.load_parameters_path:
+    return trainer.init_state(config.seed)
+  where = f"load_parameters_path={config.load_parameters_path!r}"
+  params = _named(where, checkpointing.load_params, config.load_parameters_path)[0]
+  if quantization.is_serve_tree(params):
+    raise checkpointing.CheckpointError(
+        f"{where} holds a quantized serve checkpoint (int8 kernel_qvalue/kernel_scale, no float kernels), "
+        "which cannot be trained; start from the float checkpoint it was made from"
+    )
+  params = _fit(params, trainer, where)
+  state = trainer.init_state(config.seed)  # a fresh optimizer state at step 0
+  with sharding.active(trainer.mesh, trainer.rules):
+    replace = jax.jit(trainer._replace_params, out_shardings=trainer.state_shardings, donate_argnums=0)
+    return replace(state, params)
+
+
+def _named(where: str, read, path):
+  try:
+    return read(path)
+  except checkpointing.CheckpointError as e:
+    raise checkpointing.CheckpointError(f"{where}: {e}") from e
+
+
+def _fit(params, trainer, where: str) -> dict:
+  try:
+    return canonical.conform(params, trainer.abstract_params, trainer.config.param_scan_axis)
+  except ValueError as e:
+    raise checkpointing.CheckpointError(f"{where}: {e}") from e
+
+
+def _full_state(path: str, trainer):
+  where = f"load_full_state_path={path!r}"
+  # Read array by array on the host, so that any layout and either scan form can be
+  # reshaped to this run's before the arrays go to their shardings.
+  reader = _named(where, checkpointing.CheckpointReader, path)
+  if reader.layout.params_only:
+    raise checkpointing.CheckpointError(
+        f"{where}: {reader.items} holds parameters only ({reader.layout.describe()}); "
+        "start from it with load_parameters_path instead"
+    )
+  tree = layouts.build_tree({p: reader.read(p) for p in reader.leaves}, layouts.LINEN)
+  tree["params"]["params"] = _fit(tree["params"]["params"], trainer, where)
+  for entry in tree.get("opt_state") or []:
+    for field, value in (entry or {}).items():
+      if isinstance(value, dict) and set(value) == {"params"}:  # Adam's mu and nu, shaped like the parameters
+        entry[field] = {"params": _fit(value["params"], trainer, f"{where}, optimizer state {field}")}
+  target = trainer.checkpoint_target()
+  got, want = _leaf_paths(tree), _leaf_paths(target)
+  if set(got) != set(want):
+    lines = [f"  missing: {p}" for p in sorted(set(want) - set(got))[:20]]
+    lines += [f"  unexpected: {p}" for p in sorted(set(got) - set(want))[:20]]
+    raise checkpointing.CheckpointError(
+        f"{where}: {reader.items} holds another optimizer's state than this run's (adamw):\n" + "\n".join(lines)
+    )
+  placed = {p: jax.device_put(jnp.asarray(got[p], want[p].dtype), want[p].sharding) for p in want}
+  leaves = [placed[p] for p in _leaf_paths(target)]
+  return trainer.from_checkpoint(jax.tree.unflatten(jax.tree.structure(target), leaves))
+
+
+def _leaf_paths(tree) -> dict:
+  return {layouts.keypath_str(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def evaluate(trainer, state, eval_data: data.Dataset, steps: int) -> float:
+  """Token-weighted mean loss over the first `steps` eval batches."""
+  total = tokens = 0.0
+  for step in range(steps):
+    batch = eval_data.batch(step, jax.process_index(), jax.process_count())
+    metrics = jax.device_get(trainer.eval_step(state, trainer.shard_batch(batch)))
+    total += float(metrics["loss"]) * float(metrics["tokens"])
+    tokens += float(metrics["tokens"])
+  return total / max(tokens, 1.0)

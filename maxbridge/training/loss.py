@@ -1,0 +1,100 @@
+"""Training objectives as objects the one train step calls; `maxbridge.training.recipe.create_loss` picks one.
+
+A loss reads the batch keys it declares, runs the forward pass it is given
+(as often as it needs: DPO runs it on chosen and rejected rows), and returns
+`(sum, aux)`: a sum over the batch, never a mean, with `aux["tokens"]` the
+count to divide by. Gradient accumulation adds micro-batch sums and divides
+once, so it equals the full-batch step exactly. Every other `aux` entry is
+reported per token too (`z_loss`, `moe_lb_loss`, ...).
+"""
+
+import abc
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from maxbridge.ops import losses
+
+Batch = Mapping[str, jax.Array]
+
+
+class Forward:
+  """The forward pass of the model in training, over `params` (differentiated) and `frozen` (only read).
+
+  `forward(tokens, positions, segment_ids)`, each int32 [B, T], returns
+  (logits [B, T, V], flat intermediates). A loss that must take the
+  parameters as explicit arguments (a `custom_vjp`, as vocabulary tiling)
+  reads `params` and `frozen` and calls `apply(params, frozen, ...)` itself;
+  `canonical(params)` is the same parameters as a canonical tree (traceable,
+  differentiable), for losses that read a part of the model directly.
+  """
+
+  def __init__(self, apply: Callable, params: Any, frozen: Any, canonical: Callable[[Any], dict] | None = None):
+    self.apply = apply
+    self.params = params
+    self.frozen = frozen
+    self._canonical = canonical
+
+  def canonical(self, params: Any) -> dict:
+    if self._canonical is None:
+      raise NotImplementedError("this Forward was built without a canonical view of its parameters")
+    return self._canonical(params)
+
+  def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array):
+    return self.apply(self.params, self.frozen, tokens, positions, segment_ids)
+
+
+class Loss(abc.ABC):
+  """What a train step minimises; subclasses set `batch_keys` and implement `__call__`."""
+
+  # Each an int32 [batch, length] array (data.py's convention), so that the
+  # data pipeline and the ahead-of-time compile know the batch from the loss.
+  batch_keys: tuple[str, ...] = ()
+  # True: the step also passes `reference`, the forward pass over parameters
+  # that no gradient flows through (DPO's reference model, GRPO's old policy).
+  needs_reference: bool = False
+  # True: that reference is instead the policy the run started from, frozen
+  # (DPO): `Trainer.set_reference` holds it, and a step without one fails.
+  frozen_reference: bool = False
+  # aux entries train.py writes to metrics.jsonl (each per `tokens`, as the loss).
+  metric_keys: tuple[str, ...] = ()
+
+  @abc.abstractmethod
+  def __call__(self, forward: Forward, batch: Batch, reference: Forward | None = None) -> tuple[jax.Array, dict]:
+    """(sum of the loss over the batch, aux with at least "tokens")."""
+
+
+class CrossEntropy(Loss):
+  """Next-token cross-entropy over non-padding targets, plus z-loss and the sown MoE load-balancing loss."""
+
+  batch_keys = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
+
+  def __init__(self, z_loss_multiplier: float = 0.0):
+    self.z_loss_multiplier = z_loss_multiplier
+
+  def __call__(self, forward: Forward, batch: Batch, reference: Forward | None = None) -> tuple[jax.Array, dict]:
+    logits, intermediates = forward(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+    return self.terms(logits, batch, intermediates)
+
+  def terms(self, logits: jax.Array, batch: Batch, intermediates: Mapping[str, Any]) -> tuple[jax.Array, dict]:
+    """(sum of per-token losses, {"tokens", "z_loss", "moe_lb_loss"}) over the non-padding targets."""
+    mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
+    per_token, z_loss = losses.cross_entropy_with_z_loss(
+        logits, batch["targets"], z_loss_multiplier=self.z_loss_multiplier
+    )
+    return self.total(jnp.sum(per_token * mask), jnp.sum(z_loss * mask), mask, intermediates)
+
+  @staticmethod
+  def total(token_sum: jax.Array, z_loss_sum: jax.Array, mask: jax.Array, intermediates: Mapping[str, Any]):
+    """Adds the MoE load-balancing loss to a token sum (which includes the z-loss); returns (sum, aux).
+
+    The load-balancing loss (sown by MoE decoders, already weighted) is a
+    per-batch mean, so it enters weighted by this batch's token count.
+    """
+    tokens = jnp.sum(mask)
+    moe_lb_loss = intermediates.get("decoder/moe_lb_loss", jnp.float32(0.0)) * tokens
+    aux = {"tokens": tokens, "z_loss": z_loss_sum, "moe_lb_loss": moe_lb_loss}
+    if "decoder/max_logits" in intermediates:  # [layers, heads], sown when QK-Clip is on
+      aux["maxima"] = {"max_logits": intermediates["decoder/max_logits"]}
+    return token_sum + moe_lb_loss, aux

@@ -1,0 +1,173 @@
+"""GRPO's pieces: verifiable rewards, group-normalised advantages, batches and the loss.
+
+For each prompt, `num_generations` completions are sampled; each is scored by
+a reward function, and its advantage is its reward normalised within its
+group (the prompt's completions): (r - mean) / (std + eps). The loss, over
+completion tokens, is the clipped policy ratio of PPO plus a KL penalty to the
+frozen reference (Shao et al. 2024, MaxText's `grpo_epsilon`, `grpo_beta`):
+
+    ratio = exp(log pi - log pi_old)
+    loss  = -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon) * A)
+            + beta * (exp(log ref - log pi) - (log ref - log pi) - 1)
+
+summed over completion tokens and divided by their count (token-level, so
+gradient accumulation stays exact). With one update per sampled batch (as
+here), pi_old is the policy itself with no gradient: the ratio is 1 in value
+and its gradient is the policy gradient, so with beta = 0 the loss reduces to
+-A * log pi up to a constant.
+
+A GRPO step (`use_grpo=true`: `maxbridge train llama-tiny use_grpo=true`)
+samples `num_generations` completions of each of a global batch of built-in
+prompts with the engine's cached decoding (`maxbridge.models.decoding.generate_tokens`)
+from the current policy parameters, in this process with no copy
+(`Rollouts`), scores them with `reward_function`, and takes one train step.
+`maxbridge.train` runs it in a run folder (metrics.jsonl, checkpoints of the
+policy only, resume); `train_grpo` runs the same steps in memory.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxbridge.core.config import Config
+from maxbridge.training.loss import Batch, CrossEntropy, Forward, Loss
+from maxbridge.training.posttrain import sft
+
+# Built-in prompts: two-digit operands, so every prompt is 6 tokens and a
+# group batch is one [rows, 6] array (the sampler takes prompts of one length).
+GRPO_OPERANDS = range(10, 20)
+Reward = Callable[[str, str], float]
+
+ADVANTAGE_EPS = 1e-4
+_ANSWER = re.compile(r"-?\d+\n")
+
+
+def exact_match_reward(prompt: str, completion: str) -> float:
+  """1.0 when the completion's first line is the sum the `a+b=` prompt asks for, else 0.0."""
+  a, b = prompt.rstrip("=").split("+")
+  return float(completion.split("\n", 1)[0] == str(int(a) + int(b)))
+
+
+def format_reward(prompt: str, completion: str) -> float:
+  """1.0 when the completion is one integer and a newline (the built-in set's answer format)."""
+  return float(_ANSWER.fullmatch(completion) is not None)
+
+
+def builtin_reward(prompt: str, completion: str) -> float:
+  return exact_match_reward(prompt, completion) + 0.1 * format_reward(prompt, completion)
+
+
+def group_advantages(rewards: np.ndarray) -> np.ndarray:
+  """[prompts, num_generations] rewards -> advantages, zero-mean and unit-scale within each group.
+
+  A group whose rewards are all equal gets zeros: nothing in it to prefer.
+  """
+  rewards = np.asarray(rewards, np.float64)
+  if rewards.ndim != 2 or rewards.shape[1] < 2:
+    raise ValueError(f"rewards must be [prompts, num_generations] with num_generations >= 2, got shape {rewards.shape}")
+  centred = rewards - rewards.mean(axis=1, keepdims=True)
+  return (centred / (rewards.std(axis=1, keepdims=True) + ADVANTAGE_EPS)).astype(np.float32)
+
+
+def pack_completions(prompts: list[list[int]], completions: list[list[int]], advantages: np.ndarray, length: int) -> dict:
+  """One (prompt + completion) per row, completion tokens as targets, and `advantages` [rows, length]
+  (each row's advantage on every position); `completions` is prompt-major, `num_generations` per prompt."""
+  groups = len(completions) // len(prompts)
+  examples = [sft.example(prompts[i // groups], completion) for i, completion in enumerate(completions)]
+  rows = sft.fill_rows([[i] for i in range(len(examples))], [(t[:length], c[:length]) for t, c in examples], length, True)
+  rows["advantages"] = np.broadcast_to(np.asarray(advantages, np.float32).reshape(-1, 1), (len(examples), length)).copy()
+  return rows
+
+
+class GRPO(Loss):
+  """The clipped-ratio loss with a KL penalty to the frozen reference; metrics per completion token."""
+
+  batch_keys = (*CrossEntropy.batch_keys, "advantages")
+  needs_reference = True
+  frozen_reference = True
+  metric_keys = ("kl", "clip_fraction")
+
+  def __init__(self, beta: float = 0.04, epsilon: float = 0.2):
+    self.beta = beta
+    self.epsilon = epsilon
+
+  def __call__(self, forward: Forward, batch: Batch, reference: Forward | None = None) -> tuple[jax.Array, dict]:
+    if reference is None:
+      raise ValueError("GRPO needs a reference model for its KL penalty (Trainer.set_reference)")
+    inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+    logits, intermediates = forward(*inputs)
+    log_probs = token_log_probs(logits, batch["targets"])
+    reference_log_probs = jax.lax.stop_gradient(token_log_probs(reference(*inputs)[0], batch["targets"]))
+    mask = (batch["targets_segmentation"] > 0).astype(jnp.float32)
+    ratio = jnp.exp(log_probs - jax.lax.stop_gradient(log_probs))
+    advantages = batch["advantages"]
+    clipped = jnp.clip(ratio, 1 - self.epsilon, 1 + self.epsilon)
+    policy = -jnp.minimum(ratio * advantages, clipped * advantages)
+    delta = reference_log_probs - log_probs
+    kl = jnp.exp(delta) - delta - 1
+    loss, aux = CrossEntropy.total(jnp.sum((policy + self.beta * kl) * mask), jnp.float32(0.0), mask, intermediates)
+    del aux["z_loss"]
+    aux["kl"] = jnp.sum(kl * mask)
+    aux["clip_fraction"] = jnp.sum((ratio != clipped) * mask)
+    return loss, aux
+
+
+def token_log_probs(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """log p(target) at every position, float32 [B, T]."""
+  return jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)), targets[..., None], -1)[..., 0]
+
+
+def builtin_prompts() -> list[str]:
+  return [f"{a}+{b}=" for a in GRPO_OPERANDS for b in GRPO_OPERANDS]
+
+
+REWARDS: dict[str, Reward] = {"arithmetic": builtin_reward, "exact_match": exact_match_reward, "format": format_reward}
+
+
+def load_reward(reward: str | Reward) -> Reward:
+  """A reward callable: given, built in (`REWARDS`: "arithmetic", ...), or named by dotted path (`package.module.function`)."""
+  if callable(reward):
+    return reward
+  if reward in REWARDS:
+    return REWARDS[reward]
+  module, _, name = str(reward).rpartition(".")
+  try:
+    found = getattr(importlib.import_module(module), name)
+  except (ImportError, AttributeError, ValueError) as e:
+    raise ValueError(
+        f"reward_function {reward!r} cannot be imported (want one of {sorted(REWARDS)} or package.module.function): {e}"
+    ) from e
+  if not callable(found):
+    raise ValueError(
+        f"reward_function {reward!r} is a {type(found).__name__}, not a callable (prompt, completion) -> float"
+    )
+  return found
+
+
+def score(reward: Reward, prompts: list[str], completions: list[str], num_generations: int) -> np.ndarray:
+  """[prompts, num_generations] rewards; each must be a real number."""
+  values = [reward(prompts[i // num_generations], c) for i, c in enumerate(completions)]
+  bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer))]
+  if bad:
+    raise ValueError(
+        f"reward_function {getattr(reward, '__name__', reward)!r} must return one number per completion "
+        f"(called as reward(prompt: str, completion: str)), got {bad[0]!r}"
+    )
+  return np.asarray(values, np.float64).reshape(len(prompts), num_generations)
+
+
+def completion_tokens(continuation: np.ndarray, stop: int = ord("\n")) -> list[int]:
+  """A sampled continuation up to and including its first `stop` token (all of it if none)."""
+  hits = np.flatnonzero(continuation == stop)
+  return continuation[: hits[0] + 1 if hits.size else continuation.size].tolist()
+
+
+def prompts_per_step(config: Config) -> int:
+  """Prompts sampled per step: the global batch (per device, times devices, times micro-batches)."""
+  return config.per_device_batch_size * jax.device_count() * config.gradient_accumulation_steps
