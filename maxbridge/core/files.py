@@ -10,6 +10,8 @@ and remove it; one of a live process, or of another host, is never touched.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
 import shutil
@@ -17,6 +19,7 @@ import socket
 import sys
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 
 def umask() -> int:
@@ -95,3 +98,55 @@ def remove_stale_temps(destination: str | os.PathLike, tag: str) -> list[Path]:
       removed.append(entry)
       print(f"maxbridge: removed {entry}, left by a killed run (pid {match.group(1)})", file=sys.stderr)
   return removed
+
+
+class RunInUse(ValueError):
+  """Another process is writing the run folder: a second writer would interleave its history with the first's."""
+
+
+def lock_path(run_dir: str | os.PathLike) -> Path:
+  """The lock file of a run folder: beside it, so that a run that fails before it starts leaves no folder."""
+  run_dir = Path(run_dir)
+  return run_dir.parent / f".{run_dir.name}.lock"
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: str | os.PathLike) -> Iterator[None]:
+  """Holds the one writer's lock of `run_dir` for the block, or raises `RunInUse` naming the holder's pid.
+
+  An exclusive `flock`: the kernel releases it when its holder dies, kill -9
+  included, so a lock file left by a killed run is no obstacle. The holder
+  removes the file as it leaves; whoever locked a file that was removed
+  meanwhile locks the new one instead, so two processes never both hold it.
+  Readers (generate, export-hf, convert, compare) never take it.
+  """
+  path = lock_path(run_dir)
+  made = None if path.parent.exists() else path.parent
+  path.parent.mkdir(parents=True, exist_ok=True)
+  while True:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666 & ~umask())
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+      os.close(fd)
+      raise RunInUse(
+          f"{Path(run_dir)} is being written by another process (pid {holder}); a run folder takes one writer "
+          "at a time: wait for it to finish, or choose another run_name"
+      ) from None
+    try:
+      if os.stat(path).st_ino == os.fstat(fd).st_ino:
+        break
+    except FileNotFoundError:
+      pass
+    os.close(fd)  # the holder we waited for removed this file: lock the one now there
+  try:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    yield
+  finally:
+    os.unlink(path)  # while still locked: a process that opened it meanwhile sees it gone, and retries
+    os.close(fd)
+    if made is not None:
+      with contextlib.suppress(OSError):  # a new base folder that nothing else was written into
+        made.rmdir()
