@@ -1,12 +1,11 @@
 """The decoder stack: learned positions (when the family has them), layers, final norm, output head.
 
-`config.decoder_block` picks the layer class of each stack (`layer_classes`);
-the stacks themselves, their names and sizes, come from `canonical.layer_stacks`.
+The family entry (`config.family`) names each stack and its layer kind, and
+`LAYER_CLASSES` maps a kind to this backend's layer class (`layer_classes`);
+the stacks' sizes come from `canonical.layer_stacks`.
 A layer returns (x, per-layer values); each value is stacked over the layers
 and sown as `decoder/<key>`.
 """
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +13,6 @@ from flax import nnx
 
 from maxbridge.core import canonical
 from maxbridge.core.config import Config
-from maxbridge.ops import embedding as embedding_ops
 from maxbridge.ops import linear
 from maxbridge.ops import output_head
 from maxbridge.ops import remat
@@ -36,8 +34,8 @@ LAYER_CLASSES = {
 
 
 def layer_classes(config: Config) -> dict[str, type[nnx.Module]]:
-  """Stack name -> layer class (`canonical.layer_kinds`)."""
-  return {stack: LAYER_CLASSES[kind] for stack, kind in canonical.layer_kinds(config).items()}
+  """Stack name -> layer class, by the kind of layer the family's stack holds."""
+  return {stack.name: LAYER_CLASSES[stack.kind] for stack in config.family.stacks}
 
 
 class Decoder(nnx.Module):
@@ -89,13 +87,14 @@ class Decoder(nnx.Module):
     # Before the final norm, which belongs to the output head: vocabulary
     # tiling runs that head itself, tile by tile.
     self.sow(nnx.Intermediate, "hidden_states", x)
-    if cfg.logits_via_embedding:
-      project = functools.partial(
-          embedding_ops.attend, embedding=embedding, dtype=jnp.dtype(cfg.dtype), dot_general=self.dot_general
-      )
-    else:
-      project = self.logits_dense
-    return output_head.output_logits(x, norm=self.decoder_norm, project=project)
+    return output_head.output_logits(
+        x,
+        norm=self.decoder_norm,
+        project=None if cfg.logits_via_embedding else self.logits_dense,
+        embedding=embedding,
+        dtype=jnp.dtype(cfg.dtype),
+        dot_general=self.dot_general,
+    )
 
 
 def _stacked_layers(layer_class, cfg: Config, count: int, rngs: nnx.Rngs) -> nnx.Module:

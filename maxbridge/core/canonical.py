@@ -12,32 +12,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Layer stacks by name: "layers" for every family, plus DeepSeek's two
-# ("dense_layers" then "moe_layers"), as MaxText names them.
-STACK_NAMES = ("layers", "dense_layers", "moe_layers")
+from maxbridge.core import families
+
+# Layer stacks by name, as each family names them (MaxText's names): "layers",
+# and DeepSeek's two, "dense_layers" then "moe_layers".
+STACK_NAMES = families.STACK_NAMES
 STACK_PATTERN = "|".join(STACK_NAMES)
 _LAYER = re.compile(rf"^(.*/)?({STACK_PATTERN})_(\d+)(/.*)$")  # .../layers_3/x
 _STACKED = re.compile(rf"^(.*/)?({STACK_PATTERN})(/.*)$")  # .../layers/x
 
 
 def layer_stacks(config) -> tuple[tuple[str, int], ...]:
-  """(stack name, number of layers) of the decoder's stacks, in depth order."""
-  if config.decoder_block == "deepseek":
-    dense = config.first_num_dense_layers
-    stacks = (("dense_layers", dense), ("moe_layers", config.num_decoder_layers - dense))
-    return tuple(stack for stack in stacks if stack[1])
-  return (("layers", config.num_decoder_layers),)
-
-
-def layer_kinds(config) -> dict[str, str]:
-  """Stack name -> the kind of layer it holds; each backend's `layer_classes` maps a kind to its class.
-
-  Llama 2, Mistral and Qwen3 share one layer: what differs between them is config.
-  """
-  if config.decoder_block == "deepseek":
-    return {"dense_layers": "deepseek_dense", "moe_layers": "deepseek_moe"}
-  shared = config.decoder_block in ("llama2", "mistral", "qwen3")
-  return {"layers": "llama" if shared else config.decoder_block}
+  """(stack name, number of layers) of the decoder's stacks, in depth order (the family's `stacks`)."""
+  return config.family.layer_stacks(config)
 
 
 def layer_of(path: str) -> tuple[str, int] | None:

@@ -1,7 +1,8 @@
 """Configuration: base.yml defaults, a preset or YAML file, then overrides.
 
 Here: reading the sources, coercing each value to its key's type, and Config.
-The rules a value must pass, and MaxText's keys, are in maxbridge/config_rules.py.
+The rules a value must pass, and MaxText's keys, are in maxbridge/core/config_rules.py;
+each family's own, in its entry of the family registry (maxbridge/core/families/).
 Pure Python on purpose (no jax import), so the CLI can reject a bad key
 before paying for JAX start-up.
 """
@@ -17,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from maxbridge.core import config_rules, files
+from maxbridge.core import config_rules, families, files
 from maxbridge.core.config_rules import ConfigError
 
 CONFIG_DIR = Path(__file__).parent.parent / "configs"  # maxbridge/configs: data, beside the code that reads it
@@ -120,7 +121,7 @@ class Config:
   log_period: int
   load_parameters_path: str
   load_full_state_path: str
-  # LoRA fine-tuning (see maxbridge/lora.py)
+  # LoRA fine-tuning (see maxbridge/models/lora.py)
   lora_rank: int
   lora_alpha: float
   lora_module_path: str
@@ -133,7 +134,7 @@ class Config:
   decode_sampling_top_k: int
   decode_sampling_nucleus_p: float
   stack_prefill_result_cache: bool
-  # quantization (see maxbridge/quantization.py)
+  # quantization (see maxbridge/ops/quantization.py)
   quantization: str
   use_qwix_quantization: bool
   checkpoint_is_quantized: bool
@@ -182,9 +183,19 @@ class Config:
     return self.base_num_decoder_layers
 
   @property
+  def family(self) -> families.Family:
+    """The entry of `decoder_block` in the family registry: its stacks, norm, cache, Hugging Face tables, rules."""
+    return families.lookup(self.decoder_block)
+
+  @property
   def normalization(self) -> str:
-    """The layers' and final norm: "layer_norm" (GPT-2/3, with a bias) or "rms_norm" (every other family)."""
-    return "layer_norm" if self.decoder_block == "gpt3" else "rms_norm"
+    """The layers' and final norm: "layer_norm" (with a bias, GPT-2/3) or "rms_norm", as the family names it."""
+    return self.family.norm
+
+  @property
+  def llama3_rope_scaling(self) -> bool:
+    """Whether RoPE takes Llama 3.1's frequency scaling (rope_type='llama3.1' with rope_use_scale)."""
+    return self.rope_type == "llama3.1" and self.rope_use_scale
 
   @property
   def schedule_steps(self) -> int:

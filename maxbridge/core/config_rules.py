@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from maxbridge.core import families
+
 # `maxbridge.core.config.Config`, which runs these rules on every instance: so this module cannot import it.
 Config = Any
 
@@ -25,9 +27,6 @@ class ConfigError(ValueError):
   """A configuration key or value that cannot be used; the message says which and why."""
 
 
-# Decoder families, by MaxText's names: llama2 (also Mistral and Qwen3 through
-# sliding_window_size / use_qk_norm), gpt3 (GPT-2/3), mixtral (MoE), deepseek (MLA + MoE).
-DECODER_BLOCKS = ("llama2", "mistral", "qwen3", "gpt3", "mixtral", "deepseek")
 # MaxText's `quantization` values ("" = float). Each library accepts a subset.
 QUANTIZATIONS = ("", "int8", "int4", "fp8", "nf4")
 QUANTIZATIONS_BY_LIBRARY = {"aqt": ("", "int8"), "qwix": ("", "int8", "int4", "fp8")}
@@ -132,7 +131,7 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 )
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
-    "decoder_block": DECODER_BLOCKS,
+    "decoder_block": families.DECODER_BLOCKS,
     "routed_score_func": ("", "sigmoid"),
     "rope_type": ("default", "llama3.1"),
     "dtype": ("float32", "bfloat16"),
@@ -260,17 +259,11 @@ def _validate_lora(cfg: Config) -> None:
 
 
 def _validate_family(cfg: Config) -> None:
-  """Cross-key rules of the decoder families; each message names the keys at fault."""
-  block = cfg.decoder_block
+  """Cross-key rules of the model: those every family shares, then the family's own (its entry's `check`)."""
   if cfg.use_qk_clip and cfg.use_qk_norm:
     raise ConfigError(
         "use_qk_clip=true with use_qk_norm=true: the query/key RMSNorm undoes any scaling of the "
         "query kernel, and already bounds the logits; set use_qk_clip=false"
-    )
-  if cfg.rope_type == "llama3.1" and block in ("gpt3", "deepseek"):
-    raise ConfigError(
-        f"rope_type='llama3.1' scales the RoPE of Llama-style attention; decoder_block={block!r} has its own "
-        "positions: set rope_type='default'"
     )
   if cfg.rope_high_freq_factor <= cfg.rope_low_freq_factor:
     raise ConfigError(
@@ -279,54 +272,9 @@ def _validate_family(cfg: Config) -> None:
     )
   if cfg.num_experts_per_tok > cfg.num_experts:
     raise ConfigError(f"num_experts_per_tok={cfg.num_experts_per_tok} must be at most num_experts={cfg.num_experts}")
-  if block in ("mixtral", "deepseek") and cfg.num_experts < 2:
-    raise ConfigError(f"decoder_block={block!r} routes tokens to experts: num_experts must be >= 2")
-  if block in ("gpt3", "deepseek") and cfg.base_num_query_heads != cfg.base_num_kv_heads:
-    raise ConfigError(
-        f"decoder_block={block!r} has no grouped-query attention: base_num_kv_heads="
-        f"{cfg.base_num_kv_heads} must equal base_num_query_heads={cfg.base_num_query_heads}"
-    )
-  if block == "qwen3" and not cfg.use_qk_norm:
-    raise ConfigError(
-        "decoder_block='qwen3' normalises each query and key head: set use_qk_norm=true "
-        "(without it the model is decoder_block='llama2')"
-    )
-  # No such rule for mistral: Mistral 7B v0.2 and later have no window
-  # (Hugging Face's sliding_window: null), and import as sliding_window_size=0.
-  if block in ("gpt3", "deepseek") and (cfg.sliding_window_size or cfg.use_qk_norm):
-    raise ConfigError(
-        f"decoder_block={block!r} has its own attention, which reads neither sliding_window_size="
-        f"{cfg.sliding_window_size} nor use_qk_norm={cfg.use_qk_norm}: leave them at 0 and false"
-    )
-  if block == "gpt3" and cfg.trainable_position_size == 0:
-    raise ConfigError(
-        "decoder_block='gpt3' learns absolute positions: set trainable_position_size "
-        "(the longest sequence it can read, e.g. max_target_length)"
-    )
-  if block == "deepseek":
-    if cfg.first_num_dense_layers > cfg.base_num_decoder_layers:
-      raise ConfigError(
-          f"first_num_dense_layers={cfg.first_num_dense_layers} exceeds "
-          f"base_num_decoder_layers={cfg.base_num_decoder_layers}"
-      )
-    if cfg.qk_rope_head_dim % 2:
-      raise ConfigError(f"qk_rope_head_dim={cfg.qk_rope_head_dim} must be even (RoPE rotates pairs)")
-    groups, top_groups = cfg.n_routing_groups, cfg.topk_routing_group
-    if (groups == -1) != (top_groups == -1):
-      raise ConfigError(f"n_routing_groups={groups} and topk_routing_group={top_groups}: set both, or both to -1")
-    if groups != -1:
-      if cfg.num_experts % groups or cfg.num_experts // groups < 2:
-        raise ConfigError(
-            f"n_routing_groups={groups} must split num_experts={cfg.num_experts} into equal "
-            "groups of at least 2 experts (groups are ranked by their top-2 scores)"
-        )
-      if top_groups > groups:
-        raise ConfigError(f"topk_routing_group={top_groups} exceeds n_routing_groups={groups}")
-      if cfg.num_experts_per_tok > top_groups * (cfg.num_experts // groups):
-        raise ConfigError(
-            f"num_experts_per_tok={cfg.num_experts_per_tok} exceeds the experts in "
-            f"topk_routing_group={top_groups} groups of {cfg.num_experts // groups}"
-        )
+  problems = families.lookup(cfg.decoder_block).check(cfg)
+  if problems:
+    raise ConfigError("\n".join(problems))
 
 
 def _validate_quantization(cfg: Config) -> None:

@@ -15,20 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from maxbridge.core import canonical
+from maxbridge.core.families import query_kernel_carries_scale  # re-exported: the attention layers ask here
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
-
-
-def query_kernel_carries_scale(config) -> bool:
-  """Whether the query kernel holds attention's 1/sqrt(head_dim), so that attention does not scale at run time.
-
-  MaxText's Llama numerics fold the factor into the query kernel (DESIGN.md).
-  Elsewhere it cannot be folded: query/key norms (Qwen3) would undo it, MLA
-  (DeepSeek) scales by 1/sqrt(nope + rope) at run time as MaxText and Hugging
-  Face do, and GPT-2/3's fused `qkv_proj` has no query kernel of its own. The
-  initializers, the attention layers and the Hugging Face mapping all ask here.
-  """
-  return config.decoder_block not in ("deepseek", "gpt3") and not config.use_qk_norm
 
 
 @dataclasses.dataclass(frozen=True)

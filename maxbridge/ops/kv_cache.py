@@ -49,13 +49,11 @@ _ENTRY_AXES = {
 def entries(config) -> dict[str, tuple[int, ...]]:
   """Name -> per-token shape (in token order) of what one attention layer of `config` caches.
 
-  MLA (DeepSeek) caches the normed latent and the rotated shared rope key, as
-  DeepSeek does, and expands them to keys and values on every read.
+  The family names them (`cache_entries`): keys and values, or for MLA
+  (DeepSeek) the normed latent and the rotated shared rope key, as DeepSeek
+  does, expanded to keys and values on every read.
   """
-  if config.decoder_block == "deepseek":
-    return {"cached_latent": (config.kv_lora_rank,), "cached_key_rope": (config.qk_rope_head_dim,)}
-  kv_heads = config.num_query_heads if config.decoder_block == "gpt3" else config.num_kv_heads
-  return {"cached_key": (kv_heads, config.head_dim), "cached_value": (kv_heads, config.head_dim)}
+  return config.family.cache_entries(config)
 
 
 def window(config) -> int:

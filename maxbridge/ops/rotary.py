@@ -40,7 +40,7 @@ class Llama3Scaling:
 
 def scaling_from_config(config) -> Llama3Scaling | None:
   """Llama 3.1's RoPE frequency scaling from a config's `rope_*` keys, or None for plain RoPE."""
-  if config.rope_type != "llama3.1" or not config.rope_use_scale:
+  if not config.llama3_rope_scaling:
     return None
   return Llama3Scaling(
       config.rope_factor,

@@ -15,7 +15,8 @@ The scale is folded into the weights so that the head's logits shrink by s:
 Per layer, also in scanned stacks: each layer is clipped by its own heads'
 maxima (MaxText reduces over the stacked layer axis and clips every layer
 alike; we do not). Heads at or under τ are left bit-identical (s is exactly 1).
-Acts on canonical parameters, so it is written once for both backends.
+Acts on canonical parameters, so it is written once for both backends; the
+weights and pieces of each family are its registry entry's `qk_clip_targets`.
 """
 
 import dataclasses
@@ -26,33 +27,6 @@ import jax.numpy as jnp
 
 from maxbridge.core import canonical
 from maxbridge.core.config import Config
-
-
-@dataclasses.dataclass(frozen=True)
-class _Piece:
-  """Multiply [start, stop) of `feature_axis` by s ** power, per head along `head_axis`."""
-
-  feature_axis: int
-  start: int
-  stop: int
-  power: float
-
-
-def _targets(config: Config) -> dict[str, tuple[int, tuple[_Piece, ...]]]:
-  """Path under a layer -> (head axis, pieces), in the unscanned leaf's axes."""
-  if config.decoder_block == "deepseek":  # MLA
-    nope, rope = config.qk_nope_head_dim, config.qk_rope_head_dim
-    query = "self_attention/query/kernel" if config.q_lora_rank == 0 else "self_attention/wq_b/kernel"
-    return {
-        query: (1, (_Piece(2, 0, nope, 0.5), _Piece(2, nope, nope + rope, 1.0))),
-        "self_attention/wkv_b/kernel": (1, (_Piece(2, 0, nope, 0.5),)),
-    }
-  if config.decoder_block == "gpt3":  # fused [D, 3, N, H]: q is index 0 of the "qkv" axis
-    return {
-        "self_attention/qkv_proj/kernel": (2, (_Piece(1, 0, 1, 1.0),)),
-        "self_attention/qkv_proj/bias": (1, (_Piece(0, 0, 1, 1.0),)),
-    }
-  return {"self_attention/query/kernel": (1, (_Piece(2, 0, config.head_dim, 1.0),))}
 
 
 def head_scales(max_logits: jax.Array, threshold: float) -> jax.Array:
@@ -92,7 +66,7 @@ def clip(params: Mapping[str, Any], max_logits: Mapping[str, jax.Array], config:
   Works on scanned (`decoder/layers`, layer axis at `param_scan_axis`) and
   unscanned (`decoder/layers_i`) trees alike.
   """
-  targets = _targets(config)
+  targets = config.family.qk_clip_targets(config)  # path under a layer -> (head axis, pieces)
   axis = config.param_scan_axis
   flat = canonical.flatten(params)
   for stack, count in canonical.layer_stacks(config):

@@ -23,7 +23,7 @@ import numpy as np
 from maxbridge.core import sharding
 from maxbridge.core.config import Config, ConfigError
 from maxbridge.training.loss import CrossEntropy, Forward
-from maxbridge.ops import embedding, linear, losses, normalization, output_head
+from maxbridge.ops import linear, losses, output_head
 
 # head(trainable, frozen, hidden [rows, D]) -> float32 logits [rows, V]
 Head = Callable[[Any, Any, jax.Array], jax.Array]
@@ -183,25 +183,17 @@ def canonical_head(config: Config) -> Head:
   def head(trainable, frozen, hidden):
     del frozen  # the head reads nothing else
     x = hidden[:, None, :]  # [rows, 1, D]: the ops take [batch, length, D]
-    norm_params = trainable["decoder"]["decoder_norm"]
-    if config.decoder_block == "gpt3":  # LayerNorm with a bias
-      norm = functools.partial(
-          normalization.layer_norm,
-          scale=norm_params["scale"],
-          bias=norm_params["bias"],
-          epsilon=config.normalization_layer_epsilon,
-          dtype=dtype,
-      )
-    else:
-      norm = functools.partial(
-          normalization.rms_norm, scale=norm_params["scale"], epsilon=config.normalization_layer_epsilon, dtype=dtype
-      )
+    decoder = trainable["decoder"]
+    norm = output_head.final_norm(
+        config.normalization, decoder["decoder_norm"], epsilon=config.normalization_layer_epsilon, dtype=dtype
+    )
     if config.logits_via_embedding:
-      project = functools.partial(embedding.attend, embedding=trainable["token_embedder"]["embedding"], dtype=dtype)
+      logits = output_head.output_logits(x, norm=norm, embedding=trainable["token_embedder"]["embedding"], dtype=dtype)
     else:
-      kernel = trainable["decoder"]["logits_dense"]["kernel"]
+      kernel = decoder["logits_dense"]["kernel"]
       project = functools.partial(linear.dense_general, kernel=kernel, in_ndim=1, dtype=dtype)
-    return output_head.output_logits(x, norm=norm, project=project)[:, 0, :]
+      logits = output_head.output_logits(x, norm=norm, project=project)
+    return logits[:, 0, :]
 
   return head
 

@@ -1,0 +1,130 @@
+"""What a family entry names, and the facts several families share.
+
+Pure Python, like the config that reads it: no jax, so the command line can
+check a config before JAX starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+# A `maxbridge.core.config.Config`; that module reads the registry, so this package cannot import it.
+Config = Any
+# Cache entry name -> its per-token shape (`maxbridge.ops.kv_cache` adds the batch and sequence axes).
+CacheEntries = dict[str, tuple[int, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+  """One stack of identical decoder layers: its name in the canonical tree, its layer kind, and its depth.
+
+  Each backend maps a layer kind to its layer class (`LAYER_CLASSES` in decoders.py).
+  """
+
+  name: str
+  kind: str
+  depth: Callable[[Config], int] = lambda config: config.num_decoder_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class ClipPiece:
+  """QK-Clip multiplies [start, stop) of `feature_axis` by s ** power, per head."""
+
+  feature_axis: int
+  start: int
+  stop: int
+  power: float
+
+
+# Path under a layer -> (head axis, pieces), in the unscanned leaf's axes.
+ClipTargets = dict[str, tuple[int, tuple[ClipPiece, ...]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """One decoder family: everything outside its layer files that differs by family, as data."""
+
+  decoder_blocks: tuple[str, ...]  # the config's `decoder_block` values it serves
+  stacks: tuple[Stack, ...]  # in depth order
+  norm: str  # the layers' and the final norm: "rms_norm", or "layer_norm" (with a bias)
+  # Whether the query kernel holds attention's 1/sqrt(head_dim) (see `query_kernel_carries_scale`).
+  query_kernel_carries_scale: bool
+  cache_entries: Callable[[Config], CacheEntries]  # what one attention layer caches while decoding
+  qk_clip_targets: Callable[[Config], ClipTargets]  # the weights QK-Clip rescales, per layer
+  # Hugging Face architectures (`hf_rules.HFFamily`) exported as one of `decoder_blocks`.
+  hf: tuple[Any, ...]
+  # The config's family rules: one message per rule broken (naming the keys at fault), none when valid.
+  check: Callable[[Config], list[str]] = lambda config: []
+
+  def layer_stacks(self, config: Config) -> tuple[tuple[str, int], ...]:
+    """(stack name, number of layers) of the non-empty stacks, in depth order."""
+    depths = ((stack.name, stack.depth(config)) for stack in self.stacks)
+    return tuple((name, depth) for name, depth in depths if depth)
+
+
+def query_kernel_carries_scale(config: Config) -> bool:
+  """Whether the query kernel holds attention's 1/sqrt(head_dim), so that attention does not scale at run time.
+
+  MaxText's Llama numerics fold the factor into the query kernel (DESIGN.md).
+  Elsewhere it cannot be folded: query/key norms (Qwen3) would undo it, MLA
+  (DeepSeek) scales by 1/sqrt(nope + rope) at run time as MaxText and Hugging
+  Face do, and GPT-2/3's fused `qkv_proj` has no query kernel of its own. The
+  initializers, the attention layers and the Hugging Face mapping all ask here.
+  """
+  return config.family.query_kernel_carries_scale and not config.use_qk_norm
+
+
+def key_value_cache(config: Config, kv_heads: int | None = None) -> CacheEntries:
+  """Keys and values per token: [kv heads, head_dim] each (`kv_heads`, by default the config's)."""
+  kv_heads = config.num_kv_heads if kv_heads is None else kv_heads
+  return {"cached_key": (kv_heads, config.head_dim), "cached_value": (kv_heads, config.head_dim)}
+
+
+def query_kernel_clip(config: Config) -> ClipTargets:
+  """The query kernel [D, N, H] of grouped-query / multi-head attention: by s, per query head.
+
+  Keys are shared by several query heads, so they cannot carry a per-head factor.
+  """
+  return {"self_attention/query/kernel": (1, (ClipPiece(2, 0, config.head_dim, 1.0),))}
+
+
+# --- config rules several families share; each returns its message, or None -----------------------
+
+
+def own_positions(config: Config) -> str | None:
+  if config.rope_type == "llama3.1":
+    return (
+        f"rope_type='llama3.1' scales the RoPE of Llama-style attention; decoder_block={config.decoder_block!r} has "
+        "its own positions: set rope_type='default'"
+    )
+  return None
+
+
+def routes_to_experts(config: Config) -> str | None:
+  if config.num_experts < 2:
+    return f"decoder_block={config.decoder_block!r} routes tokens to experts: num_experts must be >= 2"
+  return None
+
+
+def no_grouped_query_attention(config: Config) -> str | None:
+  if config.base_num_query_heads != config.base_num_kv_heads:
+    return (
+        f"decoder_block={config.decoder_block!r} has no grouped-query attention: base_num_kv_heads="
+        f"{config.base_num_kv_heads} must equal base_num_query_heads={config.base_num_query_heads}"
+    )
+  return None
+
+
+def own_attention(config: Config) -> str | None:
+  if config.sliding_window_size or config.use_qk_norm:
+    return (
+        f"decoder_block={config.decoder_block!r} has its own attention, which reads neither sliding_window_size="
+        f"{config.sliding_window_size} nor use_qk_norm={config.use_qk_norm}: leave them at 0 and false"
+    )
+  return None
+
+
+def broken(*messages: str | None) -> list[str]:
+  """The messages of the rules that are broken (the others are None)."""
+  return [message for message in messages if message]

@@ -1,0 +1,208 @@
+"""DeepSeek-V3: multi-head latent attention (MLA), dense layers then MoE layers with shared experts."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from maxbridge.core.families import llama
+from maxbridge.core.families.base import (
+    CacheEntries,
+    ClipPiece,
+    ClipTargets,
+    Config,
+    Family,
+    Stack,
+    broken,
+    no_grouped_query_attention,
+    own_attention,
+    own_positions,
+    routes_to_experts,
+)
+from maxbridge.core.families.hf_rules import (
+    HFError,
+    HFFamily,
+    Linear,
+    Rule,
+    get_bool,
+    get_float,
+    get_int,
+    query_scale,
+    require,
+    rope_from_hf,
+    rope_to_hf,
+)
+
+_MLA = "{layer}/self_attention"
+_MOE = "{layer}/DeepSeekMoeBlock_0"
+RULES = (
+    llama.COMMON_RULES
+    + llama.GATED_MLP_RULES
+    + (
+        Rule("model.layers.{layer}.self_attn.q_proj.weight", f"{_MLA}/query/kernel", Linear(scale=query_scale)),
+        Rule("model.layers.{layer}.self_attn.q_a_proj.weight", f"{_MLA}/wq_a/kernel", Linear()),
+        Rule("model.layers.{layer}.self_attn.q_a_layernorm.weight", f"{_MLA}/q_norm/scale"),
+        Rule("model.layers.{layer}.self_attn.q_b_proj.weight", f"{_MLA}/wq_b/kernel", Linear()),
+        Rule("model.layers.{layer}.self_attn.kv_a_proj_with_mqa.weight", f"{_MLA}/wkv_a/kernel", Linear()),
+        Rule("model.layers.{layer}.self_attn.kv_a_layernorm.weight", f"{_MLA}/kv_norm/scale"),
+        Rule("model.layers.{layer}.self_attn.kv_b_proj.weight", f"{_MLA}/wkv_b/kernel", Linear()),
+        Rule("model.layers.{layer}.self_attn.o_proj.weight", f"{_MLA}/out/kernel", Linear(in_ndim=2)),
+        # MoE layers (the dense ones use llama's gated MLP rules, `mlp`).
+        Rule("model.layers.{layer}.mlp.gate.weight", f"{_MOE}/MoeBlock_0/gate/kernel", Linear()),
+        Rule("model.layers.{layer}.mlp.gate.e_score_correction_bias", f"{_MOE}/MoeBlock_0/gate/bias"),
+        Rule("model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight", f"{_MOE}/MoeBlock_0/wi_0", Linear()),
+        Rule("model.layers.{layer}.mlp.experts.{expert}.up_proj.weight", f"{_MOE}/MoeBlock_0/wi_1", Linear()),
+        Rule("model.layers.{layer}.mlp.experts.{expert}.down_proj.weight", f"{_MOE}/MoeBlock_0/wo", Linear()),
+        Rule("model.layers.{layer}.mlp.shared_experts.gate_proj.weight", f"{_MOE}/shared_experts/wi_0/kernel", Linear()),
+        Rule("model.layers.{layer}.mlp.shared_experts.up_proj.weight", f"{_MOE}/shared_experts/wi_1/kernel", Linear()),
+        Rule("model.layers.{layer}.mlp.shared_experts.down_proj.weight", f"{_MOE}/shared_experts/wo/kernel", Linear()),
+    )
+)
+
+
+def _config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
+  require(hf, "hidden_act", "silu", "silu")
+  require(hf, "attention_bias", False, False)
+  require(hf, "rope_interleave", True, True)
+  require(hf, "norm_topk_prob", True, True)
+  require(hf, "scoring_func", "sigmoid", "sigmoid")  # DeepSeek's own config.json spells these out
+  require(hf, "topk_method", "noaux_tc", "noaux_tc")
+  heads = get_int(hf, "num_attention_heads")
+  nope, rope = get_int(hf, "qk_nope_head_dim"), get_int(hf, "qk_rope_head_dim")
+  return {
+      "decoder_block": "deepseek",
+      "base_emb_dim": get_int(hf, "hidden_size"),
+      "base_num_query_heads": heads,
+      "base_num_kv_heads": get_int(hf, "num_key_value_heads", heads),
+      "head_dim": nope + rope,
+      "base_mlp_dim": get_int(hf, "intermediate_size"),
+      "moe_mlp_dim": get_int(hf, "moe_intermediate_size"),
+      "base_num_decoder_layers": get_int(hf, "num_hidden_layers"),
+      "first_num_dense_layers": get_int(hf, "first_k_dense_replace", 0),
+      "vocab_size": get_int(hf, "vocab_size"),
+      "normalization_layer_epsilon": get_float(hf, "rms_norm_eps", 1e-6),
+      **rope_from_hf(hf, llama3=True),
+      "logits_via_embedding": get_bool(hf, "tie_word_embeddings", False),
+      "num_experts": get_int(hf, "n_routed_experts"),
+      "num_experts_per_tok": get_int(hf, "num_experts_per_tok"),
+      "shared_experts": get_int(hf, "n_shared_experts", 0),
+      "n_routing_groups": get_int(hf, "n_group", 1),
+      "topk_routing_group": get_int(hf, "topk_group", 1),
+      "routed_scaling_factor": get_float(hf, "routed_scaling_factor", 1.0),
+      "routed_score_func": "sigmoid",
+      "routed_bias": True,
+      "load_balance_loss_weight": 0.0,
+      "q_lora_rank": get_int(hf, "q_lora_rank", 0),
+      "kv_lora_rank": get_int(hf, "kv_lora_rank"),
+      "qk_nope_head_dim": nope,
+      "qk_rope_head_dim": rope,
+      "v_head_dim": get_int(hf, "v_head_dim"),
+  }
+
+
+def _config_to_hf(cfg: Config) -> dict[str, Any]:
+  if cfg.routed_score_func != "sigmoid" or not cfg.routed_bias:
+    raise HFError(
+        "DeepSeek-V3 routes by sigmoid scores with a correction bias: routed_score_func='sigmoid' "
+        "and routed_bias=true are needed for an export"
+    )
+  return {
+      "hidden_size": cfg.emb_dim,
+      "num_attention_heads": cfg.num_query_heads,
+      "num_key_value_heads": cfg.num_kv_heads,
+      "intermediate_size": cfg.mlp_dim,
+      "moe_intermediate_size": cfg.moe_mlp_dim,
+      "num_hidden_layers": cfg.num_decoder_layers,
+      "first_k_dense_replace": cfg.first_num_dense_layers,
+      "vocab_size": cfg.vocab_size,
+      "rms_norm_eps": cfg.normalization_layer_epsilon,
+      "tie_word_embeddings": cfg.logits_via_embedding,
+      "n_routed_experts": cfg.num_experts,
+      "num_experts_per_tok": cfg.num_experts_per_tok,
+      "n_shared_experts": cfg.shared_experts,
+      "n_group": max(cfg.n_routing_groups, 1),
+      "topk_group": max(cfg.topk_routing_group, 1),
+      "routed_scaling_factor": cfg.routed_scaling_factor,
+      "norm_topk_prob": True,
+      "q_lora_rank": cfg.q_lora_rank or None,
+      "kv_lora_rank": cfg.kv_lora_rank,
+      "qk_nope_head_dim": cfg.qk_nope_head_dim,
+      "qk_rope_head_dim": cfg.qk_rope_head_dim,
+      "head_dim": cfg.qk_rope_head_dim,  # what transformers sizes its rotary tables by
+      "v_head_dim": cfg.v_head_dim,
+      "rope_interleave": True,
+      "hidden_act": "silu",
+      "attention_bias": False,
+      **rope_to_hf(cfg),
+  }
+
+
+def _latent_cache(config: Config) -> CacheEntries:
+  # As DeepSeek does: the normed latent and the rotated shared rope key, expanded to keys and values on every read.
+  return {"cached_latent": (config.kv_lora_rank,), "cached_key_rope": (config.qk_rope_head_dim,)}
+
+
+def _qk_clip_targets(config: Config) -> ClipTargets:
+  """MLA: the query's and the key's no-RoPE parts by √s each, the query's RoPE part by s (its key is shared)."""
+  nope, rope = config.qk_nope_head_dim, config.qk_rope_head_dim
+  query = "self_attention/query/kernel" if config.q_lora_rank == 0 else "self_attention/wq_b/kernel"
+  return {
+      query: (1, (ClipPiece(2, 0, nope, 0.5), ClipPiece(2, nope, nope + rope, 1.0))),
+      "self_attention/wkv_b/kernel": (1, (ClipPiece(2, 0, nope, 0.5),)),
+  }
+
+
+def _routing_groups(config: Config) -> str | None:
+  groups, top_groups = config.n_routing_groups, config.topk_routing_group
+  if (groups == -1) != (top_groups == -1):
+    return f"n_routing_groups={groups} and topk_routing_group={top_groups}: set both, or both to -1"
+  if groups == -1:
+    return None
+  if config.num_experts % groups or config.num_experts // groups < 2:
+    return (
+        f"n_routing_groups={groups} must split num_experts={config.num_experts} into equal "
+        "groups of at least 2 experts (groups are ranked by their top-2 scores)"
+    )
+  if top_groups > groups:
+    return f"topk_routing_group={top_groups} exceeds n_routing_groups={groups}"
+  if config.num_experts_per_tok > top_groups * (config.num_experts // groups):
+    return (
+        f"num_experts_per_tok={config.num_experts_per_tok} exceeds the experts in "
+        f"topk_routing_group={top_groups} groups of {config.num_experts // groups}"
+    )
+  return None
+
+
+def _check(config: Config) -> list[str]:
+  dense_layers = odd_rope = None
+  if config.first_num_dense_layers > config.base_num_decoder_layers:
+    dense_layers = (
+        f"first_num_dense_layers={config.first_num_dense_layers} exceeds "
+        f"base_num_decoder_layers={config.base_num_decoder_layers}"
+    )
+  if config.qk_rope_head_dim % 2:
+    odd_rope = f"qk_rope_head_dim={config.qk_rope_head_dim} must be even (RoPE rotates pairs)"
+  return broken(
+      own_positions(config),
+      routes_to_experts(config),
+      no_grouped_query_attention(config),
+      own_attention(config),
+      dense_layers,
+      odd_rope,
+      _routing_groups(config),
+  )
+
+
+FAMILY = Family(
+    decoder_blocks=("deepseek",),
+    # MaxText's names: the first `first_num_dense_layers` layers have a dense MLP, the rest routed experts.
+    stacks=(
+        Stack("dense_layers", "deepseek_dense", lambda config: config.first_num_dense_layers),
+        Stack("moe_layers", "deepseek_moe", lambda config: config.num_decoder_layers - config.first_num_dense_layers),
+    ),
+    norm="rms_norm",
+    query_kernel_carries_scale=False,  # MLA scales by 1/sqrt(nope + rope) at run time
+    cache_entries=_latent_cache,
+    qk_clip_targets=_qk_clip_targets,
+    hf=(HFFamily("deepseek_v3", "DeepseekV3ForCausalLM", ("deepseek",), RULES, _config_from_hf, _config_to_hf),),
+    check=_check,
+)

@@ -1,0 +1,150 @@
+"""GPT-2/3: learned positions, LayerNorm with a bias, a fused `qkv_proj`, a GELU MLP with biases."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from maxbridge.core.families.base import (
+    ClipPiece,
+    ClipTargets,
+    Config,
+    Family,
+    Stack,
+    broken,
+    key_value_cache,
+    no_grouped_query_attention,
+    own_attention,
+    own_positions,
+)
+from maxbridge.core.families.hf_rules import (
+    CONFIG_FILE,
+    HFError,
+    HFFamily,
+    Linear,
+    Reshape,
+    Rule,
+    get_bool,
+    get_float,
+    get_int,
+    head_dim,
+    require,
+)
+
+RULES = (
+    Rule("transformer.wte.weight", "token_embedder/embedding"),
+    Rule("transformer.wpe.weight", "decoder/position_embedder/embedding"),
+    Rule("transformer.ln_f.weight", "decoder/decoder_norm/scale"),
+    Rule("transformer.ln_f.bias", "decoder/decoder_norm/bias"),
+    Rule("lm_head.weight", "decoder/logits_dense/kernel", Linear()),
+    Rule("transformer.h.{layer}.ln_1.weight", "{layer}/pre_self_attention_norm/scale"),
+    Rule("transformer.h.{layer}.ln_1.bias", "{layer}/pre_self_attention_norm/bias"),
+    # GPT-2's Conv1D weights are [in, out] already: q, k, v then heads in c_attn's columns.
+    Rule("transformer.h.{layer}.attn.c_attn.weight", "{layer}/self_attention/qkv_proj/kernel", Reshape(in_ndim=1)),
+    Rule("transformer.h.{layer}.attn.c_attn.bias", "{layer}/self_attention/qkv_proj/bias", Reshape()),
+    Rule("transformer.h.{layer}.attn.c_proj.weight", "{layer}/self_attention/out/kernel", Reshape(in_ndim=2)),
+    Rule("transformer.h.{layer}.attn.c_proj.bias", "{layer}/self_attention/out/bias"),
+    Rule("transformer.h.{layer}.ln_2.weight", "{layer}/mlp/mlp_layer_norm/scale"),
+    Rule("transformer.h.{layer}.ln_2.bias", "{layer}/mlp/mlp_layer_norm/bias"),
+    Rule("transformer.h.{layer}.mlp.c_fc.weight", "{layer}/mlp/wi/kernel"),
+    Rule("transformer.h.{layer}.mlp.c_fc.bias", "{layer}/mlp/wi/bias"),
+    Rule("transformer.h.{layer}.mlp.c_proj.weight", "{layer}/mlp/wo/kernel"),
+    Rule("transformer.h.{layer}.mlp.c_proj.bias", "{layer}/mlp/wo/bias"),
+)
+
+
+def _hf_name(name: str) -> str:
+  # The original GPT-2 checkpoints name tensors without the "transformer." prefix.
+  return name if name.startswith(("transformer.", "lm_head.")) else f"transformer.{name}"
+
+
+def _config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
+  if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+    raise HFError(
+        f"{CONFIG_FILE}: activation_function={hf.get('activation_function')!r} is not supported; "
+        "maxbridge's gpt3 block uses the tanh GELU ('gelu_new')"
+    )
+  require(hf, "scale_attn_weights", True, True)
+  require(hf, "scale_attn_by_inverse_layer_idx", False, False)
+  require(hf, "add_cross_attention", False, False)
+  width, heads = get_int(hf, "n_embd"), get_int(hf, "n_head")
+  if hf.get("head_dim") is not None:
+    raise HFError(f"{CONFIG_FILE}: head_dim is not a GPT-2 field; GPT-2's heads are n_embd / n_head wide")
+  positions = get_int(hf, "n_positions")
+  return {
+      "decoder_block": "gpt3",
+      "base_emb_dim": width,
+      "base_num_query_heads": heads,
+      "base_num_kv_heads": heads,
+      "head_dim": head_dim(hf, "n_embd", "n_head"),
+      "base_mlp_dim": get_int(hf, "n_inner", 4 * width),
+      "base_num_decoder_layers": get_int(hf, "n_layer"),
+      "vocab_size": get_int(hf, "vocab_size"),
+      "trainable_position_size": positions,
+      # The learned table bounds every sequence: no longer than n_positions.
+      "max_target_length": positions,
+      "normalization_layer_epsilon": get_float(hf, "layer_norm_epsilon", 1e-5),
+      "logits_via_embedding": get_bool(hf, "tie_word_embeddings", True),
+  }
+
+
+def _config_to_hf(cfg: Config) -> dict[str, Any]:
+  if cfg.head_dim * cfg.num_query_heads != cfg.emb_dim:
+    raise HFError(
+        f"GPT-2 needs head_dim * heads == emb_dim; got head_dim={cfg.head_dim}, "
+        f"base_num_query_heads={cfg.num_query_heads}, base_emb_dim={cfg.emb_dim}"
+    )
+  return {
+      "n_embd": cfg.emb_dim,
+      "n_head": cfg.num_query_heads,
+      "n_inner": cfg.mlp_dim,
+      "n_layer": cfg.num_decoder_layers,
+      "vocab_size": cfg.vocab_size,
+      "n_positions": cfg.trainable_position_size,
+      "layer_norm_epsilon": cfg.normalization_layer_epsilon,
+      "activation_function": "gelu_new",
+      "scale_attn_weights": True,
+      "scale_attn_by_inverse_layer_idx": False,
+      "tie_word_embeddings": cfg.logits_via_embedding,
+  }
+
+
+def _qk_clip_targets(config: Config) -> ClipTargets:
+  # Fused [D, 3, N, H]: the query is index 0 of the "qkv" axis.
+  return {
+      "self_attention/qkv_proj/kernel": (2, (ClipPiece(1, 0, 1, 1.0),)),
+      "self_attention/qkv_proj/bias": (1, (ClipPiece(0, 0, 1, 1.0),)),
+  }
+
+
+def _check(config: Config) -> list[str]:
+  positions = None
+  if config.trainable_position_size == 0:
+    positions = (
+        "decoder_block='gpt3' learns absolute positions: set trainable_position_size "
+        "(the longest sequence it can read, e.g. max_target_length)"
+    )
+  return broken(own_positions(config), no_grouped_query_attention(config), own_attention(config), positions)
+
+
+FAMILY = Family(
+    decoder_blocks=("gpt3",),
+    stacks=(Stack("layers", "gpt3"),),
+    norm="layer_norm",
+    query_kernel_carries_scale=False,  # the fused qkv_proj has no query kernel of its own
+    # Multi-head attention: as many key/value heads as query heads.
+    cache_entries=lambda config: key_value_cache(config, kv_heads=config.num_query_heads),
+    qk_clip_targets=_qk_clip_targets,
+    hf=(
+        HFFamily(
+            "gpt2",
+            "GPT2LMHeadModel",
+            ("gpt3",),
+            RULES,
+            _config_from_hf,
+            _config_to_hf,
+            normalize_name=_hf_name,
+            ignored=(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)",),
+        ),
+    ),
+    check=_check,
+)

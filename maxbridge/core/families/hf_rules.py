@@ -1,0 +1,230 @@
+"""The Hugging Face side of a family entry: tensor `Rule`s, their transforms, and config readers.
+
+A `Rule` is a Hugging Face tensor name pattern, the canonical path it becomes
+and a `Transform` (transpose, head reshape, query scaling). In patterns,
+`{layer}` is the Hugging Face layer index and, in canonical paths, that
+layer's unscanned path (`decoder/layers_3`, or DeepSeek's `decoder/moe_layers_0`);
+`{expert}` marks per-expert Hugging Face tensors stacked on axis 0 of one
+canonical array. Each family module holds its tables and config translations
+(`HFFamily`); `maxbridge.interop.hf.mapping` applies them, and nothing outside
+these modules knows a Hugging Face name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping
+
+from maxbridge.core.families.base import Config, query_kernel_carries_scale
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Kept beside an imported checkpoint, so an export gives back the keys we do not model.
+HF_CONFIG_SIDECAR = "hf_config.json"
+
+
+class HFError(ValueError):
+  """A Hugging Face folder, config or tensor that cannot be mapped; the message names it."""
+
+
+# --- transforms --------------------------------------------------------------------------
+# Each works on numpy/jax arrays and on tracers alike (methods only), so the
+# expected Hugging Face shapes come from jax.eval_shape of the export direction.
+
+
+@dataclasses.dataclass(frozen=True)
+class Copy:
+  """Same values, same shape (norm scales, embeddings, biases of one axis)."""
+
+  def to_ours(self, x, shape, cfg):
+    return x.reshape(shape)
+
+  def to_hf(self, x, cfg):
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class Reshape:
+  """Flat Hugging Face layout -> our named axes; `in_ndim` of ours form its leading axis.
+
+  GPT-2's Conv1D weights are already [in, out]; `in_ndim=None` flattens to one axis (biases).
+  """
+
+  in_ndim: int | None = None
+
+  def to_ours(self, x, shape, cfg):
+    return x.reshape(shape)
+
+  def to_hf(self, x, cfg):
+    if self.in_ndim is None:
+      return x.reshape(-1)
+    return x.reshape(math.prod(x.shape[: self.in_ndim]), -1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Linear:
+  """torch.nn.Linear weight [out, in] <-> our kernel [*in, *out] (`in_ndim` leading axes).
+
+  `scale(cfg)` multiplies on import and divides on export: the query kernel
+  carries 1/sqrt(head_dim) in MaxText's numerics (see DESIGN.md).
+  """
+
+  in_ndim: int = 1
+  scale: Callable[[Config], float | None] = lambda cfg: None
+
+  def to_ours(self, x, shape, cfg):
+    kernel = x.T.reshape(shape)
+    factor = self.scale(cfg)
+    return kernel if factor is None else kernel * factor
+
+  def to_hf(self, x, cfg):
+    factor = self.scale(cfg)
+    if factor is not None:
+      x = x / factor
+    return x.reshape(math.prod(x.shape[: self.in_ndim]), -1).T
+
+
+def query_scale(cfg: Config) -> float | None:
+  """`Linear`'s scale for a query kernel: 1/sqrt(head_dim) where the kernel carries it (`query_kernel_carries_scale`)."""
+  # Where the kernel cannot carry the factor, attention applies it at run time instead.
+  return cfg.head_dim**-0.5 if query_kernel_carries_scale(cfg) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  hf: str
+  ours: str
+  transform: Any = Copy()
+
+
+@dataclasses.dataclass(frozen=True)
+class HFFamily:
+  """How one Hugging Face architecture maps onto one `decoder_block`."""
+
+  model_type: str  # Hugging Face's config.json "model_type"
+  architecture: str  # the *ForCausalLM class transformers builds
+  decoder_blocks: tuple[str, ...]  # ours, exported as this family
+  rules: tuple[Rule, ...]
+  config_from_hf: Callable[[Mapping[str, Any]], dict[str, Any]]
+  config_to_hf: Callable[[Config], dict[str, Any]]
+  # Hugging Face name -> the spelling the rules use (older checkpoints differ).
+  normalize_name: Callable[[str], str] = lambda name: name
+  # Tensors that carry nothing (saved causal-mask buffers): skipped on import.
+  ignored: tuple[str, ...] = ()
+
+
+def family_for_config(cfg: Config) -> HFFamily:
+  """The Hugging Face architecture `cfg` exports as."""
+  for family in cfg.family.hf:
+    if cfg.decoder_block in family.decoder_blocks:
+      return family
+  raise HFError(f"decoder_block={cfg.decoder_block!r} has no Hugging Face export")
+
+
+# --- config.json readers: each error names the field -----------------------------------------
+
+
+def get(hf: Mapping[str, Any], key: str, default: Any = ..., *, where: str = CONFIG_FILE) -> Any:
+  if key in hf and hf[key] is not None:
+    return hf[key]
+  if default is ...:
+    raise HFError(f"{where} has no {key!r}, which the model needs")
+  return default
+
+
+def get_int(hf: Mapping[str, Any], key: str, default: Any = ...) -> int:
+  """An integer field; a string, float or bool there is an error naming the field, not a guess."""
+  value = get(hf, key, default)
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise HFError(f"{CONFIG_FILE}: {key}={value!r} must be an integer")
+  return value
+
+
+def get_float(hf: Mapping[str, Any], key: str, default: Any = ...) -> float:
+  value = get(hf, key, default)
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise HFError(f"{CONFIG_FILE}: {key}={value!r} must be a number")
+  return float(value)
+
+
+def get_bool(hf: Mapping[str, Any], key: str, default: bool) -> bool:
+  """A JSON true/false; the string "false" must not read as true."""
+  value = get(hf, key, default)
+  if not isinstance(value, bool):
+    raise HFError(f"{CONFIG_FILE}: {key}={value!r} must be true or false")
+  return value
+
+
+def head_dim(hf: Mapping[str, Any], width_key: str, heads_key: str) -> int:
+  """head_dim when given, else width / heads, which must divide exactly."""
+  width, heads = get_int(hf, width_key), get_int(hf, heads_key)
+  if hf.get("head_dim") is not None:
+    return get_int(hf, "head_dim")
+  if heads <= 0 or width % heads:
+    raise HFError(
+        f"{CONFIG_FILE}: {width_key}={width} is not a multiple of {heads_key}={heads}, and no head_dim is given"
+    )
+  return width // heads
+
+
+def require(hf: Mapping[str, Any], key: str, supported: Any, default: Any) -> None:
+  value = hf.get(key, default)
+  if value is None:
+    value = default
+  if value != supported:
+    raise HFError(f"{CONFIG_FILE}: {key}={value!r} is not supported; maxbridge models {key}={supported!r}")
+
+
+# Hugging Face's Llama 3.1 scaling parameters, by our config keys.
+_LLAMA3_KEYS = {
+    "rope_factor": "factor",
+    "rope_low_freq_factor": "low_freq_factor",
+    "rope_high_freq_factor": "high_freq_factor",
+    "original_max_position_embeddings": "original_max_position_embeddings",
+}
+
+
+def rope_from_hf(hf: Mapping[str, Any], *, llama3: bool) -> dict[str, Any]:
+  """RoPE keys from transformers 5's rope_parameters or the older rope_scaling and top-level rope_theta.
+
+  Default RoPE everywhere; Llama 3.1's scaling (rope_type "llama3") where `llama3`.
+  """
+  parameters = hf.get("rope_parameters") or {}
+  legacy = hf.get("rope_scaling") or {}
+  for key, value in (("rope_parameters", parameters), ("rope_scaling", legacy)):
+    if not isinstance(value, Mapping):
+      raise HFError(f"{CONFIG_FILE}: {key}={value!r} must be an object")
+  merged = {**parameters, **legacy}  # transformers 5 too lets rope_scaling override rope_parameters
+  rope_type = merged.get("rope_type") or merged.get("type") or "default"
+  supported = ("default", "llama3") if llama3 else ("default",)
+  if rope_type not in supported:
+    raise HFError(
+        f"{CONFIG_FILE}: rope_parameters.rope_type={rope_type!r} is not supported; maxbridge implements "
+        f"{' and '.join(map(repr, supported))} here"
+    )
+  theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
+  if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta):
+    raise HFError(f"{CONFIG_FILE}: rope_theta={theta!r} must be a number")
+  if float(theta) != int(theta):
+    raise HFError(f"{CONFIG_FILE}: rope_theta={theta!r} must be a whole number (rope_max_timescale)")
+  values: dict[str, Any] = {"rope_max_timescale": int(theta), "rope_type": "default"}
+  if rope_type == "llama3":
+    missing = [name for name in _LLAMA3_KEYS.values() if name not in merged]
+    if missing:
+      raise HFError(f"{CONFIG_FILE}: rope_type 'llama3' needs {', '.join(missing)} in rope_parameters")
+    values.update(rope_type="llama3.1", rope_use_scale=True)
+    values.update({ours: merged[theirs] for ours, theirs in _LLAMA3_KEYS.items()})
+  return values
+
+
+def rope_to_hf(cfg: Config) -> dict[str, Any]:
+  theta = float(cfg.rope_max_timescale)
+  parameters: dict[str, Any] = {"rope_theta": theta, "rope_type": "default"}
+  if cfg.llama3_rope_scaling:
+    parameters.update(rope_type="llama3", **{theirs: getattr(cfg, ours) for ours, theirs in _LLAMA3_KEYS.items()})
+  # transformers 4 reads rope_scaling and rope_theta; 5 reads rope_parameters
+  # but lets rope_scaling override it, so an imported model's stale one must go.
+  scaling = dict(parameters) if cfg.llama3_rope_scaling else None
+  return {"rope_parameters": parameters, "rope_scaling": scaling, "rope_theta": theta}
