@@ -18,7 +18,7 @@ import jax
 import maxbridge as mb
 from maxbridge.models import dispatch
 from maxbridge.training import recipe
-from maxbridge.training import rollouts
+from maxbridge.training.posttrain import grpo
 
 
 def main() -> None:
@@ -44,7 +44,7 @@ def main() -> None:
     trainer = recipe.create_trainer(config)
     state = trainer.init_state(config.seed)
     trainer.set_reference(state)
-    runs[name] = [trainer, rollouts.Rollouts(config, trainer), state]
+    runs[name] = [trainer, grpo.Rollouts(config, trainer), state]
   times = {name: {"sampling": [], "scoring": [], "update": []} for name in runs}
   for step in range(1 + args.warmup + args.steps):
     for name, run in runs.items():

@@ -19,7 +19,7 @@ from maxbridge.models import lora
 from maxbridge.interop import lora_merge
 from maxbridge.core.config import ConfigError
 from maxbridge.training import recipe
-from conftest import flag_id, tiny_config
+from conftest import LINEN_ARGS, flag_id, tiny_config
 
 train_module = importlib.import_module("maxbridge.training.loop")  # `maxbridge.train` the function shadows it
 
@@ -56,7 +56,7 @@ def test_a_module_path_matching_nothing_lists_the_kernels():
 
 def test_adapters_have_canonical_names_and_shapes():
   trainer = recipe.create_trainer(tiny_config(NNX, **LORA, lora_module_path=r"decoder/layers/self_attention/.*"))
-  flat = {p: x.shape for p, x in canonical.flatten(trainer.abstract_adapters).items()}
+  flat = {p: x.shape for p, x in canonical.flatten(trainer.trainable.abstract_trained).items()}
   # llama-tiny: emb 64, 4 query heads and 2 kv heads of 16, 2 layers stacked on axis 1; rank 4.
   assert flat == {
       "decoder/layers/self_attention/query/kernel_lora_a": (64, 2, 4),
@@ -90,7 +90,7 @@ def _train(trainer):
   state = trainer.init_state(0)
   before = jax.device_get(trainer.params(state))
   stored_before = jax.device_get(trainer.stored_base(state))
-  adapted = jax.device_get(trainer.adapted_params(state))
+  adapted = jax.device_get(trainer.model_params(state))
   losses = []
   for batch in _batches(trainer.config):
     state, metrics = trainer.train_step(state, trainer.shard_batch(batch))
@@ -102,8 +102,8 @@ def _train(trainer):
       adapted=adapted,
       after=jax.device_get(trainer.params(state)),
       stored_after=jax.device_get(trainer.stored_base(state)),
-      adapters=jax.device_get(trainer.adapters(state)),
-      adapted_after=jax.device_get(trainer.adapted_params(state)),
+      adapters=jax.device_get(trainer.trained_params(state)),
+      adapted_after=jax.device_get(trainer.model_params(state)),
       checkpoint=jax.device_get(trainer.to_checkpoint(state)),
       state=state,
       trainer=trainer,
@@ -346,8 +346,8 @@ def test_a_qlora_run_reads_as_its_dequantized_base_with_the_adapters_merged_in(q
 
 def test_the_engine_serves_a_base_and_its_adapters_unmerged_as_the_merged_model(qlora_run, qlora_runs):
   base, run_dir = qlora_run
-  served = mb.Engine.from_pretrained(base, adapters=run_dir, max_target_length=64)
-  merged = mb.Engine.from_pretrained(run_dir, max_target_length=64)
+  served = mb.Engine.from_pretrained(base, backend="linen", adapters=run_dir, max_target_length=64)
+  merged = mb.Engine.from_pretrained(run_dir, backend="linen", max_target_length=64)
   # The engine holds the base (dequantized, as training saw it), not the merged weights.
   stored = canonical.flatten(canonical.unstack_layers(qlora_runs["int8", NNX]["before"], 1))
   for path, leaf in canonical.flatten(served.params).items():
@@ -388,7 +388,7 @@ def test_merged_then_exported_model_matches_the_adapted_model_in_transformers(tm
   dims = dict(hidden_size=64, num_hidden_layers=2, vocab_size=256, num_attention_heads=4, num_key_value_heads=2)
   hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**dims, intermediate_size=128))
   hf_model.save_pretrained(tmp_path / "hf")
-  assert cli.main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "base")]) == 0
+  assert cli.main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "base"), *LINEN_ARGS]) == 0
   config = mb.load_config(
       str(tmp_path / "base" / "config.yml"),
       load_parameters_path=str(tmp_path / "base"),
@@ -409,7 +409,7 @@ def test_merged_then_exported_model_matches_the_adapted_model_in_transformers(tm
   restored = checkpoints.restore(STEPS, trainer.checkpoint_target())
   checkpoints.close()
   state = trainer.with_checkpoint(train_module.initial_state(config, trainer), restored)
-  adapted = trainer.adapted_params(state)
+  adapted = trainer.model_params(state)
   tokens = np.random.default_rng(0).integers(0, 256, (2, 12))
   adapted_logits = np.asarray(
       mb.create_model(mb.load_config(str(tmp_path / "base" / "config.yml")), params=adapted).logits(
@@ -435,5 +435,5 @@ def test_merged_then_exported_model_matches_the_adapted_model_in_transformers(tm
   with torch.no_grad():
     hf_logits = exported(torch.tensor(tokens)).logits.numpy()
   np.testing.assert_allclose(hf_logits, adapted_logits, rtol=0, atol=1e-4)
-  base_logits = mb.from_pretrained(tmp_path / "hf").logits(jnp.asarray(tokens, jnp.int32))
+  base_logits = mb.from_pretrained(tmp_path / "hf", backend="linen").logits(jnp.asarray(tokens, jnp.int32))
   assert np.abs(np.asarray(base_logits) - adapted_logits).max() > 1e-3, "the adapters changed nothing"

@@ -73,7 +73,7 @@ def _grads(config, batch):
   def value_and_grad(state, batch):
     bound = trainer._bind(state)
     (loss, _), grads = jax.value_and_grad(lambda p: trainer._loss(bound, p, batch), has_aux=True)(bound.params)
-    return loss, trainer._canonical(grads)
+    return loss, grads
 
   return value_and_grad(state, trainer.loss_batch(batch))
 

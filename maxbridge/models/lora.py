@@ -1,7 +1,7 @@
 """LoRA: low-rank adapters on chosen kernels, trained while the base model stays frozen.
 
-The adapter math (this module) is the model's; the trainers that train them are
-`maxbridge.training.lora_trainer`'s.
+The adapter math (this module) is the model's; the policy that trains them is
+`maxbridge.training.trainable.LoraAdapters`.
 
 A kernel `W` at canonical path `.../query/kernel` gets two adapters beside it,
 `.../query/kernel_lora_a` (W's input axes + [r]) and `.../query/kernel_lora_b`
@@ -18,7 +18,7 @@ model on the same adapted weights, with the same adapter names. The cost is
 that the backward pass forms the full gradient of each adapted kernel before
 reducing it to A and B; the optimizer state is the adapters' only.
 
-A LoRA run's state holds the base parameters frozen (Linen: a `base` field of
+A LoRA run's state holds the base parameters frozen (Linen: a `stored` field of
 the `TrainState`; NNX: the model's `nnx.Param`s, the adapters being
 `nnx.LoRAParam`s of their own module that the `nnx.Optimizer` alone sees).
 Its checkpoints hold the adapters, their optimizer state and the step:

@@ -7,6 +7,7 @@ flags: both backends read and write the same checkpoint layout.
 """
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -23,11 +24,11 @@ from absl import logging
 from tqdm import tqdm
 
 from maxbridge.core import canonical, checkpointing, files, layouts, sharding
-from maxbridge.training import data
-from maxbridge.models import lora
+from maxbridge.training import data, hooks
 from maxbridge.ops import quantization
 from maxbridge.core.config import Config
-from maxbridge.training import recipe, rollouts
+from maxbridge.training import recipe
+from maxbridge.training.hooks import global_batch_size  # noqa: F401  (callers' name for it: loop.global_batch_size)
 
 
 class TrainingDiverged(FloatingPointError):
@@ -70,11 +71,6 @@ def _check_trainer(trainer, config: Config) -> None:
   differ = [f"{k} (trainer: {theirs.get(k)!r}, run: {ours.get(k)!r})" for k in sorted(ours) if ours[k] != theirs.get(k)]
   if differ:
     raise ValueError(f"trainer= was built for another config; it differs in {', '.join(differ)}")
-
-
-def global_batch_size(config: Config) -> int:
-  """Rows per step: per device, times devices, times micro-batches (as MaxText)."""
-  return config.per_device_batch_size * jax.device_count() * config.gradient_accumulation_steps
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -218,21 +214,26 @@ def train(config: Config, *, trainer=None, until_step: int | None = None, progre
   `until_step` stops this call early (with a checkpoint) without changing the
   run: the schedule still spans `config.steps`, so a later call continues it.
   `trainer` (from `recipe.create_trainer`, for a config with the same
-  `step_key`) brings its own loss and hooks, and its compiled steps: pass the
-  same one to several calls in a process (a resume, a flag flip back) to
-  compile once.
+  `step_key`) brings its own loss and after-update hook, and its compiled
+  steps: pass the same one to several calls in a process (a resume, a flag
+  flip back) to compile once. The run's batches and its features' hooks come
+  from `recipe.create_hooks`.
 
+  One process at a time writes a run directory: a second `train` of the
+  same run fails at once (`files.RunInUse`, naming the holder's pid).
   Nothing in the run directory changes until the run is known to start (data
   read, checkpoint restored into the model, first step compiled and run); a
   run that fails before saving a checkpoint removes the folder it created. A failure, SIGINT or SIGTERM ends
   the call with the last good checkpoint named (TrainingInterrupted for the
   signals; a note on any other exception).
   """
-  with _stop_signals() as stop:
-    return _train(config, trainer, until_step, progress, stop)
+  with _stop_signals() as stop, contextlib.ExitStack() as held:
+    return _train(config, trainer, until_step, progress, stop, held)
 
 
-def _train(config: Config, trainer, until_step: int | None, progress: bool, stop: _StopSignals) -> list[dict]:
+def _train(
+    config: Config, trainer, until_step: int | None, progress: bool, stop: _StopSignals, held: contextlib.ExitStack
+) -> list[dict]:
   end = config.steps if until_step is None else min(until_step, config.steps)
   if trainer is not None:
     _check_trainer(trainer, config)
@@ -246,12 +247,7 @@ def _train(config: Config, trainer, until_step: int | None, progress: bool, stop
   if trainer is None:
     trainer = recipe.create_trainer(config)
   sharding.check_divisible(trainer.abstract_state(), trainer.state_shardings)
-  sampler = train_data = eval_data = None
-  if config.use_grpo:  # batches sampled from the policy as it trains; no held-out set
-    sampler = rollouts.Rollouts(config, trainer)
-  else:
-    train_data = data.make_dataset(config, "train", global_batch_size(config))
-    eval_data = data.make_dataset(config, "eval", global_batch_size(config)) if config.eval_interval else None
+  source, features = recipe.create_hooks(config, trainer)
   # Read-only with enable_checkpointing=false: the run resumes, and saves nothing.
   ckpt = (
       checkpointing.Checkpointer(checkpoints, max_to_keep=config.max_to_keep, create=False)
@@ -261,6 +257,8 @@ def _train(config: Config, trainer, until_step: int | None, progress: bool, stop
   saving = ckpt if config.enable_checkpointing else None
   try:
     _check_writable(checkpoints if saving else run_dir)
+    if primary:  # one writer per run folder, from before anything in it is read until this call returns
+      held.enter_context(files.run_lock(run_dir))
     start = (ckpt.latest_intact_step() if ckpt else None) or 0
     metrics_path = run_dir / "metrics.jsonl"
     # Every process decides the same: the run folder is shared (orbax saves into it collectively).
@@ -272,24 +270,19 @@ def _train(config: Config, trainer, until_step: int | None, progress: bool, stop
           "metrics.jsonl away"
       )
     resumed = bool(start)
+    initial = functools.partial(initial_state, config, trainer)
     if resumed:
       # As in MaxText, a run's own checkpoints win over load_parameters_path / load_full_state_path.
       restored = ckpt.restore(start, trainer.checkpoint_target())
-      if trainer.saves_params:
-        state = trainer.from_checkpoint(restored)
-      else:  # adapters only (LoRA): the base comes from where the run started, checked below
-        state = trainer.with_checkpoint(initial_state(config, trainer), restored)
+      # Adapters only (LoRA): the base comes from where the run started, checked by a hook below.
+      state = trainer.restore(restored, initial)
       logging.info("resumed %s from step %d", run_dir, start)
     else:
-      state = initial_state(config, trainer)
+      state = initial()
       start = trainer.step(state)
-    if trainer.loss.frozen_reference:
-      # The run's starting policy (DPO's reference), rebuilt on resume: checkpoints hold the policy only.
-      trainer.set_reference(initial_state(config, trainer) if resumed else state)
-    base_reference = None
-    if lora.is_enabled(config):
-      base_reference = lora.base_reference(config, trainer.params(state))
-      lora.check_base(run_dir, base_reference)
+    run = hooks.Run(config, trainer, run_dir, state, resumed, initial)
+    for feature in features:
+      feature.start(run)
   except KeyboardInterrupt as e:
     raise _stopped(e, None, ckpt, checkpoints, None) from None
   except BaseException:
@@ -311,11 +304,7 @@ def _train(config: Config, trainer, until_step: int | None, progress: bool, stop
   try:
     for step in bar:
       stop.check()
-      sampled = {}
-      if sampler is not None:
-        local, sampled = sampler.batch(step, state)
-      else:
-        local = train_data.batch(step, jax.process_index(), jax.process_count())
+      local, entries = source.batch(step, state)
       batch = trainer.shard_batch(local)
       began = time.perf_counter()
       state, metrics = trainer.train_step(state, batch)
@@ -324,7 +313,7 @@ def _train(config: Config, trainer, until_step: int | None, progress: bool, stop
       if step == start:
         # The first step compiled and ran (a step that cannot be built fails above): the run has
         # started, and from here on it writes into its folder.
-        log = _open_run(config, run_dir, history, start, saving, primary, base_reference)
+        log = _open_run(config, run_dir, history, start, saving, primary, features)
       loss = float(metrics["loss"])
       if not math.isfinite(loss):
         raise TrainingDiverged(f"loss is {loss} at step {step}; training stopped")
@@ -337,14 +326,12 @@ def _train(config: Config, trainer, until_step: int | None, progress: bool, stop
       }
       for key in trainer.loss.metric_keys:  # the loss's own (DPO: reward accuracy, rewards, margins)
         record[key] = float(metrics[key])
-      for key in ("mean_reward", "completion_length"):  # GRPO's sampled completions
-        if key in sampled:
-          record[key] = sampled[key]
-      if "maxima" in metrics:  # QK-Clip: the largest attention logit over layers and heads, before clipping
-        record["max_logits"] = float(metrics["maxima"]["max_logits"].max())
+      record.update(entries)  # the batch source's (GRPO: the sampled completions' reward and length)
+      for feature in features:
+        feature.record(metrics, record)
       done = step + 1
-      if eval_data is not None and (done % config.eval_interval == 0 or done == config.steps):
-        record["eval_loss"] = evaluate(trainer, state, eval_data, config.eval_steps)
+      if source.eval is not None and (done % config.eval_interval == 0 or done == config.steps):
+        record["eval_loss"] = evaluate(trainer, state, source.eval, config.eval_steps)
       if log:
         log.append(record)
       records.append(record)
@@ -371,18 +358,18 @@ def _train(config: Config, trainer, until_step: int | None, progress: bool, stop
 
 
 def _open_run(
-    config: Config, run_dir: Path, history: list[str], start: int, saving, primary: bool, base_reference: dict | None
+    config: Config, run_dir: Path, history: list[str], start: int, saving, primary: bool, features: list[hooks.Hook]
 ):
-  """Writes the run's config.yml (and a LoRA run's base reference) and makes its folders; returns its metrics log
-  (None off the primary)."""
+  """Writes the run's config.yml (and its features' files: a LoRA run's base reference) and makes its folders;
+  returns its metrics log (None off the primary)."""
   run_dir.mkdir(parents=True, exist_ok=True)
   if saving:
     Path(saving.directory).mkdir(exist_ok=True)
   if not primary:
     return None
   config.to_yaml(run_dir / "config.yml")
-  if base_reference is not None and not (run_dir / lora.REFERENCE_FILE).exists():
-    lora.write_reference(run_dir, base_reference)
+  for feature in features:
+    feature.open(run_dir)
   if saving:
     saving.remove_temporaries()
   return MetricsLog(run_dir / "metrics.jsonl", history, resume_step=start)
@@ -435,7 +422,7 @@ def initial_state(config: Config, trainer):
   params = _fit(params, trainer, where)
   state = trainer.init_state(config.seed)  # a fresh optimizer state at step 0
   with sharding.active(trainer.mesh, trainer.rules):
-    replace = jax.jit(trainer._replace_params, out_shardings=trainer.state_shardings, donate_argnums=0)
+    replace = jax.jit(trainer.replace_params, out_shardings=trainer.state_shardings, donate_argnums=0)
     return replace(state, params)
 
 

@@ -1,4 +1,4 @@
-"""The one place that picks a run's loss, trainer and after-update hooks from its config.
+"""The one place that picks a run's loss, trainer (backend and what trains) and hooks from its config.
 
 The model and the train state's backend come from `maxbridge.models.dispatch`
 (the one reader of the three flags); this module adds what training needs.
@@ -11,10 +11,12 @@ from jax.sharding import Mesh
 from maxbridge.core.config import Config
 from maxbridge.models import dispatch, lora
 from maxbridge.models.model import LinenModel
-from maxbridge.training import lora_trainer, qk_clip, vocab_tiling
+from maxbridge.training import hooks, qk_clip, vocab_tiling
+from maxbridge.training.backends import LinenTrainer, NNXTrainer
 from maxbridge.training.loss import CrossEntropy, Loss
 from maxbridge.training.posttrain import dpo, grpo
-from maxbridge.training.trainer import AfterUpdate, LinenTrainer, NNXTrainer, Trainer
+from maxbridge.training.trainable import AllParams, LoraAdapters
+from maxbridge.training.trainer import AfterUpdate, Trainer
 
 
 def create_loss(config: Config) -> Loss:
@@ -40,7 +42,8 @@ def create_trainer(
   `mesh` defaults to one built from the config over all devices, `loss` to
   `create_loss(config)`. `after_update` maps the canonical parameters after
   every optimizer update, the same on both backends (QK-Clip when
-  `use_qk_clip`, else none).
+  `use_qk_clip`, else none). What trains: every parameter, or with
+  `lora_rank` > 0 LoRA's adapters on the frozen base.
   """
   if config.checkpoint_is_quantized:
     raise ValueError(
@@ -49,10 +52,27 @@ def create_trainer(
     )
   if after_update is None and config.use_qk_clip:
     after_update = functools.partial(qk_clip.after_update, config=config)
-  hooks = dict(loss=create_loss(config) if loss is None else loss, after_update=after_update)
-  adapted = lora.is_enabled(config)  # LoRA: the adapters train, the base stays frozen
+  trainable = LoraAdapters if lora.is_enabled(config) else AllParams
+  options = dict(loss=create_loss(config) if loss is None else loss, trainable=trainable, after_update=after_update)
   if dispatch.nnx_train_state(config):
-    trainer_class = lora_trainer.NNXLoraTrainer if adapted else NNXTrainer
-    return trainer_class(config, functools.partial(dispatch.nnx_transformer, config), mesh, **hooks)
+    return NNXTrainer(config, functools.partial(dispatch.nnx_transformer, config), mesh, **options)
   model = LinenModel(config, dispatch.linen_transformer(config), dispatch.sample_inputs(config))
-  return (lora_trainer.LinenLoraTrainer if adapted else LinenTrainer)(config, model, mesh, **hooks)
+  return LinenTrainer(config, model, mesh, **options)
+
+
+def create_hooks(config: Config, trainer: Trainer) -> tuple[hooks.Data | hooks.Sampled, list[hooks.Hook]]:
+  """(the batch source, the feature hooks) of a run of `config` by `trainer` (whose loss may be a caller's own).
+
+  GRPO samples its batches from the policy; DPO's and GRPO's losses read the
+  frozen starting policy; LoRA checks the base it resumes on; QK-Clip logs the
+  largest attention logit.
+  """
+  source = hooks.Sampled(config, trainer) if config.use_grpo else hooks.Data(config)
+  run_hooks: list[hooks.Hook] = []
+  if trainer.loss.frozen_reference:
+    run_hooks.append(hooks.FrozenReference())
+  if lora.is_enabled(config):
+    run_hooks.append(hooks.LoraBase())
+  if config.use_qk_clip:
+    run_hooks.append(hooks.MaxLogits())
+  return source, run_hooks

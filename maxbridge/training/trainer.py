@@ -1,20 +1,27 @@
 """Train state and the one train step, for both backends.
 
-`Trainer` owns the step: loss -> gradient accumulation -> clipping -> metrics
--> update -> after-update hook. A backend supplies three hooks: `trainable`
-and `_bind` (what is trained, and the state opened for one step), `_forward`
-(logits and intermediates) and `_apply_update`.
+`Trainer` owns the step (loss -> gradient accumulation -> clipping -> metrics
+-> update -> after-update hook) and every face of the state that both
+backends share: its canonical parameters, its checkpoint tree, the frozen
+reference. What trains is a policy (`maxbridge.training.trainable`): every
+parameter, or LoRA's adapters on a frozen base. A backend supplies seven
+hooks: the state it builds around the policy's trees (`_new_state`) and its
+logical specs (`logical_specs`); the state opened for one step, split into
+what trains and what is only read (`_bind`); the forward pass on canonical
+parameters (`_run`); the update (`_apply_update`); and the state as a tree in
+the checkpoint layout and back (`_tree`, `_with_tree`).
 
-Linen: flax's `TrainState`, its params under a {"params": ...} collection level
-as MaxText keeps them. NNX: `TrainStateNNX(model, optimizer)`; the step lives
-in the `nnx.Optimizer`. Both speak the same on-disk layout (MaxText's):
+The backends (`maxbridge.training.backends`): Linen's flax `TrainState` and
+NNX's `TrainStateNNX(model, optimizer)`. Both speak the same on-disk layout
+(MaxText's):
 
     {"params": {"params": <canonical tree>},
      "opt_state": [{"count", "mu": {"params": ...}, "nu": {"params": ...}}, None, {"count"}],
      "step": int32}
 
-`maxbridge.training.recipe.create_trainer` picks the backend and the loss; nothing
-else here reads a flag.
+(LoRA's: the adapters under {"params": {"lora": ...}}, see `maxbridge.models.lora`).
+`maxbridge.training.recipe.create_trainer` picks the backend, the policy and
+the loss; nothing here reads a flag.
 """
 
 import abc
@@ -23,10 +30,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
 import optax
-from flax import nnx
-from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding
 
 from maxbridge.core import canonical, initializers, layouts, sharding
@@ -34,7 +38,7 @@ from maxbridge.training import optimizers
 from maxbridge.ops import quantization
 from maxbridge.core.config import Config
 from maxbridge.training.loss import Forward, Loss
-from maxbridge.models.model import LinenModel, linen_forward, nnx_forward
+from maxbridge.training.trainable import AllParams, Trainable
 
 Batch = Mapping[str, jax.Array]
 Params = dict[str, Any]
@@ -42,21 +46,14 @@ Params = dict[str, Any]
 AfterUpdate = Callable[[Params, dict], Params]
 
 
-class TrainStateNNX(nnx.Module):
-  """The NNX train state: the model and its optimizer (which holds the step)."""
-
-  def __init__(self, model: nnx.Module, optimizer: nnx.Optimizer):
-    self.model = model
-    self.optimizer = optimizer
-
-
 class Bound(NamedTuple):
   """A train state opened for one step by a backend's `_bind`."""
 
-  params: Any  # what the step differentiates: the parameters the `trainable` filter selects
-  frozen: Any  # what the forward pass also reads, never differentiated
+  params: Params  # what the step differentiates: the policy's trained tree, canonical
+  frozen: Any  # the backend's own state the forward pass also reads (NNX: the model's non-parameters)
+  stored: Params | None  # the policy's frozen tree, canonical (LoRA: the base)
   step: jax.Array  # the optimizer step this update makes (it sets the learning rate)
-  handle: Any  # the backend's own, for `_forward` and `_apply_update`
+  handle: Any  # the backend's own, for `_run` and `_apply_update`
   training: bool = False  # a train step's (randomness such as LoRA's dropout applies), not an eval step's
 
 
@@ -105,25 +102,30 @@ def clip_gradients(grads: Any, threshold: float):
   return grads, norm
 
 
+def _fresh(tree: Params) -> Params:
+  # A new canonical tree: a caller editing it must not edit the state.
+  return canonical.unflatten(canonical.flatten(tree))
+
+
 class Trainer(abc.ABC):
-  """The train step, written once; `train.py` drives either backend the same way.
+  """The train step, written once; `maxbridge.train` drives either backend the same way.
 
   The state lives on `mesh`, each leaf sharded by its logical axes through
   the config's `logical_axis_rules`; batches are split on the batch axes.
-  `loss` is what the step minimises; `after_update`, if given, maps the
-  canonical parameters after each update (QK-Clip), the same on both backends.
+  `loss` is what the step minimises; `trainable` (a `Trainable` class) what
+  trains; `after_update`, if given, maps the canonical parameters after each
+  update (QK-Clip), the same on both backends.
   """
-
-  # Whether checkpoints hold the parameters (LoRA's hold the adapters only, see maxbridge/lora.py).
-  saves_params = True
 
   def __init__(
       self,
       config: Config,
       abstract_params: dict,
+      kernel_axes: dict,
       mesh: Mesh | None = None,
       *,
       loss: Loss,
+      trainable: type[Trainable] = AllParams,
       after_update: AfterUpdate | None = None,
   ):
     self.config = config
@@ -132,14 +134,26 @@ class Trainer(abc.ABC):
     self.tx = optimizers.adamw(config)
     self.schedule = optimizers.learning_rate_schedule(config)
     self.abstract_params = abstract_params
+    self.trainable = trainable(config, abstract_params, kernel_axes)
     self.loss = loss
     self.after_update = after_update
-    self.wrt = self.trainable(config)
     # The frozen reference (canonical parameters) a `frozen_reference` loss reads; see set_reference.
     self.reference: Params | None = None
 
+  @property
+  def saves_params(self) -> bool:
+    """Whether checkpoints hold the parameters (LoRA's hold the adapters only, see `restore`)."""
+    return self.trainable.saves_params
+
   def _initial_params(self, seed) -> dict:
     return initializers.init_params(self.abstract_params, seed, initializers.InitOptions.from_config(self.config))
+
+  def _init(self, seed) -> Any:
+    """The initial state as a traceable function of the seed."""
+    return self._new_state(*self.trainable.initial(self._initial_params(seed), seed))
+
+  def abstract_state(self) -> Any:
+    return jax.eval_shape(self._new_state, self.trainable.abstract_trained, self.trainable.abstract_stored)
 
   @functools.cached_property
   def state_shardings(self) -> Any:
@@ -150,8 +164,12 @@ class Trainer(abc.ABC):
     return sharding.named_sharding(self.mesh, ("activation_batch", "activation_length"), self.rules)
 
   @functools.cached_property
+  def _copies_reference(self) -> bool:
+    return self.loss.frozen_reference and self.trainable.copies_reference
+
+  @functools.cached_property
   def _reference_shardings(self) -> Any:
-    return self.params(self.state_shardings) if self.loss.frozen_reference else None
+    return self.params(self.state_shardings) if self._copies_reference else None
 
   @functools.cached_property
   def _jitted_train_step(self):
@@ -169,11 +187,14 @@ class Trainer(abc.ABC):
   def set_reference(self, state) -> None:
     """Holds a copy of `state`'s parameters as the frozen reference of a `frozen_reference` loss (DPO).
 
-    `train()` sets it from the run's initial state, also on resume, so a
-    checkpoint holds the policy only. Full fine-tuning keeps this second copy;
-    a LoRA trainer needs none: its `_reference_params` is the base with the
-    adapters off.
+    `maxbridge.train` sets it from the run's initial state, also on resume, so
+    a checkpoint holds the policy only. Full fine-tuning keeps this second
+    copy; a LoRA trainer needs none: its reference is the base with the
+    adapters off, and an empty stand-in is passed.
     """
+    if not self.trainable.copies_reference:
+      self.reference = {}
+      return
     with sharding.active(self.mesh, self.rules):
       self.reference = self._jitted_params(state)
 
@@ -184,6 +205,8 @@ class Trainer(abc.ABC):
   def _reference_arg(self, abstract: bool = False):
     if not self.loss.frozen_reference:
       return None
+    if not self.trainable.copies_reference:
+      return {}
     if self.reference is None:
       if abstract:  # ahead-of-time lowering needs shapes only
         return jax.tree.map(
@@ -249,10 +272,15 @@ class Trainer(abc.ABC):
         for key, value in local_batch.items()
     }
 
+  # --- the state's faces, written once ------------------------------------------
+  #
+  # `_tree` gives the state as the checkpoint tree (the trained tree, its
+  # optimizer state, the step), plus the policy's frozen tree under "stored".
+
   @functools.cached_property
   def disk_layout(self) -> dict:
     """The on-disk tree, abstract (shapes and dtypes): the same for both backends."""
-    params = {"params": self.abstract_params}
+    params = {self.trainable.collection: self.trainable.abstract_trained}
     return {
         "params": params,
         "opt_state": layouts.optax_to_tree(jax.eval_shape(self.tx.init, params)),
@@ -267,24 +295,78 @@ class Trainer(abc.ABC):
         self.to_checkpoint(self.state_shardings),
     )
 
+  def to_checkpoint(self, state) -> dict:
+    """The state's checkpoint tree (`disk_layout`'s); also maps trees of shardings or specs shaped as the state."""
+    tree = self._tree(state)
+    return int32_disk_step({key: tree[key] for key in ("params", "opt_state", "step")})
+
+  def with_checkpoint(self, state, tree: dict):
+    """`state` with the trained tree, optimizer state and step of a checkpoint tree (LoRA: the base kept)."""
+    return self._with_tree(state, tree)
+
+  def from_checkpoint(self, tree: dict) -> Any:
+    """The state a checkpoint tree holds whole (see `restore` for one that holds the trained tree only)."""
+    if not self.saves_params:
+      raise ValueError(
+          f"{type(self.trainable).__name__} checkpoints hold the trained tree only, not the model it trains: "
+          "call trainer.with_checkpoint(state, tree) with a state holding the base"
+      )
+    return self._with_tree(self.abstract_state(), tree)
+
+  def restore(self, tree: dict, initial: Callable[[], Any]) -> Any:
+    """The state of a restored checkpoint tree; `initial()` builds the state the run started from, whose frozen
+    base a checkpoint of the trained tree only (LoRA's) is put back into."""
+    return self.from_checkpoint(tree) if self.saves_params else self.with_checkpoint(initial(), tree)
+
+  def step(self, state) -> int:
+    return int(self._tree(state)["step"])
+
+  def params(self, state) -> Params:
+    """Canonical parameters of a state (traceable); LoRA: the frozen base (QLoRA: its dequantized values)."""
+    tree = self._tree(state)
+    return _fresh(self.trainable.params(tree["params"][self.trainable.collection], tree.get("stored")))
+
+  def replace_params(self, state, params: Params) -> Any:
+    """`state` with its canonical parameters (as `params` reads them) replaced (traceable); the optimizer state
+    is kept."""
+    return self._with_tree(state, self.trainable.with_params(params))
+
+  def model_params(self, state) -> Params:
+    """The canonical parameters the model runs on, to sample or serve from (LoRA: the adapters merged in)."""
+    tree = self._tree(state)
+    return _fresh(self.trainable.view(tree["params"][self.trainable.collection], tree.get("stored")))
+
+  def trained_params(self, state) -> Params:
+    """The canonical tree the optimizer trains (LoRA: the adapters)."""
+    return _fresh(self._tree(state)["params"][self.trainable.collection])
+
+  def stored_base(self, state) -> Params | None:
+    """The frozen base as the state holds it (QLoRA: `kernel_qvalue` + `kernel_scale` per layer kernel); None when
+    the model's own parameters train."""
+    stored = self._tree(state).get("stored")
+    return None if stored is None else _fresh(stored)
+
   # --- the step, written once ---------------------------------------------
 
-  def _loss(self, bound: Bound, params, batch: Batch, reference: Params | None = None):
+  def _canonical_view(self, bound: Bound, params: Params) -> Params:
+    """The canonical parameters the model runs on when `params` are trained (LoRA: the base with the adapters
+    merged in)."""
+    return self.trainable.view(params, bound.stored, bound.step if bound.training else None)
+
+  def _forward(self, bound: Bound, params: Params, frozen, tokens, positions, segment_ids):
+    return self._run(bound, self._canonical_view(bound, params), frozen, tokens, positions, segment_ids)
+
+  def _loss(self, bound: Bound, params: Params, batch: Batch, reference: Params | None = None):
     apply = functools.partial(self._forward, bound)
+    view = functools.partial(self._canonical_view, bound)
     # The reference pass reads the parameters the step started from, or the
     # frozen `reference`: a constant of the differentiation either way, so no
     # gradient flows through it.
-    view = functools.partial(self._canonical_view, bound)
     forward = None
     if self.loss.needs_reference:
-      fixed = bound.params if reference is None else self._reference_params(bound, reference)
+      fixed = bound.params if reference is None else self.trainable.reference(bound.params, reference)
       forward = Forward(apply, jax.lax.stop_gradient(fixed), bound.frozen, view)
     return self.loss(Forward(apply, params, bound.frozen, view), batch, forward)
-
-  def _canonical_view(self, bound: Bound, params) -> Params:
-    """The model's canonical parameters when `params` are trained (LoRA: the base with the adapters merged in)."""
-    del bound
-    return self._canonical(params)
 
   def _train_step(self, state, batch: Batch, reference: Params | None = None):
     bound = self._bind(state)._replace(training=True)
@@ -295,7 +377,7 @@ class Trainer(abc.ABC):
     metrics = {**metrics, "grad_norm": grad_norm, "lr": self.schedule(bound.step)}
     state = self._apply_update(bound, grads)
     if self.after_update is not None:
-      state = self._replace_params(state, self.after_update(self.params(state), metrics))
+      state = self.replace_params(state, self.after_update(self.params(state), metrics))
     return state, metrics
 
   def _eval_step(self, state, batch: Batch, reference: Params | None = None):
@@ -306,225 +388,32 @@ class Trainer(abc.ABC):
   # --- backend hooks ---------------------------------------------------------
 
   @abc.abstractmethod
-  def trainable(self, config: Config) -> Any:
-    """The backend's filter for the parameters the optimizer trains (LoRA: the adapters only)."""
-
-  @abc.abstractmethod
-  def _bind(self, state) -> Bound:
-    """Opens `state` for one step, split by `trainable` into trained params and the frozen rest."""
-
-  @abc.abstractmethod
-  def _forward(self, bound: Bound, params, frozen, tokens, positions, segment_ids):
-    """(logits, flat intermediates) for `params` and `frozen` in place of `bound`'s."""
-
-  @abc.abstractmethod
-  def _canonical(self, params) -> Params:
-    """The trained parameters (`Bound.params`' form) as a canonical tree, traceably."""
-
-  @abc.abstractmethod
-  def _reference_params(self, bound: Bound, reference: Params) -> Any:
-    """The canonical `reference` in `bound.params`' form, for the reference pass (LoRA: the adapters off)."""
-
-  @abc.abstractmethod
-  def _apply_update(self, bound: Bound, grads) -> Any:
-    """The new state: the optimizer applied to `grads` (the tree of `bound.params`)."""
-
-  # --- the state's other faces -----------------------------------------------
-
-  @abc.abstractmethod
-  def abstract_state(self) -> Any:
-    ...
-
-  @abc.abstractmethod
-  def _init(self, seed) -> Any:
-    """The initial state as a traceable function of the seed."""
+  def _new_state(self, trained: Params, stored: Params | None) -> Any:
+    """The state holding the policy's trees, with a fresh optimizer over `trained` (traceable)."""
 
   @abc.abstractmethod
   def logical_specs(self) -> Any:
     """The state's tree with a logical PartitionSpec per leaf, from the backend's metadata."""
 
   @abc.abstractmethod
-  def params(self, state) -> dict:
-    """Canonical parameters of a state (traceable)."""
-
-  def model_params(self, state) -> dict:
-    """The canonical parameters the model runs on, to sample or serve from (LoRA: the adapters merged in)."""
-    return self.params(state)
-
-  @abc.abstractmethod
-  def _replace_params(self, state, params: Params) -> Any:
-    """`state` with its canonical parameters replaced (traceable); the optimizer state is kept."""
-
-  @abc.abstractmethod
-  def step(self, state) -> int:
-    ...
-
-  @abc.abstractmethod
-  def to_checkpoint(self, state) -> dict:
-    ...
-
-  @abc.abstractmethod
-  def from_checkpoint(self, tree: dict) -> Any:
-    ...
-
-
-def int32_step(state: train_state.TrainState) -> train_state.TrainState:
-  """`state` with its step an int32 0, as a restored state has it.
-
-  `TrainState.create` starts from a Python 0, weakly typed under jit: a fresh
-  and a resumed state would each compile a train step of their own.
-  """
-  return state.replace(step=jnp.zeros((), jnp.int32))
-
-
-class LinenTrainer(Trainer):
-
-  def __init__(self, config: Config, model: LinenModel, mesh: Mesh | None = None, **hooks):
-    self.model = model
-    super().__init__(config, model.abstract_params(), mesh, **hooks)
-
-  def trainable(self, config: Config) -> str:
-    # A Linen collection. A narrower choice (LoRA adapters in a collection of
-    # their own) also builds the TrainState's `tx` over that collection only.
-    return "params"
-
-  def _create(self, params: dict) -> train_state.TrainState:
-    state = train_state.TrainState.create(apply_fn=self.model.apply, params={"params": params}, tx=self.tx)
-    return int32_step(state)
-
-  def abstract_state(self):
-    return jax.eval_shape(self._create, self.abstract_params)
-
-  def _init(self, seed):
-    return self._create(self._initial_params(seed))
-
-  def logical_specs(self):
-    # Linen's logical boxes ride through optax: mu and nu come out boxed too.
-    return nn.get_partition_spec(jax.eval_shape(self._create, self.model.boxed_params()))
-
-  def params(self, state) -> dict:
-    return canonical.unflatten(canonical.flatten(state.params["params"]))
-
-  def _replace_params(self, state, params: Params):
-    return state.replace(params={**state.params, "params": params})
-
-  def step(self, state) -> int:
-    return int(state.step)
-
-  def to_checkpoint(self, state) -> dict:
-    return {"params": state.params, "opt_state": layouts.optax_to_tree(state.opt_state), "step": state.step}
-
-  def from_checkpoint(self, tree: dict):
-    template = self.abstract_state()
-    return template.replace(
-        params=tree["params"],
-        opt_state=layouts.optax_from_tree(template.opt_state, tree["opt_state"]),
-        step=jnp.asarray(tree["step"], jnp.int32),
-    )
-
   def _bind(self, state) -> Bound:
-    trained = {self.wrt: state.params[self.wrt]}
-    frozen = {name: value for name, value in state.params.items() if name != self.wrt}
-    return Bound(params=trained, frozen=frozen, step=state.step, handle=state)
+    """Opens `state` for one step: the trained tree (differentiated), the rest the forward pass reads."""
 
-  def _canonical(self, params) -> Params:
-    return params[self.wrt]
+  @abc.abstractmethod
+  def _run(self, bound: Bound, params: Params, frozen, tokens, positions, segment_ids):
+    """(logits, flat intermediates) of the model on canonical `params`, with `frozen` in place of `bound`'s."""
 
-  def _reference_params(self, bound, reference):
-    return {self.wrt: reference}
+  @abc.abstractmethod
+  def _apply_update(self, bound: Bound, grads: Params) -> Any:
+    """The new state: the optimizer applied to `grads` (the tree of `bound.params`)."""
 
-  def _forward(self, bound, params, frozen, tokens, positions, segment_ids):
-    return linen_forward(self.model.module, {**frozen, **params}, tokens, positions, segment_ids)
+  @abc.abstractmethod
+  def _tree(self, state) -> dict:
+    """The state as the checkpoint tree, plus "stored": the policy's frozen tree when it has one (traceable)."""
 
-  def _apply_update(self, bound, grads):
-    return bound.handle.apply_gradients(grads=grads)
-
-
-class NNXTrainer(Trainer):
-  """NNX train state, stepped by `jax.jit` over split state with the graph definition static.
-
-  `nnx.jit` would re-traverse the object graph on every call, which costs
-  several times the step itself on small models; a static GraphDef does not.
-  """
-
-  def __init__(self, config: Config, build_model: Callable[[nnx.Rngs], nnx.Module], mesh: Mesh | None = None, **hooks):
-    self.build_model = build_model
-    abstract_model = nnx.eval_shape(lambda: build_model(nnx.Rngs(params=0)))
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-        nnx.to_pure_dict(nnx.state(abstract_model, nnx.Param)),
-    )
-    super().__init__(config, canonical.unflatten(canonical.flatten(abstract)), mesh, **hooks)
-    self.graphdef, self._abstract_state = nnx.split(nnx.eval_shape(lambda: self._create(0)))
-
-  def trainable(self, config: Config) -> nnx.filterlib.Filter:
-    return nnx.Param
-
-  def _create(self, seed) -> TrainStateNNX:
-    # Built inside jit or eval_shape only: the module's own random initial
-    # values are dead code once the canonical ones are written over them.
-    model = self.build_model(nnx.Rngs(params=0))
-    nnx.update(model, self._initial_params(seed))
-    return TrainStateNNX(model, nnx.Optimizer(model, self.tx, wrt=self.wrt))
-
-  def abstract_state(self):
-    return self._abstract_state
-
-  def _init(self, seed):
-    return nnx.state(self._create(seed))
-
-  def logical_specs(self):
-    # nnx.Optimizer copies each parameter's metadata onto its mu and nu.
-    return nnx.get_partition_spec(self._abstract_state)
-
-  def params(self, state) -> dict:
-    pure = nnx.to_pure_dict(state)["model"]
-    return canonical.unflatten(canonical.flatten(pure))
-
-  def _replace_params(self, state, params: Params):
-    state = jax.tree.map(lambda x: x, state)  # a fresh State: the caller's stays as it was
-    nnx.replace_by_pure_dict(state, {"model": params})
-    return state
-
-  def step(self, state) -> int:
-    return int(nnx.to_pure_dict(state)["optimizer"]["step"])
-
-  def to_checkpoint(self, state) -> dict:
-    tree = layouts.nnx_to_linen(nnx.to_pure_dict(state), self.disk_layout)
-    return int32_disk_step(tree)
-
-  def from_checkpoint(self, tree: dict):
-    pure = layouts.linen_to_nnx(tree)
-    pure["optimizer"]["step"] = jnp.asarray(pure["optimizer"]["step"], jnp.uint32)
-    state = jax.tree.map(lambda x: x, self._abstract_state)  # a fresh State to fill
-    nnx.replace_by_pure_dict(state, pure)
-    return state
-
-  def _bind(self, state) -> Bound:
-    # No copy: `state` is this trace's own input, and the optimizer update
-    # must write into exactly these Variables for `_apply_update` to read back.
-    opened = nnx.merge(self.graphdef, state)
-    graphdef, params, rest = nnx.split(opened.model, self.wrt, ...)
-    return Bound(params=params, frozen=rest, step=opened.optimizer.step[...], handle=(opened, graphdef))
-
-  def _canonical(self, params) -> Params:
-    return nnx.to_pure_dict(params)
-
-  def _reference_params(self, bound, reference):
-    params = jax.tree.map(lambda x: x, bound.params)  # a fresh State: the bound one stays the policy
-    nnx.replace_by_pure_dict(params, reference)
-    return params
-
-  def _forward(self, bound, params, frozen, tokens, positions, segment_ids):
-    _, graphdef = bound.handle
-    return nnx_forward(graphdef, params, frozen, tokens, positions, segment_ids)
-
-  def _apply_update(self, bound, grads):
-    opened, _ = bound.handle
-    opened.optimizer.update(opened.model, grads)
-    # Sown intermediates would make the output tree differ from the input
-    # (and break donation); they are never state.
-    return nnx.state(opened, nnx.Not(nnx.Intermediate))
+  @abc.abstractmethod
+  def _with_tree(self, state, tree: dict) -> Any:
+    """`state` with the parts of `tree` (a `_tree`'s, any of its keys) replaced (traceable); `state` is kept."""
 
 
 # --- the on-disk step ---------------------------------------------------

@@ -22,20 +22,25 @@ prompts with the engine's cached decoding (`maxbridge.models.decoding.generate_t
 from the current policy parameters, in this process with no copy
 (`Rollouts`), scores them with `reward_function`, and takes one train step.
 `maxbridge.train` runs it in a run folder (metrics.jsonl, checkpoints of the
-policy only, resume); `train_grpo` runs the same steps in memory.
+policy only, resume); `maxbridge.training.rollouts.train_grpo` runs the same
+steps in memory.
 """
 
 from __future__ import annotations
 
 import importlib
 import re
+import time
+import weakref
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxbridge.core import canonical
 from maxbridge.core.config import Config
+from maxbridge.models import decoding, dispatch
 from maxbridge.training.loss import Batch, CrossEntropy, Forward, Loss
 from maxbridge.training.posttrain import sft
 
@@ -171,3 +176,82 @@ def completion_tokens(continuation: np.ndarray, stop: int = ord("\n")) -> list[i
 def prompts_per_step(config: Config) -> int:
   """Prompts sampled per step: the global batch (per device, times devices, times micro-batches)."""
   return config.per_device_batch_size * jax.device_count() * config.gradient_accumulation_steps
+
+
+# --- rollouts: each step's batch, sampled from the policy ------------------------------------
+
+
+# One compiled sampler per trainer: a trainer is built for one config's step (`train.step_key`), which
+# fixes everything sampling reads, so passing the same trainer to several runs compiles once.
+_SAMPLERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _sampler(trainer) -> Callable:
+  if trainer not in _SAMPLERS:
+    config = trainer.config
+    # Abstract (no parameters of its own): `sample` runs it on the policy's parameters.
+    decoder = dispatch.abstract_model(decoding.decode_config(config))
+    abstract = decoder.abstract_params()
+    new_tokens = config.max_target_length - config.max_prefill_predict_length
+
+    @jax.jit
+    def sample(params, prompt, key):
+      # The policy's own parameters, in the decoder's (unrolled) layout: no copy outside this trace.
+      params = canonical.conform(params, abstract, config.param_scan_axis)
+      temperature = jnp.float32(config.decode_sampling_temperature)
+      return decoding.generate_tokens(decoder, params, prompt, temperature, key, max_new_tokens=new_tokens, sample=True)
+
+    _SAMPLERS[trainer] = sample
+  return _SAMPLERS[trainer]
+
+
+class Rollouts:
+  """Each step's GRPO batch, sampled from the current policy: the same for a given (seed, step) on any backend.
+
+  `batch(step, state)` picks `prompts_per_step` built-in prompts (by seed and
+  step, so a resumed run samples as the uninterrupted one), samples
+  `num_generations` completions of each with the engine's cached decoding from
+  `trainer.model_params(state)` (LoRA: the adapted weights), in this process
+  with no copy, scores them and packs one completion per row with its
+  group-normalised advantage. Completions are at most max_target_length -
+  max_prefill_predict_length tokens, cut after the first newline.
+  """
+
+  def __init__(self, config: Config, trainer):
+    self.config = config
+    self.trainer = trainer
+    self.reward = load_reward(config.reward_function)
+    self.prompts = builtin_prompts()
+    longest = max(len(p.encode()) for p in self.prompts)
+    if longest > config.max_prefill_predict_length:
+      raise ValueError(
+          f"max_prefill_predict_length={config.max_prefill_predict_length} is shorter than the built-in GRPO "
+          f"prompts ({longest} tokens)"
+      )
+    self.sample = _sampler(trainer)
+    self.timings: dict[str, float] = {}
+
+  def batch(self, step: int, state) -> tuple[dict[str, np.ndarray], dict]:
+    """(rows for the train step, {"mean_reward", "completion_length", "completions"}); `timings` holds the
+    seconds spent sampling and scoring."""
+    config, groups = self.config, self.config.num_generations
+    began = time.perf_counter()
+    rng = np.random.default_rng([config.seed, step])
+    count = prompts_per_step(config)
+    chosen = [self.prompts[i] for i in rng.choice(len(self.prompts), count, replace=count > len(self.prompts))]
+    prompt_tokens = [list(p.encode()) for p in chosen]
+    grouped = np.repeat(np.asarray(prompt_tokens, np.int32), groups, axis=0)
+    key = jax.random.key(config.seed * 1_000_003 + step)
+    sampled = np.asarray(self.sample(self.trainer.model_params(state), grouped, key))
+    sampled_at = time.perf_counter()
+    completions = [completion_tokens(row[grouped.shape[1] :]) for row in sampled]
+    texts = [bytes(c).decode("utf-8", errors="replace") for c in completions]
+    rewards = score(self.reward, chosen, texts, groups)
+    rows = pack_completions(prompt_tokens, completions, group_advantages(rewards), config.max_target_length)
+    self.timings = {"sampling_s": sampled_at - began, "scoring_s": time.perf_counter() - sampled_at}
+    info = {
+        "mean_reward": float(rewards.mean()),
+        "completion_length": float(np.mean([len(c) for c in completions])),
+        "completions": texts,
+    }
+    return rows, info
