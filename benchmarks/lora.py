@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/lora.py [--preset llama-small] [--rank 8] [--steps 10] [--batch 4] [--length 128]
 
 Every variant is timed in the same rounds, in a fresh random order each round
-(as `maxbridge/bench.py` does), and reported as the median of per-round
+(as `maxbridge/training/bench.py` does), and reported as the median of per-round
 ratios to full fine-tuning on the same backend. Optimizer-state bytes are the
 arrays of the state's optimizer part (Adam's mu and nu, counts), as checkpoints
 store them; trained-parameter counts are what the optimizer updates.

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/quantization.py [--preset llama-small] [--steps 10] [--batch 4] [--length 128]
 
 Every variant is timed in the same rounds, in a fresh random order each round
-(as `maxbridge/bench.py` does), and reported as the median of per-round
+(as `maxbridge/training/bench.py` does), and reported as the median of per-round
 ratios to float32 on the same backend. Prefill is one jitted forward pass
 over a [batch, length] prompt (logits of every position), as tokens/s; the
 "serve" variants prefill from frozen quantized weights (checkpoint_is_quantized)

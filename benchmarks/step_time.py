@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/step_time.py [--steps 15] [--combos all|minimal] [--scan both|true|false]
 
 The same as `maxbridge bench <preset> per_device_batch_size=4 max_target_length=128`;
-how it times and what the columns mean: `maxbridge/bench.py`.
+how it times and what the columns mean: `maxbridge/training/bench.py`.
 """
 
 import argparse

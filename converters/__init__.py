@@ -13,8 +13,8 @@ In memory:
     converters.stack_layers(params, axis)  /  converters.unstack_layers(params, axis)
     converters.detect_layout(tree_or_metadata_or_path)      # -> Layout; .describe() in words
 
-The layouts and the one mapping between their paths: `maxbridge.layouts`; reading
-any checkpoint array by array: `maxbridge.checkpointing` (the core needs both and
+The layouts and the one mapping between their paths: `maxbridge.core.layouts`; reading
+any checkpoint array by array: `maxbridge.core.checkpointing` (the core needs both and
 never imports this package). A checkpoint that cannot be read, converted or
 written raises `CheckpointError` (`ConversionError` and `PlanError` are kinds of
 it); a tree in memory in no known layout raises `LayoutError`.

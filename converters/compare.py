@@ -20,7 +20,7 @@ MAX_LINES = 20
 
 @dataclasses.dataclass(frozen=True)
 class Difference:
-  path: str  # a normal path (see maxbridge.layouts)
+  path: str  # a normal path (see maxbridge.core.layouts)
   what: str  # e.g. "max abs diff 0.5 (1 of 4096 elements)", "only in first"
   max_abs_diff: float | None = None
 

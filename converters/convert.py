@@ -22,7 +22,7 @@ from maxbridge.interop.hf.folders import abstract_params
 
 # Below this many bytes a conversion takes a moment: no progress bar.
 PROGRESS_BYTES = 256 << 20
-# Tags of the hidden folders beside a destination (see `maxbridge.files.temp_dir_beside`).
+# Tags of the hidden folders beside a destination (see `maxbridge.core.files.temp_dir_beside`).
 STAGING = "converting"
 REPLACED = "replaced"
 
@@ -87,7 +87,7 @@ def convert(
 
   `source`: a run, checkpoints, step or items directory (the latest step is
   taken); its layout is detected. The result is `destination/<step>/items`,
-  restorable by `maxbridge.checkpointing.Checkpointer(destination)`. The
+  restorable by `maxbridge.core.checkpointing.Checkpointer(destination)`. The
   source run's config.yml, adjusted to the new scan form and dtype, goes into
   `destination`; or, when `destination` is a run's `checkpoints/`, into that
   run directory, naming it (so `maxbridge train <run>/config.yml` resumes there).

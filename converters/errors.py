@@ -6,6 +6,6 @@ from maxbridge.core.checkpointing import CheckpointError
 class ConversionError(CheckpointError):
   """A checkpoint that cannot be converted or written as asked; the message names the path.
 
-  A kind of `maxbridge.checkpointing.CheckpointError`, which reading a
+  A kind of `maxbridge.core.checkpointing.CheckpointError`, which reading a
   checkpoint raises: catch that one for any checkpoint that cannot be used.
   """

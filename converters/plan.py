@@ -73,7 +73,7 @@ def build(
     `source_axis` says otherwise (their axis is then moved to `axis`).
   dtype: floating-point arrays are cast to it; integers (step, counts) are kept.
   num_layers: {stack name: layers}, when known (from the run's config, see
-    `maxbridge.canonical.layer_stacks`); every stack must have that many.
+    `maxbridge.core.canonical.layer_stacks`); every stack must have that many.
   """
   leaves = {p: l for p, l in leaves.items() if not params_only or p.startswith("params/")}
   source_axis = axis if source_axis is None else source_axis

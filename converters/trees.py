@@ -1,4 +1,4 @@
-"""The converters for trees in memory (`load_params`, for checkpoints on disk, is `maxbridge.checkpointing`'s)."""
+"""The converters for trees in memory (`load_params`, for checkpoints on disk, is `maxbridge.core.checkpointing`'s)."""
 
 from __future__ import annotations
 

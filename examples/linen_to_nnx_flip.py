@@ -25,12 +25,14 @@ from matplotlib import ticker
 import maxbridge as mb
 from maxbridge.training import recipe
 
+# NNX is the default (base.yml, as in MaxText); the Linen runs say so.
+LINEN_FLAGS = dict(pure_nnx=False, enable_nnx=False, pure_nnx_decoder=False)
 NNX_FLAGS = dict(pure_nnx=True, enable_nnx=True, pure_nnx_decoder=True)
 LINEN_ONLY, FLIPPED = "linen-only", "linen-to-nnx"
 RELATIVE_TOLERANCE = 1e-5  # what tests/test_train.py demands of the same comparison
 
 
-def make_config(run_name: str, output: Path, steps: int, **flags) -> mb.Config:
+def make_config(run_name: str, output: Path, steps: int, flags: dict[str, bool]) -> mb.Config:
   return mb.load_config(
       "llama-tiny",
       run_name=run_name,
@@ -189,15 +191,17 @@ def main() -> None:
 
   # Run A: pure Linen from start to finish. Its trainer (the compiled Linen
   # step) serves run B's Linen half too: the two configs differ in run_name only.
-  linen_config = make_config(LINEN_ONLY, args.output, steps)
+  linen_config = make_config(LINEN_ONLY, args.output, steps, LINEN_FLAGS)
   linen = recipe.create_trainer(linen_config)
   linen_only = mb.train(linen_config, trainer=linen, progress=True)
 
   # Run B: Linen up to the halfway checkpoint, then the same run directory
   # with every part in NNX. until_step stops the call without shortening the
   # LR schedule, so the second call continues the same run.
-  linen_part = mb.train(make_config(FLIPPED, args.output, steps), trainer=linen, until_step=flip, progress=True)
-  nnx_part = mb.train(make_config(FLIPPED, args.output, steps, **NNX_FLAGS), progress=True)
+  linen_part = mb.train(
+      make_config(FLIPPED, args.output, steps, LINEN_FLAGS), trainer=linen, until_step=flip, progress=True
+  )
+  nnx_part = mb.train(make_config(FLIPPED, args.output, steps, NNX_FLAGS), progress=True)
   flipped = linen_part + nnx_part
   if [r["step"] for r in flipped] != list(range(steps)):
     sys.exit(

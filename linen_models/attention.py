@@ -4,7 +4,7 @@ Also Mistral's (sliding_window_size) and Qwen3's (use_qk_norm: per-head
 RMSNorm `query_norm`/`key_norm` before RoPE; the query kernel then cannot
 carry 1/sqrt(head_dim), which the norm would undo, so it is applied at run time).
 
-Decoding: given a "cache" collection (`maxbridge.engine`), attention appends
+Decoding: given a "cache" collection (`maxbridge.models.decoding`), attention appends
 its keys and values to it and reads all of it (`update_cache`); training never
 passes one, so no layer ever creates a cache.
 """

@@ -1,8 +1,8 @@
 """DenseGeneral: a kernel of shape in_features + out_features with logical axes.
 
 `dot_general` is the matmul (`jax.lax.dot_general`, or a quantized one, as
-flax's `Dense` takes it). Initial values come from `maxbridge.initializers`.
-With `frozen` (AQT serve mode, see `maxbridge.quantization`), the layer holds
+flax's `Dense` takes it). Initial values come from `maxbridge.core.initializers`.
+With `frozen` (AQT serve mode, see `maxbridge.ops.quantization`), the layer holds
 `kernel_qvalue` and `kernel_scale` instead of `kernel`, and `frozen` makes the
 matmul from them.
 """
@@ -66,7 +66,7 @@ class DenseGeneral(nn.Module):
 def dense(
     config: Config, in_features: tuple[int, ...], out_features: tuple[int, ...], logical_axes: tuple[str, ...], **kwargs
 ) -> DenseGeneral:
-  """A `DenseGeneral` with the config's dtypes and matmul (`maxbridge.quantization`): the one place a layer's
+  """A `DenseGeneral` with the config's dtypes and matmul (`maxbridge.ops.quantization`): the one place a layer's
   matmul settings come from."""
   kwargs.setdefault("dot_general", quantization.linen_dot_general(config))
   kwargs.setdefault("frozen", quantization.frozen_dot_general(config))

@@ -11,8 +11,8 @@ from maxbridge.core.config import Config
 class Transformer(nn.Module):
   """int32 tokens [B, T] -> float32 logits [B, T, V].
 
-  `decoder` is given by `maxbridge.dispatch`: a Linen `Decoder`, or an NNX one
-  wrapped in `maxbridge.bridge.ToLinen`. Either is adopted as child "decoder".
+  `decoder` is given by `maxbridge.models.dispatch`: a Linen `Decoder`, or an NNX one
+  wrapped in `maxbridge.core.bridge.ToLinen`. Either is adopted as child "decoder".
   """
 
   config: Config

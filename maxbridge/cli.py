@@ -147,7 +147,7 @@ def _generate(args: argparse.Namespace) -> int:
   from maxbridge.interop import pretrained
   from maxbridge.models import dispatch
 
-  flags = dispatch.backend_flags(args.backend)
+  flags = pretrained.backend_overrides(args.backend)
   if Path(args.source).is_dir():
     config, params = pretrained.load_pretrained(args.source, *args.overrides, config=args.config, **flags)
     model = dispatch.create_model(config, params=params)
@@ -376,7 +376,12 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--max-new-tokens", type=_count, default=32, help="tokens to generate (default 32)")
   p.add_argument("--temperature", type=_tolerance, default=0.0, help="0 is greedy (default); > 0 samples")
   p.add_argument("--seed", type=int, default=0, help="sampling seed")
-  p.add_argument("--backend", choices=["linen", "nnx"], default="linen", help="model backend (default linen)")
+  p.add_argument(
+      "--backend",
+      choices=["linen", "nnx"],
+      default=None,
+      help="model backend (default: the checkpoint's config.yml, else NNX as base.yml sets it)",
+  )
   p.add_argument("--config", help=_CONFIG_HELP)
   _overrides(p)
 

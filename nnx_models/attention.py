@@ -4,7 +4,7 @@ Also Mistral's (sliding_window_size) and Qwen3's (use_qk_norm: per-head
 RMSNorm `query_norm`/`key_norm` before RoPE; the query kernel then cannot
 carry 1/sqrt(head_dim), which the norm would undo, so it is applied at run time).
 
-Decoding: given `nnx.Cache` variables (`maxbridge.engine` adds them to a
+Decoding: given `nnx.Cache` variables (`maxbridge.models.decoding` adds them to a
 copy of the model), attention appends its keys and values to them and reads
 all of it (`update_cache`); a model built for training never has any.
 """

@@ -13,8 +13,8 @@ from nnx_models.embeddings import Embed
 class Transformer(nnx.Module):
   """int32 tokens [B, T] -> float32 logits [B, T, V].
 
-  `decoder_factory(rngs)` is given by `maxbridge.dispatch`: it builds an NNX
-  `Decoder`, or a Linen one wrapped in `maxbridge.bridge.ToNNX`.
+  `decoder_factory(rngs)` is given by `maxbridge.models.dispatch`: it builds an NNX
+  `Decoder`, or a Linen one wrapped in `maxbridge.core.bridge.ToNNX`.
   """
 
   def __init__(

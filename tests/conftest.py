@@ -12,13 +12,18 @@ import maxbridge as mb
 
 # (pure_nnx, enable_nnx, pure_nnx_decoder): every combination is valid.
 FLAG_COMBINATIONS = list(itertools.product([False, True], repeat=3))
+# base.yml's default is NNX (as MaxText's since its PR 11). A test of a Linen path, or one written when Linen
+# was the default, says so: with tiny_config's default flags, LINEN_FLAGS, or LINEN_ARGS on a command line.
+LINEN = (False, False, False)
+LINEN_FLAGS = dict(pure_nnx=False, enable_nnx=False, pure_nnx_decoder=False)
+LINEN_ARGS = [f"{flag}=false" for flag in LINEN_FLAGS]
 
 
 def flag_id(flags) -> str:
   return "-".join(f"{name}={int(v)}" for name, v in zip(("pure_nnx", "enable_nnx", "decoder"), flags))
 
 
-def tiny_config(flags=(False, False, False), **overrides) -> mb.Config:
+def tiny_config(flags=LINEN, **overrides) -> mb.Config:
   pure_nnx, enable_nnx, pure_nnx_decoder = flags
   return mb.load_config(
       "llama-tiny",

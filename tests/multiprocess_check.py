@@ -24,5 +24,8 @@ config = mb.load_config(
     num_processes=int(num_processes),
     process_id=int(process_id),
     coordinator_address=f"localhost:{port}" if int(num_processes) > 1 else "",
+    pure_nnx=False,  # Linen, as when it was the default
+    enable_nnx=False,
+    pure_nnx_decoder=False,
 )
 mb.train(config, progress=False)

@@ -32,11 +32,16 @@ def test_llama2_7b_has_real_dims():
 
 
 def test_overrides_are_typed_and_kwargs_win_over_strings():
-  cfg = load_config("llama-tiny", "steps=20", "learning_rate=1e-5", "scan_layers=false", "pure_nnx=YES", steps=30)
+  cfg = load_config("llama-tiny", "steps=20", "learning_rate=1e-5", "scan_layers=false", "pure_nnx=NO", steps=30)
   assert cfg.steps == 30 and type(cfg.steps) is int
   assert cfg.learning_rate == 1e-5 and type(cfg.learning_rate) is float
   assert cfg.scan_layers is False
-  assert cfg.pure_nnx is True
+  assert cfg.pure_nnx is False  # base.yml's default is true
+
+
+def test_nnx_is_the_default_backend_as_in_maxtext():
+  cfg = load_config("llama-tiny")
+  assert (cfg.pure_nnx, cfg.enable_nnx, cfg.pure_nnx_decoder) == (True, True, True)
 
 
 def test_later_string_override_wins_over_earlier_and_preset():
@@ -122,8 +127,8 @@ def test_config_is_frozen():
 
 def test_replace_returns_a_new_validated_config():
   cfg = load_config("llama-tiny")
-  changed = cfg.replace(steps="7", pure_nnx="true")
-  assert (changed.steps, changed.pure_nnx) == (7, True)
+  changed = cfg.replace(steps="7", pure_nnx="false")
+  assert (changed.steps, changed.pure_nnx) == (7, False)
   assert cfg.steps == 200
   with pytest.raises(ConfigError, match="'base_num_kv_heads' = 0"):
     cfg.replace(base_num_kv_heads=0)
@@ -132,7 +137,7 @@ def test_replace_returns_a_new_validated_config():
 
 
 def test_to_yaml_round_trips(tmp_path):
-  cfg = load_config("llama-small", "learning_rate=1e-4", "pure_nnx=true", run_name="round-trip")
+  cfg = load_config("llama-small", "learning_rate=1e-4", "pure_nnx=false", run_name="round-trip")
   path = tmp_path / "run" / "config.yml"
   cfg.to_yaml(path)
   assert load_config(str(path)) == cfg

@@ -31,10 +31,11 @@ from maxbridge.training import data
 from maxbridge.interop import hf
 from maxbridge.core.config import ConfigError
 from maxbridge.interop import pretrained
+from conftest import LINEN_ARGS, LINEN_FLAGS
 
 REPO = Path(__file__).resolve().parent.parent
-# Run-only keys differ between runs below; everything a step computes is the same.
-RUN = dict(steps=3, per_device_batch_size=2, checkpoint_period=1, eval_interval=0)
+# Run-only keys differ between runs below; everything a step computes is the same, in Linen (NNX is the default).
+RUN = dict(steps=3, per_device_batch_size=2, checkpoint_period=1, eval_interval=0, **LINEN_FLAGS)
 
 
 def _config(tmp_path, name="run", **overrides):
@@ -253,7 +254,7 @@ def test_convert_refuses_a_config_that_does_not_describe_the_checkpoint(trained,
 
 @pytest.fixture(scope="module")
 def model():
-  return mb.create_model(mb.load_config("llama-tiny"), seed=0)
+  return mb.create_model(mb.load_config("llama-tiny", **LINEN_FLAGS), seed=0)
 
 
 @pytest.mark.parametrize("bad", [-1, 256])
@@ -391,16 +392,17 @@ def test_bad_input_exits_2_with_one_message(tmp_path, capsys):
   a_file.write_text("")
   cases = [
       (["train", not_utf8], "is not UTF-8"),
-      (["train", "llama-tiny", "vocab_size=100", f"base_output_directory={tmp_path}"], "vocab_size=100"),
+      (["train", "llama-tiny", "vocab_size=100", f"base_output_directory={tmp_path}", *LINEN_ARGS], "vocab_size=100"),
       (["import-hf", folder, tmp_path / "out"], "must hold a JSON object"),
       (["import-hf", truncated, tmp_path / "out"], "not a readable safetensors file"),
       (["compare", tmp_path, tmp_path], "is not a checkpoint"),
       (["shardings", "--devices", "-2", "llama-tiny"], "'-2' must be >= 0"),
       (
-          ["train", "llama-tiny", "dataset_type=text", f"dataset_path={latin1}", f"base_output_directory={tmp_path}"],
+          ["train", "llama-tiny", "dataset_type=text", f"dataset_path={latin1}", f"base_output_directory={tmp_path}"]
+          + LINEN_ARGS,
           "data.jsonl: not UTF-8",
       ),
-      (["train", "llama-tiny", f"base_output_directory={a_file}"], "a-file is a file"),
+      (["train", "llama-tiny", f"base_output_directory={a_file}", *LINEN_ARGS], "a-file is a file"),
   ]
   for argv, match in cases:
     code, err = _cli(argv, capsys)
@@ -441,7 +443,7 @@ def test_library_errors_logged_from_their_threads_or_by_the_garbage_collector_pr
 
 
 def test_a_mesh_that_does_not_divide_a_parameter_names_it(cli_env):
-  argv = ["compile", "--devices", "8", "llama-tiny", "ici_tensor_parallelism=8"]
+  argv = ["compile", "--devices", "8", "llama-tiny", "ici_tensor_parallelism=8", *LINEN_ARGS]
   proc = subprocess.run(
       [sys.executable, "-m", "maxbridge.cli", *argv], env=cli_env, capture_output=True, text=True, timeout=180
   )

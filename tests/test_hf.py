@@ -23,6 +23,7 @@ from maxbridge import cli
 from maxbridge.models import dispatch
 from maxbridge.interop import hf
 from maxbridge.interop import pretrained
+from conftest import LINEN_ARGS
 
 LOGITS_TOL = 1e-4
 PROMPT = np.array([[3, 17, 250, 42, 9], [100, 1, 77, 200, 31]], np.int64)
@@ -290,9 +291,20 @@ def test_sharded_safetensors_are_read_through_the_index(llama_folder, tmp_path):
   index = {"weight_map": {n: file for file, members in shards.items() for n in members}}
   (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
   (tmp_path / "config.json").write_text((llama_folder / "config.json").read_text())
-  whole = mb.from_pretrained(llama_folder)
-  sharded = mb.from_pretrained(tmp_path)
+  whole = mb.from_pretrained(llama_folder, backend="linen")
+  sharded = mb.from_pretrained(tmp_path, backend="linen")
   np.testing.assert_array_equal(sharded.logits(TOKENS), whole.logits(TOKENS))
+
+
+def test_from_pretrained_keeps_the_flags_its_config_records_unless_a_backend_is_named(llama_folder, tmp_path):
+  def flags(model):
+    return tuple(getattr(model.config, flag) for flag in dispatch.FLAGS)
+
+  assert flags(mb.from_pretrained(llama_folder)) == (True, True, True)  # config.json names none: base.yml's NNX
+  assert cli.main(["import-hf", str(llama_folder), str(tmp_path / "linen"), *LINEN_ARGS]) == 0
+  assert flags(mb.from_pretrained(tmp_path / "linen")) == (False, False, False)  # as its config.yml records
+  assert flags(mb.from_pretrained(tmp_path / "linen", backend="nnx")) == (True, True, True)
+  assert flags(mb.from_pretrained(llama_folder, backend="linen")) == (False, False, False)
 
 
 def test_generate_uses_the_folders_tokenizer(llama_folder, tmp_path, capsys):
@@ -306,10 +318,12 @@ def test_generate_uses_the_folders_tokenizer(llama_folder, tmp_path, capsys):
   tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
   tokenizer.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
   tokenizer.save(str(folder / "tokenizer.json"))
-  assert cli.main(["generate", str(folder), "--prompt", "w3 w17 w250", "--max-new-tokens", "4"]) == 0
+  assert (
+      cli.main(["generate", str(folder), "--prompt", "w3 w17 w250", "--max-new-tokens", "4", "--backend", "linen"]) == 0
+  )
   words = capsys.readouterr().out.split()
   assert words[:3] == ["w3", "w17", "w250"] and len(words) == 7
-  model = mb.from_pretrained(folder)
+  model = mb.from_pretrained(folder, backend="linen")
   want = model.generate(np.array([3, 17, 250]), max_new_tokens=4)
   assert words == [f"w{int(t)}" for t in want]
   # import-hf keeps the tokenizer beside the checkpoint, so generate finds it there too.
@@ -321,9 +335,9 @@ def test_generate_uses_the_folders_tokenizer(llama_folder, tmp_path, capsys):
 
 
 def test_generate_falls_back_to_bytes_and_checks_its_arguments(llama_folder, capsys):
-  assert cli.main(["generate", str(llama_folder), "--prompt", "hi", "--max-new-tokens", "3"]) == 0
+  assert cli.main(["generate", str(llama_folder), "--prompt", "hi", "--max-new-tokens", "3", "--backend", "linen"]) == 0
   assert capsys.readouterr().out.startswith("hi")
-  assert cli.main(["generate", str(llama_folder), "--max-new-tokens", "3"]) == 2
+  assert cli.main(["generate", str(llama_folder), "--max-new-tokens", "3", "--backend", "linen"]) == 2
   assert "--prompt is empty" in capsys.readouterr().err
 
 
@@ -337,7 +351,7 @@ def test_original_gpt2_names_and_mask_buffers_are_understood(tmp_path_factory, t
   legacy["h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 32, 32))
   save_file(legacy, tmp_path / "model.safetensors", metadata={"format": "pt"})
   (tmp_path / "config.json").write_text((reference.folder / "config.json").read_text())
-  model = mb.from_pretrained(tmp_path)
+  model = mb.from_pretrained(tmp_path, backend="linen")
   assert max_diff(model.logits(TOKENS), reference.logits) <= LOGITS_TOL
 
 
@@ -350,7 +364,7 @@ def test_deepseek_without_a_query_lora_matches_transformers(tmp_path):
   model.save_pretrained(tmp_path)
   with torch.no_grad():
     want = model(torch.tensor(TOKENS)).logits.numpy()
-  ours = mb.from_pretrained(tmp_path)
+  ours = mb.from_pretrained(tmp_path, backend="linen")
   assert ours.config.q_lora_rank == 0
   assert max_diff(ours.logits(TOKENS), want) <= LOGITS_TOL
 

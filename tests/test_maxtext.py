@@ -73,7 +73,7 @@ def test_from_pretrained_takes_a_yaml_config_and_overrides(maxtext, tokens, tmp_
   step_dir, params = maxtext["linen-scanned"]
   yml = tmp_path / "mine.yml"
   mb.load_config("llama-tiny").to_yaml(yml)
-  model = mb.from_pretrained(step_dir, config=str(yml), scan_layers=False)
+  model = mb.from_pretrained(step_dir, backend="linen", config=str(yml), scan_layers=False)
   assert not model.config.scan_layers
   np.testing.assert_allclose(model.logits(tokens), _reference_logits(LINEN, params, tokens), atol=1e-6)
 
@@ -105,7 +105,7 @@ def test_a_wrong_config_is_reported_from_the_metadata_before_any_array_is_read(m
   with pytest.raises(HFError, match="config='llama-small' does not describe the checkpoint"):
     mb.from_pretrained(step_dir, config="llama-small")
   assert reads == []
-  mb.from_pretrained(step_dir, config="llama-tiny")
+  mb.from_pretrained(step_dir, backend="linen", config="llama-tiny")
   assert "params/params/decoder/decoder_norm/scale" in reads
 
 
@@ -122,7 +122,7 @@ def test_convert_with_a_config_writes_it_beside_the_result(maxtext, tokens, tmp_
 
 def test_generate_reads_a_maxtext_checkpoint_by_config_or_load_parameters_path(maxtext, capsys):
   step_dir, _ = maxtext["linen-unscanned"]
-  common = ["--prompt", "ab", "--max-new-tokens", "4"]
+  common = ["--prompt", "ab", "--max-new-tokens", "4", "--backend", "linen"]
   outputs = []
   for argv in (
       ["generate", str(step_dir), "--config", "llama-tiny", *common],

@@ -11,7 +11,7 @@ from maxbridge.core import canonical
 from maxbridge.models import model as model_lib
 from maxbridge.training import vocab_tiling
 from maxbridge.ops import rotary
-from conftest import tiny_config
+from conftest import LINEN_FLAGS, tiny_config
 
 BACKENDS = {"linen": (False, False, False), "nnx": (True, True, True)}
 
@@ -105,7 +105,7 @@ def test_seven_billion_parameter_preset_builds_abstractly():
   """llama2-7b is never materialised here; its canonical tree is checked by shape only."""
   from maxbridge.models import dispatch
 
-  config = mb.load_config("llama2-7b")
+  config = mb.load_config("llama2-7b", **LINEN_FLAGS)
   model = model_lib.LinenModel(config, dispatch.linen_transformer(config), dispatch.sample_inputs(config))
   shapes = canonical.flatten(model.abstract_params())
   assert shapes["decoder/layers/self_attention/query/kernel"].shape == (4096, 32, 32, 128)
@@ -119,7 +119,7 @@ def test_llama3_1_presets_have_the_published_parameter_counts(preset, total):
   """Built abstractly on both backends; the totals are Meta's published counts."""
   from maxbridge.models import dispatch
 
-  config = mb.load_config(preset)
+  config = mb.load_config(preset, **LINEN_FLAGS)
   assert rotary.scaling_from_config(config) == rotary.Llama3Scaling(8.0, 1.0, 4.0, 8192)
   nnx_config = config.replace(pure_nnx=True, enable_nnx=True, pure_nnx_decoder=True)
   linen = model_lib.LinenModel(config, dispatch.linen_transformer(config), dispatch.sample_inputs(config))

@@ -12,6 +12,7 @@ from maxbridge.core import canonical
 from maxbridge.training import data, qk_clip
 from maxbridge.core.config import ConfigError
 from maxbridge.training import recipe
+from conftest import LINEN_FLAGS
 
 
 def _maxima(config, low=0.5, high=3.0):
@@ -22,7 +23,7 @@ def _maxima(config, low=0.5, high=3.0):
 
 @pytest.mark.parametrize("preset", ["llama-tiny", "deepseek3-tiny", "gpt3-tiny"])
 def test_scanned_and_unscanned_clip_identically_per_layer(preset):
-  config = dataclasses.replace(mb.load_config(preset), qk_clip_threshold=1.0)
+  config = dataclasses.replace(mb.load_config(preset, **LINEN_FLAGS), qk_clip_threshold=1.0)
   params = mb.create_model(config, seed=0).params()
   maxima = _maxima(config)
   scanned = canonical.unstack_layers(qk_clip.clip(params, maxima, config), config.param_scan_axis)
@@ -33,7 +34,7 @@ def test_scanned_and_unscanned_clip_identically_per_layer(preset):
 
 
 def test_llama_query_heads_scale_by_tau_over_max_and_the_rest_is_bit_identical():
-  config = dataclasses.replace(mb.load_config("llama-tiny", scan_layers=False), qk_clip_threshold=1.0)
+  config = dataclasses.replace(mb.load_config("llama-tiny", scan_layers=False, **LINEN_FLAGS), qk_clip_threshold=1.0)
   params = mb.create_model(config, seed=0).params()
   maxima = _maxima(config)
   clipped = canonical.flatten(qk_clip.clip(params, maxima, config))
@@ -53,7 +54,7 @@ def test_llama_query_heads_scale_by_tau_over_max_and_the_rest_is_bit_identical()
 
 
 def test_mla_scales_nope_by_sqrt_and_rope_by_s_and_leaves_values():
-  config = dataclasses.replace(mb.load_config("deepseek3-tiny", scan_layers=False), qk_clip_threshold=1.0)
+  config = dataclasses.replace(mb.load_config("deepseek3-tiny", scan_layers=False, **LINEN_FLAGS), qk_clip_threshold=1.0)
   params = mb.create_model(config, seed=0).params()
   maxima = {s: jnp.full((n, config.num_query_heads), 4.0) for s, n in canonical.layer_stacks(config)}
   clipped = canonical.flatten(qk_clip.clip(params, maxima, config))

@@ -18,7 +18,7 @@ from maxbridge.core.config import ConfigError
 from maxbridge.training.loop import global_batch_size
 from maxbridge.training import recipe
 from maxbridge.interop import pretrained, quantize
-from conftest import FLAG_COMBINATIONS, flag_id, tiny_config
+from conftest import FLAG_COMBINATIONS, LINEN_ARGS, LINEN_FLAGS, flag_id, tiny_config
 
 LINEN = (False, False, False)
 NNX = (True, True, True)
@@ -408,15 +408,15 @@ def test_serve_checkpoint_prefills_and_generates(served, capsys):
 def test_quantize_reads_hugging_face_folders_and_load_parameters_path(served, float_model, tmp_path):
 
   pretrained.export_hf(served / "float", tmp_path / "hf")
-  assert cli.main(["quantize", str(tmp_path / "hf"), str(tmp_path / "from_hf"), "quantization=int8"]) == 0
-  _, hf_params = pretrained.load_pretrained(tmp_path / "hf")
+  assert cli.main(["quantize", str(tmp_path / "hf"), str(tmp_path / "from_hf"), "quantization=int8", *LINEN_ARGS]) == 0
+  _, hf_params = pretrained.load_pretrained(tmp_path / "hf", **LINEN_FLAGS)
   expected = dispatch.quantize_params(serve_config(), hf_params)
   got, _ = checkpointing.load_params(tmp_path / "from_hf")
   for path, value in canonical.flatten(expected).items():
     np.testing.assert_array_equal(canonical.flatten(got)[path], np.asarray(value), err_msg=path)
   items = served / "float" / "0" / "items"
   argv = ["quantize", "llama-tiny", str(tmp_path / "from_path"), "quantization=int8", f"load_parameters_path={items}"]
-  assert cli.main(argv) == 0
+  assert cli.main([*argv, *LINEN_ARGS]) == 0
   got, _ = checkpointing.load_params(tmp_path / "from_path")
   reference, _ = checkpointing.load_params(served / "int8")
   for path, value in canonical.flatten(reference).items():
@@ -490,7 +490,7 @@ def test_qwix_serving_works_with_mixed_flags(flags, tokens, float_model, qwix_qa
 def test_qwix_int4_serve_checkpoint_reloads_on_both_backends(served, tokens, qwix_qat_logits):
   # Quantized with mixed flags (from_pretrained sets the backend's flags anyway).
   argv = ["quantize", str(served / "float"), str(served / "int4"), "quantization=int4", "use_qwix_quantization=true"]
-  assert cli.main([*argv, "enable_nnx=true"]) == 0
+  assert cli.main([*argv, "pure_nnx=false", "enable_nnx=true", "pure_nnx_decoder=false"]) == 0
   stored = checkpointing.CheckpointReader(served / "int4").leaves
   assert stored["params/params/decoder/layers/mlp/wo/kernel_qvalue"].dtype == jnp.int4
   for backend in ("linen", "nnx"):

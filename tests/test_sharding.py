@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec
 import maxbridge as mb
 from maxbridge.core import sharding
 from maxbridge.core.config import ConfigError
+from conftest import LINEN_ARGS
 
 HERE = Path(__file__).parent
 
@@ -165,7 +166,7 @@ def maxbridge_cli(*args: str) -> str:
 
 def test_shardings_table_is_the_same_on_both_backends():
   overrides = ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
-  linen = maxbridge_cli("shardings", "--devices", "8", "llama-tiny", *overrides)
+  linen = maxbridge_cli("shardings", "--devices", "8", "llama-tiny", *overrides, *LINEN_ARGS)
   nnx = maxbridge_cli(
       "shardings",
       "--devices",
@@ -197,6 +198,7 @@ def test_llama2_7b_train_step_compiles_for_eight_devices():
       "per_device_batch_size=1",
       "max_target_length=2048",
       "remat_policy=full",
+      *LINEN_ARGS,
   )
   assert "for 8 devices (data=1 x fsdp=8 x tensor=1 x expert=1)" in out
   # 6.74e9 parameters x (4 + 4 + 4 bytes: params, mu, nu) / 8 devices = 9.42 GiB.

@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 import maxbridge as mb
+from maxbridge import cli
 from maxbridge.core import checkpointing
 from maxbridge.training import data
 from maxbridge.training.loop import TrainingDiverged, step_key
 from maxbridge.training import recipe
-from conftest import tiny_config
+from conftest import LINEN_ARGS, LINEN_FLAGS, tiny_config
 
 LINEN = (False, False, False)
 NNX = (True, True, True)
@@ -57,12 +58,42 @@ def test_mixed_flags_log_the_same_losses(tmp_path, linen_losses):
   np.testing.assert_allclose(run(tmp_path, "mixed", (True, False, True)), linen_losses, rtol=1e-5)
 
 
+# A run written when Linen was the default records pure_nnx: false (and the other two) in its config.yml.
+# `maxbridge train <preset>` resumes it with the flags of the command line, now NNX's; `maxbridge train
+# <its config.yml>` with the flags it recorded.
+RESUMED_FROM_THE_COMMAND_LINE = {"cli-preset": NNX, "cli-config.yml": LINEN}
+
+
+def flags_of(config) -> tuple[bool, bool, bool]:
+  return config.pure_nnx, config.enable_nnx, config.pure_nnx_decoder
+
+
+def resume_from_the_command_line(tmp_path, name, how):
+  """`maxbridge train` naming no flag on the run `name`; the losses of the steps it trained."""
+  run_dir = tmp_path / name
+  assert flags_of(mb.load_config(str(run_dir / "config.yml"))) == LINEN, "the run was written in Linen"
+  if how == "cli-preset":
+    values = {**STEPS, "base_output_directory": tmp_path, "run_name": name}
+    argv = ["llama-tiny", *(f"{key}={value}" for key, value in values.items())]
+  else:
+    argv = [str(run_dir / "config.yml")]
+  logged = len((run_dir / "metrics.jsonl").read_text().splitlines())
+  assert cli.main(["train", *argv]) == 0
+  assert flags_of(mb.load_config(str(run_dir / "config.yml"))) == RESUMED_FROM_THE_COMMAND_LINE[how]
+  return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()[logged:]]
+
+
 @pytest.mark.parametrize(
-    "first,second", [(LINEN, LINEN), (LINEN, NNX), (NNX, LINEN)], ids=["resume", "linen-to-nnx", "nnx-to-linen"]
+    "first,second",
+    [(LINEN, LINEN), (LINEN, NNX), (NNX, LINEN), *((LINEN, how) for how in RESUMED_FROM_THE_COMMAND_LINE)],
+    ids=["resume", "linen-to-nnx", "nnx-to-linen", "old-default-run-by-preset", "old-default-run-by-its-config.yml"],
 )
 def test_stopped_and_resumed_run_continues_the_curve(tmp_path, linen_losses, first, second):
   head = run(tmp_path, "split", first, until_step=3)
-  tail = run(tmp_path, "split", second)
+  if isinstance(second, str):
+    tail = resume_from_the_command_line(tmp_path, "split", second)
+  else:
+    tail = run(tmp_path, "split", second)
   assert len(head) == 3 and len(tail) == 3
   np.testing.assert_allclose(head + tail, linen_losses, rtol=1e-5)
   records = [json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
@@ -189,7 +220,15 @@ KILL_MID_SAVE = textwrap.dedent("""
     from maxbridge.core import checkpointing
     from maxbridge.training import recipe
     import maxbridge as mb
-    config = mb.load_config("llama-tiny", base_emb_dim=512, base_mlp_dim=2048, base_num_decoder_layers=4)
+    config = mb.load_config(
+        "llama-tiny",
+        base_emb_dim=512,
+        base_mlp_dim=2048,
+        base_num_decoder_layers=4,
+        pure_nnx=False,
+        enable_nnx=False,
+        pure_nnx_decoder=False,
+    )
     trainer = recipe.create_trainer(config)
     state = trainer.init_state(0)
     ckpt = checkpointing.Checkpointer(sys.argv[1])
@@ -209,15 +248,13 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
   assert "2" not in names and any(name.startswith("2.") for name in names), f"expected step 2 half-written: {names}"
   ckpt = checkpointing.Checkpointer(directory)
   assert ckpt.all_steps() == [1]
-  config = mb.load_config("llama-tiny", base_emb_dim=512, base_mlp_dim=2048, base_num_decoder_layers=4)
+  config = mb.load_config("llama-tiny", base_emb_dim=512, base_mlp_dim=2048, base_num_decoder_layers=4, **LINEN_FLAGS)
   trainer = recipe.create_trainer(config)
   restored = trainer.from_checkpoint(ckpt.restore(1, trainer.checkpoint_target()))
   chex.assert_trees_all_equal(trainer.params(restored), trainer.params(trainer.init_state(0)))
 
 
 def test_cli_train_writes_the_run_directory(tmp_path, capsys):
-  from maxbridge import cli
-
   code = cli.main(
       [
           "train",
@@ -228,6 +265,7 @@ def test_cli_train_writes_the_run_directory(tmp_path, capsys):
           "per_device_batch_size=2",
           "eval_interval=0",
           "log_period=2",
+          *LINEN_ARGS,
       ]
   )
   assert code == 0

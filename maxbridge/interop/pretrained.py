@@ -91,17 +91,24 @@ def export_hf(
 
 
 def from_pretrained(
-    path: str | os.PathLike, backend: str = "linen", *, config: str | os.PathLike | None = None, **overrides: Any
+    path: str | os.PathLike, backend: str | None = None, *, config: str | os.PathLike | None = None, **overrides: Any
 ):
   """An `mb.Model` from a Hugging Face folder (config.json + safetensors) or a maxbridge or MaxText checkpoint.
 
-  `backend` sets the three flags ("linen": all Linen, "nnx": all NNX); keyword
-  `overrides` are config keys (e.g. `scan_layers=False`, or the flags themselves).
-  `config` (a preset such as "llama2-7b", or a YAML path) describes a checkpoint
-  that has no config.yml beside it, as MaxText's have none.
+  `backend` sets the three flags ("linen": all Linen, "nnx": all NNX). Left
+  out, the model's config decides: a run's config.yml records the flags it
+  trained with, and a Hugging Face folder or a preset takes base.yml's, NNX.
+  Keyword `overrides` are config keys (e.g. `scan_layers=False`, or the flags
+  themselves). `config` (a preset such as "llama2-7b", or a YAML path)
+  describes a checkpoint that has no config.yml beside it, as MaxText's have none.
   """
-  cfg, params = load_pretrained(path, config=config, **{**dispatch.backend_flags(backend), **overrides})
+  cfg, params = load_pretrained(path, config=config, **{**backend_overrides(backend), **overrides})
   return dispatch.create_model(cfg, params=params)
+
+
+def backend_overrides(backend: str | None) -> dict[str, bool]:
+  """The three flags of a named backend as config overrides; none for None, so the config's own stand."""
+  return {} if backend is None else dispatch.backend_flags(backend)
 
 
 def load_pretrained(

@@ -18,7 +18,7 @@ everything outside a train step (eval, generate, serve): no key is needed.
 
 Qwix (`use_qwix_quantization=true`) intercepts the matmuls of the decoder,
 so layers need no hook at all: `dispatch` hands the decoder, in its own
-backend, to `quantize_linen` or `quantize_nnx`. QAT (weights quantized on the
+backend, to `maxbridge.models.quantized` (this module holds the rules). QAT (weights quantized on the
 fly, no state beyond the float model's) in every flag combination: Qwix finds
 a matmul's weights and rule through the module running it, so it intercepts
 below any ToNNX/ToLinen boundary, never across one, and every combination
@@ -221,7 +221,7 @@ def qwix_rules(config: Config, decoder_path: str = "decoder") -> list:
   raise ValueError(f"Qwix quantization {q!r} is not built; valid values: 'int8', 'int4', 'fp8'")
 
 
-# --- Weight-only storage of a frozen base (QLoRA, maxbridge/lora.py) --------------
+# --- Weight-only storage of a frozen base (QLoRA, maxbridge/models/lora.py) --------------
 #
 # The kernels are stored quantized and dequantized before each forward pass;
 # no matmul runs on quantized values. Qwix quantizes (it has the NormalFloat

@@ -31,7 +31,7 @@ beside the base parameters, never merged into them: each compiled step adds
 lora_alpha / lora_rank * A @ B to the kernels it reads (`lora.merge`, the
 training forward pass's own), so one base serves any adapter set of the same
 shapes (`set_adapters`) without a recompile. The price, with adapters merged
-outside the layers (see maxbridge/lora.py), is rank x kernel size more flops
+outside the layers (see maxbridge/models/lora.py), is rank x kernel size more flops
 per adapted kernel and step.
 """
 
@@ -139,8 +139,11 @@ class Engine:
     )
 
   @classmethod
-  def from_pretrained(cls, path, backend: str = "linen", *, adapters=None, **overrides) -> "Engine":
+  def from_pretrained(cls, path, backend: str | None = None, *, adapters=None, **overrides) -> "Engine":
     """An engine on a maxbridge checkpoint or a Hugging Face folder (`mb.from_pretrained`).
+
+    `backend` ("linen", "nnx") sets the three flags; left out, the
+    checkpoint's config decides (base.yml's NNX for a Hugging Face folder).
 
     `adapters`: a LoRA run (or its checkpoints) trained on `path`, served
     beside it unmerged (its fingerprint checked; a QLoRA run's base is
@@ -151,7 +154,9 @@ class Engine:
       return cls(model.config, model=model)
     base_config, params, tree, run_config = pretrained.base_and_adapters(path, adapters)
     keys = ("lora_rank", "lora_alpha", "lora_module_path", "lora_weight_qtype")
-    config = base_config.replace(**dispatch.backend_flags(backend), **{key: getattr(run_config, key) for key in keys})
+    config = base_config.replace(
+        **pretrained.backend_overrides(backend), **{key: getattr(run_config, key) for key in keys}
+    )
     return cls(config.replace(**overrides) if overrides else config, params, adapters=tree)
 
   def _adapters(self, adapters: Params) -> Params:

@@ -80,7 +80,9 @@ def load_hf(path: str | os.PathLike, *overrides: str, **kwargs: Any) -> tuple[Co
 
 def abstract_params(cfg: Config) -> dict[str, Any]:
   """The canonical tree of `cfg`'s model as shapes and dtypes; nothing is computed."""
-  return LinenModel(cfg, dispatch.linen_transformer(cfg), dispatch.sample_inputs(cfg)).abstract_params()
+  # Every flag combination declares this tree; traced in pure Linen whatever the flags (NNX by default).
+  linen = cfg.replace(**dispatch.backend_flags("linen"))
+  return LinenModel(linen, dispatch.linen_transformer(linen), dispatch.sample_inputs(linen)).abstract_params()
 
 
 def save_hf(
