@@ -176,3 +176,23 @@ def test_maxtext_names_for_our_keys_are_read_as_ours_or_refused_naming_ours():
     load_config("llama-tiny", "max_num_checkpoints_to_keep=5", "max_to_keep=4")
   with pytest.raises(ConfigError, match="'init_weights_seed' is not supported; set seed"):
     load_config("llama-tiny", "init_weights_seed=3")
+
+
+@pytest.mark.parametrize(
+    "overrides, error",
+    [
+        (
+            ["decode_sampling_strategy=weighted", "decode_sampling_temperature=0"],
+            "decode_sampling_temperature, which is 0",
+        ),
+        (["decode_sampling_strategy=topk", "decode_sampling_temperature=0"], "decode_sampling_temperature, which is 0"),
+        (["decode_sampling_strategy=topk"], r"in \[1, vocab_size=256\], got 0"),
+        (["decode_sampling_strategy=topk", "decode_sampling_top_k=257"], r"in \[1, vocab_size=256\], got 257"),
+        (["decode_sampling_strategy=nucleus"], r"set it in \(0, 1\]"),
+    ],
+)
+def test_a_sampling_value_its_strategy_cannot_use_is_refused_not_decoded_greedily(overrides, error):
+  with pytest.raises(ConfigError, match=error):
+    load_config("llama-tiny", *overrides)
+  # The same keys are fine where the strategy does not read them (greedy reads none).
+  load_config("llama-tiny", "decode_sampling_temperature=0", "decode_sampling_top_k=0")

@@ -363,3 +363,10 @@ def test_a_decode_checkpoint_of_a_training_run_loads_straight_into_the_engine(fl
   state, tokens = eng.generate_steps(state, 3)
   sequence = np.concatenate([PROMPTS[1], [first], np.asarray(tokens[0, :2])])[None]
   np.testing.assert_array_equal(np.argmax(eng.model.logits(sequence)[0, -4:], axis=-1), [first, *tokens[0]])
+
+
+def test_bulk_insert_refuses_a_slot_named_twice():
+  eng = decode("llama-tiny", NNX)["engine"]
+  prefix = eng.prefill_multisampling(PROMPTS[0], num_samples=2)
+  with pytest.raises(ValueError, match=r"slots \(0, 0\) name a slot twice"):
+    eng.bulk_insert(prefix, eng.init_decode_state(), [0, 0])

@@ -187,6 +187,7 @@ def validate(cfg: Config) -> None:
   if cfg.process_id >= cfg.num_processes:
     raise ConfigError(f"process_id={cfg.process_id} must be below num_processes={cfg.num_processes}")
   _validate_family(cfg)
+  _validate_sampling(cfg)
   _validate_quantization(cfg)
   _validate_lora(cfg)
   if cfg.dataset_type == "text" and not cfg.dataset_path:
@@ -199,6 +200,26 @@ def validate(cfg: Config) -> None:
   if cfg.use_dpo and cfg.num_vocab_tiling > 1:
     raise ConfigError("use_dpo=true computes full logits for its log-probabilities; set num_vocab_tiling=1")
   _validate_grpo(cfg)
+
+
+def _validate_sampling(cfg: Config) -> None:
+  """A `decode_sampling_*` value the chosen strategy would read and cannot use is refused, not decoded greedily."""
+  strategy = cfg.decode_sampling_strategy
+  if strategy != "greedy" and cfg.decode_sampling_temperature == 0:
+    raise ConfigError(
+        f"decode_sampling_strategy={strategy!r} divides the logits by decode_sampling_temperature, which is 0: "
+        "set a temperature > 0, or decode_sampling_strategy='greedy'"
+    )
+  if strategy == "topk" and not 1 <= cfg.decode_sampling_top_k <= cfg.vocab_size:
+    raise ConfigError(
+        f"decode_sampling_strategy='topk' samples among the decode_sampling_top_k most likely tokens: it must be "
+        f"in [1, vocab_size={cfg.vocab_size}], got {cfg.decode_sampling_top_k}"
+    )
+  if strategy == "nucleus" and cfg.decode_sampling_nucleus_p == -1:
+    raise ConfigError(
+        "decode_sampling_strategy='nucleus' samples among the most likely tokens holding decode_sampling_nucleus_p "
+        "of the probability: set it in (0, 1]"
+    )
 
 
 def _validate_grpo(cfg: Config) -> None:

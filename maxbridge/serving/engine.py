@@ -416,6 +416,8 @@ class Engine:
     for slot in slots:
       if not 0 <= slot < count:
         raise ValueError(f"slot {slot} is out of range: this engine has {count} slots, 0..{count - 1}")
+    if len(set(slots)) != len(slots):
+      raise ValueError(f"slots {slots} name a slot twice: each sample needs a slot of its own")
     return self._insert(prefix, decode_state, jnp.asarray(slots, jnp.int32))
 
   def _insert_impl(self, prefix, state, slots):
