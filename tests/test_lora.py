@@ -54,6 +54,15 @@ def test_a_module_path_matching_nothing_lists_the_kernels():
     recipe.create_trainer(tiny_config(lora_rank=4, lora_module_path="decoder/layers_0/.*"))
 
 
+def test_a_rank_above_what_a_kernel_can_have_is_refused_naming_the_kernel():
+  key = dict(lora_module_path="decoder/layers/self_attention/key/kernel")  # llama-tiny: [64, 2 x 16]
+  with pytest.raises(
+      ValueError, match=r"lora_rank=33 exceeds the rank of .*key/kernel: its 64 inputs x 32 outputs have rank at most 32"
+  ):
+    recipe.create_trainer(tiny_config(lora_rank=33, **key))
+  assert recipe.create_trainer(tiny_config(lora_rank=32, **key)).trainable.abstract_trained
+
+
 def test_adapters_have_canonical_names_and_shapes():
   trainer = recipe.create_trainer(tiny_config(NNX, **LORA, lora_module_path=r"decoder/layers/self_attention/.*"))
   flat = {p: x.shape for p, x in canonical.flatten(trainer.trainable.abstract_trained).items()}

@@ -51,6 +51,7 @@ import functools
 import hashlib
 import zlib
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -133,6 +134,12 @@ def abstract_adapters(config: Config, abstract_params: Mapping[str, Any]) -> dic
     kernel = flat_params[path]
     ins, outs, layer_axis = _split(config, path, kernel.shape)
     layers = kernel.shape[layer_axis] if layer_axis is not None else None
+    smaller = min(math.prod(ins), math.prod(outs))
+    if config.lora_rank > smaller:  # A @ B would hold more values than the kernel, and reach no higher rank
+      raise ValueError(
+          f"lora_rank={config.lora_rank} exceeds the rank of {path}: its {math.prod(ins)} inputs x {math.prod(outs)} "
+          f"outputs have rank at most {smaller}; set lora_rank <= {smaller} (or narrow lora_module_path)"
+      )
     rank = (config.lora_rank,)
     flat[path + "_lora_a"] = jax.ShapeDtypeStruct(_with_layer(ins + rank, layer_axis, layers), kernel.dtype)
     flat[path + "_lora_b"] = jax.ShapeDtypeStruct(_with_layer(rank + outs, layer_axis, layers), kernel.dtype)
