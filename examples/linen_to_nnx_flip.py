@@ -23,6 +23,7 @@ import matplotlib.pyplot as plt
 from matplotlib import ticker
 
 import maxbridge as mb
+from maxbridge.core import files
 from maxbridge.training import recipe
 
 # NNX is the default (base.yml, as in MaxText); the Linen runs say so.
@@ -164,6 +165,7 @@ def save_plot(path: Path, linen_only: list[dict], flipped: list[dict], flip: int
   os.close(fd)
   try:
     fig.savefig(tmp, format="png", dpi=120)
+    files.apply_umask(tmp, directory=False)  # mkstemp makes it 0600; the PNG is the user's like any file
     os.replace(tmp, path)
   except BaseException:
     os.unlink(tmp)

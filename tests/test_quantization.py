@@ -430,8 +430,9 @@ def test_quantize_reads_hugging_face_folders_and_load_parameters_path(served, fl
         ("float", ["quantization=int4"], "'int4' is not supported with use_qwix_quantization=false"),
         ("float", [], "needs quantization=int8"),
         ("int8", ["quantization=int8"], "is already quantized"),
+        ("missing", ["quantization=int8"], "missing: no such checkpoint, run or Hugging Face folder"),
     ],
-    ids=["unknown", "aqt-int4", "no-quantization", "already-quantized"],
+    ids=["unknown", "aqt-int4", "no-quantization", "already-quantized", "missing-folder"],
 )
 def test_quantize_refuses_bad_input_and_writes_nothing(served, tmp_path, capsys, source, overrides, message):
   destination = tmp_path / "out"

@@ -4,7 +4,7 @@ import os
 from pathlib import Path
 
 from maxbridge.core import checkpointing
-from maxbridge.core.config import ConfigError, load_config
+from maxbridge.core.config import ConfigError, available_presets, load_config
 from maxbridge.interop import pretrained
 from maxbridge.interop.hf import folders
 from maxbridge.models import dispatch
@@ -23,6 +23,11 @@ def quantize_checkpoint(
   a temporary folder and renamed into place: any error leaves nothing.
   """
   given = any(o.startswith("quantization=") and o != "quantization=" for o in overrides)
+  if not Path(source).exists() and os.fspath(source) not in available_presets():
+    # Say what is missing: a folder that is not there reads as an unknown preset to load_config.
+    raise FileNotFoundError(
+        f"{source}: no such checkpoint, run or Hugging Face folder (nor a preset: {', '.join(available_presets())})"
+    )
   if Path(source).is_dir():
     cfg, params = pretrained.load_pretrained(source, *overrides, config=config)
   else:
