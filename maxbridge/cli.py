@@ -159,7 +159,10 @@ def _generate(args: argparse.Namespace) -> int:
   prompt = encode(args.prompt)
   if not prompt:
     raise ValueError("--prompt is empty: give at least one token to continue")
-  tokens = model.generate(prompt, args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+  new_tokens = args.max_new_tokens
+  if new_tokens is None:  # as many as fit in the trained length, up to 32: a default call never warns past it
+    new_tokens = min(32, max(1, model.config.max_target_length - len(prompt)))
+  tokens = model.generate(prompt, new_tokens, temperature=args.temperature, seed=args.seed)
   print(decode([int(t) for t in tokens]))
   return 0
 
@@ -373,7 +376,12 @@ def build_parser() -> argparse.ArgumentParser:
   )
   p.add_argument("source", help="Hugging Face folder, checkpoint or run directory, preset or YAML config")
   p.add_argument("--prompt", default="", help="text to continue")
-  p.add_argument("--max-new-tokens", type=_count, default=32, help="tokens to generate (default 32)")
+  p.add_argument(
+      "--max-new-tokens",
+      type=_count,
+      default=None,
+      help="tokens to generate (default 32, or fewer where the prompt and 32 would pass max_target_length)",
+  )
   p.add_argument("--temperature", type=_tolerance, default=0.0, help="0 is greedy (default); > 0 samples")
   p.add_argument("--seed", type=int, default=0, help="sampling seed")
   p.add_argument(

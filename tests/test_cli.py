@@ -1,6 +1,7 @@
 import re
 
 import pytest
+import warnings
 
 from maxbridge import cli
 
@@ -32,3 +33,13 @@ def test_bench_times_each_combination_against_pure_linen(capsys):
 def test_bench_rejects_a_bad_option_value(capsys):
   assert cli.main(["bench", "llama-tiny", "--steps", "0"]) == 2
   assert "steps must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("asked, warned", [([], False), (["--max-new-tokens", "32"], True)])
+def test_generate_by_default_stays_within_the_trained_length(asked, warned):
+  # llama-tiny trains on 64 tokens: a 40-token prompt leaves room for 24 by default, not 32.
+  argv = ["generate", "llama-tiny", "--prompt", "x" * 40, "--backend", "linen", *asked]
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    assert cli.main(argv) == 0
+  assert any("exceeds max_target_length=64" in str(w.message) for w in caught) == warned
