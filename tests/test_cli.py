@@ -1,7 +1,7 @@
 import re
+import warnings
 
 import pytest
-import warnings
 
 from maxbridge import cli
 

@@ -9,6 +9,7 @@ import contextlib
 import importlib
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -554,3 +555,28 @@ def test_files_are_written_with_the_users_umask(trained, tmp_path):
       if p.stat().st_mode & 0o777 != (0o775 if p.is_dir() else 0o664)
   }
   assert not wrong, f"modes other than 0o775 (folders) / 0o664 (files) under umask 002: {wrong}"
+
+
+# --- a resume that would change what a run's checkpoints mean ----------------------------------
+
+
+@pytest.mark.parametrize(
+    "started, resumed, named",
+    [
+        (dict(lora_rank=4, lora_alpha=8.0), dict(lora_rank=4, lora_alpha=64.0), "lora_alpha: 8.0 -> 64.0"),
+        (dict(lora_rank=4, lora_alpha=8.0), dict(lora_rank=0), "lora_rank: 4 -> 0"),
+        ({}, dict(scan_layers=False), "scan_layers: True -> False"),
+    ],
+    ids=["lora-alpha", "lora-off", "scan-layers"],
+)
+def test_a_resume_that_changes_how_checkpoints_read_is_refused_naming_the_key(tmp_path, started, resumed, named):
+  _train(tmp_path, "fixed", until_step=1, **started)
+  run_dir = tmp_path / "fixed"
+  before = {name: (run_dir / name).read_bytes() for name in ("config.yml", "metrics.jsonl")}
+  with pytest.raises(
+      checkpointing.CheckpointError,
+      match=rf"cannot resume with other values of keys fixed when it started \({re.escape(named)}[;)]",
+  ):
+    _train(tmp_path, "fixed", **resumed)
+  assert {name: (run_dir / name).read_bytes() for name in before} == before, "the refused resume rewrote the run"
+  _train(tmp_path, "fixed", **started)  # the run's own values resume it

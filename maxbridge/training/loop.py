@@ -20,6 +20,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import yaml
 from absl import logging
 from tqdm import tqdm
 
@@ -59,6 +60,67 @@ _RUN_ONLY_KEYS = frozenset(
         "load_full_state_path",
     }
 )
+
+
+# Keys fixed when a run starts: they set how its checkpoints read (the model's shape and layout, LoRA's
+# adapters and their scale, quantization) or what the run optimises (DPO, GRPO). Resuming with another value
+# would read the same bytes as another model; the others (learning rate, steps, logging, the backend flags)
+# may change on resume, as in MaxText.
+_FIXED_KEYS = (
+    "decoder_block",
+    "vocab_size",
+    "base_emb_dim",
+    "base_num_query_heads",
+    "base_num_kv_heads",
+    "head_dim",
+    "base_mlp_dim",
+    "base_num_decoder_layers",
+    "num_experts",
+    "num_experts_per_tok",
+    "first_num_dense_layers",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "trainable_position_size",
+    "logits_via_embedding",
+    "use_qk_norm",
+    "scan_layers",
+    "param_scan_axis",
+    "lora_rank",
+    "lora_alpha",
+    "lora_module_path",
+    "lora_weight_qtype",
+    "quantization",
+    "use_qwix_quantization",
+    "use_dpo",
+    "use_grpo",
+)
+
+
+def _check_resume(config: Config, run_dir: Path) -> None:
+  """Refuses a resume that would change what the run's checkpoints mean, naming each key and both values.
+
+  DPO's and GRPO's frozen reference is the model the run started from, so their
+  load_parameters_path is fixed too (a LoRA run's base has its own fingerprint check).
+  """
+  saved_file = run_dir / "config.yml"
+  if not saved_file.is_file():
+    return
+  saved = yaml.safe_load(saved_file.read_text()) or {}
+  keys = _FIXED_KEYS + (("load_parameters_path",) if config.use_dpo or config.use_grpo else ())
+  changed = [
+      f"{key}: {saved[key]!r} -> {getattr(config, key)!r}"
+      for key in keys
+      if key in saved and saved[key] != getattr(config, key)
+  ]
+  if changed:
+    raise checkpointing.CheckpointError(
+        f"{run_dir} cannot resume with other values of keys fixed when it started ({'; '.join(changed)}): its "
+        "checkpoints would be read as another model's. Resume with the values in its config.yml, or choose a new "
+        "run_name"
+    )
 
 
 def step_key(config: Config) -> tuple:
@@ -272,6 +334,7 @@ def _train(
     resumed = bool(start)
     initial = functools.partial(initial_state, config, trainer)
     if resumed:
+      _check_resume(config, run_dir)
       # As in MaxText, a run's own checkpoints win over load_parameters_path / load_full_state_path.
       restored = ckpt.restore(start, trainer.checkpoint_target())
       # Adapters only (LoRA): the base comes from where the run started, checked by a hook below.
