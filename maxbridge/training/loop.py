@@ -62,30 +62,12 @@ _RUN_ONLY_KEYS = frozenset(
 )
 
 
-# Keys fixed when a run starts: they set how its checkpoints read (the model's shape and layout, LoRA's
-# adapters and their scale, quantization) or what the run optimises (DPO, GRPO). Resuming with another value
-# would read the same bytes as another model; the others (learning rate, steps, logging, the backend flags)
-# may change on resume, as in MaxText.
+# Keys fixed when a run starts that its checkpoints' shapes do not show: how the trees are laid out
+# (scan_layers), LoRA's adapters and their scale, quantization, what the run optimises (DPO, GRPO). Resuming
+# with another value would read the same bytes as another model, or fail with a list of paths that does not
+# say why. (A change of the model's shape is refused by the restore, naming the first path whose shape
+# differs.) The other keys (learning rate, steps, logging, the backend flags) may change on resume, as in MaxText.
 _FIXED_KEYS = (
-    "decoder_block",
-    "vocab_size",
-    "base_emb_dim",
-    "base_num_query_heads",
-    "base_num_kv_heads",
-    "head_dim",
-    "base_mlp_dim",
-    "base_num_decoder_layers",
-    "num_experts",
-    "num_experts_per_tok",
-    "first_num_dense_layers",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_nope_head_dim",
-    "qk_rope_head_dim",
-    "v_head_dim",
-    "trainable_position_size",
-    "logits_via_embedding",
-    "use_qk_norm",
     "scan_layers",
     "param_scan_axis",
     "lora_rank",
