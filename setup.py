@@ -27,6 +27,8 @@ setup(
         # Stacks that orbax stores as one chunk are decoded as a stream (converters/source.py):
         # tensorstore decodes a chunk only whole, at 4x its size in memory.
         "zstandard>=0.25.0",
+        # A digest of every saved array (maxbridge/core/checkpointing.py), checked on restore, compare and verify.
+        "xxhash>=4.1.0",
         # Quantization (maxbridge/quantization.py): AQT and Qwix.
         "aqtp>=0.9.0",
         "qwix>=0.1.8",

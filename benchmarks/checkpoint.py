@@ -9,10 +9,13 @@ devices is
     os.sync: the floor for the same bytes on the same disk),
   - saved with maxbridge's Checkpointer (orbax, synced as it commits),
   - restored onto the mesh it was saved from,
-  - restored onto another mesh (fsdp x tensor), as a resume on a new slice does.
+  - restored onto another mesh (fsdp x tensor), as a resume on a new slice does,
+  - saved and restored (same mesh) with digests off (`Checkpointer(digests=False)`):
+    what recording a digest of every array on save and checking it on restore costs.
 Each is the median of `--rounds` interleaved rounds; ratios are throughput vs
-the raw write (save) and vs reading the raw bytes back (restore). Everything
-goes under a temporary folder, removed at the end.
+the raw write (save) and vs reading the raw bytes back (restore), and, last,
+the time with digests over the time without. Everything goes under a
+temporary folder, removed at the end.
 """
 
 import argparse
@@ -80,26 +83,40 @@ def main() -> None:
       for backend, case in cases.items():
         folder = Path(tmp) / f"{backend}-{round_}"
         ckpt = checkpointing.Checkpointer(folder / "ckpt")
+        bare = checkpointing.Checkpointer(folder / "bare", digests=False)
 
         def save(ckpt=ckpt, case=case):
-          ckpt.save(1, case["tree"])
+          ckpt.save(1, case["fresh"])
           ckpt.wait()
+
+        # New arrays for each save, as training gives it: jax caches an array's host copy once it has made one.
+        case["fresh"] = jax.block_until_ready(jax.tree.map(lambda x: x.copy(), case["tree"]))
 
         times = case["times"]
         times.setdefault("raw write", []).append(timed(lambda: raw_write(case["tree"], folder / "raw")))
         times.setdefault("save", []).append(timed(save))
+        case["fresh"] = jax.block_until_ready(jax.tree.map(lambda x: x.copy(), case["tree"]))
+        times.setdefault("save, no digests", []).append(timed(lambda bare=bare: save(bare)))
         times.setdefault("raw read", []).append(timed(lambda: raw_read(folder / "raw")))
         for name, trainer in (("restore, same mesh", case["saver"]), ("restore, other mesh", case["other"])):
           restore = lambda trainer=trainer: ckpt.restore(1, trainer.checkpoint_target())  # noqa: E731
           times.setdefault(name, []).append(timed(restore))
+        bare_restore = lambda bare=bare, case=case: bare.restore(1, case["saver"].checkpoint_target())  # noqa: E731
+        times.setdefault("restore, no digests", []).append(timed(bare_restore))
 
     print(f"{'backend':>7} {'MiB':>7} {'operation':>20} {'s':>7} {'MiB/s':>8} {'vs raw':>7}")
     for backend, case in cases.items():
       mib = case["bytes"] / 2**20
       seconds = {name: statistics.median(t) for name, t in case["times"].items()}
       for name, s in seconds.items():
-        raw = seconds["raw write" if name in ("raw write", "save") else "raw read"]
+        raw = seconds["raw write" if name.startswith(("raw write", "save")) else "raw read"]
         print(f"{backend:>7} {mib:>7.1f} {name:>20} {s:>7.3f} {mib / s:>8.1f} {raw / s:>7.2f}")
+    print(f"{'backend':>7} {'digests: save':>14} {'restore':>8}  (time with digests / time without)")
+    for backend, case in cases.items():
+      seconds = {name: statistics.median(t) for name, t in case["times"].items()}
+      save = seconds["save"] / seconds["save, no digests"]
+      restore = seconds["restore, same mesh"] / seconds["restore, no digests"]
+      print(f"{backend:>7} {save:>13.2f}x {restore:>7.2f}x")
 
 
 if __name__ == "__main__":

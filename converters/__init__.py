@@ -6,6 +6,7 @@ On disk (streaming, array by array; also the `maxbridge convert` and
     converters.convert(src, dst, layout="nnx", scan_layers=False)  # -> Conversion
     converters.compare(a, b, atol=0, rtol=0)                        # -> Comparison
     params, info = converters.load_params(path)                     # canonical tree + what was found
+    converters.verify(run_or_step)                                  # -> [StepCheck], arrays vs their digests
 
 In memory:
 
@@ -25,6 +26,7 @@ from converters.convert import Conversion, convert
 from converters.errors import ConversionError
 from converters.plan import PlanError
 from converters.trees import detect_layout, to_linen, to_nnx
+from converters.verify import StepCheck, verify
 from maxbridge.core.canonical import stack_layers, unstack_layers
 from maxbridge.core.checkpointing import CheckpointError, CheckpointInfo, load_params
 from maxbridge.core.layouts import Layout, LayoutError
@@ -38,6 +40,7 @@ __all__ = [
     "Layout",
     "LayoutError",
     "PlanError",
+    "StepCheck",
     "compare",
     "convert",
     "detect_layout",
@@ -46,4 +49,5 @@ __all__ = [
     "to_linen",
     "to_nnx",
     "unstack_layers",
+    "verify",
 ]

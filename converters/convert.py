@@ -137,16 +137,19 @@ def convert(
         total=nbytes, unit="B", unit_scale=True, unit_divisor=1024, disable=not show, file=sys.stderr, desc="convert"
     ) as bar:
       arrays = decoded = 0
+      digests = {}  # of the arrays written, by stored path: see `_decode` and `_carried`
       for step, action in actions:
         if action is None:
-          _decode(step, source, dest, job)
+          digests.update(_decode(step, source, dest, job))
           decoded += len(step.inputs)
-        elif not dest.copied:
-          action.apply(dest, source)
+        else:
+          if not dest.copied:
+            action.apply(dest, source)
+          digests.update(_carried(step, reader, job))
         arrays += len(step.outputs)
         bar.set_postfix_str(f"{arrays}/{len(job.stored)} arrays", refresh=False)
         bar.update(sum(leaf.nbytes for _, leaf in step.outputs))
-    dest.finish(skeleton, job.step)
+    dest.finish(skeleton, job.step, digests)
     if job.config and job.config_file.parent == destination:
       job.config.to_yaml(staging / checkpointing.CONFIG)
     _replace(staging, destination)
@@ -260,6 +263,25 @@ def _action(step: plan.Step, reader, source: Source, job: _Job) -> _Relabel | No
   return None
 
 
+def _carried(step: plan.Step, reader, job: _Job) -> dict[str, str]:
+  """The source's digest of an array renamed as it is (same bytes, dtype and shape), under its new name.
+
+  Arrays made of moved chunks (a stack unstacked or layers stacked without
+  decoding) get none: their digest would need the decoding the move avoids.
+  """
+  if step.op != "copy" or (recorded := reader.recorded_digest(step.inputs[0])) is None:
+    return {}
+  return {layouts.layout_path(step.outputs[0][0], job.kind): recorded}
+
+
+def _digests(outputs: list[tuple[str, checkpointing.Leaf]], values: list[np.ndarray], job: _Job) -> dict[str, str]:
+  """{stored path: digest} of outputs written from whole arrays in hand, in the dtype they are stored in."""
+  return {
+      layouts.layout_path(path, job.kind): checkpointing.digest(np.asarray(array, job.stored[path].dtype))
+      for (path, _), array in zip(outputs, values)
+  }
+
+
 def _start(reader, source: Source, actions, items: Path, block_bytes: int) -> storage.Destination:
   """The destination database, holding the relabelled arrays already when it shares the source's files.
 
@@ -303,9 +325,10 @@ def _alike(metas: list[dict | None]) -> bool:
   return all({**m, "shape": None} == {**metas[0], "shape": None} for m in metas)
 
 
-def _decode(step: plan.Step, source: Source, dest: storage.Destination, job: _Job) -> None:
+def _decode(step: plan.Step, source: Source, dest: storage.Destination, job: _Job) -> dict[str, str]:
   """Reads and writes through the zarr driver: one source array (or one layer) and one block at a time, or
-  a stack's chunks piece by piece (`storage.Destination.unstack`)."""
+  a stack's chunks piece by piece (`storage.Destination.unstack`). Returns the digests of the outputs that
+  were whole in memory (those written a piece at a time get none)."""
   outputs = [(_name(path, job.kind), job.stored[path]) for path, _ in step.outputs]
   if step.op == "stack":
     ((name, leaf),) = outputs
@@ -316,11 +339,12 @@ def _decode(step: plan.Step, source: Source, dest: storage.Destination, job: _Jo
         if index[step.axis] == slice(i, i + 1) or (leaf.shape[step.axis] == 1 and index[step.axis] == slice(None)):
           block = index[: step.axis] + (slice(None),) + index[step.axis + 1 :]
           dest.write(array, index, np.asarray(values[block], leaf.dtype, order="C"))
-    return
+    return {}
   first = step.inputs[0]
   if step.op == "unstack":
     if dest.unstack(source, first, step.axis, outputs):
-      return
+      return {}
+    digests = {}
     stored = source.reader.open(first)
     by_layer = stored is not None and stored.chunk_layout.read_chunk.shape[step.axis] == 1
     whole = None if by_layer else source.read_array(first)
@@ -329,17 +353,19 @@ def _decode(step: plan.Step, source: Source, dest: storage.Destination, job: _Jo
       # A stack chunked by layer is read a layer at a time (a tensorstore slice decodes only its chunks).
       layer = np.asarray(stored[at].read().result()) if by_layer else whole[at]
       dest.write_all(dest.create(name, leaf.shape, leaf.dtype), layer)
+      digests.update(_digests([step.outputs[i]], [layer], job))
       del layer
-    return
+    return digests
   ((name, leaf),) = outputs
   stacked = canonical.is_stacked(step.outputs[0][0])
   layer_axis = job.axis if stacked else None
   if step.op == "copy" and dest.copy_pieces(source, first, name, leaf, layer_axis):
-    return
+    return {}
   values = source.read_array(first)
   if step.op == "moveaxis":
     values = np.moveaxis(values, step.source_axis, step.axis)
   dest.write_all(dest.create(name, leaf.shape, leaf.dtype, layer_axis=layer_axis), values)
+  return _digests(step.outputs, [values], job)
 
 
 def _check_config_describes(config: Config, stored: dict[str, checkpointing.Leaf], items: Path) -> None:

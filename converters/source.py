@@ -202,7 +202,7 @@ class Source:
 
   def read_array(self, normal: str) -> np.ndarray:
     """The array at a normal path, as `reader.read` gives it, decoded piece by piece into one buffer when it is
-    `streamable` (tensorstore would hold the encoded and decoded chunk besides it)."""
+    `streamable` (tensorstore would hold the encoded and decoded chunk besides it); checked against its digest."""
     meta = self.streamable(normal)
     if meta is None:
       return self.reader.read(normal)
@@ -211,6 +211,7 @@ class Source:
     for region, values in self.pieces(normal, meta, 0, piece_rows(meta, leaf.dtype, 0, BLOCK_BYTES // 4), into=out):
       if values.base is not out:
         out[region] = values
+    self.reader.check(normal, out)
     return out.astype(self.reader.leaves[normal].dtype, copy=False)
 
 

@@ -52,7 +52,7 @@ from converters import ocdbt
 from converters.keys import BLOCK_BYTES, COMPRESSOR, chunk_key, key_range, zarray_for
 from converters.plan import without_axis
 from converters.source import Source, ahead, piece_rows
-from maxbridge.core.checkpointing import ITEM
+from maxbridge.core.checkpointing import DIGESTS, DIGESTS_FILE, ITEM
 
 # For arrays written from decoded pieces (`Destination.unstack`, `copy_pieces`): still zstd frames in zarr v2,
 # which orbax and tensorstore decode whatever the level, to the same values. A negative level stores literals
@@ -254,8 +254,9 @@ class Destination:
         pass
     self._waiting = []
 
-  def finish(self, skeleton: Any, step: int) -> None:
-    """Waits for every write, commits the arrays' .zarray keys, writes `_METADATA` and fsyncs everything."""
+  def finish(self, skeleton: Any, step: int, digests: dict[str, str] | None = None) -> None:
+    """Waits for every write, commits the arrays' .zarray keys, writes `_METADATA` (and the `digests` item, as
+    `Checkpointer.save` writes it, when given) and fsyncs everything."""
     for future, _ in self._waiting:
       future.result()
     self._waiting = []
@@ -265,14 +266,18 @@ class Destination:
     txn.commit_async().result()
     (self.items / "_METADATA").write_text(json.dumps(tree_metadata(skeleton)))
     step_dir = self.items.parent
+    handlers = {ITEM: ocp.PyTreeCheckpointHandler}
+    if digests:
+      (step_dir / DIGESTS).mkdir()
+      (step_dir / DIGESTS / DIGESTS_FILE).write_text(json.dumps(digests))
+      handlers[DIGESTS] = ocp.JsonCheckpointHandler
     now = time.time_ns()
-    handler = ocp.PyTreeCheckpointHandler
-    # As CheckpointManager(item_handlers={"items": PyTreeCheckpointHandler()}) leaves a step,
+    # As CheckpointManager(item_handlers={"items": PyTreeCheckpointHandler(), ...}) leaves a step,
     # so our Checkpointer (and MaxText) list and restore it.
     (step_dir / "_CHECKPOINT_METADATA").write_text(
         json.dumps(
             {
-                "item_handlers": {ITEM: f"{handler.__module__}.{handler.__qualname__}"},
+                "item_handlers": {name: f"{h.__module__}.{h.__qualname__}" for name, h in handlers.items()},
                 "metrics": {},
                 "performance_metrics": {},
                 "init_timestamp_nsecs": now,

@@ -13,11 +13,15 @@ import jax.numpy as jnp
 
 from linen_models.deepseek import DeepSeekDenseLayer, DeepSeekMoELayer
 from linen_models.embeddings import Embed
+from linen_models.gemma import Gemma2Block, GemmaDecoderLayer
 from linen_models.gpt3 import Gpt3DecoderLayer
+from linen_models.gpt_oss import GptOssBlock
 from linen_models.linears import dense
 from linen_models.llama import DecoderLayer
 from linen_models.mixtral import MixtralDecoderLayer
 from linen_models.normalizations import norm
+from linen_models.olmo2 import Olmo2DecoderLayer, Olmo3Block
+from linen_models.qwen3_moe import Qwen3MoeDecoderLayer
 from maxbridge.core import canonical
 from maxbridge.core.config import Config
 from maxbridge.ops import linear
@@ -30,6 +34,12 @@ LAYER_CLASSES = {
     "mixtral": MixtralDecoderLayer,
     "deepseek_dense": DeepSeekDenseLayer,
     "deepseek_moe": DeepSeekMoELayer,
+    "gemma": GemmaDecoderLayer,
+    "gemma2": Gemma2Block,
+    "gpt_oss": GptOssBlock,
+    "olmo2": Olmo2DecoderLayer,
+    "olmo3": Olmo3Block,
+    "qwen3_moe": Qwen3MoeDecoderLayer,
 }
 
 
@@ -100,4 +110,6 @@ class Decoder(nn.Module):
         embedding=embedding,
         dtype=jnp.dtype(cfg.dtype),
         dot_general=self.dot_general,
+        normalize_embedding_logits=cfg.normalize_embedding_logits,
+        final_logits_soft_cap=cfg.final_logits_soft_cap,
     )

@@ -79,6 +79,21 @@ def _compare(args: argparse.Namespace) -> int:
   return 0 if comparison.equal else 1
 
 
+def _verify(args: argparse.Namespace) -> int:
+  import converters
+
+  checks = converters.verify(args.path)
+  for check in checks:
+    print(check.line())
+  damaged = [c for c in checks if not c.ok]
+  if not damaged:
+    return 0
+  good = [c for c in checks if c.ok]
+  intact = f"; the latest step that verified is {good[-1].where}" if good else ""
+  print(f"maxbridge verify: {len(damaged)} of {len(checks)} checkpoint(s) damaged{intact}", file=sys.stderr)
+  return BAD_INPUT  # as a damaged checkpoint is for every other verb
+
+
 def _count(text: str) -> int:
   """A whole number >= 0 (argparse's int() also takes "-2")."""
   try:
@@ -120,7 +135,7 @@ def _lora_merge(args: argparse.Namespace) -> int:
   from maxbridge.interop import lora_merge
 
   out = lora_merge.merge_checkpoint(args.base, args.adapters, args.destination)
-  print(f"{out}: params-only checkpoint at step 0 (base + adapters), with config.yml")
+  print(f"{out}: params-only checkpoint at step {_step(out)} (base + adapters), with config.yml")
   return 0
 
 
@@ -136,8 +151,16 @@ def _quantize(args: argparse.Namespace) -> int:
   from maxbridge.interop import quantize
 
   out = quantize.quantize_checkpoint(args.source, args.destination, *args.overrides, config=args.config)
-  print(f"{out}: serve checkpoint (quantized values and scales in place of float kernels) at step 0, with config.yml")
+  print(
+      f"{out}: serve checkpoint (quantized values and scales in place of float kernels) at step {_step(out)}, with config.yml"
+  )
   return 0
+
+
+def _step(checkpoints) -> int:
+  from maxbridge.core import checkpointing
+
+  return checkpointing.resolve(checkpoints)[1]
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -162,8 +185,19 @@ def _generate(args: argparse.Namespace) -> int:
   new_tokens = args.max_new_tokens
   if new_tokens is None:  # as many as fit in the trained length, up to 32: a default call never warns past it
     new_tokens = min(32, max(1, model.config.max_target_length - len(prompt)))
-  tokens = model.generate(prompt, new_tokens, temperature=args.temperature, seed=args.seed)
-  print(decode([int(t) for t in tokens]))
+  from maxbridge.serving import engine
+
+  # The engine's own sampling: the decode_sampling_* keys, which --temperature and --seed set when given.
+  config = model.config
+  if args.temperature == 0:
+    config = config.replace(decode_sampling_strategy="greedy")
+  elif args.temperature is not None:
+    strategy = "weighted" if config.decode_sampling_strategy == "greedy" else config.decode_sampling_strategy
+    config = config.replace(decode_sampling_strategy=strategy, decode_sampling_temperature=args.temperature)
+  if args.seed is not None:
+    config = config.replace(seed=args.seed)  # the parameters are made already: this seeds sampling alone
+  continuation = engine.generate_continuation(config, model, prompt, new_tokens)
+  print(decode([*prompt, *(int(t) for t in continuation)]))
   return 0
 
 
@@ -174,7 +208,7 @@ def _tokenizer(source: str, vocab_size: int):
   folder = pretrained.tokenizer_folder(source)
   if folder is not None:
     try:
-      from tokenizers import Tokenizer
+      import tokenizers  # noqa: F401  (whether it is installed: load_tokenizer reads with it)
     except ImportError:
       print(
           f"maxbridge generate: {folder}/tokenizer.json found but the tokenizers package is "
@@ -182,7 +216,7 @@ def _tokenizer(source: str, vocab_size: int):
           file=sys.stderr,
       )
     else:
-      tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+      tokenizer = pretrained.load_tokenizer(folder, vocab_size)
       return (
           lambda text: tokenizer.encode(text).ids,
           lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
@@ -247,6 +281,7 @@ HANDLERS: dict[str, Handler] = {
     "train": _train,
     "convert": _convert,
     "compare": _compare,
+    "verify": _verify,
     "import-hf": _import_hf,
     "export-hf": _export_hf,
     "quantize": _quantize,
@@ -315,6 +350,14 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--metadata-only", action="store_true", help="compare structure, shapes and dtypes, reading no data")
 
   p = verbs.add_parser(
+      "verify",
+      help="check every array of a checkpoint, or of every step of a run, against its saved digest",
+      description="Reads every array (no model is built) and compares it with the digest recorded when it was "
+      "saved; prints one line per step. Exit 0 all clean, 2 any step damaged (or a bad path).",
+  )
+  p.add_argument("path", help="run, checkpoints (every step), step or items directory (that step)")
+
+  p = verbs.add_parser(
       "import-hf",
       help="import a Hugging Face checkpoint folder",
       description="Reads config.json + model.safetensors (or a sharded index) of a llama, mistral, "
@@ -371,8 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
   p = verbs.add_parser(
       "generate",
       help="generate text from a checkpoint, Hugging Face folder or preset",
-      description="Greedy by default. Uses SOURCE's tokenizer.json (via the tokenizers package) "
-      "when there is one, else UTF-8 bytes as tokens. A preset gives a randomly initialised model.",
+      description="Samples as mb.Engine does, by the decode_sampling_* keys (greedy by default). Uses SOURCE's "
+      "tokenizer.json (via the tokenizers package) when there is one, else UTF-8 bytes as tokens. A preset gives a randomly initialised model.",
   )
   p.add_argument("source", help="Hugging Face folder, checkpoint or run directory, preset or YAML config")
   p.add_argument("--prompt", default="", help="text to continue")
@@ -382,8 +425,14 @@ def build_parser() -> argparse.ArgumentParser:
       default=None,
       help="tokens to generate (default 32, or fewer where the prompt and 32 would pass max_target_length)",
   )
-  p.add_argument("--temperature", type=_tolerance, default=0.0, help="0 is greedy (default); > 0 samples")
-  p.add_argument("--seed", type=int, default=0, help="sampling seed")
+  p.add_argument(
+      "--temperature",
+      type=_tolerance,
+      default=None,
+      help="0 decodes greedily; T > 0 sets decode_sampling_temperature=T and samples (weighted, unless "
+      "decode_sampling_strategy is topk or nucleus). Default: the decode_sampling_* keys as they are",
+  )
+  p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the config's seed)")
   p.add_argument(
       "--backend",
       choices=["linen", "nnx"],

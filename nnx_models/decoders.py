@@ -18,11 +18,15 @@ from maxbridge.ops import output_head
 from maxbridge.ops import remat
 from nnx_models.deepseek import DeepSeekDenseLayer, DeepSeekMoELayer
 from nnx_models.embeddings import Embed
+from nnx_models.gemma import Gemma2Block, GemmaDecoderLayer
 from nnx_models.gpt3 import Gpt3DecoderLayer
+from nnx_models.gpt_oss import GptOssBlock
 from nnx_models.linears import dense
 from nnx_models.llama import DecoderLayer
 from nnx_models.mixtral import MixtralDecoderLayer
 from nnx_models.normalizations import norm
+from nnx_models.olmo2 import Olmo2DecoderLayer, Olmo3Block
+from nnx_models.qwen3_moe import Qwen3MoeDecoderLayer
 
 LAYER_CLASSES = {
     "llama": DecoderLayer,
@@ -30,6 +34,12 @@ LAYER_CLASSES = {
     "mixtral": MixtralDecoderLayer,
     "deepseek_dense": DeepSeekDenseLayer,
     "deepseek_moe": DeepSeekMoELayer,
+    "gemma": GemmaDecoderLayer,
+    "gemma2": Gemma2Block,
+    "gpt_oss": GptOssBlock,
+    "olmo2": Olmo2DecoderLayer,
+    "olmo3": Olmo3Block,
+    "qwen3_moe": Qwen3MoeDecoderLayer,
 }
 
 
@@ -94,6 +104,8 @@ class Decoder(nnx.Module):
         embedding=embedding,
         dtype=jnp.dtype(cfg.dtype),
         dot_general=self.dot_general,
+        normalize_embedding_logits=cfg.normalize_embedding_logits,
+        final_logits_soft_cap=cfg.final_logits_soft_cap,
     )
 
 

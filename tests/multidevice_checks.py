@@ -78,7 +78,7 @@ def specs(trainer):
 
 def _expert_kernels(params):
   """The routed experts' stacked kernels (wi_0, wi_1, wo of every MoE block)."""
-  return [leaf for path, leaf in canonical.flatten(params).items() if "MoeBlock_0/w" in path]
+  return [leaf for path, leaf in canonical.flatten(params).items() if "MoeBlock_0/w" in path or "moe_block/w" in path]
 
 
 def main():
@@ -146,7 +146,7 @@ def main():
   # replicating them (XLA warns), which the test tolerates here only.
   print(EXPERTS_MARKER, file=sys.stderr, flush=True)
   report["experts"] = {}
-  for preset in ("mixtral-tiny", "deepseek3-tiny"):
+  for preset in ("mixtral-tiny", "deepseek3-tiny", "qwen3-moe-tiny"):
     for name in ("linen", "nnx"):
       one = recipe.create_trainer(config(BACKENDS[name], preset=preset), single_device_mesh())
       _, report["experts"][f"{preset}/{name}@1"] = train(one, STEPS)

@@ -18,7 +18,20 @@ from maxbridge.models import model as model_lib
 from maxbridge.ops import kv_cache, sampling
 from maxbridge.models import decoding
 
-FAMILIES = ("llama-tiny", "mistral-tiny", "qwen3-tiny", "gpt3-tiny", "mixtral-tiny", "deepseek3-tiny")
+FAMILIES = (
+    "llama-tiny",
+    "mistral-tiny",
+    "qwen3-tiny",
+    "gpt3-tiny",
+    "mixtral-tiny",
+    "deepseek3-tiny",
+    "olmo2-tiny",
+    "olmo3-tiny",
+    "qwen3-moe-tiny",
+    "gemma-tiny",
+    "gemma2-tiny",
+    "gpt-oss-tiny",
+)
 LINEN, NNX, MIX = (False, False, False), (True, True, True), (True, True, False)  # MIX: NNX model, bridged Linen decoder
 # Of different lengths, so the slots decode at different positions; mistral-tiny's
 # window (8) is shorter than both sequences, so decode reads are window-bounded.

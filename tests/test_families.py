@@ -24,7 +24,19 @@ from maxbridge.ops import moe as moe_ops
 from conftest import FLAG_COMBINATIONS, flag_id
 
 TOL = 1e-6
-FAMILIES = ["mistral-tiny", "qwen3-tiny", "gpt3-tiny", "mixtral-tiny", "deepseek3-tiny"]
+FAMILIES = [
+    "mistral-tiny",
+    "qwen3-tiny",
+    "gpt3-tiny",
+    "mixtral-tiny",
+    "deepseek3-tiny",
+    "olmo2-tiny",
+    "olmo3-tiny",
+    "qwen3-moe-tiny",
+    "gemma-tiny",
+    "gemma2-tiny",
+    "gpt-oss-tiny",
+]
 TOKENS = jax.random.randint(jax.random.key(1), (2, 12), 0, 256)
 _EXECUTABLES: dict[str, object] = {}
 
@@ -309,7 +321,7 @@ def test_deepseek_has_dense_then_moe_stacks_and_latent_attention():
         (dict(first_num_dense_layers=3), "first_num_dense_layers=3 exceeds base_num_decoder_layers=2"),
         (dict(base_num_kv_heads=2), "base_num_kv_heads=2 must equal base_num_query_heads=4"),
         (dict(num_experts_per_tok=9), "num_experts_per_tok=9 must be at most num_experts=8"),
-        (dict(routed_score_func="softmax"), "'routed_score_func' = 'softmax' is invalid"),
+        (dict(routed_score_func="tanh"), "'routed_score_func' = 'tanh' is invalid"),
     ],
 )
 def test_bad_family_settings_name_the_keys(override, match):
@@ -368,8 +380,10 @@ def inject_matmuls(model: mb.Model, matmuls: CountingMatmuls):
         ("mixtral-tiny", {"sparse_matmul": False}),
         ("deepseek3-tiny", {}),
         ("deepseek3-tiny", {"q_lora_rank": 0}),
+        ("olmo3-tiny", {}),  # OLMo 2's layers, in blocks
+        ("qwen3-moe-tiny", {}),
     ],
-    ids=["llama", "gpt3", "mixtral", "mixtral-dense", "deepseek", "deepseek-no-q-lora"],
+    ids=["llama", "gpt3", "mixtral", "mixtral-dense", "deepseek", "deepseek-no-q-lora", "olmo3", "qwen3-moe"],
 )
 def test_every_weight_matmul_goes_through_the_injected_dot_general(preset, overrides, backend):
   flags = (True, True, True) if backend == "nnx" else (False, False, False)
@@ -403,6 +417,12 @@ def test_query_kernel_carries_the_scale_only_where_attention_does_not_apply_it()
       "qwen3-tiny": False,  # query/key norms would undo it
       "gpt3-tiny": False,  # fused qkv_proj, scaled at run time
       "deepseek3-tiny": False,  # MLA scales at run time
+      "olmo2-tiny": False,  # its QK-norm would undo it
+      "olmo3-tiny": False,
+      "gemma-tiny": True,
+      "gemma2-tiny": True,  # query_pre_attn_scalar ** -0.5 (head_dim by default)
+      "qwen3-moe-tiny": False,  # query/key norms would undo it
+      "gpt-oss-tiny": False,  # the query bias would need it too: scaled at run time
   }
 
   def initial_std(preset, **overrides):

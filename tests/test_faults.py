@@ -28,7 +28,7 @@ import converters
 import maxbridge as mb
 from maxbridge.core import checkpointing, files
 from maxbridge import cli
-from maxbridge.training import data
+from maxbridge.training import data, hooks, loop
 from maxbridge.interop import hf
 from maxbridge.core.config import ConfigError
 from maxbridge.interop import pretrained
@@ -566,8 +566,9 @@ def test_files_are_written_with_the_users_umask(trained, tmp_path):
         (dict(lora_rank=4, lora_alpha=8.0), dict(lora_rank=4, lora_alpha=64.0), "lora_alpha: 8.0 -> 64.0"),
         (dict(lora_rank=4, lora_alpha=8.0), dict(lora_rank=0), "lora_rank: 4 -> 0"),
         ({}, dict(scan_layers=False), "scan_layers: True -> False"),
+        ({}, dict(dataset_type="synthetic"), "dataset_type: 'embedded' -> 'synthetic'"),
     ],
-    ids=["lora-alpha", "lora-off", "scan-layers"],
+    ids=["lora-alpha", "lora-off", "scan-layers", "data"],
 )
 def test_a_resume_that_changes_how_checkpoints_read_is_refused_naming_the_key(tmp_path, started, resumed, named):
   _train(tmp_path, "fixed", until_step=1, **started)
@@ -580,3 +581,39 @@ def test_a_resume_that_changes_how_checkpoints_read_is_refused_naming_the_key(tm
     _train(tmp_path, "fixed", **resumed)
   assert {name: (run_dir / name).read_bytes() for name in before} == before, "the refused resume rewrote the run"
   _train(tmp_path, "fixed", **started)  # the run's own values resume it
+
+
+def test_a_resume_appends_its_changes_to_the_config_history_and_keeps_config_yml(trained, tmp_path):
+  run_dir = _copy(trained, tmp_path)
+  started = (run_dir / "config.yml").read_bytes()
+  _train(tmp_path, steps=4, learning_rate=1e-4, until_step=3)
+  _train(tmp_path, steps=4, learning_rate=1e-4)  # the same values again: nothing new to record
+  _train(tmp_path, steps=5, learning_rate=1e-4, log_period=2)
+  assert (run_dir / "config.yml").read_bytes() == started, "a resume rewrote config.yml"
+  history = [json.loads(line) for line in (run_dir / "config_history.jsonl").read_text().splitlines()]
+  assert [(entry["step"], entry["changed"]) for entry in history] == [
+      (2, {"learning_rate": [yaml.safe_load(started)["learning_rate"], 1e-4], "steps": [3, 4]}),
+      (4, {"log_period": [yaml.safe_load(started)["log_period"], 2], "steps": [4, 5]}),
+  ]
+  latest = loop.latest_config(run_dir)
+  assert (latest["steps"], latest["learning_rate"], latest["log_period"]) == (5, 1e-4, 2)
+
+
+def test_a_dpo_resume_on_other_reference_values_at_the_same_path_is_refused(tmp_path):
+  """The path is fixed (`load_parameters_path`); the values it holds are checked by fingerprint."""
+  for seed, name in ((1, "a"), (2, "b")):
+    _train(tmp_path, name, steps=1, seed=seed)
+  reference = tmp_path / "reference"
+  shutil.copytree(tmp_path / "a" / "checkpoints", reference)
+  dpo = dict(use_dpo=True, load_parameters_path=str(reference / "1" / "items"), steps=2)
+  _train(tmp_path, "dpo", until_step=1, **dpo)
+  assert json.loads((tmp_path / "dpo" / hooks.REFERENCE_FILE).read_text())["base"] == dpo["load_parameters_path"]
+  shutil.rmtree(reference)
+  shutil.copytree(tmp_path / "b" / "checkpoints", reference)  # other values under the same path
+  before = _snapshot(tmp_path / "dpo")
+  with pytest.raises(checkpointing.CheckpointError, match=r"its reference model was .*reference/1/items .* not "):
+    _train(tmp_path, "dpo", **dpo)
+  assert _snapshot(tmp_path / "dpo") == before
+  shutil.rmtree(reference)
+  shutil.copytree(tmp_path / "a" / "checkpoints", reference)
+  _train(tmp_path, "dpo", **dpo)  # its own reference resumes it

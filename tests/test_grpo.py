@@ -143,7 +143,7 @@ def test_grpo_refuses_bad_rewards_and_a_single_generation(grpo_runs, tmp_path):
   out = tmp_path / "out"
   for reward, error in {
       "no_such_module.reward": r"reward_function 'no_such_module.reward' cannot be imported",
-      "test_grpo.pair": r"reward_function 'pair' must return one number per completion .*got \(1, 2\)",
+      "test_grpo.pair": r"reward_function 'test_grpo\.pair' must return one number per completion .*got \(1, 2\)",
   }.items():
     with pytest.raises(ValueError, match=error):
       mb.train(

@@ -15,8 +15,8 @@ import maxbridge as mb
 from maxbridge.core import canonical, checkpointing
 from maxbridge import cli
 from maxbridge.training import data
-from maxbridge.models import lora
-from maxbridge.interop import lora_merge
+from maxbridge.models import dispatch, lora
+from maxbridge.interop import lora_merge, pretrained
 from maxbridge.core.config import ConfigError
 from maxbridge.training import recipe
 from conftest import LINEN_ARGS, flag_id, tiny_config
@@ -327,7 +327,7 @@ def test_resuming_on_another_base_is_refused_naming_both(tmp_path, trainers):
   mb.train(
       _run_config(tmp_path, "run", NNX, load_parameters_path=first), trainer=trainers[NNX], until_step=2, progress=False
   )
-  with pytest.raises(checkpointing.CheckpointError, match=r"trained on base .*base-a .* this run's base is .*base-b"):
+  with pytest.raises(checkpointing.CheckpointError, match=r"trained on base .*base-a .* not .*base-b"):
     mb.train(_run_config(tmp_path, "run", NNX, load_parameters_path=second), trainer=trainers[NNX], progress=False)
 
 
@@ -375,6 +375,28 @@ def test_the_engine_serves_a_base_and_its_adapters_unmerged_as_the_merged_model(
   served.set_adapters(None)
   base_logits = np.asarray(served.prefill(prompt).logits)
   assert np.abs(base_logits - np.asarray(merged.prefill(prompt).logits)).max() > 1e-3
+
+
+@pytest.mark.parametrize("merge_first", [False, True], ids=["quantize", "lora-merge-then-quantize"])
+def test_a_qlora_run_quantizes_as_its_merged_model_at_the_runs_step(qlora_run, tmp_path, capsys, merge_first):
+  """The merged model is a plain one (no LoRA keys, which quantization would refuse beside lora_weight_qtype),
+  labelled with the step its adapters were saved at."""
+  base, run_dir = qlora_run
+  step = checkpointing.resolve(run_dir)[1]
+  source = run_dir
+  if merge_first:
+    assert cli.main(["lora-merge", str(base), str(run_dir), str(tmp_path / "merged")]) == 0
+    source = tmp_path / "merged"
+    assert checkpointing.resolve(source)[1] == step
+  assert cli.main(["quantize", str(source), str(tmp_path / "int8"), "quantization=int8"]) == 0
+  assert f"at step {step}," in capsys.readouterr().out
+  config, merged = pretrained.load_pretrained(run_dir)
+  assert (config.lora_rank, config.lora_weight_qtype, config.load_parameters_path) == (0, "", "")
+  expected = dispatch.quantize_params(config.replace(quantization="int8", checkpoint_is_quantized=True), merged)
+  got, info = checkpointing.load_params(tmp_path / "int8")
+  assert checkpointing.resolve(tmp_path / "int8")[1] == step
+  for path, value in canonical.flatten(expected).items():
+    np.testing.assert_array_equal(canonical.flatten(got)[path], np.asarray(value), err_msg=path)
 
 
 def test_lora_merge_refuses_an_existing_destination_and_another_base(linen_run, tmp_path):

@@ -18,6 +18,7 @@ from maxbridge import cli
 from maxbridge.core import checkpointing
 from maxbridge.training import data
 from maxbridge.training.loop import TrainingDiverged, step_key
+from maxbridge.training import loop as train_loop
 from maxbridge.training import recipe
 from conftest import LINEN_ARGS, LINEN_FLAGS, tiny_config
 
@@ -79,7 +80,10 @@ def resume_from_the_command_line(tmp_path, name, how):
     argv = [str(run_dir / "config.yml")]
   logged = len((run_dir / "metrics.jsonl").read_text().splitlines())
   assert cli.main(["train", *argv]) == 0
-  assert flags_of(mb.load_config(str(run_dir / "config.yml"))) == RESUMED_FROM_THE_COMMAND_LINE[how]
+  # config.yml stays as the run began; the flags it resumed with are in its config history.
+  assert flags_of(mb.load_config(str(run_dir / "config.yml"))) == LINEN
+  latest = train_loop.latest_config(run_dir)
+  assert (latest["pure_nnx"], latest["enable_nnx"], latest["pure_nnx_decoder"]) == RESUMED_FROM_THE_COMMAND_LINE[how]
   return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()[logged:]]
 
 

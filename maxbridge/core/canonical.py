@@ -5,6 +5,7 @@ module is the one place that knows how scanned layers (`decoder/layers`,
 stacked on `param_scan_axis`) relate to unscanned ones (`decoder/layers_i`).
 """
 
+import hashlib
 import re
 from typing import Any, Mapping, Sequence
 
@@ -54,8 +55,17 @@ def layer_path(stacked: str, index: int) -> str:
 
 
 def layer_paths(config) -> list[str]:
-  """Unscanned canonical path of every decoder layer, in depth order (`decoder/layers_0`, ...)."""
-  return [f"decoder/{name}_{i}" for name, count in layer_stacks(config) for i in range(count)]
+  """Unscanned canonical path of every decoder layer, in depth order (`decoder/layers_0`, ...).
+
+  A stack of blocks (a `Stack` with `sublayers`) gives one path per sub-layer (`decoder/layers_0/local`).
+  """
+  subs = {stack.name: stack.sublayers for stack in config.family.stacks}
+  return [
+      f"decoder/{name}_{i}{sub}"
+      for name, count in layer_stacks(config)
+      for i in range(count)
+      for sub in ([f"/{s}" for s in subs.get(name, ())] or [""])
+  ]
 
 
 def stack_layer_values(per_layer: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -190,7 +200,16 @@ def _checked(tree: Mapping[str, Any], abstract: Mapping[str, Any], axis: int) ->
     raise ValueError("parameter tree does not match the model:\n" + "\n".join(lines))
   for path, leaf in got.items():
     if tuple(np.shape(leaf)) != tuple(want[path].shape):
-      raise ValueError(
-          f"parameter {path} has shape {tuple(np.shape(leaf))}, the model expects " f"{tuple(want[path].shape)}"
-      )
+      raise ValueError(f"parameter {path} has shape {tuple(np.shape(leaf))}, the model expects {tuple(want[path].shape)}")
   return got, want
+
+
+def fingerprint(params: Mapping[str, Any], param_scan_axis: int) -> str:
+  """A digest of the parameter values, path by path, the same whether the layers are scanned or not."""
+  host = jax.device_get(params)
+  digest = hashlib.sha256()
+  for path, leaf in sorted(flatten(unstack_layers(host, param_scan_axis)).items()):
+    array = np.ascontiguousarray(leaf)
+    digest.update(f"{path}:{array.dtype}:{array.shape}\n".encode())
+    digest.update(array.tobytes())
+  return digest.hexdigest()[:24]

@@ -8,6 +8,13 @@ save killed midway leaves no step that restores half-written.
 `load_params` read any checkpoint (ours, MaxText's Linen or NNX, params-only)
 one array at a time, for `maxbridge.hf` and the converters.
 
+Each step also holds `digests/`: a digest of every array saved (`digest`),
+computed from the host copy as it is saved and committed with the step (a
+second orbax item), so a reader sees digests only of a committed step. Restores,
+`CheckpointReader.read` (compare, export, generate) and `maxbridge verify`
+check what they read against them; a step without them (MaxText's, older ones)
+reads as before, unchecked.
+
 A save that fails (a full disk, a file where the folder should be) raises
 `CheckpointSaveError` from `save` or `wait`, and `close` always returns:
 orbax makes a step's folders inside `save` itself here, so no background
@@ -28,6 +35,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
+import xxhash
 from etils import epath
 
 from maxbridge.core import canonical, layouts
@@ -35,12 +43,27 @@ from maxbridge.core.config import Config, load_config
 
 ITEM = "items"  # CheckpointManager's item name, as MaxText and maxbridge save
 CONFIG = "config.yml"
+DIGESTS = "digests"  # the step's second item: {stored path: digest} of its arrays
+DIGESTS_FILE = "digests.json"
+DIGEST_ALGORITHM = "xxh3_64"
 # Subtrees a loader may ignore: MaxText's NNX path saves its RNG state here.
 IGNORED_SUBTREES = layouts.IGNORED
 
 
 class CheckpointError(ValueError):
   """A checkpoint that cannot be read or does not fit the model; the message names the step folder."""
+
+
+class DamagedArrayError(CheckpointError):
+  """An array whose data cannot be decoded or does not match its recorded digest.
+
+  `array`: its stored path; `reason`: what is wrong with it, in a few words.
+  """
+
+  def __init__(self, message: str, array: str, reason: str):
+    super().__init__(message)
+    self.array = array
+    self.reason = reason
 
 
 class CheckpointSaveError(OSError):
@@ -72,6 +95,60 @@ def step_problem(step_dir: str | os.PathLike) -> str | None:
 def describe_last_good(directory: str | os.PathLike, steps: list[int]) -> str:
   """ "step 3 in runs/x/checkpoints", for messages; or that none is there."""
   return f"step {max(steps)} in {directory}" if steps else f"none in {directory}"
+
+
+def digest(array: np.ndarray) -> str:
+  """The "xxh3_64:<hex>" of an array's dtype, shape and bytes in C order: a change in any of them changes it."""
+  hasher = xxhash.xxh3_64(f"{array.dtype.name}{array.shape}".encode())
+  # As bytes: ml_dtypes' bfloat16 has no buffer format for xxhash to take.
+  hasher.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+  return f"{DIGEST_ALGORITHM}:{hasher.hexdigest()}"
+
+
+def tree_digests(tree: Any) -> dict[str, str]:
+  """{stored path: digest} of a tree's arrays, as `save` records them.
+
+  An array this process cannot see whole (sharded across hosts) gets none:
+  its digest would need the other hosts' shards.
+  """
+  return {
+      path: digest(np.asarray(leaf))
+      for path, leaf in _paths(tree).items()
+      if not isinstance(leaf, jax.Array) or leaf.is_fully_addressable
+  }
+
+
+def read_digests(step_dir: str | os.PathLike) -> dict[str, str] | None:
+  """The digests recorded with a step (`DIGESTS`), or None when it has none (MaxText's, older steps)."""
+  file = Path(step_dir) / DIGESTS / DIGESTS_FILE
+  if not file.is_file():
+    if DIGESTS in _saved_items(step_dir):  # the step says it was saved with them: they were removed since
+      raise CheckpointError(f"{file} is missing, but {step_dir} was saved with digests: the step is damaged")
+    return None
+  try:
+    found = json.loads(file.read_bytes())
+  except (ValueError, OSError) as e:
+    raise CheckpointError(f"{file} is not readable JSON ({type(e).__name__}): the step is damaged") from e
+  if not isinstance(found, dict) or not all(isinstance(v, str) for v in found.values()):
+    raise CheckpointError(f"{file} does not map array paths to digests: the step is damaged")
+  # Another algorithm's digests (a newer maxbridge) cannot be checked here; they are not a mismatch.
+  return {path: value for path, value in found.items() if value.startswith(f"{DIGEST_ALGORITHM}:")}
+
+
+def _saved_items(step_dir: str | os.PathLike) -> set[str]:
+  """The items orbax's step metadata says were saved in `step_dir` (none when it cannot tell)."""
+  try:
+    return set(json.loads((Path(step_dir) / "_CHECKPOINT_METADATA").read_bytes()).get("item_handlers") or ())
+  except (OSError, ValueError, AttributeError):
+    return set()
+
+
+def _in_stored_dtype(array: np.ndarray, stored: np.dtype) -> np.ndarray | None:
+  """`array`, restored into another dtype, cast back to the one saved when that is exact; else None."""
+  if array.dtype == stored:
+    return array
+  both_integers = np.issubdtype(array.dtype, np.integer) and np.issubdtype(stored, np.integer)
+  return array.astype(stored) if both_integers or np.can_cast(stored, array.dtype, "safe") else None
 
 
 def _paths(tree: Any) -> dict[str, Any]:
@@ -126,9 +203,13 @@ def _layer_chunks(tree: Any) -> Any:
 class Checkpointer:
   """A CheckpointManager over `directory`, with checked restores."""
 
-  def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = None, create: bool = True):
-    """`create=False` reads a folder that may not exist yet; the first `save` makes it."""
+  def __init__(
+      self, directory: str | os.PathLike, *, max_to_keep: int | None = None, create: bool = True, digests: bool = True
+  ):
+    """`create=False` reads a folder that may not exist yet; the first `save` makes it.
+    `digests=False` neither records nor checks digests: for measuring what they cost (benchmarks/checkpoint.py)."""
     self.directory = os.fspath(directory)
+    self.digests = digests
     self._saving: int | None = None  # the step of the save in flight
     self.manager = ocp.CheckpointManager(
         os.path.abspath(self.directory),
@@ -140,7 +221,7 @@ class Checkpointer:
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
         ),
         # Named up front so metadata can be read before any save or restore.
-        item_handlers={ITEM: ocp.PyTreeCheckpointHandler()},
+        item_handlers={ITEM: ocp.PyTreeCheckpointHandler(), DIGESTS: ocp.JsonCheckpointHandler(DIGESTS_FILE)},
     )
 
   def latest_step(self) -> int | None:
@@ -186,12 +267,17 @@ class Checkpointer:
   def save(self, step: int, tree: dict) -> None:
     """Starts an asynchronous save; arrays are copied off the live state before it returns.
 
+    Their digests are computed here, before returning too: once it returns, the
+    caller may donate or overwrite the arrays while orbax writes its copies.
     Raises `CheckpointSaveError` for this step, or for the save before it if that one failed.
     """
     self.wait()
     self._saving = step
+    items = {ITEM: ocp.args.PyTreeSave(tree, save_args=_layer_chunks(tree))}
+    if self.digests:
+      items[DIGESTS] = ocp.args.JsonSave(tree_digests(tree))
     try:
-      self.manager.save(step, args=ocp.args.Composite(items=ocp.args.PyTreeSave(tree, save_args=_layer_chunks(tree))))
+      self.manager.save(step, args=ocp.args.Composite(**items))
     except Exception as e:  # orbax and tensorstore report a failed write in several types
       raise self._save_error(e) from e
 
@@ -226,7 +312,8 @@ class Checkpointer:
     return CheckpointSaveError(f"could not save {what} in {self.directory}: {type(e).__name__}: {reason}")
 
   def restore(self, step: int, target: dict) -> dict:
-    """Restores `step` into the abstract `target` tree, after checking every path and shape."""
+    """Restores `step` into the abstract `target` tree, after checking every path and shape; then checks each
+    array against the digest recorded when it was saved."""
     if step not in self.manager.all_steps():
       raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; available: {self.all_steps()}")
     problem = step_problem(self.step_dir(step))
@@ -279,11 +366,31 @@ class Checkpointer:
       )
     except Exception as e:  # tensorstore reports missing or damaged data files in several types
       reason = " ".join(str(e).split())[:300]
-      raise CheckpointError(
-          f"{self.step_dir(step)} is damaged: its data cannot be read ({type(e).__name__}: {reason}); "
-          f"{self._fallback(step)}"
-      ) from e
+      # Orbax's error names a file or a chunk at best: the arrays read one by one name the one at fault.
+      culprit = first_damaged_array(self.step_dir(step))
+      what = f"its data cannot be read ({type(e).__name__}: {reason})"
+      if culprit is not None:
+        what = f"the data of {culprit.array} cannot be read ({type(e).__name__}: {reason})"
+      raise CheckpointError(f"{self.step_dir(step)} is damaged: {what}; {self._fallback(step)}") from e
+    self._check_digests(step, restored["items"], stored_tree)
     return layouts.normalize(restored["items"], layout) if layout else restored["items"]
+
+  def _check_digests(self, step: int, restored: Any, stored_tree: Any) -> None:
+    """Raises a one-line `CheckpointError` for the first restored array unlike the one saved (see `digest`)."""
+    recorded = read_digests(self.step_dir(step)) if self.digests else None
+    if not recorded:
+      return
+    stored = _paths(stored_tree)
+    for path, array in _paths(restored).items():
+      expected = recorded.get(path)
+      if expected is None or path not in stored or (isinstance(array, jax.Array) and not array.is_fully_addressable):
+        continue
+      host = _in_stored_dtype(np.asarray(array), np.dtype(stored[path].dtype))
+      if host is not None and digest(host) != expected:
+        raise CheckpointError(
+            f"{self.step_dir(step)} is damaged: {path} does not match the digest recorded when it was saved "
+            f"(found {digest(host)}, recorded {expected}); {self._fallback(step)}"
+        )
 
 
 # --- any checkpoint, read array by array -------------------------------------------
@@ -294,6 +401,8 @@ def resolve(path: str | os.PathLike) -> tuple[Path, int | None]:
   given = Path(path)
   if not given.exists():
     raise CheckpointError(f"{given}: no such file or directory")
+  if not given.is_dir():
+    raise CheckpointError(f"{given} is a file: give a run, checkpoints, step or items folder")
   if (given / "_METADATA").is_file():
     return given, _step_of(given.parent)
   if (given / ITEM).is_dir():
@@ -404,6 +513,7 @@ class CheckpointReader:
         for s, normal in self._normal.items()
     }
     self.reads = 0
+    self.digests = read_digests(self.items.parent) or {}  # none: nothing to check against
     # The items folder's own flags; orbax's metadata API does not report them.
     flags = json.loads((self.items / "_METADATA").read_bytes())
     self.zarr_driver = ("zarr3" if flags.get("use_zarr3") else "zarr") if flags.get("use_ocdbt") else None
@@ -427,21 +537,41 @@ class CheckpointReader:
     except Exception as e:  # tensorstore reports damaged data in several types
       raise self.damaged(self._stored_path[normal], e) from e
 
-  def damaged(self, stored: str, e: Exception) -> CheckpointError:
+  def damaged(self, stored: str, e: Exception) -> DamagedArrayError:
     """The error for data of `stored` (a stored path) that cannot be read."""
     reason = " ".join(str(e).split())[:300]
-    return CheckpointError(
+    return DamagedArrayError(
         f"cannot read {stored} from {self.items} (its data is damaged or incomplete): {type(e).__name__}: "
-        f"{reason}{intact_before(self.items)}"
+        f"{reason}{intact_before(self.items)}",
+        stored,
+        f"cannot be decoded ({type(e).__name__})",
     )
 
+  def check(self, normal: str, array: np.ndarray) -> None:
+    """Raises `DamagedArrayError` when `array`, read whole in its stored dtype, is not what was saved at
+    `normal` (its recorded digest); an array without one passes."""
+    stored = self._stored_path[normal]
+    expected = self.digests.get(stored)
+    if expected is not None and (found := digest(array)) != expected:
+      raise DamagedArrayError(
+          f"{stored} in {self.items} does not match the digest recorded when it was saved (found {found}, "
+          f"recorded {expected}): its data is damaged{intact_before(self.items)}",
+          stored,
+          "does not match the digest recorded when it was saved",
+      )
+
+  def recorded_digest(self, normal: str) -> str | None:
+    """The digest recorded for the array at `normal` when it was saved, if any."""
+    return self.digests.get(self._stored_path[normal])
+
   def read(self, normal: str) -> np.ndarray:
-    """The array at a normal path, as a numpy array (the step as int32)."""
+    """The array at a normal path, as a numpy array (the step as int32), checked against its digest."""
     stored = self._stored_path[normal]
     array = self._read_tensorstore(normal) if self.zarr_driver else self._restore(stored)
     want = self.leaves[normal]
     if array.shape != want.shape:
       raise CheckpointError(f"{stored} in {self.items} holds shape {array.shape}, but its metadata says {want.shape}")
+    self.check(normal, array)
     self.reads += 1
     return array.astype(want.dtype, copy=False)
 
@@ -465,6 +595,23 @@ class CheckpointReader:
       return np.asarray(layouts.flatten_tree(restored)[stored])
     except Exception as e:  # tensorstore reports damaged data in several types
       raise self.damaged(stored, e) from e
+
+
+def first_damaged_array(path: str | os.PathLike) -> DamagedArrayError | None:
+  """The error of the first array of a checkpoint that cannot be read or is not what was saved; None if none.
+
+  Reads one array at a time: for naming the array after a whole-tree restore failed.
+  """
+  try:
+    reader = CheckpointReader(path)
+  except CheckpointError:
+    return None
+  for normal in reader.leaves:
+    try:
+      reader.read(normal)
+    except DamagedArrayError as e:
+      return e
+  return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,10 +52,14 @@ class Config:
   rope_low_freq_factor: float
   rope_high_freq_factor: float
   original_max_position_embeddings: int
+  beta_fast: float
+  beta_slow: float
+  rope_truncate: bool
   scan_layers: bool
   param_scan_axis: int
   remat_policy: str
   logits_via_embedding: bool
+  normalize_embedding_logits: bool
   pure_nnx: bool
   enable_nnx: bool
   pure_nnx_decoder: bool
@@ -64,6 +68,9 @@ class Config:
   # model families (MaxText names; see configs/base.yml)
   sliding_window_size: int
   use_qk_norm: bool
+  attn_logits_soft_cap: float
+  final_logits_soft_cap: float
+  query_pre_attn_scalar: int
   trainable_position_size: int
   num_experts: int
   num_experts_per_tok: int
@@ -74,6 +81,8 @@ class Config:
   routed_score_func: str
   routed_bias: bool
   routed_scaling_factor: float
+  norm_topk_prob: bool
+  mlp_activations_limit: float
   n_routing_groups: int
   topk_routing_group: int
   first_num_dense_layers: int

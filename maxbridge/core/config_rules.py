@@ -90,6 +90,10 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         for key in ("sliding_window_size", "trainable_position_size", "q_lora_rank", "shared_experts")
     ),
     *(
+        (key, lambda v: 0 <= v < float("inf"), "a finite number >= 0 (0 disables it)")
+        for key in ("attn_logits_soft_cap", "final_logits_soft_cap", "query_pre_attn_scalar")
+    ),
+    *(
         (key, lambda v: v == -1 or v > 0, "a positive integer, or -1 for no group-limited routing")
         for key in ("n_routing_groups", "topk_routing_group")
     ),
@@ -97,6 +101,9 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("load_balance_loss_weight", lambda v: v >= 0, ">= 0 (0 disables the loss)"),
     ("routed_scaling_factor", _positive, "> 0"),
     ("rope_factor", lambda v: v >= 1, ">= 1 (how many times slower the longest wavelengths turn)"),
+    ("beta_fast", lambda v: 0 < v < float("inf"), "a finite number > 0 (yarn: rotations)"),
+    ("beta_slow", lambda v: 0 < v < float("inf"), "a finite number > 0 (yarn: rotations)"),
+    ("mlp_activations_limit", lambda v: 0 <= v < float("inf"), "a finite number >= 0 (0: no clamp)"),
     ("rope_low_freq_factor", _positive, "> 0"),
     ("normalization_layer_epsilon", _positive, "> 0"),
     ("adam_eps", _positive, "> 0"),
@@ -132,8 +139,8 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
     "decoder_block": families.DECODER_BLOCKS,
-    "routed_score_func": ("", "sigmoid"),
-    "rope_type": ("default", "llama3.1"),
+    "routed_score_func": ("", "softmax", "sigmoid"),
+    "rope_type": ("default", "llama3.1", "yarn"),
     "dtype": ("float32", "bfloat16"),
     "weight_dtype": ("float32", "bfloat16"),
     "remat_policy": ("none", "full", "minimal"),
@@ -286,6 +293,12 @@ def _validate_family(cfg: Config) -> None:
         "use_qk_clip=true with use_qk_norm=true: the query/key RMSNorm undoes any scaling of the "
         "query kernel, and already bounds the logits; set use_qk_clip=false"
     )
+  if cfg.use_qk_clip and cfg.attn_logits_soft_cap:
+    raise ConfigError(
+        f"use_qk_clip=true with attn_logits_soft_cap={cfg.attn_logits_soft_cap}: the soft-cap already bounds "
+        "every attention logit below it, so QK-Clip's max-logit threshold measures the cap, not the weights; "
+        "set use_qk_clip=false"
+    )
   if cfg.rope_high_freq_factor <= cfg.rope_low_freq_factor:
     raise ConfigError(
         f"rope_high_freq_factor={cfg.rope_high_freq_factor} must exceed rope_low_freq_factor="
@@ -365,6 +378,7 @@ _MAXTEXT_IGNORED = frozenset(
         "dump_hlo_module_name",
         "dump_hlo_xla_flags",
         "dump_hlo_upload_all",
+        "enable_dropout",  # dropout_rate is fixed at 0 here, so there is no dropout to switch
     }
 )
 
@@ -387,7 +401,7 @@ _MAXTEXT_FIXED: dict[str, Any] = {
 
 
 # MaxText's names for keys that maxbridge spells otherwise: read as maxbridge's key.
-_MAXTEXT_RENAMED = {"max_num_checkpoints_to_keep": "max_to_keep"}
+_MAXTEXT_RENAMED = {"max_num_checkpoints_to_keep": "max_to_keep", "base_moe_mlp_dim": "moe_mlp_dim"}
 # MaxText keys that one maxbridge key covers together with another: refused, naming ours.
 _ONE_SEED = (
     "seed (maxbridge's one seed sets both parameter init and data order; MaxText's "

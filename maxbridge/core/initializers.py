@@ -109,10 +109,17 @@ def rules(options: InitOptions) -> tuple[tuple[str, Initializer], ...]:
       ("*/kernel_lora_a", lora_a()),
       ("*/kernel_lora_b", zeros()),
       ("*/bias", zeros()),
-      # Routed experts (MaxText's MoeBlock_0 keeps them as bare [E, in, out] params).
+      # gpt-oss: attention sinks, and its experts' fused gate/up kernel and their biases.
+      ("*/self_attention/sinks", zeros()),
+      ("*/MoeBlock_0/wi", expert_kernel()),
+      ("*/MoeBlock_0/*_bias", zeros()),
+      # Routed experts (MaxText's MoeBlock_0, and Qwen3-MoE's moe_block, keep them as bare [E, in, out] params).
       ("*/MoeBlock_0/wi_0", expert_kernel()),
       ("*/MoeBlock_0/wi_1", expert_kernel()),
       ("*/MoeBlock_0/wo", expert_kernel()),
+      ("*/moe_block/wi_0", expert_kernel()),
+      ("*/moe_block/wi_1", expert_kernel()),
+      ("*/moe_block/wo", expert_kernel()),
   )
 
 

@@ -8,6 +8,7 @@ base and the fingerprint checked before anything is merged are read by
 import os
 from pathlib import Path
 
+from maxbridge.core import checkpointing
 from maxbridge.interop import pretrained
 from maxbridge.interop.hf import folders
 
@@ -27,4 +28,5 @@ def merge_checkpoint(base: str | os.PathLike, adapters: str | os.PathLike, desti
   else:
     sidecar, folder = pretrained.sidecar(base)
 
-  return folders.write_params_folder(destination, merged, base_config, hf_config=sidecar, tokenizer=folder)
+  step = checkpointing.resolve(adapters)[1] or 0  # the adapters' step labels the merged model
+  return folders.write_params_folder(destination, merged, base_config, hf_config=sidecar, tokenizer=folder, step=step)

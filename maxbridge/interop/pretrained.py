@@ -24,7 +24,7 @@ from maxbridge.core.config import Config, load_config
 from maxbridge.interop.hf import folders
 from maxbridge.interop.hf.families import HF_CONFIG_SIDECAR, HFError
 from maxbridge.models import dispatch
-from maxbridge.models.lora import COLLECTION, REFERENCE_FILE, dequantize_base, fingerprint, merge, quantize_base
+from maxbridge.models.lora import COLLECTION, REFERENCE_FILE, dequantize_base, merge, quantize_base
 
 
 def load_checkpoint(
@@ -35,9 +35,13 @@ def load_checkpoint(
   `config` (a preset name or YAML path) describes the model, in place of the
   run's config.yml: MaxText's checkpoints have none beside them.
   """
-  if config is None and holds_adapters(path):  # a LoRA run: its base with the adapters merged in
+  if config is None and holds_adapters(path):  # a LoRA run: its base with the adapters merged in, a plain model
     _, params, run_config = merged_params(None, path)
-    return load_config(str(checkpointing.find_config(checkpointing.resolve(path)[0])), *overrides, **kwargs), params
+    plain = ("lora_rank=0", "lora_weight_qtype=", "load_parameters_path=")
+    return (
+        load_config(str(checkpointing.find_config(checkpointing.resolve(path)[0])), *plain, *overrides, **kwargs),
+        params,
+    )
   if config is not None:
     cfg = load_config(os.fspath(config), *overrides, **kwargs)
     if not cfg.checkpoint_is_quantized:  # a quantized tree holds other leaves than the float model's
@@ -136,6 +140,31 @@ def tokenizer_folder(path: str | os.PathLike) -> Path | None:
   return folder if folder is not None and (folder / "tokenizer.json").is_file() else None
 
 
+def load_tokenizer(folder: str | os.PathLike, vocab_size: int | None = None, key: str = "tokenizer"):
+  """`folder`'s tokenizer.json as a `tokenizers.Tokenizer`, refused (naming the file and `key`, the setting that
+  chose it) when it is unreadable or, given the model's `vocab_size`, makes ids the model has no embedding for."""
+  path = Path(folder) / "tokenizer.json"
+  if not path.is_file():
+    raise FileNotFoundError(f"{key}: {path} does not exist; a tokenizer folder holds a tokenizer.json")
+  try:
+    from tokenizers import Tokenizer  # an optional package: only a folder with a tokenizer needs it
+  except ImportError as e:
+    raise ImportError(f"{key}: reading {path} needs the tokenizers package (pip install tokenizers)") from e
+  try:
+    tokenizer = Tokenizer.from_file(str(path))
+  except Exception as e:  # the library raises a bare Exception for any file it cannot read, JSON or not
+    raise HFError(f"{key}: {path} is not a tokenizer the tokenizers package can read: {e}") from e
+  if vocab_size is not None:
+    # Ids past the embedding table gather nothing the model learned: a nan loss, or silently wrong text.
+    size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+    if size > vocab_size:
+      raise HFError(
+          f"{key}: {path} makes token ids up to {size - 1}, but the model's vocab_size={vocab_size} has embeddings "
+          f"for ids 0..{vocab_size - 1} only; use the model's own tokenizer, or a model with vocab_size >= {size}"
+      )
+  return tokenizer
+
+
 # --- LoRA runs ---
 
 
@@ -194,7 +223,7 @@ def base_and_adapters(base: str | os.PathLike | None, adapters: str | os.PathLik
     quantized = run_config.replace(param_scan_axis=base_config.param_scan_axis)
     params = jax.device_get(dequantize_base(quantized, quantize_base(quantized, params)))
   if reference is not None:
-    found = fingerprint(params, base_config.param_scan_axis)
+    found = canonical.fingerprint(params, base_config.param_scan_axis)
     if found != reference["fingerprint"]:
       raise checkpointing.CheckpointError(
           f"{adapters} was trained on base {reference['base']} (fingerprint {reference['fingerprint']}), "

@@ -30,11 +30,13 @@ def quantize_checkpoint(
     )
   if Path(source).is_dir():
     cfg, params = pretrained.load_pretrained(source, *overrides, config=config)
+    step = 0 if folders.is_hf_folder(source) else checkpointing.resolve(source)[1]
   else:
     cfg = load_config(os.fspath(source), *overrides)
     if not cfg.load_parameters_path:
       raise ConfigError(f"{source} is a config without load_parameters_path: give the float checkpoint to quantize")
     params = checkpointing.load_params(cfg.load_parameters_path)[0]
+    step = checkpointing.resolve(cfg.load_parameters_path)[1]
   if quantization.is_serve_tree(params) or (cfg.checkpoint_is_quantized and not given):
     raise ValueError(f"{source} is already quantized (checkpoint_is_quantized): quantize its float checkpoint")
   if not cfg.quantization:
@@ -43,4 +45,5 @@ def quantize_checkpoint(
   serve_params = dispatch.quantize_params(serve, params)
   tokenizer = pretrained.tokenizer_folder(source) if Path(source).is_dir() else None
 
-  return folders.write_params_folder(destination, serve_params, serve, tokenizer=tokenizer)
+  # The source's step labels the result (a LoRA run's: the step its adapters were saved at).
+  return folders.write_params_folder(destination, serve_params, serve, tokenizer=tokenizer, step=step or 0)

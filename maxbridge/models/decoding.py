@@ -29,14 +29,17 @@ def abstract_cache(config: Config, batch: int, length: int, *, ring: bool = True
   layer state), else one `<stack>_<i>` per layer: the same on both backends.
   """
   layer = kv_cache.abstract(config, batch, length, ring=ring)
+  # A block of sub-layers (Gemma 2's) has one attention per sub-layer.
+  subs = {stack.name: stack.sublayers for stack in config.family.stacks}
   flat = {}
   for stack, count in canonical.layer_stacks(config):
-    for name, leaf in layer.items():
-      if config.scan_layers:
-        flat[f"decoder/{stack}/self_attention/{name}"] = jax.ShapeDtypeStruct((count, *leaf.shape), leaf.dtype)
-      else:
-        for i in range(count):
-          flat[f"decoder/{stack}_{i}/self_attention/{name}"] = leaf
+    for attention in [f"{sub}/self_attention" for sub in subs[stack]] or ["self_attention"]:
+      for name, leaf in layer.items():
+        if config.scan_layers:
+          flat[f"decoder/{stack}/{attention}/{name}"] = jax.ShapeDtypeStruct((count, *leaf.shape), leaf.dtype)
+        else:
+          for i in range(count):
+            flat[f"decoder/{stack}_{i}/{attention}/{name}"] = leaf
   return canonical.unflatten(flat)
 
 

@@ -48,20 +48,15 @@ steps and serving use all inputs.
 """
 
 import functools
-import hashlib
 import zlib
-import json
 import math
-import os
 import re
-from pathlib import Path
 from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from maxbridge.core import canonical, checkpointing, files, initializers
+from maxbridge.core import canonical, initializers
 from maxbridge.core.config import Config
 from maxbridge.ops import quantization
 
@@ -283,41 +278,3 @@ def drop_adapter_inputs(config: Config, adapters: Mapping[str, Any], key: jax.Ar
       mask = jnp.stack(layers, axis=layer_axis)
     flat[path] = jnp.where(mask, a / jnp.asarray(keep, a.dtype), jnp.zeros((), a.dtype))
   return canonical.unflatten(flat)
-
-
-# --- the base model's identity ----------------------------------------------------
-
-
-def fingerprint(params: Mapping[str, Any], param_scan_axis: int) -> str:
-  """A digest of the parameter values, path by path, the same whether the layers are scanned or not."""
-  host = jax.device_get(params)
-  digest = hashlib.sha256()
-  for path, leaf in sorted(canonical.flatten(canonical.unstack_layers(host, param_scan_axis)).items()):
-    array = np.ascontiguousarray(leaf)
-    digest.update(f"{path}:{array.dtype}:{array.shape}\n".encode())
-    digest.update(array.tobytes())
-  return digest.hexdigest()[:24]
-
-
-def base_reference(config: Config, params: Mapping[str, Any]) -> dict:
-  """What a LoRA run's adapters were trained on: the base's source and the fingerprint of its values."""
-  source = os.path.abspath(config.load_parameters_path) if config.load_parameters_path else f"seed {config.seed}"
-  return {"base": source, "fingerprint": fingerprint(params, config.param_scan_axis)}
-
-
-def check_base(run_dir: Path, reference: dict) -> None:
-  """Refuses to resume a LoRA run on another base than the one its adapters were trained on."""
-  path = Path(run_dir) / REFERENCE_FILE
-  if not path.is_file():
-    return
-  saved = json.loads(path.read_text())
-  if saved["fingerprint"] != reference["fingerprint"]:
-    raise checkpointing.CheckpointError(
-        f"{run_dir}: its adapters were trained on base {saved['base']} (fingerprint {saved['fingerprint']}), "
-        f"but this run's base is {reference['base']} (fingerprint {reference['fingerprint']}); resume with "
-        "the original base (load_parameters_path), or start a new run_name"
-    )
-
-
-def write_reference(run_dir: Path, reference: dict) -> None:
-  files.write_text(Path(run_dir) / REFERENCE_FILE, json.dumps(reference, indent=2) + "\n")

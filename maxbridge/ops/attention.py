@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from maxbridge.core import sharding
+from maxbridge.ops.soft_cap import soft_cap
 
 # A large finite negative, not -inf: a fully masked row then gives a uniform
 # softmax instead of NaNs that would poison the gradients.
@@ -55,6 +56,8 @@ def dot_product_attention(
     sliding_window_size: int = 0,
     query_scale: float | None = None,
     return_max_logits: bool = False,
+    logits_soft_cap: float = 0.0,
+    sinks: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """query [B, T, N, H], key [B, S, K, H], value [B, S, K, Hv] -> [B, T, N, Hv].
 
@@ -68,6 +71,12 @@ def dot_product_attention(
   pre-softmax score over the batch and every visible (query, key) pair, as
   QK-Clip needs it (MuonClip rescales a head's query and key weights by it).
   It carries no gradient.
+
+  `logits_soft_cap` > 0 squashes the scores into (-cap, cap) before the mask (Gemma 2).
+
+  `sinks` [N] (gpt-oss's attention sinks): one more logit per query head that
+  joins each row's softmax but reads no value, so a row may give less than
+  all of its weight to the keys.
   """
   batch, length, num_heads, head_dim = query.shape
   num_kv_heads = key.shape[2]
@@ -83,9 +92,10 @@ def dot_product_attention(
     query = query.transpose(0, 2, 3, 1, 4)
     key, value = jnp.moveaxis(key, 1, 2), jnp.moveaxis(value, 1, 2)
     scores = jnp.einsum("BKGTH,BKSH->BKGTS", query, key).astype(jnp.float32)
+    scores = soft_cap(scores, logits_soft_cap)
     mask = attention_mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions, sliding_window_size)
     scores = jnp.where(mask, scores, MASK_VALUE)
-    weights = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
+    weights = softmax_with_sinks(scores, sinks).astype(value.dtype)
     out = jnp.einsum("BKGTS,BKSH->BKGTH", weights, value).transpose(0, 3, 1, 2, 4)
     out = out.reshape(batch, length, num_heads, value.shape[-1])
     out = sharding.constrain(out, ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
@@ -95,6 +105,14 @@ def dot_product_attention(
     # every pair is masked reports MASK_VALUE.
     max_logits = jnp.max(jax.lax.stop_gradient(scores), axis=(0, 3, 4)).reshape(num_heads)
     return out, max_logits
+
+
+def softmax_with_sinks(scores: jax.Array, sinks: jax.Array | None) -> jax.Array:
+  """Softmax of scores [B, K, G, T, S] over S, with per-head sink logits [K * G] in each denominator (or none)."""
+  if sinks is None:
+    return jax.nn.softmax(scores, axis=-1)
+  sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, *scores.shape[1:3], 1, 1), (*scores.shape[:-1], 1))
+  return jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
 
 
 def self_attention(
@@ -107,6 +125,8 @@ def self_attention(
     sliding_window_size: int = 0,
     query_scale: float | None = None,
     with_max_logits: bool = False,
+    logits_soft_cap: float = 0.0,
+    sinks: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
     kv_positions: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -128,6 +148,8 @@ def self_attention(
       sliding_window_size=sliding_window_size,
       query_scale=query_scale,
       return_max_logits=with_max_logits,
+      logits_soft_cap=logits_soft_cap,
+      sinks=sinks,
   )
   if with_max_logits:
     out, max_logits = result

@@ -57,8 +57,11 @@ def entries(config) -> dict[str, tuple[int, ...]]:
 
 
 def window(config) -> int:
-  """The ring length of `config`'s layers (its sliding window), or 0 for a cache of every token."""
-  return config.sliding_window_size
+  """The ring length of `config`'s layers (its sliding window), or 0 for a cache of every token.
+
+  0 also where only some layers are windowed (`Family.ring_cache`): they mask by position instead.
+  """
+  return config.sliding_window_size if config.family.ring_cache else 0
 
 
 def abstract(config, batch: int, length: int, *, ring: bool = True) -> dict[str, jax.ShapeDtypeStruct]:

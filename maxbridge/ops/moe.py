@@ -25,6 +25,20 @@ def top_k_softmax(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   return jax.nn.softmax(top_logits, axis=-1), indices
 
 
+def top_k_of_softmax(logits: jax.Array, k: int, *, normalize: bool) -> tuple[jax.Array, jax.Array]:
+  """Qwen3-MoE routing: a softmax over every expert, then its top k -> (weights, indices) [T, K].
+
+  Unlike `top_k_softmax` the weights keep their share of the whole softmax, so
+  they sum to less than 1, unless `normalize` (Hugging Face's `norm_topk_prob`)
+  rescales them to sum to 1, which is then `top_k_softmax`.
+  """
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  weights, indices = jax.lax.top_k(probs, k)
+  if normalize:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  return weights, indices
+
+
 def group_limited_sigmoid(
     logits: jax.Array,
     correction_bias: jax.Array | None,
@@ -157,6 +171,7 @@ def routed_moe(
     n_groups: int = -1,
     top_groups: int = -1,
     scaling_factor: float = 1.0,
+    norm_topk_prob: bool = False,
     sparse: bool = True,
     load_balance_loss_weight: float = 0.0,
     dtype: jnp.dtype = jnp.float32,
@@ -166,7 +181,8 @@ def routed_moe(
   """x [B, T, D], router logits [B, T, E] -> (routed experts' output [B, T, D], weighted aux loss or None).
 
   `score_func` "" routes Mixtral's way (softmax over the top-k logits),
-  "sigmoid" DeepSeek-V3's (`group_limited_sigmoid`). `sparse` picks the
+  "softmax" Qwen3-MoE's (`top_k_of_softmax`, renormalised when
+  `norm_topk_prob`), "sigmoid" DeepSeek-V3's (`group_limited_sigmoid`). `sparse` picks the
   dropless grouped matmul, else the dense reference path; both compute the
   same function; the expert matmuls go through `ragged_dot` or `dot_general`
   respectively (the router's is the caller's). The load-balancing loss is
@@ -186,13 +202,16 @@ def routed_moe(
           top_groups=top_groups,
           scaling_factor=scaling_factor,
       )
-    elif score_func == "":
+    elif score_func in ("", "softmax"):
       if correction_bias is not None:
         raise ValueError("a router correction bias needs score_func='sigmoid'")
-      weights, indices = top_k_softmax(flat_logits, num_experts_per_tok)
+      if score_func:
+        weights, indices = top_k_of_softmax(flat_logits, num_experts_per_tok, normalize=norm_topk_prob)
+      else:
+        weights, indices = top_k_softmax(flat_logits, num_experts_per_tok)
       weights = weights * scaling_factor if scaling_factor != 1.0 else weights
     else:
-      raise ValueError(f"unknown router score_func {score_func!r}; valid: '', 'sigmoid'")
+      raise ValueError(f"unknown router score_func {score_func!r}; valid: '', 'softmax', 'sigmoid'")
   if sparse:
     out = dropless_experts(flat_x, weights, indices, wi_0, wi_1, wo, dtype=dtype, ragged_dot=ragged_dot)
   else:
@@ -218,7 +237,100 @@ def moe_options(config) -> dict:
       n_groups=config.n_routing_groups,
       top_groups=config.topk_routing_group,
       scaling_factor=config.routed_scaling_factor,
+      norm_topk_prob=config.norm_topk_prob,
       sparse=config.sparse_matmul,
       load_balance_loss_weight=config.load_balance_loss_weight,
       dtype=jnp.dtype(config.dtype),
   )
+
+
+def biased_experts(
+    x: jax.Array,
+    weights: jax.Array,
+    indices: jax.Array,
+    wi: jax.Array,
+    wi_bias: jax.Array,
+    wo: jax.Array,
+    wo_bias: jax.Array,
+    *,
+    activation: Callable[[jax.Array], jax.Array],
+    dtype: jnp.dtype,
+    sparse: bool = True,
+    dot_general: DotGeneral = jax.lax.dot_general,
+    ragged_dot: RaggedDot = jax.lax.ragged_dot,
+) -> jax.Array:
+  """x [T, D] through each token's K experts with biases -> [T, D] (gpt-oss).
+
+  Each expert is wo(activation(x wi + wi_bias)) + wo_bias with one fused input
+  kernel wi [E, D, H] (`activation` maps H to wo's F), wi_bias [E, H], wo [E, F, D],
+  wo_bias [E, D]. `sparse`: dropless grouped matmuls (`ragged_dot`), as
+  `dropless_experts`; else every token through every expert, as `dense_experts`.
+  """
+  tokens, k = indices.shape
+  num_experts = wi.shape[0]
+  x, wi, wi_bias, wo, wo_bias = promote_dtype((x, wi, wi_bias, wo, wo_bias), dtype=dtype)
+  if sparse:
+    with jax.named_scope("dropless_experts"):
+      flat_experts = indices.reshape(-1)
+      order = jnp.argsort(flat_experts, stable=True)
+      rows = jnp.take(x, order // k, axis=0)
+      row_experts = jnp.take(flat_experts, order)
+      group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
+      hidden = ragged_dot(rows, wi, group_sizes) + jnp.take(wi_bias, row_experts, axis=0)
+      out = ragged_dot(activation(hidden), wo, group_sizes) + jnp.take(wo_bias, row_experts, axis=0)
+      out = jnp.take(out, jnp.argsort(order), axis=0).reshape(tokens, k, -1)
+      combined = jnp.einsum("TKD,TK->TD", out.astype(jnp.float32), weights.astype(jnp.float32))
+      return combined.astype(dtype)
+  with jax.named_scope("dense_experts"):
+    hidden = dot_general(x, wi, (((1,), (1,)), ((), ()))) + wi_bias  # TD,EDH->TEH
+    out = jnp.swapaxes(dot_general(activation(hidden), wo, (((2,), (1,)), ((1,), (0,)))), 0, 1) + wo_bias
+    combine = jnp.einsum(
+        "TKE,TK->TE", jax.nn.one_hot(indices, num_experts, dtype=jnp.float32), weights.astype(jnp.float32)
+    )
+    return jnp.einsum("TED,TE->TD", out.astype(jnp.float32), combine).astype(dtype)
+
+
+def biased_routed_moe(
+    x: jax.Array,
+    logits: jax.Array,
+    wi: jax.Array,
+    wi_bias: jax.Array,
+    wo: jax.Array,
+    wo_bias: jax.Array,
+    *,
+    activation: Callable[[jax.Array], jax.Array],
+    num_experts_per_tok: int,
+    sparse: bool = True,
+    load_balance_loss_weight: float = 0.0,
+    dtype: jnp.dtype = jnp.float32,
+    dot_general: DotGeneral = jax.lax.dot_general,
+    ragged_dot: RaggedDot = jax.lax.ragged_dot,
+) -> tuple[jax.Array, jax.Array | None]:
+  """x [B, T, D], router logits [B, T, E] (bias included) -> (output [B, T, D], weighted aux loss or None).
+
+  Routing is Mixtral's (`top_k_softmax`); the experts are `biased_experts`.
+  """
+  batch, length, width = x.shape
+  num_experts = logits.shape[-1]
+  flat_logits = logits.reshape(batch * length, num_experts)
+  with jax.named_scope("routing"):
+    weights, indices = top_k_softmax(flat_logits, num_experts_per_tok)
+  out = biased_experts(
+      x.reshape(batch * length, width),
+      weights,
+      indices,
+      wi,
+      wi_bias,
+      wo,
+      wo_bias,
+      activation=activation,
+      dtype=dtype,
+      sparse=sparse,
+      dot_general=dot_general,
+      ragged_dot=ragged_dot,
+  ).reshape(batch, length, width)
+  aux = None
+  if load_balance_loss_weight > 0:
+    probs = jax.nn.softmax(flat_logits.astype(jnp.float32), axis=-1)
+    aux = load_balance_loss_weight * load_balance_loss(probs, indices, num_experts)
+  return out, aux

@@ -24,3 +24,16 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, *, epsilon: floa
     variance = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
     y = ((x32 - mean) * jax.lax.rsqrt(variance + epsilon)).astype(dtype)
     return y * scale.astype(dtype) + bias.astype(dtype)
+
+
+def rms_norm_across_heads(x: jax.Array, scale: jax.Array, *, epsilon: float, dtype: jnp.dtype) -> jax.Array:
+  """RMSNorm of each token's [heads, head_dim] as one vector: OLMo 2's QK-norm over the whole projection.
+
+  `scale` is flat [heads * head_dim], as the projection it normalises was
+  before its heads were split. Statistics in float32, as `rms_norm`'s.
+  """
+  with jax.named_scope("rms_norm_across_heads"):
+    x32 = x.astype(jnp.float32)
+    mean_square = jnp.mean(jnp.square(x32), axis=(-2, -1), keepdims=True)
+    y = (x32 * jax.lax.rsqrt(mean_square + epsilon)).astype(dtype)
+    return y * scale.reshape(x.shape[-2:]).astype(dtype)

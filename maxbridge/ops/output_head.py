@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from maxbridge.core import sharding
 from maxbridge.ops import embedding as embedding_ops
 from maxbridge.ops import linear, normalization
+from maxbridge.ops.soft_cap import soft_cap
 
 
 def output_logits(
@@ -25,11 +26,15 @@ def output_logits(
     embedding: jax.Array | None = None,
     dtype: jnp.dtype = jnp.float32,
     dot_general: linear.DotGeneral = jax.lax.dot_general,
+    normalize_embedding_logits: bool = False,
+    final_logits_soft_cap: float = 0.0,
 ) -> jax.Array:
   """Hidden states [..., D] -> float32 logits [..., V]: `norm`, then the untied `project` or the tied `embedding`.
 
   Untied: `project` is the caller's dense layer [D, V]. Tied: `embedding` is
-  the token table [V, D], whose transpose projects, by `dot_general` in `dtype`.
+  the token table [V, D], whose transpose projects, by `dot_general` in `dtype`,
+  and (`normalize_embedding_logits`, MaxText's key) the logits are divided by
+  sqrt(D). `final_logits_soft_cap` > 0 then squashes them into (-cap, cap) (Gemma 2).
   """
   if (project is None) == (embedding is None):
     raise ValueError("output_logits: pass `project` (an untied head) or `embedding` (a tied one), exactly one")
@@ -39,7 +44,9 @@ def output_logits(
       logits = project(x)
     else:
       logits = embedding_ops.attend(x, embedding, dtype=dtype, dot_general=dot_general)
-    logits = logits.astype(jnp.float32)
+      if normalize_embedding_logits:
+        logits = logits / jnp.sqrt(jnp.asarray(x.shape[-1], logits.dtype))
+    logits = soft_cap(logits.astype(jnp.float32), final_logits_soft_cap)
     if logits.ndim == 3:
       logits = sharding.constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
     return logits

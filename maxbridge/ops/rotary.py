@@ -1,4 +1,4 @@
-"""Rotary position embeddings in the Llama "rotate_half" layout, with Llama 3.1's frequency scaling."""
+"""Rotary position embeddings in the Llama "rotate_half" layout, with Llama 3.1's and YaRN's frequency scaling."""
 
 import dataclasses
 import math
@@ -37,9 +37,67 @@ class Llama3Scaling:
     scaled = jnp.where(band, (1 - blend) * slow + blend * frequency, scaled)
     return 1.0 / scaled
 
+  @property
+  def attention_factor(self) -> float:
+    return 1.0
 
-def scaling_from_config(config) -> Llama3Scaling | None:
-  """Llama 3.1's RoPE frequency scaling from a config's `rope_*` keys, or None for plain RoPE."""
+
+@dataclasses.dataclass(frozen=True)
+class YarnScaling:
+  """YaRN (Hugging Face `rope_type="yarn"`, MaxText `rope_type="yarn"`), as transformers' `_compute_yarn_parameters`.
+
+  Pairs that turn more than `beta_fast` times over `original_max_position`
+  keep their frequency, those turning fewer than `beta_slow` times turn
+  `factor` times slower, and a linear ramp over the pair index blends the two
+  between (its ends rounded outwards with `truncate`). The rotated queries and
+  keys are also multiplied by `attention_factor`, 0.1 ln(factor) + 1, so the
+  attention logits grow by its square.
+  """
+
+  factor: float
+  beta_fast: float
+  beta_slow: float
+  original_max_position: int
+  theta: float
+  truncate: bool
+
+  def __call__(self, timescale: jax.Array) -> jax.Array:
+    """Scaled per-pair timescales (1 / frequency) of `timescale`, theta ** (2i / head_dim)."""
+    pairs = timescale.shape[-1]
+    dim = 2 * pairs
+
+    def pair_turning(rotations: float) -> float:
+      # The (fractional) pair index whose wavelength fits `rotations` times in the original context.
+      return dim * math.log(self.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(self.theta))
+
+    low, high = pair_turning(self.beta_fast), pair_turning(self.beta_slow)
+    if self.truncate:
+      low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+      high += 0.001  # as transformers: no zero-width ramp
+    ramp = jnp.clip((jnp.arange(pairs, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    frequency = 1.0 / timescale
+    # ramp 0 keeps the pair's frequency (extrapolation), 1 slows it by `factor` (interpolation).
+    scaled = frequency / self.factor * ramp + frequency * (1 - ramp)
+    return 1.0 / scaled
+
+  @property
+  def attention_factor(self) -> float:
+    return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+
+
+def scaling_from_config(config) -> Llama3Scaling | YarnScaling | None:
+  """Llama 3.1's or YaRN's RoPE frequency scaling from a config's `rope_*` keys, or None for plain RoPE."""
+  if config.rope_type == "yarn":
+    return YarnScaling(
+        config.rope_factor,
+        config.beta_fast,
+        config.beta_slow,
+        config.original_max_position_embeddings,
+        float(config.rope_max_timescale),
+        config.rope_truncate,
+    )
   if not config.llama3_rope_scaling:
     return None
   return Llama3Scaling(
@@ -57,14 +115,15 @@ def apply_rotary(
     max_timescale: float,
     min_timescale: float = 1.0,
     interleave: bool = False,
-    scaling: Llama3Scaling | None = None,
+    scaling: Llama3Scaling | YarnScaling | None = None,
 ) -> jax.Array:
   """Rotates `x` [B, T, N, H] by `positions` [B, T]; pairs are (i, i + H/2).
 
   `interleave=True` reads pairs (2i, 2i + 1) instead (DeepSeek's MLA layout) and
   returns them de-interleaved, evens then odds, as Hugging Face does; queries
   and keys are permuted alike, so their dot products are those of the pairs.
-  `scaling` rescales the pairs' timescales (Llama 3.1).
+  `scaling` rescales the pairs' timescales (Llama 3.1, YaRN) and multiplies
+  the result by its `attention_factor`.
   """
   if x.ndim != 4 or positions.shape != x.shape[:2]:
     raise ValueError(
@@ -86,4 +145,6 @@ def apply_rotary(
     else:
       first, second = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    if scaling is not None and scaling.attention_factor != 1.0:
+      rotated = rotated * scaling.attention_factor
     return rotated.astype(x.dtype)

@@ -27,8 +27,11 @@ def sample(
     raise ValueError(f"decode_sampling_strategy must be one of {STRATEGIES}, got {strategy!r}")
   logits = logits.astype(jnp.float32) / temperature
   if strategy == "topk":
-    if top_k <= 0:
-      raise ValueError(f"decode_sampling_strategy='topk' needs decode_sampling_top_k > 0, got {top_k}")
+    if not 0 < top_k <= logits.shape[-1]:
+      raise ValueError(
+          f"decode_sampling_strategy='topk' needs decode_sampling_top_k in [1, vocab_size={logits.shape[-1]}], "
+          f"got {top_k}"
+      )
     kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
     logits = jnp.where(logits >= kth, logits, -jnp.inf)
   elif strategy == "nucleus":

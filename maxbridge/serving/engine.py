@@ -35,6 +35,8 @@ outside the layers (see maxbridge/models/lora.py), is rank x kernel size more fl
 per adapted kernel and step.
 """
 
+import warnings
+import weakref
 from typing import Any, NamedTuple
 
 import jax
@@ -64,7 +66,11 @@ class Prefix(NamedTuple):
 
 
 class DecodeState(NamedTuple):
-  """Every slot's cache, its last token (the next step's input) and that token's position."""
+  """Every slot's cache, its last token (the next step's input) and that token's position.
+
+  A slot at position 0 is idle: never filled, or `release`d. It stays at 0 however long the others decode,
+  so it never runs out of cache, and what it samples means nothing.
+  """
 
   cache: Params
   tokens: jax.Array  # int32 [slots]
@@ -121,6 +127,15 @@ class Engine:
         sharding.named_sharding(self.mesh, ("cache_batch", None), rules),
     )
     sharding.check_divisible(self._abstract_decode_state(), self._state_shardings)
+    self.position_limit = position_limit(self.config)
+    self._positions = _HostPositions()
+    # What a prefix of this engine holds, to refuse one of another engine by name rather than by JAX's shapes.
+    self._prefix_shapes = {
+        path: leaf.shape
+        for path, leaf in canonical.flatten(
+            jax.eval_shape(lambda: self._stacked(decoding.init_cache(self.config, 1, self.config.max_target_length)))
+        ).items()
+    }
     self._rng = jax.random.key(config.seed)
     self._prefill = jax.jit(self._prefill_impl, static_argnames=("num_samples",))
     self._prefill_concat = jax.jit(self._prefill_concat_impl)
@@ -130,6 +145,11 @@ class Engine:
         lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._abstract_decode_state()), out_shardings=state
     )
     self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=state)
+    self._release = jax.jit(
+        lambda state, slots: state._replace(next_pos=state.next_pos.at[slots].set(0)),
+        donate_argnums=(0,),
+        out_shardings=state,
+    )
     self._generate = jax.jit(self._generate_impl, donate_argnums=(1,), out_shardings=(state, tokens))
     self._generate_steps = jax.jit(
         self._generate_steps_impl,
@@ -254,15 +274,19 @@ class Engine:
     padded = self._pad(tokens)
     cache, start = None, np.int32(0)
     if existing_prefix is not None:
+      self._check_prefix(existing_prefix)
       cache, start = self._unstacked(existing_prefix.cache), existing_prefix.next_pos
-      if int(start) + len(padded) > self.config.max_target_length:
+      if int(self._positions.get(start)) + len(padded) > self.config.max_target_length:
         raise ValueError(
-            f"a chunk of {len(padded)} tokens (padded) after {int(start)} exceeds max_target_length="
-            f"{self.config.max_target_length}, the tokens a cache holds"
+            f"a chunk of {len(padded)} tokens (padded) after {int(self._positions.get(start))} exceeds "
+            f"max_target_length={self.config.max_target_length}, the tokens a cache holds"
         )
+    next_pos = self._positions.get(start) + true_length
     params = self._params(params)
     rng = self._next_rng(rng)
-    return self._prefill(params, padded, np.int32(true_length), rng, cache, start, num_samples=num_samples)
+    prefix = self._prefill(params, padded, np.int32(true_length), rng, cache, start, num_samples=num_samples)
+    self._positions.put(prefix.next_pos, next_pos)
+    return prefix
 
   def _pad(self, tokens: np.ndarray) -> np.ndarray:
     length = min(max(16, 1 << (len(tokens) - 1).bit_length()), self.config.max_prefill_predict_length)
@@ -323,7 +347,8 @@ class Engine:
     params = self._params(params)
     rng = self._next_rng(rng)
     lengths = np.asarray(lengths, np.int32)
-    return self._prefill_concat(params, tokens, positions, segment_ids, offsets, lengths, rng)
+    prefixes = self._prefill_concat(params, tokens, positions, segment_ids, offsets, lengths, rng)
+    return self._remember_lengths(prefixes, lengths)
 
   def _prefill_concat_impl(self, params, tokens, positions, segment_ids, offsets, lengths, rng):
     params = self._weights(params)
@@ -357,7 +382,12 @@ class Engine:
       row[: len(prompt)] = prompt
     params = self._params(params)
     rng = self._next_rng(rng)
-    return self._prefill_batch(params, tokens, lengths, rng)
+    return self._remember_lengths(self._prefill_batch(params, tokens, lengths, rng), lengths)
+
+  def _remember_lengths(self, prefixes: list[Prefix], lengths) -> list[Prefix]:
+    for prefix, length in zip(prefixes, lengths):
+      self._positions.put(prefix.next_pos, length)
+    return prefixes
 
   def _prefill_batch_impl(self, params, tokens, lengths, rng):
     params = self._weights(params)
@@ -391,7 +421,9 @@ class Engine:
 
   def init_decode_state(self) -> DecodeState:
     """`max_concurrent_decodes` empty slots, each with a cache of max_target_length tokens (or a window's ring), sharded."""
-    return self._init_decode_state()
+    state = self._init_decode_state()
+    self._positions.put(state.next_pos, np.zeros(self.max_concurrent_decodes, np.int32))
+    return state
 
   def _abstract_decode_state(self) -> DecodeState:
     slots = self.max_concurrent_decodes
@@ -408,17 +440,62 @@ class Engine:
 
   def bulk_insert(self, prefix: Prefix, decode_state: DecodeState, slots) -> DecodeState:
     """`prefix` into each of `slots` (one compiled insert per number of slots); `decode_state` is donated."""
-    slots = tuple(int(s) for s in slots)
+    slots = self._check_slots(slots)
     samples = np.shape(prefix.token)
     if samples and samples[0] != len(slots):
       raise ValueError(f"a prefix of {samples[0]} samples goes into as many slots, got {len(slots)} slots {slots}")
+    if len(set(slots)) != len(slots):
+      raise ValueError(f"slots {slots} name a slot twice: each sample needs a slot of its own")
+    self._check_prefix(prefix)
+    positions = self._positions.get(decode_state.next_pos).copy()
+    positions[list(slots)] = self._positions.get(prefix.next_pos)
+    state = self._insert(prefix, decode_state, jnp.asarray(slots, jnp.int32))
+    self._positions.put(state.next_pos, positions)
+    return state
+
+  def release(self, decode_state: DecodeState, slots) -> DecodeState:
+    """`slots` made idle (their requests are done); `decode_state` is donated.
+
+    An idle slot stays at position 0, so `generate` goes on for the others
+    however long they run; a finished slot left as it is would reach the end
+    of its cache, and `generate` would refuse to step it. `insert` fills an
+    idle slot as any other.
+    """
+    slots = self._check_slots(slots)
+    positions = self._positions.get(decode_state.next_pos).copy()
+    positions[list(slots)] = 0
+    state = self._release(decode_state, jnp.asarray(slots, jnp.int32))
+    self._positions.put(state.next_pos, positions)
+    return state
+
+  def _check_slots(self, slots) -> tuple[int, ...]:
+    slots = tuple(int(s) for s in slots)
     count = self.max_concurrent_decodes
     for slot in slots:
       if not 0 <= slot < count:
         raise ValueError(f"slot {slot} is out of range: this engine has {count} slots, 0..{count - 1}")
-    if len(set(slots)) != len(slots):
-      raise ValueError(f"slots {slots} name a slot twice: each sample needs a slot of its own")
-    return self._insert(prefix, decode_state, jnp.asarray(slots, jnp.int32))
+    return slots
+
+  def _check_prefix(self, prefix: Prefix) -> None:
+    """A prefix another engine made fits this one's slots only with the same cache tree and length."""
+    got = {path: np.shape(leaf) for path, leaf in canonical.flatten(prefix.cache).items()}
+    want = self._prefix_shapes
+    if sorted(got) != sorted(want):
+      extra, missing = sorted(set(got) - set(want)), sorted(set(want) - set(got))
+      raise ValueError(
+          f"this prefix's cache is not one this engine makes (missing {missing[:2]}, unexpected {extra[:2]}): "
+          "prefill it with this engine (same model, stack_prefill_result_cache and scan_layers)"
+      )
+    for path, shape in want.items():
+      if got[path] == shape:
+        continue
+      if path.endswith("/" + kv_cache.POSITIONS):  # [..., 1, entries]: a stacked cache leads with its layers
+        raise ValueError(
+            f"this prefix's cache holds {got[path][-1]} tokens per row and this engine's slots hold {shape[-1]} "
+            f"(max_target_length={self.config.max_target_length}{_window_note(self.config)}): it was prefilled "
+            "by an engine with another max_target_length; prefill it with this engine"
+        )
+      raise ValueError(f"this prefix's cache {path} is {got[path]}, this engine's is {shape}: prefill it here")
 
   def _insert_impl(self, prefix, state, slots):
     cache, tokens, next_pos, logits = state
@@ -439,11 +516,18 @@ class Engine:
   ) -> tuple[DecodeState, jax.Array]:
     """One step for every slot: (new state, int32 [slots] the tokens sampled); `decode_state` is donated.
 
-    A slot must not run past max_target_length tokens (its cache would keep
-    only the last ones); `Model.generate` bounds this for its prompts.
+    A slot at position p writes its token there: with a cache of
+    max_target_length tokens, a step of a slot at max_target_length is
+    refused (ValueError naming the slot), as is a position past a learned
+    position table; a ring that holds a whole sliding window has no end.
+    The positions of a state this engine made are known on the host, so the
+    check never waits for the step before.
     """
+    positions = self._check_room(decode_state, 1)
     with sharding.active(self.mesh, self.config.logical_axis_rules):  # activation constraints while tracing
-      return self._generate(self._params(params), decode_state, self._next_rng(rng))
+      state, tokens = self._generate(self._params(params), decode_state, self._next_rng(rng))
+    self._positions.put(state.next_pos, _advanced(positions, 1))
+    return state, tokens
 
   def _generate_impl(self, params, state, rng):
     return self._step(self._weights(params), state, rng)
@@ -454,7 +538,7 @@ class Engine:
     logits, cache = self.model.cached_forward(params, cache, tokens[:, None], next_pos[:, None], ones)
     logits = logits[:, 0]
     new = self._sample(logits, rng)
-    return DecodeState(cache, new, next_pos + 1, logits), new
+    return DecodeState(cache, new, jnp.where(next_pos > 0, next_pos + 1, 0), logits), new  # idle slots stay idle
 
   def generate_steps(
       self, decode_state: DecodeState, num_steps: int, *, params: Params | None = None, rng=None
@@ -463,11 +547,35 @@ class Engine:
 
     Step i samples with `jax.random.split(rng, num_steps)[i]`, so it equals
     `generate` called with those keys; no token leaves the device in between.
+    Refused, before any step runs, when a slot would pass the end of its cache
+    (see `generate`).
     """
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
       raise ValueError(f"num_steps must be a whole number >= 1, got {num_steps!r}")
+    positions = self._check_room(decode_state, num_steps)
     with sharding.active(self.mesh, self.config.logical_axis_rules):
-      return self._generate_steps(self._params(params), decode_state, self._next_rng(rng), num_steps=num_steps)
+      state, tokens = self._generate_steps(self._params(params), decode_state, self._next_rng(rng), num_steps=num_steps)
+    self._positions.put(state.next_pos, _advanced(positions, num_steps))
+    return state, tokens
+
+  def _check_room(self, decode_state: DecodeState, steps: int) -> np.ndarray:
+    """The slots' positions; refuses `steps` more steps when a busy slot would decode past `position_limit`.
+
+    Checked on the host, before the compiled step: positions are exact there, and a step that ran past
+    would not fail but overwrite the cache's last entry and decode on from a wrong one.
+    """
+    next_pos = self._positions.get(decode_state.next_pos)
+    limit = self.position_limit
+    if limit is None:
+      return next_pos
+    (over,) = np.nonzero((next_pos > 0) & (next_pos + steps > limit))
+    if over.size:
+      slot, pos = int(over[0]), int(next_pos[over[0]])
+      raise ValueError(
+          f"slot {slot} is at position {pos} and has room for {limit - pos} more step(s), not {steps}: "
+          f"{_limit_text(self.config, limit)}; insert a new prefix into it or release it"
+      )
+    return next_pos
 
   def _generate_steps_impl(self, params, state, rng, *, num_steps: int):
     params = self._weights(params)  # once, outside the loop
@@ -475,6 +583,114 @@ class Engine:
         lambda state, rng: self._step(params, state, rng), state, jax.random.split(rng, num_steps)
     )
     return state, tokens.T
+
+
+class _HostPositions:
+  """The values of the `next_pos` arrays an engine made, kept on the host by array.
+
+  What each step does to them is known without looking (a busy slot moves on
+  by one, an idle one stays at 0), so checking a step's room never waits for
+  the step before it: a read from the device would cost the overlap of
+  dispatch and compute, ~1.5x the time of a tiny model's step on CPU. An
+  array made elsewhere is read.
+  """
+
+  def __init__(self):
+    self._by_id: dict[int, tuple[weakref.ref, np.ndarray]] = {}
+
+  def put(self, array, values) -> None:
+    key = id(array)
+
+    def forget(ref, key=key):
+      if self._by_id.get(key, (None,))[0] is ref:
+        del self._by_id[key]
+
+    self._by_id[key] = (weakref.ref(array, forget), np.array(values, np.int32))
+
+  def get(self, array) -> np.ndarray:
+    if isinstance(array, (np.ndarray, np.integer, int)):
+      return np.asarray(array, np.int32)
+    ref, values = self._by_id.get(id(array), (None, None))
+    return values if ref is not None and ref() is array else np.asarray(array, np.int32)
+
+
+def _advanced(next_pos: np.ndarray, steps: int) -> np.ndarray:
+  """`next_pos` after `steps` decode steps: busy slots move on, idle ones (0) stay."""
+  return np.where(next_pos > 0, next_pos + steps, 0).astype(np.int32)
+
+
+def position_limit(config: Config) -> int | None:
+  """The first position a slot of `config` cannot decode at, or None where nothing ends.
+
+  A cache of max_target_length entries holds positions 0..max_target_length-1.
+  A ring shorter than that holds its whole sliding window, needs nothing
+  older and decodes on; a window of max_target_length or more is cut to a
+  ring of max_target_length, which past it would drop tokens the window still
+  sees. Read off the cache tree itself, so one full-length layer among rings
+  ends it. A learned position table (trainable_position_size) ends as well.
+  """
+  lengths = [
+      leaf.shape[-1]
+      for path, leaf in canonical.flatten(decoding.abstract_cache(config, 1, config.max_target_length)).items()
+      if path.endswith("/" + kv_cache.POSITIONS)
+  ]
+  limits = [config.max_target_length] if max(lengths) >= config.max_target_length else []
+  if config.trainable_position_size:
+    limits.append(config.trainable_position_size)
+  return min(limits, default=None)
+
+
+def _limit_text(config: Config, limit: int) -> str:
+  if config.trainable_position_size == limit:
+    return f"trainable_position_size={limit}, the positions this model has learned, ends there"
+  return f"its cache holds max_target_length={limit} tokens{_window_note(config)}"
+
+
+def _window_note(config: Config) -> str:
+  window = kv_cache.window(config)
+  return f", a ring of its sliding_window_size={window}" if window else ""
+
+
+def generate_continuation(config: Config, model: Model, prompt, max_new_tokens: int) -> np.ndarray:
+  """One prompt (int [T]) -> its `max_new_tokens` next tokens, on an engine of one slot: what `maxbridge generate` runs.
+
+  Prefill, insert and `generate_steps`, sampled by `config`'s
+  decode_sampling_* keys from its seed: the tokens an `Engine(config, ...)`
+  of one slot gives. The engine is sized to the request: a prompt may pass
+  max_prefill_predict_length, and prompt + continuation may pass
+  max_target_length (warned, as `Model.generate` does: positions past it were
+  never trained), though not a learned position table.
+  """
+  prompt = np.asarray(prompt, np.int32)
+  if max_new_tokens == 0:
+    return np.zeros((0,), np.int32)
+  total = len(prompt) + max_new_tokens
+  table = config.trainable_position_size
+  if table and total > table:  # as Model.generate bounds it
+    raise ValueError(
+        f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) = {total} tokens: "
+        f"trainable_position_size={table}, the positions this model has learned, ends at {table - 1}; "
+        f"ask for at most {table - len(prompt)} new tokens"
+    )
+  if total > config.max_target_length:
+    warnings.warn(
+        f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
+        f"max_target_length={config.max_target_length}, the longest sequence this config trains on; positions "
+        "past it were never trained, and quality usually drops there",
+        stacklevel=2,
+    )
+  sized = config.replace(
+      per_device_batch_size=1,
+      max_prefill_predict_length=max(config.max_prefill_predict_length, len(prompt)),
+      max_target_length=max(config.max_target_length, total),
+  )
+  engine = Engine(sized, model=model)
+  state = engine.insert(engine.prefill(prompt), engine.init_decode_state(), 0)
+  first = np.asarray(state.tokens[:1])  # to host now: generate_steps donates the state it belongs to
+  if max_new_tokens == 1:
+    return first
+  _, rest = engine.generate_steps(state, max_new_tokens - 1)
+  return np.concatenate([first, np.asarray(rest[0])])
 
 
 def _split_packed(cache: Params, offset, length) -> Params:

@@ -232,7 +232,7 @@ def make_dataset(config: Config, split: str = "train", global_batch_size: int | 
 
 def _preference_rows(config: Config, split: str, length: int) -> dict[str, np.ndarray]:
   if config.tokenizer_path:
-    encode = sft.HFChat(config.tokenizer_path).encode
+    encode = sft.HFChat(config.tokenizer_path, config.vocab_size).encode
   else:
     _check_byte_vocab(config)
     encode = sft.byte_encode
@@ -244,13 +244,14 @@ def _preference_rows(config: Config, split: str, length: int) -> dict[str, np.nd
   for path in _text_files(config.dataset_path):
     if path.suffix != ".jsonl":
       raise ValueError(f"use_dpo=true reads .jsonl files (prompt/chosen/rejected rows), got {path}")
-    pairs += dpo.jsonl_pairs(path, encode)
+    pairs += dpo.jsonl_pairs(path, encode, length)
   return dpo.pack_pairs(_split_examples(pairs, split, f"dataset_path {config.dataset_path!r}"), length)
 
 
 @functools.lru_cache(maxsize=8)
 def _builtin_preference_rows(split: str, length: int) -> dict[str, np.ndarray]:
-  return _freeze(dpo.pack_pairs(_split_examples(list(dpo.builtin_pairs()), split, "the built-in preference set"), length))
+  pairs = dpo.fit_pairs(list(dpo.builtin_pairs()), length, "the built-in preference set")
+  return _freeze(dpo.pack_pairs(_split_examples(pairs, split, "the built-in preference set"), length))
 
 
 def _sft_rows(config: Config, split: str, length: int) -> dict[str, np.ndarray]:
@@ -261,12 +262,12 @@ def _sft_rows(config: Config, split: str, length: int) -> dict[str, np.ndarray]:
     if config.tokenizer_path:
       raise ValueError("dataset_type='sft' with tokenizer_path needs dataset_path: the built-in set is byte tokens")
     return _builtin_sft_rows(split, length, completion_only)
-  chat = sft.HFChat(config.tokenizer_path) if config.tokenizer_path else None
+  chat = sft.HFChat(config.tokenizer_path, config.vocab_size) if config.tokenizer_path else None
   examples = []
   for path in _text_files(config.dataset_path):
     if path.suffix != ".jsonl":
       raise ValueError(f"dataset_type='sft' reads .jsonl files (prompt/completion or messages rows), got {path}")
-    examples += sft.jsonl_examples(path, chat)
+    examples += sft.jsonl_examples(path, chat, length)
   return sft.pack_examples(
       _split_examples(examples, split, f"dataset_path {config.dataset_path!r}"), length, completion_only
   )
@@ -274,7 +275,8 @@ def _sft_rows(config: Config, split: str, length: int) -> dict[str, np.ndarray]:
 
 @functools.lru_cache(maxsize=8)
 def _builtin_sft_rows(split: str, length: int, completion_only: bool) -> dict[str, np.ndarray]:
-  examples = _split_examples(list(sft.builtin_examples()), split, "the built-in SFT set")
+  examples = sft.fit_examples(list(sft.builtin_examples()), length, "the built-in SFT set")
+  examples = _split_examples(examples, split, "the built-in SFT set")
   return _freeze(sft.pack_examples(examples, length, completion_only))
 
 

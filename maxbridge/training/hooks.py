@@ -11,16 +11,22 @@ hook.
 """
 
 import dataclasses
+import json
+import os
 from pathlib import Path
 from typing import Any, Callable
 
 import jax
 
+from maxbridge.core import canonical, checkpointing, files
 from maxbridge.core.config import Config
 from maxbridge.models import lora
 from maxbridge.training import data
 from maxbridge.training.posttrain import grpo
 from maxbridge.training.trainer import Trainer
+
+# DPO's and GRPO's reference model, recorded as LoRA records its base (`lora.REFERENCE_FILE`).
+REFERENCE_FILE = "reference.json"
 
 
 def global_batch_size(config: Config) -> int:
@@ -80,26 +86,59 @@ class Hook:
     """Adds entries to a step's metrics.jsonl record, from the step's (host) metrics."""
 
 
-class FrozenReference(Hook):
-  """DPO's and GRPO's reference: the run's starting policy, rebuilt on resume (checkpoints hold the policy only)."""
-
-  def start(self, run: Run) -> None:
-    run.trainer.set_reference(run.initial() if run.resumed else run.state)
+def _source(config: Config) -> str:
+  return os.path.abspath(config.load_parameters_path) if config.load_parameters_path else f"seed {config.seed}"
 
 
-class LoraBase(Hook):
-  """Refuses to resume on another base than the adapters trained on, and records it (`lora.REFERENCE_FILE`)."""
+class _Fingerprinted(Hook):
+  """A model the run is measured against, fixed when it starts: its source and a fingerprint of its values are
+  recorded in `file` as the run first writes, and a resume whose model differs is refused before anything changes
+  (the same path can hold other values by then)."""
 
-  def __init__(self):
-    self.reference: dict | None = None
+  file: str
+  role: str  # what the model is to the run, as the refusal says it
 
-  def start(self, run: Run) -> None:
-    self.reference = lora.base_reference(run.config, run.trainer.params(run.state))
-    lora.check_base(run.run_dir, self.reference)
+  def check(self, run: Run, params) -> None:
+    self.reference = {
+        "base": _source(run.config),
+        "fingerprint": canonical.fingerprint(params, run.config.param_scan_axis),
+    }
+    path = run.run_dir / self.file
+    if not path.is_file():
+      return
+    saved = json.loads(path.read_text())
+    if saved["fingerprint"] != self.reference["fingerprint"]:
+      raise checkpointing.CheckpointError(
+          f"{run.run_dir}: {self.role} {saved['base']} (fingerprint {saved['fingerprint']}), not "
+          f"{self.reference['base']} (fingerprint {self.reference['fingerprint']}); resume with the original "
+          "(load_parameters_path, with the values it held), or start a new run_name"
+      )
 
   def open(self, run_dir: Path) -> None:
-    if not (run_dir / lora.REFERENCE_FILE).exists():
-      lora.write_reference(run_dir, self.reference)
+    if not (run_dir / self.file).exists():
+      files.write_text(run_dir / self.file, json.dumps(self.reference, indent=2) + "\n")
+
+
+class FrozenReference(_Fingerprinted):
+  """DPO's and GRPO's reference: the run's starting policy, rebuilt on resume (checkpoints hold the policy only)."""
+
+  file = REFERENCE_FILE
+  role = "its reference model was"
+
+  def start(self, run: Run) -> None:
+    reference = run.initial() if run.resumed else run.state
+    self.check(run, run.trainer.params(reference))
+    run.trainer.set_reference(reference)
+
+
+class LoraBase(_Fingerprinted):
+  """Refuses to resume on another base than the adapters trained on, and records it (`lora.REFERENCE_FILE`)."""
+
+  file = lora.REFERENCE_FILE
+  role = "its adapters were trained on base"
+
+  def start(self, run: Run) -> None:
+    self.check(run, run.trainer.params(run.state))
 
 
 class MaxLogits(Hook):

@@ -1,6 +1,7 @@
 """The training loop: one loop for every flag combination.
 
-A run directory `<base_output_directory>/<run_name>/` holds `config.yml`,
+A run directory `<base_output_directory>/<run_name>/` holds `config.yml` (as the
+run began; each resume's changes are appended to `config_history.jsonl`),
 `metrics.jsonl` (one JSON object per step) and `checkpoints/<step>/`. Running
 again with the same directory resumes from the latest checkpoint, whatever the
 flags: both backends read and write the same checkpoint layout.
@@ -40,8 +41,11 @@ def run_directory(config: Config) -> Path:
   return Path(config.base_output_directory) / (config.run_name or config.model_name)
 
 
-# Keys that change where and how often a run writes, never what a step computes.
-_RUN_ONLY_KEYS = frozenset(
+# Keys the trainer (its compiled step) never reads: where and how often a run writes, and what the run's source
+# and hooks give the step (its batches, DPO's and GRPO's reference, GRPO's reward). Configs that differ only in
+# these can share a trainer; most of them still change what a run computes, and the data's and the reference's
+# are fixed on resume (`_FIXED_KEYS`).
+_TRAINER_FREE_KEYS = frozenset(
     {
         "run_name",
         "base_output_directory",
@@ -63,9 +67,9 @@ _RUN_ONLY_KEYS = frozenset(
 
 
 # Keys fixed when a run starts that its checkpoints' shapes do not show: how the trees are laid out
-# (scan_layers), LoRA's adapters and their scale, quantization, what the run optimises (DPO, GRPO). Resuming
-# with another value would read the same bytes as another model, or fail with a list of paths that does not
-# say why. (A change of the model's shape is refused by the restore, naming the first path whose shape
+# (scan_layers), LoRA's adapters and their scale, quantization, what the run optimises (DPO, GRPO) and what it
+# learns from (its data, GRPO's reward). Resuming with another value would read the same bytes as another model,
+# fail with a list of paths that does not say why, or go on from a step on other data. (A change of the model's shape is refused by the restore, naming the first path whose shape
 # differs.) The other keys (learning rate, steps, logging, the backend flags) may change on resume, as in MaxText.
 _FIXED_KEYS = (
     "scan_layers",
@@ -78,6 +82,10 @@ _FIXED_KEYS = (
     "use_qwix_quantization",
     "use_dpo",
     "use_grpo",
+    "dataset_type",
+    "dataset_path",
+    "tokenizer_path",
+    "reward_function",
 )
 
 
@@ -85,7 +93,8 @@ def _check_resume(config: Config, run_dir: Path) -> None:
   """Refuses a resume that would change what the run's checkpoints mean, naming each key and both values.
 
   DPO's and GRPO's frozen reference is the model the run started from, so their
-  load_parameters_path is fixed too (a LoRA run's base has its own fingerprint check).
+  load_parameters_path is fixed too; the values it holds are checked by fingerprint
+  (`hooks.FrozenReference`, as a LoRA run's base by `hooks.LoraBase`).
   """
   saved_file = run_dir / "config.yml"
   if not saved_file.is_file():
@@ -107,7 +116,7 @@ def _check_resume(config: Config, run_dir: Path) -> None:
 
 def step_key(config: Config) -> tuple:
   """What a train step computes, from `config`: two configs with equal keys can share a trainer."""
-  return tuple((k, v) for k, v in config.to_dict().items() if k not in _RUN_ONLY_KEYS)
+  return tuple((k, v) for k, v in config.to_dict().items() if k not in _TRAINER_FREE_KEYS)
 
 
 def _check_trainer(trainer, config: Config) -> None:
@@ -412,12 +421,53 @@ def _open_run(
     Path(saving.directory).mkdir(exist_ok=True)
   if not primary:
     return None
-  config.to_yaml(run_dir / "config.yml")
+  _record_config(config, run_dir, start)
   for feature in features:
     feature.open(run_dir)
   if saving:
     saving.remove_temporaries()
   return MetricsLog(run_dir / "metrics.jsonl", history, resume_step=start)
+
+
+CONFIG_HISTORY = "config_history.jsonl"
+
+
+def _record_config(config: Config, run_dir: Path, start: int) -> None:
+  """Writes config.yml as the run starts. A resume leaves it as it is and appends the keys it changes (those
+  `_FIXED_KEYS` leaves free: learning rate, steps, logging...) to config_history.jsonl, with its step."""
+  path = run_dir / "config.yml"
+  if not path.is_file():
+    config.to_yaml(path)
+    return
+  last = latest_config(run_dir)
+  now = json.loads(json.dumps(config.to_dict()))  # as config.yml reads back: tuples are lists
+  for key in ("base_output_directory", "run_name"):  # where the folder is, not what runs in it (it may move)
+    now.pop(key), last.pop(key, None)
+  changed = {
+      key: [last.get(key), now.get(key)] for key in sorted(now.keys() | last.keys()) if last.get(key) != now.get(key)
+  }
+  if not changed:
+    return
+  entry = {"step": start, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "changed": changed}
+  with (run_dir / CONFIG_HISTORY).open("a") as f:
+    f.write(json.dumps(entry) + "\n")
+  logging.info("%s resumed at step %d with %s", run_dir, start, ", ".join(f"{k}={v[1]!r}" for k, v in changed.items()))
+
+
+def latest_config(run_dir: str | os.PathLike) -> dict:
+  """The keys a run last ran with: its config.yml, with each resume's changes (config_history.jsonl) applied."""
+  values = yaml.safe_load((Path(run_dir) / "config.yml").read_text()) or {}
+  history = Path(run_dir) / CONFIG_HISTORY
+  lines = history.read_text().splitlines() if history.is_file() else []
+  for number, line in enumerate(lines, start=1):
+    try:
+      values.update({key: new for key, (_, new) in json.loads(line)["changed"].items()})
+    except (ValueError, KeyError, TypeError) as e:
+      if number < len(lines):  # a torn last line is a resume killed as it wrote: nothing ran with it
+        raise checkpointing.CheckpointError(
+            f"{history}:{number}: not a config change ({e}); fix or remove that line"
+        ) from e
+  return values
 
 
 def _stopped(error: BaseException, step: int | None, ckpt, checkpoints: Path, created: Path | None) -> BaseException:

@@ -187,12 +187,16 @@ def canonical_head(config: Config) -> Head:
     norm = output_head.final_norm(
         config.normalization, decoder["decoder_norm"], epsilon=config.normalization_layer_epsilon, dtype=dtype
     )
+    options = dict(
+        normalize_embedding_logits=config.normalize_embedding_logits, final_logits_soft_cap=config.final_logits_soft_cap
+    )
     if config.logits_via_embedding:
-      logits = output_head.output_logits(x, norm=norm, embedding=trainable["token_embedder"]["embedding"], dtype=dtype)
+      embedding = trainable["token_embedder"]["embedding"]
+      logits = output_head.output_logits(x, norm=norm, embedding=embedding, dtype=dtype, **options)
     else:
       kernel = decoder["logits_dense"]["kernel"]
       project = functools.partial(linear.dense_general, kernel=kernel, in_ndim=1, dtype=dtype)
-      logits = output_head.output_logits(x, norm=norm, project=project)
+      logits = output_head.output_logits(x, norm=norm, project=project, **options)
     return logits[:, 0, :]
 
   return head

@@ -9,10 +9,21 @@ layer class. A new family is one module here and one line in `REGISTRY`.
 Pure Python (no jax), like the config that validates against it.
 """
 
-from maxbridge.core.families import deepseek, gpt3, llama, mixtral
+from maxbridge.core.families import deepseek, gemma, gpt3, gpt_oss, llama, mixtral, olmo2, olmo3, qwen3_moe
 from maxbridge.core.families.base import ClipPiece, Family, Stack, query_kernel_carries_scale
 
-REGISTRY: tuple[Family, ...] = (llama.FAMILY, gpt3.FAMILY, mixtral.FAMILY, deepseek.FAMILY)
+REGISTRY: tuple[Family, ...] = (
+    llama.FAMILY,
+    gpt3.FAMILY,
+    mixtral.FAMILY,
+    deepseek.FAMILY,
+    olmo2.FAMILY,
+    olmo3.FAMILY,
+    qwen3_moe.FAMILY,
+    gemma.GEMMA,
+    gemma.GEMMA2,
+    gpt_oss.FAMILY,
+)
 
 # Every `decoder_block` value, by MaxText's names: llama2 (also Mistral and Qwen3 through
 # sliding_window_size / use_qk_norm), gpt3 (GPT-2/3), mixtral (MoE), deepseek (MLA + MoE).

@@ -25,6 +25,9 @@ class Stack:
   name: str
   kind: str
   depth: Callable[[Config], int] = lambda config: config.num_decoder_layers
+  # A stack of blocks of several Hugging Face layers (Gemma 2's local then global layer):
+  # each block's sub-layer names, in depth order; () for a stack of single layers.
+  sublayers: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +59,9 @@ class Family:
   hf: tuple[Any, ...]
   # The config's family rules: one message per rule broken (naming the keys at fault), none when valid.
   check: Callable[[Config], list[str]] = lambda config: []
+  # Whether a windowed layer's decode cache is a ring of its window; False where
+  # only some layers are windowed (Gemma 2): every layer then caches every token.
+  ring_cache: bool = True
 
   def layer_stacks(self, config: Config) -> tuple[tuple[str, int], ...]:
     """(stack name, number of layers) of the non-empty stacks, in depth order."""
@@ -93,9 +99,9 @@ def query_kernel_clip(config: Config) -> ClipTargets:
 
 
 def own_positions(config: Config) -> str | None:
-  if config.rope_type == "llama3.1":
+  if config.rope_type != "default":
     return (
-        f"rope_type='llama3.1' scales the RoPE of Llama-style attention; decoder_block={config.decoder_block!r} has "
+        f"rope_type={config.rope_type!r} scales the RoPE of Llama-style attention; decoder_block={config.decoder_block!r} has "
         "its own positions: set rope_type='default'"
     )
   return None

@@ -19,6 +19,7 @@ from maxbridge.core.families.base import (
     routes_to_experts,
 )
 from maxbridge.core.families.hf_rules import (
+    ConfigClass,
     HFError,
     HFFamily,
     Linear,
@@ -28,6 +29,7 @@ from maxbridge.core.families.hf_rules import (
     get_int,
     query_scale,
     require,
+    require_one_of,
     rope_from_hf,
     rope_to_hf,
 )
@@ -59,12 +61,51 @@ RULES = (
 )
 
 
-def _config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
-  require(hf, "hidden_act", "silu", "silu")
+# transformers' class defaults of what its model reads (tests compare them with transformers').
+CONFIG_CLASS = ConfigClass(
+    "DeepseekV3Config",
+    {
+        "vocab_size": 129280,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "n_shared_experts": 1,
+        "n_routed_experts": 256,
+        "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "qk_nope_head_dim": 128,
+        "n_group": 8,
+        "topk_group": 4,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3,
+        "norm_topk_prob": True,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "rope_parameters": None,
+        "rope_interleave": True,
+        "attention_bias": False,
+    },
+    aliases={"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"},
+)
+
+
+def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
+  hf = CONFIG_CLASS.read(raw)
+  require_one_of(hf, "hidden_act", ("silu", "swish"))
   require(hf, "attention_bias", False, False)
   require(hf, "rope_interleave", True, True)
   require(hf, "norm_topk_prob", True, True)
-  require(hf, "scoring_func", "sigmoid", "sigmoid")  # DeepSeek's own config.json spells these out
+  # Not DeepseekV3Config fields (its model always scores by sigmoid with a correction bias), but
+  # DeepSeek's own config.json spells them out: another value describes another model.
+  require(hf, "scoring_func", "sigmoid", "sigmoid")
   require(hf, "topk_method", "noaux_tc", "noaux_tc")
   heads = get_int(hf, "num_attention_heads")
   nope, rope = get_int(hf, "qk_nope_head_dim"), get_int(hf, "qk_rope_head_dim")
@@ -77,17 +118,18 @@ def _config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
       "base_mlp_dim": get_int(hf, "intermediate_size"),
       "moe_mlp_dim": get_int(hf, "moe_intermediate_size"),
       "base_num_decoder_layers": get_int(hf, "num_hidden_layers"),
-      "first_num_dense_layers": get_int(hf, "first_k_dense_replace", 0),
+      "first_num_dense_layers": get_int(hf, "first_k_dense_replace"),
       "vocab_size": get_int(hf, "vocab_size"),
-      "normalization_layer_epsilon": get_float(hf, "rms_norm_eps", 1e-6),
-      **rope_from_hf(hf, llama3=True),
-      "logits_via_embedding": get_bool(hf, "tie_word_embeddings", False),
+      "normalization_layer_epsilon": get_float(hf, "rms_norm_eps"),
+      # MLA's RoPE has no Llama 3.1 scaling here, and transformers scales attention for any other type.
+      **rope_from_hf(hf, llama3=False, default_theta=CONFIG_CLASS.default_theta),
+      "logits_via_embedding": get_bool(hf, "tie_word_embeddings"),
       "num_experts": get_int(hf, "n_routed_experts"),
       "num_experts_per_tok": get_int(hf, "num_experts_per_tok"),
-      "shared_experts": get_int(hf, "n_shared_experts", 0),
-      "n_routing_groups": get_int(hf, "n_group", 1),
-      "topk_routing_group": get_int(hf, "topk_group", 1),
-      "routed_scaling_factor": get_float(hf, "routed_scaling_factor", 1.0),
+      "shared_experts": get_int(hf, "n_shared_experts"),
+      "n_routing_groups": get_int(hf, "n_group"),
+      "topk_routing_group": get_int(hf, "topk_group"),
+      "routed_scaling_factor": get_float(hf, "routed_scaling_factor"),
       "routed_score_func": "sigmoid",
       "routed_bias": True,
       "load_balance_loss_weight": 0.0,
@@ -203,6 +245,10 @@ FAMILY = Family(
     query_kernel_carries_scale=False,  # MLA scales by 1/sqrt(nope + rope) at run time
     cache_entries=_latent_cache,
     qk_clip_targets=_qk_clip_targets,
-    hf=(HFFamily("deepseek_v3", "DeepseekV3ForCausalLM", ("deepseek",), RULES, _config_from_hf, _config_to_hf),),
+    hf=(
+        HFFamily(
+            "deepseek_v3", "DeepseekV3ForCausalLM", ("deepseek",), RULES, _config_from_hf, _config_to_hf, CONFIG_CLASS
+        ),
+    ),
     check=_check,
 )

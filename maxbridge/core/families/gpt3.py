@@ -18,6 +18,7 @@ from maxbridge.core.families.base import (
 )
 from maxbridge.core.families.hf_rules import (
     CONFIG_FILE,
+    ConfigClass,
     HFError,
     HFFamily,
     Linear,
@@ -26,8 +27,8 @@ from maxbridge.core.families.hf_rules import (
     get_bool,
     get_float,
     get_int,
-    head_dim,
     require,
+    require_one_of,
 )
 
 RULES = (
@@ -57,33 +58,66 @@ def _hf_name(name: str) -> str:
   return name if name.startswith(("transformer.", "lm_head.")) else f"transformer.{name}"
 
 
-def _config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
-  if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-    raise HFError(
-        f"{CONFIG_FILE}: activation_function={hf.get('activation_function')!r} is not supported; "
-        "maxbridge's gpt3 block uses the tanh GELU ('gelu_new')"
-    )
+# transformers' class defaults of what its model reads (tests compare them with transformers').
+CONFIG_CLASS = ConfigClass(
+    "GPT2Config",
+    {
+        "vocab_size": 50257,
+        "n_positions": 1024,
+        "n_embd": 768,
+        "n_layer": 12,
+        "n_head": 12,
+        "n_inner": None,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "add_cross_attention": False,
+        "tie_word_embeddings": True,
+    },
+    aliases={
+        "hidden_size": "n_embd",
+        "max_position_embeddings": "n_positions",
+        "num_attention_heads": "n_head",
+        "num_hidden_layers": "n_layer",
+    },
+)
+# transformers' names for GELU's tanh approximation, the one our gpt3 block computes.
+TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_fast")
+
+
+def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
+  hf = CONFIG_CLASS.read(raw)
+  require_one_of(hf, "activation_function", TANH_GELUS)
   require(hf, "scale_attn_weights", True, True)
   require(hf, "scale_attn_by_inverse_layer_idx", False, False)
   require(hf, "add_cross_attention", False, False)
+  get_bool(hf, "reorder_and_upcast_attn")  # either value: the same float32 attention (FIELDS.md)
   width, heads = get_int(hf, "n_embd"), get_int(hf, "n_head")
-  if hf.get("head_dim") is not None:
-    raise HFError(f"{CONFIG_FILE}: head_dim is not a GPT-2 field; GPT-2's heads are n_embd / n_head wide")
+  if heads <= 0 or width % heads:
+    raise HFError(f"{CONFIG_FILE}: n_embd={width} is not a multiple of n_head={heads}")
+  # Not a GPT2Config field, and transformers' GPT-2 never reads it; one that disagrees describes another model.
+  if hf.get("head_dim") is not None and hf["head_dim"] != width // heads:
+    raise HFError(
+        f"{CONFIG_FILE}: head_dim={hf['head_dim']!r} is not n_embd / n_head = {width // heads}, "
+        "the width of GPT-2's heads"
+    )
   positions = get_int(hf, "n_positions")
   return {
       "decoder_block": "gpt3",
       "base_emb_dim": width,
       "base_num_query_heads": heads,
       "base_num_kv_heads": heads,
-      "head_dim": head_dim(hf, "n_embd", "n_head"),
+      "head_dim": width // heads,
       "base_mlp_dim": get_int(hf, "n_inner", 4 * width),
       "base_num_decoder_layers": get_int(hf, "n_layer"),
       "vocab_size": get_int(hf, "vocab_size"),
       "trainable_position_size": positions,
       # The learned table bounds every sequence: no longer than n_positions.
       "max_target_length": positions,
-      "normalization_layer_epsilon": get_float(hf, "layer_norm_epsilon", 1e-5),
-      "logits_via_embedding": get_bool(hf, "tie_word_embeddings", True),
+      "normalization_layer_epsilon": get_float(hf, "layer_norm_epsilon"),
+      "logits_via_embedding": get_bool(hf, "tie_word_embeddings"),
   }
 
 
@@ -142,6 +176,7 @@ FAMILY = Family(
             RULES,
             _config_from_hf,
             _config_to_hf,
+            CONFIG_CLASS,
             normalize_name=_hf_name,
             ignored=(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)",),
         ),

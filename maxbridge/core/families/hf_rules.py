@@ -100,6 +100,40 @@ class Rule:
 
 
 @dataclasses.dataclass(frozen=True)
+class ConfigClass:
+  """What one transformers config class does to config.json before its model reads a field.
+
+  transformers fills an absent field with the class default (which differs by
+  family: Qwen3's head_dim is 128, Mixtral's rope theta 1e6), lets an
+  `attribute_map` alias override the field it names, and rebuilds RoPE from
+  `rope_scaling`, `rope_parameters` and `rope_theta` (`rope_parameters`).
+  `maxbridge/interop/hf/FIELDS.md` lists what each family does with every field.
+  """
+
+  name: str  # the transformers class, e.g. "LlamaConfig" (tests compare `defaults` with its own)
+  defaults: Mapping[str, Any]  # its defaults of the fields its model reads
+  aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)  # attribute_map: alias -> field
+  default_theta: float = 10000.0  # RoPE's theta when config.json gives none
+
+  def read(self, hf: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json's fields as the class holds them: defaults filled in, aliases applied."""
+    for key in REFUSED_EVERYWHERE:
+      if hf.get(key) is not None:
+        raise HFError(f"{CONFIG_FILE}: {key} is set; {REFUSED_EVERYWHERE[key]}")
+    values = {**self.defaults, **hf}
+    # An alias is set after the fields, so it wins when both spellings are given.
+    values.update({field: hf[alias] for alias, field in self.aliases.items() if alias in hf})
+    return values
+
+
+# Generic fields that change what any model computes, and why maxbridge refuses them.
+REFUSED_EVERYWHERE = {
+    "quantization_config": "maxbridge reads unquantized weights only (quantize after import: maxbridge quantize)",
+    "per_layer_config": "layers that differ from one another (heterogeneous configs) are not supported",
+}
+
+
+@dataclasses.dataclass(frozen=True)
 class HFFamily:
   """How one Hugging Face architecture maps onto one `decoder_block`."""
 
@@ -109,10 +143,14 @@ class HFFamily:
   rules: tuple[Rule, ...]
   config_from_hf: Callable[[Mapping[str, Any]], dict[str, Any]]
   config_to_hf: Callable[[Config], dict[str, Any]]
+  config_class: ConfigClass  # how transformers reads this architecture's config.json
   # Hugging Face name -> the spelling the rules use (older checkpoints differ).
   normalize_name: Callable[[str], str] = lambda name: name
   # Tensors that carry nothing (saved causal-mask buffers): skipped on import.
   ignored: tuple[str, ...] = ()
+  # The `normalize_embedding_logits` that computes this architecture's tied head: false for
+  # every transformers model but Gemma's, whose canonical table holds sqrt(d) x its embedding.
+  normalize_embedding_logits: bool = False
 
 
 def family_for_config(cfg: Config) -> HFFamily:
@@ -149,7 +187,7 @@ def get_float(hf: Mapping[str, Any], key: str, default: Any = ...) -> float:
   return float(value)
 
 
-def get_bool(hf: Mapping[str, Any], key: str, default: bool) -> bool:
+def get_bool(hf: Mapping[str, Any], key: str, default: Any = ...) -> bool:
   """A JSON true/false; the string "false" must not read as true."""
   value = get(hf, key, default)
   if not isinstance(value, bool):
@@ -177,6 +215,13 @@ def require(hf: Mapping[str, Any], key: str, supported: Any, default: Any) -> No
     raise HFError(f"{CONFIG_FILE}: {key}={value!r} is not supported; maxbridge models {key}={supported!r}")
 
 
+def require_one_of(hf: Mapping[str, Any], key: str, supported: tuple[Any, ...]) -> None:
+  """`key` is one of `supported`, spellings transformers computes alike (silu and swish)."""
+  if hf.get(key) not in supported:
+    listed = " or ".join(map(repr, supported))
+    raise HFError(f"{CONFIG_FILE}: {key}={hf.get(key)!r} is not supported; maxbridge models {key}={listed}")
+
+
 # Hugging Face's Llama 3.1 scaling parameters, by our config keys.
 _LLAMA3_KEYS = {
     "rope_factor": "factor",
@@ -186,36 +231,56 @@ _LLAMA3_KEYS = {
 }
 
 
-def rope_from_hf(hf: Mapping[str, Any], *, llama3: bool) -> dict[str, Any]:
-  """RoPE keys from transformers 5's rope_parameters or the older rope_scaling and top-level rope_theta.
+def rope_parameters(hf: Mapping[str, Any], default_theta: float) -> tuple[dict[str, Any], str]:
+  """(RoPE parameters, the field they came from), as transformers 5.x's config classes build them.
 
-  Default RoPE everywhere; Llama 3.1's scaling (rope_type "llama3") where `llama3`.
+  A non-empty `rope_scaling` replaces `rope_parameters` whole (it does not
+  merge); the top-level `rope_theta` (else the class's default) and
+  `partial_rotary_factor` fill in what the chosen dict lacks; `type` is the
+  older spelling of `rope_type`; Llama 3.1's original_max_position_embeddings
+  defaults to max_position_embeddings.
   """
-  parameters = hf.get("rope_parameters") or {}
-  legacy = hf.get("rope_scaling") or {}
-  for key, value in (("rope_parameters", parameters), ("rope_scaling", legacy)):
-    if not isinstance(value, Mapping):
-      raise HFError(f"{CONFIG_FILE}: {key}={value!r} must be an object")
-  merged = {**parameters, **legacy}  # transformers 5 too lets rope_scaling override rope_parameters
-  rope_type = merged.get("rope_type") or merged.get("type") or "default"
+  for key in ("rope_parameters", "rope_scaling"):
+    if hf.get(key) is not None and not isinstance(hf[key], Mapping):
+      raise HFError(f"{CONFIG_FILE}: {key}={hf[key]!r} must be an object")
+  source = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+  parameters = dict(hf.get(source) or {})
+  parameters.setdefault("rope_theta", hf.get("rope_theta", default_theta))
+  if "partial_rotary_factor" in hf:
+    parameters.setdefault("partial_rotary_factor", hf["partial_rotary_factor"])
+  parameters.setdefault("rope_type", parameters.get("type", "default"))
+  if parameters["rope_type"] in ("llama3", "yarn", "longrope"):
+    parameters.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+  return parameters, source
+
+
+def rope_from_hf(hf: Mapping[str, Any], *, llama3: bool, default_theta: float) -> dict[str, Any]:
+  """Our RoPE keys for config.json's (`rope_parameters`): default RoPE, and Llama 3.1's scaling where `llama3`."""
+  parameters, source = rope_parameters(hf, default_theta)
+  rope_type = parameters["rope_type"]
   supported = ("default", "llama3") if llama3 else ("default",)
   if rope_type not in supported:
+    spelling = "rope_type" if "rope_type" in (hf.get(source) or {}) else "type"
+    replaced = " (transformers reads rope_scaling in place of rope_parameters)" if source == "rope_scaling" else ""
     raise HFError(
-        f"{CONFIG_FILE}: rope_parameters.rope_type={rope_type!r} is not supported; maxbridge implements "
+        f"{CONFIG_FILE}: {source}.{spelling}={rope_type!r} is not supported{replaced}; maxbridge implements "
         f"{' and '.join(map(repr, supported))} here"
     )
-  theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
+  fraction = parameters.get("partial_rotary_factor", 1.0)
+  if fraction != 1.0:
+    raise HFError(f"{CONFIG_FILE}: partial_rotary_factor={fraction!r} is not supported; maxbridge rotates whole heads")
+  theta = parameters["rope_theta"]
   if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta):
-    raise HFError(f"{CONFIG_FILE}: rope_theta={theta!r} must be a number")
+    raise HFError(f"{CONFIG_FILE}: {source}.rope_theta={theta!r} must be a number")
   if float(theta) != int(theta):
     raise HFError(f"{CONFIG_FILE}: rope_theta={theta!r} must be a whole number (rope_max_timescale)")
   values: dict[str, Any] = {"rope_max_timescale": int(theta), "rope_type": "default"}
   if rope_type == "llama3":
-    missing = [name for name in _LLAMA3_KEYS.values() if name not in merged]
+    missing = [name for name in _LLAMA3_KEYS.values() if parameters.get(name) is None]
     if missing:
-      raise HFError(f"{CONFIG_FILE}: rope_type 'llama3' needs {', '.join(missing)} in rope_parameters")
+      raise HFError(f"{CONFIG_FILE}: rope_type 'llama3' needs {', '.join(missing)} in {source}")
     values.update(rope_type="llama3.1", rope_use_scale=True)
-    values.update({ours: merged[theirs] for ours, theirs in _LLAMA3_KEYS.items()})
+    values.update({ours: parameters[theirs] for ours, theirs in _LLAMA3_KEYS.items()})
   return values
 
 

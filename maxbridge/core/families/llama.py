@@ -15,12 +15,14 @@ from maxbridge.core.families.hf_rules import (
     HFFamily,
     Linear,
     Rule,
+    ConfigClass,
     get_bool,
     get_float,
     get_int,
     head_dim,
     query_scale,
     require,
+    require_one_of,
     rope_from_hf,
     rope_to_hf,
 )
@@ -52,17 +54,79 @@ GATED_MLP_RULES = (
 RULES = COMMON_RULES + ATTENTION_RULES + GATED_MLP_RULES
 
 
-def config_from_hf(
-    decoder_block: str, *, window: bool = False, qk_norm: bool = False
-) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
-  """The reader of a Llama-layer config.json; `window`: it may have a sliding window, `qk_norm`: it has q/k norms."""
+# transformers' class defaults of what each model reads (tests compare them with transformers').
+_LLAMA_LAYER_DEFAULTS = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "rope_parameters": None,
+    "head_dim": None,
+}
+LLAMA_CONFIG = ConfigClass(
+    "LlamaConfig",
+    {
+        **_LLAMA_LAYER_DEFAULTS,
+        "intermediate_size": 11008,
+        "num_key_value_heads": None,
+        "attention_bias": False,
+        "mlp_bias": False,
+    },
+)
+MISTRAL_CONFIG = ConfigClass(
+    "MistralConfig",
+    {
+        **_LLAMA_LAYER_DEFAULTS,
+        "intermediate_size": 14336,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 4096 * 32,
+        "sliding_window": 4096,
+    },
+)
+QWEN3_CONFIG = ConfigClass(
+    "Qwen3Config",
+    {
+        **_LLAMA_LAYER_DEFAULTS,
+        "vocab_size": 151936,
+        "intermediate_size": 22016,
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+        "max_position_embeddings": 32768,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+        "layer_types": None,
+    },
+)
 
-  def read(hf: Mapping[str, Any]) -> dict[str, Any]:
-    require(hf, "hidden_act", "silu", "silu")
-    require(hf, "attention_bias", False, False)
-    require(hf, "mlp_bias", False, False)
+
+def config_from_hf(
+    decoder_block: str,
+    config_class: ConfigClass,
+    *,
+    biases: tuple[str, ...] = (),
+    window: Callable[[Mapping[str, Any]], int] | None = None,
+    qk_norm: bool = False,
+) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+  """The reader of a Llama-layer config.json.
+
+  `biases`: the bias switches its transformers model reads (others build no
+  bias); `window`: its sliding window's reader, where it has one; `qk_norm`:
+  it has q/k norms.
+  """
+
+  def read(raw: Mapping[str, Any]) -> dict[str, Any]:
+    hf = config_class.read(raw)
+    require_one_of(hf, "hidden_act", ("silu", "swish"))  # the same SiLU in transformers' ACT2FN
+    for bias in biases:
+      require(hf, bias, False, False)
     heads = get_int(hf, "num_attention_heads")
-    values = {
+    return {
         "decoder_block": decoder_block,
         "base_emb_dim": get_int(hf, "hidden_size"),
         "base_num_query_heads": heads,
@@ -71,17 +135,40 @@ def config_from_hf(
         "base_mlp_dim": get_int(hf, "intermediate_size"),
         "base_num_decoder_layers": get_int(hf, "num_hidden_layers"),
         "vocab_size": get_int(hf, "vocab_size"),
-        "normalization_layer_epsilon": get_float(hf, "rms_norm_eps", 1e-6),
-        **rope_from_hf(hf, llama3=True),
-        "logits_via_embedding": get_bool(hf, "tie_word_embeddings", False),
+        "normalization_layer_epsilon": get_float(hf, "rms_norm_eps"),
+        **rope_from_hf(hf, llama3=True, default_theta=config_class.default_theta),
+        "logits_via_embedding": get_bool(hf, "tie_word_embeddings"),
         "use_qk_norm": qk_norm,
-        "sliding_window_size": get_int(hf, "sliding_window", 0) if window else 0,
+        "sliding_window_size": window(hf) if window else 0,
     }
-    if qk_norm and get_bool(hf, "use_sliding_window", False):
-      raise HFError(f"{CONFIG_FILE}: use_sliding_window=true (Qwen3's per-layer windows) is not supported")
-    return values
 
   return read
+
+
+def mistral_window(hf: Mapping[str, Any]) -> int:
+  """Mistral's and Mixtral's one window for every layer; null: none."""
+  return get_int(hf, "sliding_window", 0)
+
+
+def _qwen3_window(hf: Mapping[str, Any]) -> int:
+  # Qwen3Config's __post_init__: a window only with use_sliding_window, on the
+  # layers from max_window_layers on, unless layer_types names each layer's kind.
+  window = hf["sliding_window"] if get_bool(hf, "use_sliding_window") else None
+  layers = get_int(hf, "num_hidden_layers")
+  kinds, field = hf["layer_types"], "layer_types"
+  if kinds is None:
+    first = get_int(hf, "max_window_layers")
+    kinds = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(layers)]
+    field = f"use_sliding_window=true with max_window_layers={first}"
+  if not isinstance(kinds, list) or len(kinds) != layers:
+    raise HFError(f"{CONFIG_FILE}: layer_types={kinds!r} must list one kind per layer ({layers})")
+  windowed = [i for i, kind in enumerate(kinds) if kind not in ("full_attention", "attention")]
+  if windowed:
+    raise HFError(
+        f"{CONFIG_FILE}: {field} gives layers {windowed} a sliding window; maxbridge's qwen3 attends in full on "
+        "every layer"
+    )
+  return 0
 
 
 def config_to_hf(
@@ -139,28 +226,31 @@ FAMILY = Family(
             "LlamaForCausalLM",
             ("llama2",),
             RULES,
-            config_from_hf("llama2"),
+            config_from_hf("llama2", LLAMA_CONFIG, biases=("attention_bias", "mlp_bias")),
             config_to_hf("llama", fixed={"attention_bias": False, "mlp_bias": False}),
+            LLAMA_CONFIG,
         ),
         HFFamily(
             "mistral",
             "MistralForCausalLM",
             ("mistral",),
             RULES,
-            config_from_hf("mistral", window=True),
+            config_from_hf("mistral", MISTRAL_CONFIG, window=mistral_window),
             config_to_hf("mistral", window=True),
+            MISTRAL_CONFIG,
         ),
         HFFamily(
             "qwen3",
             "Qwen3ForCausalLM",
             ("qwen3",),
             RULES,
-            config_from_hf("qwen3", qk_norm=True),
+            config_from_hf("qwen3", QWEN3_CONFIG, biases=("attention_bias",), window=_qwen3_window, qk_norm=True),
             config_to_hf(
                 "qwen3",
                 qk_norm=True,
-                fixed={"attention_bias": False, "use_sliding_window": False, "sliding_window": None},
+                fixed={"attention_bias": False, "use_sliding_window": False, "sliding_window": None, "layer_types": None},
             ),
+            QWEN3_CONFIG,
         ),
     ),
     check=_check,

@@ -14,7 +14,16 @@ from maxbridge.core.families.base import (
     query_kernel_clip,
     routes_to_experts,
 )
-from maxbridge.core.families.hf_rules import HFError, HFFamily, Linear, Rule, get_float, get_int
+from maxbridge.core.families.hf_rules import (
+    ConfigClass,
+    HFError,
+    HFFamily,
+    Linear,
+    Rule,
+    get_bool,
+    get_float,
+    get_int,
+)
 
 # Routed experts: one Hugging Face tensor per expert, stacked on axis 0 of ours.
 RULES = (
@@ -28,16 +37,44 @@ RULES = (
     )
 )
 
-_llama_config_from_hf = llama.config_from_hf("mixtral", window=True)
+# transformers' class defaults of what its model reads (tests compare them with transformers').
+CONFIG_CLASS = ConfigClass(
+    "MixtralConfig",
+    {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": None,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096 * 32,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "sliding_window": None,
+        "num_experts_per_tok": 2,
+        "num_local_experts": 8,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+        "rope_parameters": None,
+    },
+    aliases={"num_experts": "num_local_experts"},
+    default_theta=1e6,
+)
+_llama_config_from_hf = llama.config_from_hf("mixtral", CONFIG_CLASS, window=llama.mistral_window)
 _llama_config_to_hf = llama.config_to_hf("mixtral", window=True)
 
 
-def _config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
+def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
+  hf = CONFIG_CLASS.read(raw)
+  # transformers adds the router's auxiliary loss only where output_router_logits asks for router logits.
+  aux = get_float(hf, "router_aux_loss_coef") if get_bool(hf, "output_router_logits") else 0.0
   return {
-      **_llama_config_from_hf(hf),
+      **_llama_config_from_hf(raw),
       "num_experts": get_int(hf, "num_local_experts"),
       "num_experts_per_tok": get_int(hf, "num_experts_per_tok"),
-      "load_balance_loss_weight": get_float(hf, "router_aux_loss_coef", 0.0),
+      "load_balance_loss_weight": aux,
   }
 
 
@@ -51,8 +88,10 @@ def _config_to_hf(cfg: Config) -> dict[str, Any]:
   hf.update(
       num_local_experts=cfg.num_experts,
       num_experts_per_tok=cfg.num_experts_per_tok,
-      router_aux_loss_coef=cfg.load_balance_loss_weight,
+      output_router_logits=cfg.load_balance_loss_weight > 0,
   )
+  if cfg.load_balance_loss_weight > 0:  # else an imported config's coefficient is kept, and unused
+    hf["router_aux_loss_coef"] = cfg.load_balance_loss_weight
   return hf
 
 
@@ -63,6 +102,6 @@ FAMILY = Family(
     query_kernel_carries_scale=True,
     cache_entries=key_value_cache,
     qk_clip_targets=query_kernel_clip,
-    hf=(HFFamily("mixtral", "MixtralForCausalLM", ("mixtral",), RULES, _config_from_hf, _config_to_hf),),
+    hf=(HFFamily("mixtral", "MixtralForCausalLM", ("mixtral",), RULES, _config_from_hf, _config_to_hf, CONFIG_CLASS),),
     check=lambda config: broken(routes_to_experts(config)),
 )

@@ -16,7 +16,14 @@ from maxbridge.core.config import Config
 from maxbridge.interop.hf.families import CONFIG_FILE, HF_CONFIG_SIDECAR, INDEX_FILE, WEIGHTS_FILE, HFError
 from maxbridge.models import dispatch
 from maxbridge.models.model import LinenModel
-from maxbridge.interop.hf.mapping import LazyTensor, config_from_hf, config_to_hf, from_hf_tensors, to_hf_tensors
+from maxbridge.interop.hf.mapping import (
+    LazyTensor,
+    config_from_hf,
+    config_to_hf,
+    from_hf_tensors,
+    to_hf_tensors,
+    untie_a_stored_head,
+)
 
 # --- folders -----------------------------------------------------------------------------
 
@@ -73,8 +80,10 @@ def open_hf_tensors(path: str | os.PathLike) -> dict[str, LazyTensor]:
 def load_hf(path: str | os.PathLike, *overrides: str, **kwargs: Any) -> tuple[Config, dict[str, Any]]:
   """(Config, unscanned canonical params) for a Hugging Face folder."""
   kwargs.setdefault("model_name", Path(path).resolve().name)
-  cfg = config_from_hf(read_hf_config(path), *overrides, **kwargs)
-  params = from_hf_tensors(open_hf_tensors(path), cfg, abstract_params(cfg), where=str(path))
+  cfg = config_from_hf(read_hf_config(path), *overrides, **kwargs)  # a bad config.json is named before any tensor
+  tensors = open_hf_tensors(path)
+  cfg = untie_a_stored_head(cfg, tensors)
+  params = from_hf_tensors(tensors, cfg, abstract_params(cfg), where=str(path))
   return cfg, params
 
 
@@ -175,8 +184,9 @@ def write_params_folder(
     *,
     hf_config: dict[str, Any] | None = None,
     tokenizer: Path | None = None,
+    step: int = 0,
 ) -> Path:
-  """Writes a params-only checkpoint (step 0, as training lays it out) with its `config.yml`, atomically.
+  """Writes a params-only checkpoint (at `step`, as training lays it out) with its `config.yml`, atomically.
 
   `hf_config` is kept as `hf_config.json` for a faithful `export-hf` later; the
   tokenizer files found in the folder `tokenizer` are copied along, so
@@ -185,7 +195,7 @@ def write_params_folder(
 
   def write(tmp: Path) -> None:
     checkpointer = checkpointing.Checkpointer(tmp)
-    checkpointer.save(0, {"params": {"params": params}})
+    checkpointer.save(step, {"params": {"params": params}})
     checkpointer.wait()
     checkpointer.close()
     config.to_yaml(tmp / "config.yml")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any, Mapping
 
 import jax
@@ -22,6 +23,7 @@ def config_from_hf(hf_config: Mapping[str, Any], *overrides: str, **kwargs: Any)
   family = family_for_model_type(hf_config.get("model_type"))
   values = family.config_from_hf(hf_config)
   values["model_name"] = str(hf_config.get("_name_or_path") or family.model_type)
+  values["normalize_embedding_logits"] = family.normalize_embedding_logits
   # An override names a key on purpose: it wins over the one read from config.json.
   given = {text.partition("=")[0].strip() for text in overrides}
   values = {key: value for key, value in values.items() if key not in given}
@@ -32,8 +34,16 @@ def config_from_hf(hf_config: Mapping[str, Any], *overrides: str, **kwargs: Any)
 def config_to_hf(cfg: Config, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
   """config.json for `cfg`; keys of `base` (an imported model's original config) are kept."""
   family = family_for_config(cfg)
+  if cfg.logits_via_embedding and cfg.normalize_embedding_logits != family.normalize_embedding_logits:
+    raise HFError(
+        f"normalize_embedding_logits={cfg.normalize_embedding_logits} with a tied head has no Hugging Face "
+        f"{family.model_type} equivalent, which computes it as normalize_embedding_logits="
+        f"{family.normalize_embedding_logits}"
+    )
   hf = dict(base or {})
   hf.pop("torch_dtype", None)
+  for alias in family.config_class.aliases:  # transformers would read an alias in place of what we write
+    hf.pop(alias, None)
   hf.update(family.config_to_hf(cfg))
   if family.model_type != "gpt2":  # GPT-2's is n_positions, a model size
     # Not a model size here (max_target_length is a training length): kept from
@@ -48,6 +58,43 @@ def config_to_hf(cfg: Config, base: Mapping[str, Any] | None = None) -> dict[str
 
 
 # --- tensors -----------------------------------------------------------------------------
+
+# The output projection and the token embedding, in the canonical tree.
+_HEAD, _EMBEDDING = "decoder/logits_dense/kernel", "token_embedder/embedding"
+
+
+def _tied_pair(cfg: Config) -> tuple[str, str]:
+  """(Hugging Face name of the output projection, of the token embedding) in `cfg`'s family."""
+  names = {rule.ours: rule.hf for rule in family_for_config(cfg).rules}
+  return names[_HEAD], names[_EMBEDDING]
+
+
+def _stored_head_differs(cfg: Config, tensors: Mapping[str, Any]) -> bool:
+  """Whether a tied `cfg`'s folder also holds an output projection with other values than its embedding."""
+  family = family_for_config(cfg)
+  tensors = {family.normalize_name(name): tensor for name, tensor in tensors.items()}
+  head, embedding = _tied_pair(cfg)
+  if not cfg.logits_via_embedding or head not in tensors or embedding not in tensors:
+    return False
+  head_value, embedding_value = _load(tensors[head]), _load(tensors[embedding])
+  return head_value.shape != embedding_value.shape or not bool(jnp.array_equal(head_value, embedding_value))
+
+
+def untie_a_stored_head(cfg: Config, tensors: Mapping[str, Any]) -> Config:
+  """`cfg` as transformers 5.x reads tie_word_embeddings=true beside a stored lm_head.weight.
+
+  It ties the two only where their values are equal; where they differ it
+  warns, leaves them untied and computes logits with the stored lm_head.weight.
+  """
+  if not _stored_head_differs(cfg, tensors):
+    return cfg
+  head, embedding = _tied_pair(cfg)
+  warnings.warn(
+      f"config.json says tie_word_embeddings=true, but {head} differs from {embedding}: read untied, "
+      "as transformers does (logits from the stored output projection)",
+      stacklevel=2,
+  )
+  return cfg.replace(logits_via_embedding=False)
 
 
 def _expansions(rule: Rule, cfg: Config) -> list[tuple[int | None, str]]:
@@ -101,6 +148,12 @@ def from_hf_tensors(
       for name, tensor in tensors.items()
       if not any(re.fullmatch(pattern, name) for pattern in family.ignored)
   }
+  if _stored_head_differs(cfg, tensors):
+    head, embedding = _tied_pair(cfg)
+    raise HFError(
+        f"config.json says tie_word_embeddings=true, but {where} holds a {head} that differs from {embedding}; "
+        "transformers then unties them: read the config with untie_a_stored_head first"
+    )
   expected = expected_hf_shapes(cfg, abstract)
   given = set(tensors)
   tied_copy = {"lm_head.weight"} if cfg.logits_via_embedding else set()

@@ -48,8 +48,10 @@ def pair(prompt: list[int], chosen: list[int], rejected: list[int]) -> Pair:
   return sft.example(prompt, chosen), sft.example(prompt, rejected)
 
 
-def jsonl_pairs(path: Path, encode: sft.Encode = sft.byte_encode) -> list[Pair]:
-  pairs = []
+def jsonl_pairs(path: Path, encode: sft.Encode = sft.byte_encode, length: int | None = None) -> list[Pair]:
+  """Pairs from rows with string `prompt`, `chosen` and `rejected`; with `length` (max_target_length), fitted
+  to it (`fit_pairs`) and named by their line on a refusal."""
+  pairs, lines = [], []
   for number, record in sft.read_jsonl(path):
     missing = [key for key in ("prompt", *SIDES) if not isinstance(record.get(key), str)]
     if missing:
@@ -58,11 +60,25 @@ def jsonl_pairs(path: Path, encode: sft.Encode = sft.byte_encode) -> list[Pair]:
           f"missing or not a string: {missing}"
       )
     pairs.append(pair(*(encode(record[key]) for key in ("prompt", *SIDES))))
-  return pairs
+    lines.append(number)
+  return pairs if length is None else fit_pairs(pairs, length, str(path), lines)
+
+
+def fit_pairs(pairs: list[Pair], length: int, source: str, lines: list[int] | None = None) -> list[Pair]:
+  """Each side of each pair fitted to `length` tokens (`sft.fit`: a side with no completion token left is
+  refused); the pairs cut on either side are counted in a warning."""
+  fitted = []
+  for i, sides in enumerate(pairs):
+    where = f"{source}:{lines[i]}" if lines else f"{source}, pair {i}"
+    fitted.append(tuple(sft.fit(e, length, f"{where} ({side})") for e, side in zip(sides, SIDES)))
+  sft.warn_cut(source, sum(max(e[0].size for e in sides) > length for sides in pairs), len(pairs), length)
+  return fitted
 
 
 def pack_pairs(pairs: list[Pair], length: int) -> dict[str, np.ndarray]:
-  """Pairs into chosen and rejected rows of `length`, in step; completion tokens only are targets."""
+  """Pairs into chosen and rejected rows of `length`, in step; completion tokens only are targets.
+
+  A side longer than a row is cut to `length` tokens (callers fit pairs first, `fit_pairs`)."""
   cut = [tuple((t[:length], c[:length]) for t, c in p) for p in pairs]
   plan = sft.plan_rows([[side[0].size for side in p] for p in cut], length)
   rows = {}

@@ -29,6 +29,8 @@ steps in memory.
 from __future__ import annotations
 
 import importlib
+import inspect
+import math
 import re
 import time
 import weakref
@@ -136,34 +138,70 @@ REWARDS: dict[str, Reward] = {"arithmetic": builtin_reward, "exact_match": exact
 
 
 def load_reward(reward: str | Reward) -> Reward:
-  """A reward callable: given, built in (`REWARDS`: "arithmetic", ...), or named by dotted path (`package.module.function`)."""
+  """A reward callable: given, built in (`REWARDS`: "arithmetic", ...), or named by dotted path (`package.module.function`).
+
+  Its signature is checked here, so that one that cannot be called as
+  reward(prompt, completion) fails before anything compiles.
+  """
   if callable(reward):
-    return reward
-  if reward in REWARDS:
+    found = reward
+  elif reward in REWARDS:
     return REWARDS[reward]
-  module, _, name = str(reward).rpartition(".")
+  else:
+    module, _, name = str(reward).rpartition(".")
+    try:
+      found = getattr(importlib.import_module(module), name)
+    except Exception as e:  # importing runs the user's module: whatever it raises is theirs to fix
+      raise ValueError(
+          f"reward_function {reward!r} cannot be imported (want one of {sorted(REWARDS)} or package.module.function): "
+          f"{type(e).__name__}: {e}"
+      ) from e
+    if not callable(found):
+      raise ValueError(
+          f"reward_function {reward!r} is a {type(found).__name__}, not a callable (prompt, completion) -> float"
+      )
   try:
-    found = getattr(importlib.import_module(module), name)
-  except (ImportError, AttributeError, ValueError) as e:
+    signature = inspect.signature(found)
+  except (TypeError, ValueError):  # a callable written in C may have none: its first call tells
+    return found
+  try:
+    signature.bind("prompt", "completion")
+  except TypeError as e:
     raise ValueError(
-        f"reward_function {reward!r} cannot be imported (want one of {sorted(REWARDS)} or package.module.function): {e}"
+        f"reward_function {reward if isinstance(reward, str) else reward_name(found)!r} is called as "
+        f"reward(prompt: str, completion: str), but its signature is {signature}: {e}"
     ) from e
-  if not callable(found):
-    raise ValueError(
-        f"reward_function {reward!r} is a {type(found).__name__}, not a callable (prompt, completion) -> float"
-    )
   return found
 
 
+def reward_name(reward: Reward) -> str:
+  """The import path of `reward`, as reward_function names it."""
+  qualname = getattr(reward, "__qualname__", None) or type(reward).__qualname__
+  return f"{getattr(reward, '__module__', None) or type(reward).__module__}.{qualname}"
+
+
 def score(reward: Reward, prompts: list[str], completions: list[str], num_generations: int) -> np.ndarray:
-  """[prompts, num_generations] rewards; each must be a real number."""
-  values = [reward(prompts[i // num_generations], c) for i, c in enumerate(completions)]
-  bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer))]
-  if bad:
-    raise ValueError(
-        f"reward_function {getattr(reward, '__name__', reward)!r} must return one number per completion "
-        f"(called as reward(prompt: str, completion: str)), got {bad[0]!r}"
-    )
+  """[prompts, num_generations] rewards; each must be a finite real number.
+
+  The reward function is the user's code: what it raises, and a value that is
+  not a finite number, stop the run naming it and the completion it scored.
+  """
+  values = []
+  for i, completion in enumerate(completions):
+    prompt = prompts[i // num_generations]
+    where = f"prompt {i // num_generations} ({prompt!r}), completion {i % num_generations} ({completion!r})"
+    try:
+      value = reward(prompt, completion)
+    except Exception as e:
+      raise ValueError(f"reward_function {reward_name(reward)!r} raised on {where}: {type(e).__name__}: {e}") from e
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.floating, np.integer)):
+      raise ValueError(
+          f"reward_function {reward_name(reward)!r} must return one number per completion (called as "
+          f"reward(prompt: str, completion: str)), got {value!r} on {where}"
+      )
+    if not math.isfinite(value):
+      raise ValueError(f"reward_function {reward_name(reward)!r} returned {value} on {where}: a reward must be finite")
+    values.append(value)
   return np.asarray(values, np.float64).reshape(len(prompts), num_generations)
 
 
@@ -222,11 +260,13 @@ class Rollouts:
     self.trainer = trainer
     self.reward = load_reward(config.reward_function)
     self.prompts = builtin_prompts()
-    longest = max(len(p.encode()) for p in self.prompts)
-    if longest > config.max_prefill_predict_length:
+    # A prompt is prefilled whole and its completion sampled after it, within max_target_length.
+    longest = max(self.prompts, key=lambda p: len(p.encode()))
+    if len(longest.encode()) > config.max_prefill_predict_length:
       raise ValueError(
-          f"max_prefill_predict_length={config.max_prefill_predict_length} is shorter than the built-in GRPO "
-          f"prompts ({longest} tokens)"
+          f"the GRPO prompt {longest!r} is {len(longest.encode())} tokens, longer than max_prefill_predict_length="
+          f"{config.max_prefill_predict_length} (the longest prompt a prefill takes); set it >= "
+          f"{len(longest.encode())}, below max_target_length={config.max_target_length} to leave room to generate"
       )
     self.sample = _sampler(trainer)
     self.timings: dict[str, float] = {}

@@ -1,0 +1,323 @@
+"""Gemma 1 ("gemma") and Gemma 2 ("gemma2"): GeGLU MLPs, a tied head, Gemma 2's soft-caps and alternating windows.
+
+Canonical parameters follow MaxText's Gemma checkpoints, so those read as they
+are: the token table holds sqrt(emb_dim) x Hugging Face's embedding (the input
+needs no scaling, and the tied head divides by sqrt(emb_dim) again:
+`normalize_embedding_logits`, MaxText's default), norm scales hold Hugging
+Face's (1 + w), and the query kernel carries attention's scale. The Hugging
+Face rules convert at the boundary.
+
+Gemma 2 alternates a sliding-window layer and a global one. As in MaxText, a
+stacked layer is a block of the two (`local`, `global`), so `base_num_decoder_layers`
+counts blocks: half of Hugging Face's `num_hidden_layers`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping
+
+from maxbridge.core.families import llama
+from maxbridge.core.families.base import (
+    Config,
+    Family,
+    Stack,
+    broken,
+    key_value_cache,
+    query_kernel_clip,
+)
+from maxbridge.core.families.hf_rules import (
+    CONFIG_FILE,
+    ConfigClass,
+    HFError,
+    HFFamily,
+    Linear,
+    Rule,
+    get,
+    get_bool,
+    get_float,
+    get_int,
+    head_dim,
+    require,
+    require_one_of,
+    rope_from_hf,
+    rope_to_hf,
+)
+
+# transformers' names for GELU's tanh approximation, the one GeGLU computes here.
+TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new", "gelu_python_tanh", "gelu_fast")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaled:
+  """Same shape, times `factor(cfg)` on import (divided on export): the token table's sqrt(emb_dim)."""
+
+  factor: Callable[[Config], float]
+
+  def to_ours(self, x, shape, cfg):
+    return x.reshape(shape) * self.factor(cfg)
+
+  def to_hf(self, x, cfg):
+    return x / self.factor(cfg)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlusOne:
+  """Hugging Face's Gemma RMSNorm weight w multiplies by (1 + w); MaxText's scale is that (1 + w)."""
+
+  def to_ours(self, x, shape, cfg):
+    return x.reshape(shape) + 1
+
+  def to_hf(self, x, cfg):
+    return x - 1
+
+
+def embedding_scale(cfg: Config) -> float:
+  return math.sqrt(cfg.emb_dim)
+
+
+def query_pre_attn_scalar(cfg: Config) -> int:
+  """What attention divides the query by the square root of (Hugging Face's query_pre_attn_scalar; 0: head_dim)."""
+  return cfg.query_pre_attn_scalar or cfg.head_dim
+
+
+def _query_scale(cfg: Config) -> float:
+  return query_pre_attn_scalar(cfg) ** -0.5
+
+
+_QUERY_RULE = Rule("model.layers.{layer}.self_attn.q_proj.weight", "{layer}/self_attention/query/kernel")
+_ATTENTION_RULES = (
+    Rule(_QUERY_RULE.hf, _QUERY_RULE.ours, Linear(scale=_query_scale)),
+    *(rule for rule in llama.ATTENTION_RULES if rule.hf != _QUERY_RULE.hf and "norm" not in rule.hf),
+)
+_COMMON_RULES = (
+    Rule("model.embed_tokens.weight", "token_embedder/embedding", Scaled(embedding_scale)),
+    Rule("model.norm.weight", "decoder/decoder_norm/scale", PlusOne()),
+    Rule("lm_head.weight", "decoder/logits_dense/kernel", Linear()),
+)
+GEMMA_RULES = (
+    *_COMMON_RULES,
+    Rule("model.layers.{layer}.input_layernorm.weight", "{layer}/pre_self_attention_norm/scale", PlusOne()),
+    # Hugging Face's post_attention_layernorm is the norm before the MLP.
+    Rule("model.layers.{layer}.post_attention_layernorm.weight", "{layer}/pre_ffw_norm/scale", PlusOne()),
+    *_ATTENTION_RULES,
+    *llama.GATED_MLP_RULES,
+)
+# `{layer}` is a sub-layer of a block here (`decoder/layers_0/local`): Hugging Face's layer 2i and 2i + 1.
+GEMMA2_RULES = (
+    *_COMMON_RULES,
+    Rule("model.layers.{layer}.input_layernorm.weight", "{layer}/pre_self_attention_norm/scale", PlusOne()),
+    Rule("model.layers.{layer}.post_attention_layernorm.weight", "{layer}/post_self_attention_norm/scale", PlusOne()),
+    Rule("model.layers.{layer}.pre_feedforward_layernorm.weight", "{layer}/pre_ffw_norm/scale", PlusOne()),
+    Rule("model.layers.{layer}.post_feedforward_layernorm.weight", "{layer}/post_ffw_norm/scale", PlusOne()),
+    *_ATTENTION_RULES,
+    *llama.GATED_MLP_RULES,
+)
+
+# transformers' class defaults of what each model reads (tests compare them with transformers').
+_GEMMA_DEFAULTS = {
+    "vocab_size": 256000,
+    "hidden_size": 3072,
+    "intermediate_size": 24576,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "head_dim": 256,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "rope_parameters": None,
+    "attention_bias": False,
+    "use_bidirectional_attention": None,
+}
+GEMMA_CONFIG = ConfigClass("GemmaConfig", {**_GEMMA_DEFAULTS, "hidden_act": "gelu_pytorch_tanh"})
+GEMMA2_CONFIG = ConfigClass(
+    "Gemma2Config",
+    {
+        **_GEMMA_DEFAULTS,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "layer_types": None,
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0,
+    },
+)
+
+
+def _read_common(hf: Mapping[str, Any], decoder_block: str, activation: str) -> dict[str, Any]:
+  require_one_of(hf, activation, TANH_GELUS)
+  require(hf, "attention_bias", False, False)
+  # transformers' Gemma attends both ways when this is set (an encoder): not a causal LM.
+  require(hf, "use_bidirectional_attention", False, False)
+  heads = get_int(hf, "num_attention_heads")
+  return {
+      "decoder_block": decoder_block,
+      "base_emb_dim": get_int(hf, "hidden_size"),
+      "base_num_query_heads": heads,
+      "base_num_kv_heads": get_int(hf, "num_key_value_heads", heads),
+      "head_dim": head_dim(hf, "hidden_size", "num_attention_heads"),
+      "base_mlp_dim": get_int(hf, "intermediate_size"),
+      "vocab_size": get_int(hf, "vocab_size"),
+      "normalization_layer_epsilon": get_float(hf, "rms_norm_eps"),
+      **rope_from_hf(hf, llama3=False, default_theta=10000.0),
+      "logits_via_embedding": get_bool(hf, "tie_word_embeddings"),
+  }
+
+
+def _gemma_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
+  hf = GEMMA_CONFIG.read(raw)
+  return {**_read_common(hf, "gemma", "hidden_act"), "base_num_decoder_layers": get_int(hf, "num_hidden_layers")}
+
+
+def _soft_cap(hf: Mapping[str, Any], key: str) -> float:
+  # null (or 0, which transformers' `is not None` would divide by) turns it off.
+  value = get_float(hf, key, 0.0)
+  if value < 0:
+    raise HFError(f"{CONFIG_FILE}: {key}={value!r} must be a positive number or null")
+  return value
+
+
+def _gemma2_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
+  hf = GEMMA2_CONFIG.read(raw)
+  layers = get_int(hf, "num_hidden_layers")
+  kinds = hf["layer_types"]
+  if kinds is None:  # Gemma2Config's __post_init__: sliding first, then alternating
+    kinds = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+  expected = ["sliding_attention", "full_attention"] * (layers // 2)
+  if layers % 2 or kinds != expected:
+    raise HFError(
+        f"{CONFIG_FILE}: num_hidden_layers={layers} with layer_types={kinds!r} is not supported; maxbridge's gemma2 "
+        "stacks blocks of a sliding_attention then a full_attention layer (an even number of layers)"
+    )
+  window = get(hf, "sliding_window", None)
+  if window is None:
+    raise HFError(f"{CONFIG_FILE}: sliding_window=null gives sliding_attention layers no window; maxbridge needs one")
+  window = get_int(hf, "sliding_window")
+  if window <= 0:
+    raise HFError(f"{CONFIG_FILE}: sliding_window={window} must be a positive integer")
+  scalar = get_int(hf, "query_pre_attn_scalar")
+  if scalar <= 0:
+    raise HFError(f"{CONFIG_FILE}: query_pre_attn_scalar={scalar!r} must be > 0")
+  return {
+      **_read_common(hf, "gemma2", "hidden_activation"),
+      "base_num_decoder_layers": layers // 2,
+      "sliding_window_size": window,
+      "attn_logits_soft_cap": _soft_cap(hf, "attn_logit_softcapping"),
+      "final_logits_soft_cap": _soft_cap(hf, "final_logit_softcapping"),
+      "query_pre_attn_scalar": scalar,
+  }
+
+
+def _common_to_hf(cfg: Config, layers: int) -> dict[str, Any]:
+  return {
+      "hidden_size": cfg.emb_dim,
+      "num_attention_heads": cfg.num_query_heads,
+      "num_key_value_heads": cfg.num_kv_heads,
+      "head_dim": cfg.head_dim,
+      "intermediate_size": cfg.mlp_dim,
+      "num_hidden_layers": layers,
+      "vocab_size": cfg.vocab_size,
+      "rms_norm_eps": cfg.normalization_layer_epsilon,
+      "tie_word_embeddings": cfg.logits_via_embedding,
+      "attention_bias": False,
+      "use_bidirectional_attention": None,
+      **rope_to_hf(cfg),
+  }
+
+
+def _gemma_to_hf(cfg: Config) -> dict[str, Any]:
+  return {**_common_to_hf(cfg, cfg.num_decoder_layers), "hidden_act": "gelu_pytorch_tanh"}
+
+
+def _gemma2_to_hf(cfg: Config) -> dict[str, Any]:
+  layers = 2 * cfg.num_decoder_layers
+  return {
+      **_common_to_hf(cfg, layers),
+      "hidden_activation": "gelu_pytorch_tanh",
+      "sliding_window": cfg.sliding_window_size,
+      "layer_types": ["sliding_attention", "full_attention"] * cfg.num_decoder_layers,
+      "query_pre_attn_scalar": query_pre_attn_scalar(cfg),
+      "attn_logit_softcapping": cfg.attn_logits_soft_cap or None,
+      "final_logit_softcapping": cfg.final_logits_soft_cap or None,
+  }
+
+
+def _no_qk_norm(config: Config) -> str | None:
+  if config.use_qk_norm:
+    return f"decoder_block={config.decoder_block!r} has no query/key norms: set use_qk_norm=false"
+  return None
+
+
+def _gemma_check(config: Config) -> list[str]:
+  window = None
+  if config.sliding_window_size or config.attn_logits_soft_cap or config.query_pre_attn_scalar:
+    window = (
+        "decoder_block='gemma' attends in full with Gemma 1's attention: sliding_window_size, attn_logits_soft_cap "
+        "and query_pre_attn_scalar are Gemma 2's (decoder_block='gemma2'); leave them at 0"
+    )
+  return broken(_no_qk_norm(config), window)
+
+
+def _gemma2_check(config: Config) -> list[str]:
+  window = clip = None
+  if not config.sliding_window_size:
+    window = "decoder_block='gemma2' alternates sliding-window and global layers: set sliding_window_size > 0"
+  if config.use_qk_clip and not config.attn_logits_soft_cap:  # with a soft-cap, the config's shared rule refuses it
+    clip = (
+        "use_qk_clip=true with decoder_block='gemma2': Gemma 2 bounds its attention logits by attn_logits_soft_cap, "
+        "and QK-Clip is not implemented for its blocks of two attention layers; set use_qk_clip=false"
+    )
+  return broken(_no_qk_norm(config), window, clip)
+
+
+GEMMA = Family(
+    decoder_blocks=("gemma",),
+    stacks=(Stack("layers", "gemma"),),
+    norm="rms_norm",
+    query_kernel_carries_scale=True,
+    cache_entries=key_value_cache,
+    qk_clip_targets=query_kernel_clip,
+    hf=(
+        HFFamily(
+            "gemma",
+            "GemmaForCausalLM",
+            ("gemma",),
+            GEMMA_RULES,
+            _gemma_from_hf,
+            _gemma_to_hf,
+            GEMMA_CONFIG,
+            normalize_embedding_logits=True,
+        ),
+    ),
+    check=_gemma_check,
+)
+
+GEMMA2 = Family(
+    decoder_blocks=("gemma2",),
+    stacks=(Stack("layers", "gemma2", sublayers=("local", "global")),),
+    norm="rms_norm",
+    query_kernel_carries_scale=True,
+    cache_entries=key_value_cache,
+    qk_clip_targets=query_kernel_clip,  # unused: gemma2 refuses QK-Clip (`_gemma2_check`)
+    hf=(
+        HFFamily(
+            "gemma2",
+            "Gemma2ForCausalLM",
+            ("gemma2",),
+            GEMMA2_RULES,
+            _gemma2_from_hf,
+            _gemma2_to_hf,
+            GEMMA2_CONFIG,
+            normalize_embedding_logits=True,
+        ),
+    ),
+    check=_gemma2_check,
+    ring_cache=False,
+)
