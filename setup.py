@@ -1,5 +1,8 @@
 from setuptools import find_packages, setup
 
+# `maxbridge serve` (maxbridge/serving/server.py): the ASGI stack, chat templates, Prometheus metrics.
+SERVE = ["fastapi>=0.165.0", "uvicorn>=0.54.0", "jinja2>=3.1.6", "prometheus_client>=0.26.0"]
+
 setup(
     name="maxbridge",
     version="0.1.0",
@@ -41,7 +44,11 @@ setup(
             "torch>=2.13.0",
             "transformers>=5.23.0",
             "tokenizers>=0.23.3",
+            # tests/test_serve.py talks to `maxbridge serve` as a user would, with the official client.
+            "openai>=3.57.0",
+            *SERVE,
         ],
+        "serve": SERVE,
         # `make lint` / `make format`; exact, so formatting never drifts between machines.
         # import-linter: the layer contracts in pyproject.toml (see ARCHITECTURE.md).
         "dev": ["pyink==26.5.1", "ruff==0.17.6", "import-linter==2.17"],

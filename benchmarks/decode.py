@@ -1,9 +1,9 @@
 """Decoding throughput: the KV-cache engine (NNX vs Linen), the full-recompute loop, and Hugging Face eager generate.
 
     .venv/bin/python benchmarks/decode.py [--preset llama-small] [--batch 1 8] [--prompt 128] [--new 128]
-                                          [--skip-recompute] [--skip-hf] [--rounds 5]
+                                          [--skip-recompute] [--skip-hf] [--rounds 5] [--per-step]
 
-One process, one set of weights (llama-small, random init). The engine
+One process, one set of weights (`--preset`, random init; any family `export-hf` writes). The engine
 prefills the prompts side by side in one batched call (`prefill_batch`), as
 Hugging Face prefills its batch, inserts each into a slot, then generates
 `new - 1` steps for all slots at once in one compiled loop (`generate_steps`). Hugging Face:
@@ -65,6 +65,70 @@ def time_engine(eng: engine.Engine, prompts: np.ndarray, new: int) -> tuple[floa
   return prefill_s, decode_s, np.concatenate([first[:, None], tokens], axis=1)[: len(prompts)]
 
 
+# MaxEngine 0.2.5, llama-small dims, float32, batch 1, 128 new tokens, per-step `generate`, on this
+# project's 2-core CPU machine (issue 32): what the per-step path must at least match.
+MAXENGINE_BATCH1_TOK_S = (171, 181)
+
+
+def per_step(preset: str, batches: list[int], prompt: int, new: int, rounds: int) -> None:
+  """--per-step: `generate` called once per token, as a server calls it, against the compiled loop.
+
+  Three ways per batch, interleaved: "per-step" (one `generate` call a token,
+  nothing read back: how MaxEngine's figures were taken), "per-step, read" (each
+  step's tokens read on the host one step late, as `maxbridge serve`'s loop
+  does, so the read overlaps the next step), and "loop" (`generate_steps`).
+  """
+  print(f"per-step decode, {preset}, prompt {prompt}, {new} new tokens, median of {rounds} interleaved rounds")
+  print(f"{'batch':>5} {'what':>16} {'tok/s':>8}  vs loop")
+  for batch in batches:
+    config = mb.load_config(
+        preset, max_prefill_predict_length=prompt, max_target_length=prompt + new, per_device_batch_size=batch
+    )
+    eng = engine.Engine(config, mb.create_model(config, seed=0).params())
+    prompts = np.asarray(jax.random.randint(jax.random.key(batch), (batch, prompt), 0, config.vocab_size), np.int32)
+
+    def filled():
+      state = eng.init_decode_state()
+      for slot, prefix in enumerate(eng.prefill_batch(prompts)):
+        state = eng.insert(prefix, state, slot)
+      return jax.block_until_ready(state)
+
+    def timed(decode):
+      def timer():
+        state = filled()
+        start = time.perf_counter()
+        decode(state)
+        return time.perf_counter() - start
+
+      return timer
+
+    def steps(state):
+      for _ in range(new):
+        state, tokens = eng.generate(state)
+      np.asarray(tokens)
+
+    def steps_read(state):
+      last = None
+      for _ in range(new):
+        state, tokens = eng.generate(state)
+        tokens.copy_to_host_async()
+        if last is not None:
+          np.asarray(last)
+        last = tokens
+      np.asarray(last)
+
+    def loop(state):
+      np.asarray(eng.generate_steps(state, new)[1])
+
+    ways = {"per-step": steps, "per-step, read": steps_read, "loop": loop}
+    times = bench.interleaved({name: timed(way) for name, way in ways.items()}, rounds, warmup=1)
+    for name in ways:
+      rate = batch * new / statistics.median(times[name])
+      print(f"{batch:>5} {name:>16} {rate:8.1f}  {bench.median_ratio(times['loop'], times[name]):.3f}x")
+  low, high = MAXENGINE_BATCH1_TOK_S
+  print(f"MaxEngine 0.2.5 (issue 32, batch 1, per-step): {low}-{high} tok/s on the 2-core machine it was measured on")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--preset", default="llama-small")
@@ -74,7 +138,11 @@ def main() -> None:
   parser.add_argument("--skip-recompute", action="store_true")
   parser.add_argument("--skip-hf", action="store_true")
   parser.add_argument("--rounds", type=int, default=5, help="interleaved timed rounds; medians count")
+  parser.add_argument("--per-step", action="store_true", help="only per-step `generate` against the compiled loop")
   args = parser.parse_args()
+  if args.per_step:
+    per_step(args.preset, args.batch, args.prompt, args.new, args.rounds)
+    return
 
   threads = len(os.sched_getaffinity(0))  # XLA's CPU client runs one intra-op thread per core it may use
   print(
@@ -112,7 +180,7 @@ def main() -> None:
       torch.set_num_threads(threads)
       with tempfile.TemporaryDirectory() as folder:
         hf.save_hf(params, base, f"{folder}/model")
-        torch_model = transformers.AutoModelForCausalLM.from_pretrained(f"{folder}/model", torch_dtype=torch.float32)
+        torch_model = transformers.AutoModelForCausalLM.from_pretrained(f"{folder}/model", dtype=torch.float32)
       torch_model.eval()
       ids = torch.tensor(prompts, dtype=torch.long)
 

@@ -73,7 +73,7 @@ def update_cache(
   """
   if not module.has_variable("cache", kv_cache.INDEX):
     return tuple(new.values()), {}
-  names = (*new, kv_cache.POSITIONS, kv_cache.SEGMENT_IDS, kv_cache.INDEX)
+  names = kv_cache.stored_names(new, lambda name: module.has_variable("cache", name))
   cache, values, keywords = kv_cache.update(
       {name: module.get_variable("cache", name) for name in names}, new, positions, segment_ids, ring=ring
   )

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from linen_models.deepseek import DeepSeekDenseLayer, DeepSeekMoELayer
 from linen_models.embeddings import Embed
-from linen_models.gemma import Gemma2Block, GemmaDecoderLayer
+from linen_models.gemma import Gemma2Block, Gemma3Block, Gemma3LocalLayer, GemmaDecoderLayer
 from linen_models.gpt3 import Gpt3DecoderLayer
 from linen_models.gpt_oss import GptOssBlock
 from linen_models.linears import dense
@@ -36,6 +36,8 @@ LAYER_CLASSES = {
     "deepseek_moe": DeepSeekMoELayer,
     "gemma": GemmaDecoderLayer,
     "gemma2": Gemma2Block,
+    "gemma3": Gemma3Block,
+    "gemma3_local": Gemma3LocalLayer,
     "gpt_oss": GptOssBlock,
     "olmo2": Olmo2DecoderLayer,
     "olmo3": Olmo3Block,

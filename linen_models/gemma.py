@@ -1,20 +1,27 @@
-"""Gemma 1's and Gemma 2's decoder layers (the canonical tree's layout: `maxbridge.core.families.gemma`).
+"""Gemma 1's, 2's and 3's decoder layers (the canonical trees' layouts: `maxbridge.core.families.gemma`, `gemma3`).
 
 Gemma 1 is Llama's layer with a GeGLU MLP, by MaxText's names (`pre_self_attention_norm`,
 `pre_ffw_norm`). A Gemma 2 layer normalises each branch's input and output
 (`pre_/post_self_attention_norm`, `pre_/post_ffw_norm`) and soft-caps its attention
-logits; a stacked Gemma 2 layer is a block of a sliding-window layer (`local`) and a
-global one (`global`), as MaxText scans them.
+logits; a stacked Gemma 2 layer is a block of a sliding-window layer and a global
+one, as MaxText scans them, its modules named as MaxText's Gemma2DecoderLayer
+names them (`self_attention_local`, `mlp_global`). A Gemma 3 layer is Gemma 2's with
+per-head query/key norms and its kind's own RoPE; its stacked block is five
+sliding-window layers then a global one, and the layers past the last whole
+block stack on their own (`Gemma3LocalLayer`).
 """
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from linen_models.attention import update_cache
 from linen_models.linears import dense
-from linen_models.normalizations import norm
+from linen_models.normalizations import RMSNorm, norm
 from maxbridge.core import initializers
 from maxbridge.core.config import Config
+from maxbridge.core.families import gemma, gemma3
+from maxbridge.core.families.gemma import query_pre_attn_scalar
 from maxbridge.ops import attention, kv_cache, mlp, rotary
 
 
@@ -48,10 +55,13 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaAttention(nn.Module):
-  """Grouped-query attention with soft-capped logits and this layer's own window (0: global)."""
+  """Grouped-query attention with soft-capped logits; a `local` layer has the sliding window and its own RoPE.
+
+  With use_qk_norm (Gemma 3), each head's queries and keys are normalised before RoPE.
+  """
 
   config: Config
-  sliding_window_size: int = 0
+  local: bool = False
 
   @nn.compact
   def __call__(
@@ -62,7 +72,11 @@ class GemmaAttention(nn.Module):
     query = dense(cfg, (cfg.emb_dim,), (heads, head_dim), ("embed", "q_heads", "kv"), name="query")(x)
     key = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), name="key")(x)
     value = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), name="value")(x)
-    rope = dict(max_timescale=cfg.rope_max_timescale, scaling=rotary.scaling_from_config(cfg))
+    if cfg.use_qk_norm:
+      dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype))
+      query = RMSNorm(head_dim, cfg.normalization_layer_epsilon, name="query_norm", **dtypes)(query)
+      key = RMSNorm(head_dim, cfg.normalization_layer_epsilon, name="key_norm", **dtypes)(key)
+    rope = rotary.layer_rope(cfg, local=self.local)
     query = rotary.apply_rotary(query, positions, **rope)
     key = rotary.apply_rotary(key, positions, **rope)
     (key, value), kv = update_cache(
@@ -74,8 +88,8 @@ class GemmaAttention(nn.Module):
         value,
         segment_ids,
         positions,
-        sliding_window_size=self.sliding_window_size,
-        query_scale=None if initializers.query_kernel_carries_scale(cfg) else head_dim**-0.5,
+        sliding_window_size=cfg.sliding_window_size if self.local else 0,
+        query_scale=None if initializers.query_kernel_carries_scale(cfg) else query_pre_attn_scalar(cfg) ** -0.5,
         with_max_logits=cfg.use_qk_clip,
         logits_soft_cap=cfg.attn_logits_soft_cap,
         **kv,
@@ -83,26 +97,40 @@ class GemmaAttention(nn.Module):
     return dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out")(out), per_layer
 
 
+def _gemma2_sublayer(
+    cfg: Config, local: bool, suffix: str, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """x + norm(attention(norm(x))), then x + norm(mlp(norm(x))), its modules named `<name><suffix>`.
+
+  Called inside a compact method: the modules belong to the caller, so a block's
+  two sub-layers can share one scope with MaxText's suffixed names.
+  """
+  h = norm(cfg, name=f"pre_self_attention_norm{suffix}")(x)
+  h, per_layer = GemmaAttention(cfg, local, name=f"self_attention{suffix}")(h, positions, segment_ids)
+  x = x + norm(cfg, name=f"post_self_attention_norm{suffix}")(h)
+  h = GeGluBlock(cfg, name=f"mlp{suffix}")(norm(cfg, name=f"pre_ffw_norm{suffix}")(x))
+  return x + norm(cfg, name=f"post_ffw_norm{suffix}")(h), per_layer
+
+
 class Gemma2Layer(nn.Module):
-  """x + norm(attention(norm(x))), then x + norm(mlp(norm(x)))."""
+  """One Gemma 2 style layer (Gemma 3's; `local`: windowed), with unsuffixed names."""
 
   config: Config
-  sliding_window_size: int = 0
+  local: bool = False
 
   @nn.compact
   def __call__(
       self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    cfg = self.config
-    h = norm(cfg, name="pre_self_attention_norm")(x)
-    h, per_layer = GemmaAttention(cfg, self.sliding_window_size, name="self_attention")(h, positions, segment_ids)
-    x = x + norm(cfg, name="post_self_attention_norm")(h)
-    h = GeGluBlock(cfg, name="mlp")(norm(cfg, name="pre_ffw_norm")(x))
-    return x + norm(cfg, name="post_ffw_norm")(h), per_layer
+    return _gemma2_sublayer(self.config, self.local, "", x, positions, segment_ids)
 
 
 class Gemma2Block(nn.Module):
-  """A sliding-window layer then a global one: the unit the decoder stacks (`Stack.sublayers`)."""
+  """A sliding-window layer then a global one: the unit the decoder stacks (`Stack.sublayers`).
+
+  MaxText's Gemma2DecoderLayer: one scope, each module's name suffixed by its
+  sub-layer (`self_attention_local`, `mlp_global`).
+  """
 
   config: Config
 
@@ -110,7 +138,26 @@ class Gemma2Block(nn.Module):
   def __call__(
       self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    cfg = self.config
-    x, _ = Gemma2Layer(cfg, cfg.sliding_window_size, name="local")(x, positions, segment_ids)
-    x, _ = Gemma2Layer(cfg, 0, name="global")(x, positions, segment_ids)
+    for sub in gemma.GEMMA2_SUBLAYERS:
+      x, _ = _gemma2_sublayer(self.config, sub == gemma.LOCAL, f"_{sub}", x, positions, segment_ids)
     return x, {}
+
+
+class Gemma3Block(nn.Module):
+  """Five sliding-window layers then a global one (`gemma3.SUBLAYERS`): the unit the decoder stacks."""
+
+  config: Config
+
+  @nn.compact
+  def __call__(
+      self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    for name in gemma3.SUBLAYERS:
+      x, _ = Gemma2Layer(self.config, name != gemma3.GLOBAL, name=name)(x, positions, segment_ids)
+    return x, {}
+
+
+class Gemma3LocalLayer(Gemma2Layer):
+  """A sliding-window layer: those past Gemma 3's last whole block, stacked on their own (`layers_remainder`)."""
+
+  local: bool = True

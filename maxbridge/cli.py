@@ -163,7 +163,8 @@ def _step(checkpoints) -> int:
   return checkpointing.resolve(checkpoints)[1]
 
 
-def _generate(args: argparse.Namespace) -> int:
+def _load_model(args: argparse.Namespace):
+  """The model `generate` and `serve` run: SOURCE's checkpoint or Hugging Face folder, or a preset's."""
   from pathlib import Path
 
   from maxbridge.core import checkpointing
@@ -173,11 +174,15 @@ def _generate(args: argparse.Namespace) -> int:
   flags = pretrained.backend_overrides(args.backend)
   if Path(args.source).is_dir():
     config, params = pretrained.load_pretrained(args.source, *args.overrides, config=args.config, **flags)
-    model = dispatch.create_model(config, params=params)
-  else:  # a preset or YAML file: MaxText's load_parameters_path, else a random model for smoke tests
-    config = load_config(args.source, *args.overrides, **flags)
-    path = config.load_parameters_path or config.load_full_state_path
-    model = dispatch.create_model(config, params=checkpointing.load_params(path)[0] if path else None)
+    return dispatch.create_model(config, params=params)
+  # A preset or YAML file: MaxText's load_parameters_path, else a random model for smoke tests.
+  config = load_config(args.source, *args.overrides, **flags)
+  path = config.load_parameters_path or config.load_full_state_path
+  return dispatch.create_model(config, params=checkpointing.load_params(path)[0] if path else None)
+
+
+def _generate(args: argparse.Namespace) -> int:
+  model = _load_model(args)
   encode, decode = _tokenizer(args.source, model.config.vocab_size)
   prompt = encode(args.prompt)
   if not prompt:
@@ -229,6 +234,32 @@ def _tokenizer(source: str, vocab_size: int):
   )
 
 
+def _serve(args: argparse.Namespace) -> int:
+  from pathlib import Path
+
+  from maxbridge.interop import pretrained
+  from maxbridge.serving import engine, server
+
+  model = _load_model(args)
+  encode, decode = _tokenizer(args.source, model.config.vocab_size)
+  codec = server.Codec.from_folder(encode, decode, pretrained.tokenizer_folder(args.source) or Path(args.source))
+  serving = engine.Engine(model.config, model=model)
+  print(
+      f"maxbridge serve: {args.source} on http://{args.host}:{args.port}/v1 ({serving.max_concurrent_decodes} slots)",
+      flush=True,
+  )
+  server.serve(
+      serving,
+      codec,
+      host=args.host,
+      port=args.port,
+      model_name=args.model_name or Path(args.source).name,
+      max_queue=args.max_queue,
+      shutdown_timeout=args.shutdown_timeout,
+  )
+  return 0
+
+
 def _virtual_devices(args: argparse.Namespace) -> None:
   # XLA reads this once, when JAX starts: before anything imports jax.
   if args.devices:
@@ -267,6 +298,34 @@ def _compile(args: argparse.Namespace) -> int:
   return 0
 
 
+def _migrate(args: argparse.Namespace) -> int:
+  import yaml
+
+  linen_kwargs = {}
+  for item in args.linen_arg:
+    key, sep, value = item.partition("=")
+    if not sep or not key.isidentifier():
+      raise ValueError(f"--linen-arg {item!r}: expected name=value, e.g. train=false")
+    linen_kwargs[key] = yaml.safe_load(value)
+  from maxbridge.migrate import checkpoint
+
+  shape = checkpoint.parse_shape(args.input_shape) if args.input_shape else None
+  if args.action == "check":
+    if shape is None:
+      raise ValueError("migrate check needs --input-shape, e.g. --input-shape 2,28,28,1")
+    plan, comparison = checkpoint.check(
+        args.linen, args.nnx, shape, rules=args.rules, linen_kwargs=linen_kwargs, atol=args.atol
+    )
+    print(plan)
+    print(comparison)
+    return 0 if comparison.ok else 1
+  plan = checkpoint.convert_checkpoint(
+      args.source, args.destination, args.linen, args.nnx, rules=args.rules, input_shape=shape, linen_kwargs=linen_kwargs
+  )
+  print(f"{args.destination}: {plan.__str__().splitlines()[0].removeprefix('migrate plan: ')}")
+  return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
   load_config(args.preset, *args.overrides)  # a bad key fails here, before JAX starts
   from maxbridge.training import bench
@@ -275,9 +334,24 @@ def _bench(args: argparse.Namespace) -> int:
   return 0
 
 
+def _distill_logits(args: argparse.Namespace) -> int:
+  preset = os.path.join(args.preset, "config.yml") if os.path.isdir(args.preset) else args.preset
+  config = load_config(preset, *args.overrides)
+  from maxbridge.training import distill, hooks
+
+  steps = args.steps or config.steps
+  out = distill.write_logits(
+      config, args.destination, top_k=args.top_k, steps=steps, rows=hooks.global_batch_size(config)
+  )
+  print(f"wrote the teacher's top-{args.top_k} logits of {steps} training batches to {out}")
+  print(f"train on them with distill_logits_path={out}")
+  return 0
+
+
 HANDLERS: dict[str, Handler] = {
     "shardings": _shardings,
     "compile": _compile,
+    "distill-logits": _distill_logits,
     "train": _train,
     "convert": _convert,
     "compare": _compare,
@@ -287,7 +361,9 @@ HANDLERS: dict[str, Handler] = {
     "quantize": _quantize,
     "lora-merge": _lora_merge,
     "generate": _generate,
+    "serve": _serve,
     "bench": _bench,
+    "migrate": _migrate,
 }
 
 
@@ -442,6 +518,23 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--config", help=_CONFIG_HELP)
   _overrides(p)
 
+  p = verbs.add_parser(
+      "serve",
+      help="serve a checkpoint, Hugging Face folder or preset over an OpenAI-compatible HTTP API",
+      description="POST /v1/completions and /v1/chat/completions (streamed or whole), GET /v1/models, /health, "
+      "/metrics. Continuous batching over per_device_batch_size slots per device; prompts up to "
+      "max_prefill_predict_length, prompt and completion up to max_target_length. SIGTERM drains and exits 0.",
+  )
+  p.add_argument("source", help="Hugging Face folder, checkpoint or run directory, preset or YAML config")
+  p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+  p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+  p.add_argument("--model-name", default=None, help="the model's name in the API (default: SOURCE's last part)")
+  p.add_argument("--max-queue", type=_count, default=64, help="requests waiting for a slot before 429 (default 64)")
+  p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds SIGTERM lets requests finish (default 30)")
+  p.add_argument("--backend", choices=["linen", "nnx"], default=None, help="model backend (as for generate)")
+  p.add_argument("--config", help=_CONFIG_HELP)
+  _overrides(p)
+
   for verb, text in (
       ("shardings", "print each parameter's logical axes, PartitionSpec and bytes per device"),
       ("compile", "compile the train step ahead of time on abstract arrays; print memory and FLOPs"),
@@ -450,6 +543,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("preset", help="preset name (e.g. llama2-7b) or path to a YAML config")
     p.add_argument("--devices", type=_count, default=0, help="virtual CPU devices to stand in for the mesh")
     _overrides(p)
+
+  p = verbs.add_parser(
+      "distill-logits",
+      help="write a distillation teacher's top-k logits of a run's training batches, for distill_logits_path",
+  )
+  p.add_argument("preset", help="the student run's folder, preset or YAML config (with its teacher_overrides)")
+  p.add_argument("destination", help="new folder for the logits")
+  p.add_argument("--top-k", type=_count, required=True, help="logits kept per token (the vocabulary size: all)")
+  p.add_argument("--steps", type=_count, default=0, help="training batches to cover (default: the config's steps)")
+  _overrides(p)
 
   p = verbs.add_parser(
       "bench",
@@ -463,6 +566,50 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--combos", choices=["all", "minimal"], default="all", help="all 8, or the pure ends and two flips")
   p.add_argument("--scan", choices=["both", "true", "false"], default="both", help="scan_layers settings to time")
   _overrides(p)
+
+  p = verbs.add_parser(
+      "migrate",
+      help="move your own Flax Linen model and its checkpoints to its NNX twin (docs/migrate.md)",
+      description="check: match a Linen module's variables to its NNX twin, convert them, and compare outputs and "
+      "gradients, naming the first submodule that differs (exit 0 agree, 1 differ, 2 error). convert: turn a "
+      "Linen orbax checkpoint (TrainState or variables) into one the NNX twin restores (exit 0 done, 2 error, "
+      "nothing written).",
+  )
+  actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+  for action, text in (("check", "compare the two modules layer by layer"), ("convert", "convert a checkpoint")):
+    a = actions.add_parser(action, help=text)
+    if action == "convert":
+      a.add_argument("source", help="Linen orbax checkpoint (item, step or CheckpointManager directory)")
+      a.add_argument("destination", help="new directory for the NNX checkpoint (never overwritten)")
+    a.add_argument(
+        "--linen",
+        required=True,
+        metavar="MOD:FN",
+        help="pkg.module:function or file.py:function returning the Linen module",
+    )
+    a.add_argument(
+        "--nnx",
+        required=True,
+        metavar="MOD:FN",
+        help="function returning the NNX module, or (module, nnx.Optimizer) to convert the optimizer state too",
+    )
+    a.add_argument("--rules", help="YAML file of extra rules: rules: [{linen: REGEX, nnx: PATH, transpose: [1, 0]}]")
+    a.add_argument(
+        "--input-shape",
+        required=action == "check",
+        metavar="N,N,..",
+        help="shape of a float input" + (" (checks the checkpoint against the module)" if action == "convert" else ""),
+    )
+    a.add_argument(
+        "--linen-arg",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="keyword argument of the Linen module's call, e.g. train=false (repeatable)",
+    )
+    if action == "check":
+      a.add_argument("--atol", type=_tolerance, default=1e-6, help="absolute tolerance (default 1e-6)")
+    a.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug)
 
   for sub in verbs.choices.values():
     # After the verb too; SUPPRESS keeps the subparser from resetting `maxbridge --debug VERB`.

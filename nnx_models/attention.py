@@ -80,7 +80,7 @@ def update_cache(
   """
   if not hasattr(module, kv_cache.INDEX):
     return tuple(new.values()), {}
-  names = (*new, kv_cache.POSITIONS, kv_cache.SEGMENT_IDS, kv_cache.INDEX)
+  names = kv_cache.stored_names(new, lambda name: hasattr(module, name))
   cache, values, keywords = kv_cache.update(
       {name: getattr(module, name)[...] for name in names}, new, positions, segment_ids, ring=ring
   )

@@ -18,7 +18,7 @@ from maxbridge.ops import output_head
 from maxbridge.ops import remat
 from nnx_models.deepseek import DeepSeekDenseLayer, DeepSeekMoELayer
 from nnx_models.embeddings import Embed
-from nnx_models.gemma import Gemma2Block, GemmaDecoderLayer
+from nnx_models.gemma import Gemma2Block, Gemma3Block, Gemma3LocalLayer, GemmaDecoderLayer
 from nnx_models.gpt3 import Gpt3DecoderLayer
 from nnx_models.gpt_oss import GptOssBlock
 from nnx_models.linears import dense
@@ -36,6 +36,8 @@ LAYER_CLASSES = {
     "deepseek_moe": DeepSeekMoELayer,
     "gemma": GemmaDecoderLayer,
     "gemma2": Gemma2Block,
+    "gemma3": Gemma3Block,
+    "gemma3_local": Gemma3LocalLayer,
     "gpt_oss": GptOssBlock,
     "olmo2": Olmo2DecoderLayer,
     "olmo3": Olmo3Block,

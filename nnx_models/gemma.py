@@ -1,21 +1,28 @@
-"""Gemma 1's and Gemma 2's decoder layers (the canonical tree's layout: `maxbridge.core.families.gemma`).
+"""Gemma 1's, 2's and 3's decoder layers (the canonical trees' layouts: `maxbridge.core.families.gemma`, `gemma3`).
 
 Gemma 1 is Llama's layer with a GeGLU MLP, by MaxText's names (`pre_self_attention_norm`,
 `pre_ffw_norm`). A Gemma 2 layer normalises each branch's input and output
 (`pre_/post_self_attention_norm`, `pre_/post_ffw_norm`) and soft-caps its attention
-logits; a stacked Gemma 2 layer is a block of a sliding-window layer (`local`) and a
-global one (`global`), as MaxText scans them.
+logits; a stacked Gemma 2 layer is a block of a sliding-window layer and a global
+one, as MaxText scans them, its modules named as MaxText's Gemma2DecoderLayer
+names them (`self_attention_local`, `mlp_global`). A Gemma 3 layer is Gemma 2's with
+per-head query/key norms and its kind's own RoPE; its stacked block is five
+sliding-window layers then a global one, and the layers past the last whole
+block stack on their own (`Gemma3LocalLayer`).
 """
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from maxbridge.core import initializers
 from maxbridge.core.config import Config
+from maxbridge.core.families import gemma, gemma3
+from maxbridge.core.families.gemma import query_pre_attn_scalar
 from maxbridge.ops import attention, kv_cache, mlp, rotary
 from nnx_models.attention import update_cache
 from nnx_models.linears import dense
-from nnx_models.normalizations import norm
+from nnx_models.normalizations import RMSNorm, norm
 
 
 class GeGluBlock(nnx.Module):
@@ -49,24 +56,34 @@ class GemmaDecoderLayer(nnx.Module):
 
 
 class GemmaAttention(nnx.Module):
-  """Grouped-query attention with soft-capped logits and this layer's own window (0: global)."""
+  """Grouped-query attention with soft-capped logits; a `local` layer has the sliding window and its own RoPE.
 
-  def __init__(self, config: Config, sliding_window_size: int = 0, *, rngs: nnx.Rngs):
+  With use_qk_norm (Gemma 3), each head's queries and keys are normalised before RoPE.
+  """
+
+  def __init__(self, config: Config, local: bool = False, *, rngs: nnx.Rngs):
     cfg = self.config = config
-    self.sliding_window_size = sliding_window_size
+    self.local = local
     heads, kv_heads, head_dim = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
     self.query = dense(cfg, (cfg.emb_dim,), (heads, head_dim), ("embed", "q_heads", "kv"), rngs=rngs)
     self.key = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), rngs=rngs)
     self.value = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), rngs=rngs)
+    if cfg.use_qk_norm:
+      dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs)
+      self.query_norm = RMSNorm(head_dim, cfg.normalization_layer_epsilon, **dtypes)
+      self.key_norm = RMSNorm(head_dim, cfg.normalization_layer_epsilon, **dtypes)
     self.out = dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), rngs=rngs)
 
   def __call__(
       self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     cfg = self.config
-    rope = dict(max_timescale=cfg.rope_max_timescale, scaling=rotary.scaling_from_config(cfg))
-    query = rotary.apply_rotary(self.query(x), positions, **rope)
-    key = rotary.apply_rotary(self.key(x), positions, **rope)
+    query, key = self.query(x), self.key(x)
+    if cfg.use_qk_norm:
+      query, key = self.query_norm(query), self.key_norm(key)
+    rope = rotary.layer_rope(cfg, local=self.local)
+    query = rotary.apply_rotary(query, positions, **rope)
+    key = rotary.apply_rotary(key, positions, **rope)
     (key, value), kv = update_cache(
         self,
         {"cached_key": key, "cached_value": self.value(x)},
@@ -80,8 +97,8 @@ class GemmaAttention(nnx.Module):
         value,
         segment_ids,
         positions,
-        sliding_window_size=self.sliding_window_size,
-        query_scale=None if initializers.query_kernel_carries_scale(cfg) else cfg.head_dim**-0.5,
+        sliding_window_size=cfg.sliding_window_size if self.local else 0,
+        query_scale=None if initializers.query_kernel_carries_scale(cfg) else query_pre_attn_scalar(cfg) ** -0.5,
         with_max_logits=cfg.use_qk_clip,
         logits_soft_cap=cfg.attn_logits_soft_cap,
         **kv,
@@ -89,37 +106,89 @@ class GemmaAttention(nnx.Module):
     return self.out(out), per_layer
 
 
-class Gemma2Layer(nnx.Module):
-  """x + norm(attention(norm(x))), then x + norm(mlp(norm(x)))."""
+_MODULES = (
+    "pre_self_attention_norm",
+    "self_attention",
+    "post_self_attention_norm",
+    "pre_ffw_norm",
+    "mlp",
+    "post_ffw_norm",
+)
 
-  def __init__(self, config: Config, sliding_window_size: int = 0, *, rngs: nnx.Rngs):
-    self.pre_self_attention_norm = norm(config, rngs=rngs)
-    self.self_attention = GemmaAttention(config, sliding_window_size, rngs=rngs)
-    self.post_self_attention_norm = norm(config, rngs=rngs)
-    self.pre_ffw_norm = norm(config, rngs=rngs)
-    self.mlp = GeGluBlock(config, rngs=rngs)
-    self.post_ffw_norm = norm(config, rngs=rngs)
+
+def _gemma2_modules(config: Config, local: bool, rngs: nnx.Rngs) -> dict[str, nnx.Module]:
+  """One Gemma 2 style layer's modules, by their unsuffixed names (`_MODULES`)."""
+  return {
+      "pre_self_attention_norm": norm(config, rngs=rngs),
+      "self_attention": GemmaAttention(config, local, rngs=rngs),
+      "post_self_attention_norm": norm(config, rngs=rngs),
+      "pre_ffw_norm": norm(config, rngs=rngs),
+      "mlp": GeGluBlock(config, rngs=rngs),
+      "post_ffw_norm": norm(config, rngs=rngs),
+  }
+
+
+def _gemma2_sublayer(
+    owner: nnx.Module, suffix: str, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """x + norm(attention(norm(x))), then x + norm(mlp(norm(x))), with `owner`'s modules `<name><suffix>`."""
+  m = {name: getattr(owner, name + suffix) for name in _MODULES}
+  h, per_layer = m["self_attention"](m["pre_self_attention_norm"](x), positions, segment_ids)
+  x = x + m["post_self_attention_norm"](h)
+  h = m["mlp"](m["pre_ffw_norm"](x))
+  return x + m["post_ffw_norm"](h), per_layer
+
+
+class Gemma2Layer(nnx.Module):
+  """One Gemma 2 style layer (Gemma 3's; `local`: windowed), with unsuffixed names."""
+
+  def __init__(self, config: Config, local: bool = False, *, rngs: nnx.Rngs):
+    for name, module in _gemma2_modules(config, local, rngs).items():
+      setattr(self, name, module)
 
   def __call__(
       self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    h, per_layer = self.self_attention(self.pre_self_attention_norm(x), positions, segment_ids)
-    x = x + self.post_self_attention_norm(h)
-    h = self.mlp(self.pre_ffw_norm(x))
-    return x + self.post_ffw_norm(h), per_layer
+    return _gemma2_sublayer(self, "", x, positions, segment_ids)
 
 
 class Gemma2Block(nnx.Module):
-  """A sliding-window layer then a global one: the unit the decoder stacks (`Stack.sublayers`)."""
+  """A sliding-window layer then a global one: the unit the decoder stacks (`Stack.sublayers`).
+
+  MaxText's Gemma2DecoderLayer: one module whose attribute names end in their
+  sub-layer (`self_attention_local`, `mlp_global`).
+  """
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
-    self.local = Gemma2Layer(config, config.sliding_window_size, rngs=rngs)
-    # `global` is a Python keyword: set by name, so the canonical path reads `layers/global`.
-    setattr(self, "global", Gemma2Layer(config, 0, rngs=rngs))
+    for sub in gemma.GEMMA2_SUBLAYERS:
+      for name, module in _gemma2_modules(config, sub == gemma.LOCAL, rngs).items():
+        setattr(self, f"{name}_{sub}", module)
 
   def __call__(
       self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    x, _ = self.local(x, positions, segment_ids)
-    x, _ = getattr(self, "global")(x, positions, segment_ids)
+    for sub in gemma.GEMMA2_SUBLAYERS:
+      x, _ = _gemma2_sublayer(self, f"_{sub}", x, positions, segment_ids)
     return x, {}
+
+
+class Gemma3Block(nnx.Module):
+  """Five sliding-window layers then a global one (`gemma3.SUBLAYERS`): the unit the decoder stacks."""
+
+  def __init__(self, config: Config, *, rngs: nnx.Rngs):
+    for name in gemma3.SUBLAYERS:  # set by name: `global` is a Python keyword
+      setattr(self, name, Gemma2Layer(config, name != gemma3.GLOBAL, rngs=rngs))
+
+  def __call__(
+      self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    for name in gemma3.SUBLAYERS:
+      x, _ = getattr(self, name)(x, positions, segment_ids)
+    return x, {}
+
+
+class Gemma3LocalLayer(Gemma2Layer):
+  """A sliding-window layer: those past Gemma 3's last whole block, stacked on their own (`layers_remainder`)."""
+
+  def __init__(self, config: Config, *, rngs: nnx.Rngs):
+    super().__init__(config, True, rngs=rngs)

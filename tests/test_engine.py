@@ -30,6 +30,7 @@ FAMILIES = (
     "qwen3-moe-tiny",
     "gemma-tiny",
     "gemma2-tiny",
+    "gemma3-tiny",
     "gpt-oss-tiny",
 )
 LINEN, NNX, MIX = (False, False, False), (True, True, True), (True, True, False)  # MIX: NNX model, bridged Linen decoder

@@ -8,7 +8,6 @@ query_pre_attn_scalar) are each set where they change the numbers, and
 moves the logits away from transformers'.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,26 +16,21 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import maxbridge as mb  # noqa: E402
-from maxbridge import cli  # noqa: E402
 from maxbridge.core import canonical  # noqa: E402
 from maxbridge.core.config import ConfigError  # noqa: E402
-from maxbridge.interop import hf, pretrained  # noqa: E402
-from conftest import LINEN, LINEN_FLAGS  # noqa: E402
-from test_hf import LOGITS_TOL, max_diff, randomize  # noqa: E402
+from maxbridge.interop import hf  # noqa: E402
+from conftest import LINEN_FLAGS  # noqa: E402
+from hf_family import BACKENDS, TOKENS, Saved, assert_matches_transformers, export_and_reimport  # noqa: E402
+from hf_family import family_config  # noqa: E402
+from hf_family import TINY  # noqa: E402
+from hf_family import highest_precision, int8_logits, tiled_and_untiled_grads  # noqa: E402,F401 (an autouse fixture)
+from test_hf import max_diff  # noqa: E402
 from test_vocab_tiling import _batch, _grads  # noqa: E402
 
-NNX = (True, True, True)
-BACKENDS = {"linen": LINEN, "nnx": NNX}
-PROMPT = np.array([[3, 17, 250, 42, 9], [100, 1, 77, 200, 31]], np.int64)
-NEW_TOKENS = 24
-TOKENS = np.random.default_rng(0).integers(0, 256, (2, 12))
 DIMS = dict(
-    hidden_size=64,
-    vocab_size=256,
-    num_attention_heads=4,
+    **TINY,
     head_dim=16,
     intermediate_size=128,
-    initializer_range=0.1,
     rms_norm_eps=1e-6,
 )
 # Gemma 2 where each feature shows: a window shorter than the sequences, caps near the logits' size,
@@ -55,35 +49,29 @@ CLASSES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def highest_precision():
-  with jax.default_matmul_precision("highest"):
-    yield
-
-
-class Reference:
+def saved(family: str, folder, **changes) -> Saved:
   """A saved tiny Gemma (1 or 2) and what transformers computes with it."""
+  config_class, model_class, dims = CLASSES[family]
+  torch.manual_seed(0)
+  model = model_class(config_class(**DIMS, **{**dims, **changes}))
 
-  def __init__(self, family: str, folder, **changes):
-    config_class, model_class, dims = CLASSES[family]
-    torch.manual_seed(0)
-    self.model = model_class(config_class(**DIMS, **{**dims, **changes})).eval()
-    randomize(self.model)
-    with torch.no_grad():  # a constant buffer (sqrt(hidden_size)), not a weight: randomize drew it too
-      self.model.model.embed_tokens.embed_scale.fill_(DIMS["hidden_size"] ** 0.5)
-    self.folder = folder
-    self.model.save_pretrained(folder)
+  def constant_embed_scale(model):  # a constant buffer (sqrt(hidden_size)), not a weight: randomize drew it too
     with torch.no_grad():
-      self.logits = self.model(torch.tensor(TOKENS)).logits.numpy()
-      self.continuation = self.model.generate(
-          torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
-      ).numpy()
-    assert np.std(self.logits) > 0.1, "logits too flat to tell a wrong mapping from a right one"
+      model.model.embed_tokens.embed_scale.fill_(DIMS["hidden_size"] ** 0.5)
+
+  return Saved(model, folder, prepare=constant_embed_scale)
+
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory):
+  return saved("gemma2", tmp_path_factory.mktemp("gemma2") / "hf")
 
 
 @pytest.fixture(scope="module", params=list(CLASSES))
 def reference(request, tmp_path_factory):
-  return Reference(request.param, tmp_path_factory.mktemp(request.param) / "hf")
+  if request.param == "gemma2":  # the same model as the gemma2 fixture's: built once
+    return request.getfixturevalue("gemma2")
+  return saved(request.param, tmp_path_factory.mktemp(request.param) / "hf")
 
 
 # --- Hugging Face ---------------------------------------------------------------------------------
@@ -95,42 +83,15 @@ def reference(request, tmp_path_factory):
 def test_imported_logits_and_a_24_token_greedy_continuation_match_transformers(reference, backend, scan_layers):
   model = mb.from_pretrained(reference.folder, backend=backend, scan_layers=scan_layers)
   assert model.config.pure_nnx == (backend == "nnx")
-  assert max_diff(model.logits(jnp.asarray(TOKENS, jnp.int32)), reference.logits) <= LOGITS_TOL
-  continuation = model.generate(PROMPT, max_new_tokens=NEW_TOKENS)
-  np.testing.assert_array_equal(np.asarray(continuation), reference.continuation)
-  # The same tokens from mb.Engine, both prompts in two decode slots.
-  config = model.config.replace(per_device_batch_size=2, max_prefill_predict_length=8, max_target_length=64)
-  engine = mb.Engine(config, model=model)
-  state = engine.init_decode_state()
-  for slot, prompt in enumerate(PROMPT):
-    state = engine.insert(engine.prefill(prompt), state, slot)
-  first = np.asarray(state.tokens)[:, None]
-  state, tokens = engine.generate_steps(state, NEW_TOKENS - 1)
-  np.testing.assert_array_equal(np.concatenate([first, tokens], axis=1), reference.continuation[:, PROMPT.shape[1] :])
+  assert_matches_transformers(model, reference, max_target_length=64)
 
 
 def test_export_loads_in_transformers_and_reimports_the_same_tree(reference, tmp_path):
-  assert cli.main(["import-hf", str(reference.folder), str(tmp_path / "ckpt")]) == 0
-  assert cli.main(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "exported")]) == 0
-  exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
-  assert type(exported) is type(reference.model)
+  exported, first, again = export_and_reimport(reference, tmp_path, type(reference.model))
   assert exported.config.to_diff_dict() == {**reference.model.config.to_diff_dict(), "dtype": "float32"}
-  with torch.no_grad():
-    assert max_diff(exported(torch.tensor(TOKENS)).logits.numpy(), reference.logits) <= 1e-5
-  assert cli.main(["import-hf", str(tmp_path / "exported"), str(tmp_path / "again"), "--scan-layers", "false"]) == 0
-  _, first = pretrained.load_checkpoint(tmp_path / "ckpt")
-  _, again = pretrained.load_checkpoint(tmp_path / "again")
-  first = canonical.flatten(canonical.unstack_layers(first, 1) if canonical.is_scanned(first) else first)
-  again = canonical.flatten(again)
-  assert sorted(first) == sorted(again)
   # The table's sqrt(d) and the norms' + 1 are undone and redone: equal up to float32 rounding.
   for path in first:
     np.testing.assert_allclose(again[path], first[path], rtol=1e-6, atol=1e-7, err_msg=path)
-
-
-@pytest.fixture(scope="module")
-def gemma2(tmp_path_factory):
-  return Reference("gemma2", tmp_path_factory.mktemp("gemma2") / "hf")
 
 
 def test_gemma2_blocks_hold_a_local_then_a_global_layer(gemma2):
@@ -140,7 +101,7 @@ def test_gemma2_blocks_hold_a_local_then_a_global_layer(gemma2):
   flat = canonical.flatten(model.params())
   # Hugging Face's layer 3 is block 1's global layer; its norm scale holds (1 + w).
   want = reference.model.model.layers[3].post_feedforward_layernorm.weight.detach().numpy() + 1
-  np.testing.assert_allclose(flat["decoder/layers_1/global/post_ffw_norm/scale"], want, rtol=1e-6)
+  np.testing.assert_allclose(flat["decoder/layers_1/post_ffw_norm_global/scale"], want, rtol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -236,23 +197,16 @@ def test_family_rules_are_refused_with_the_reason(preset, overrides, match):
 # --- features on both backends --------------------------------------------------------------------
 
 
-def _config(flags, preset="gemma2-tiny", **overrides) -> mb.Config:
-  return mb.load_config(preset, **dict(zip(LINEN_FLAGS, flags)), **overrides)
-
-
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_vocab_tiling_gives_the_untiled_soft_capped_loss_and_gradients(backend):
   flags = BACKENDS[backend]
   # A final cap the logits reach, so that a tiled loss that forgot it would differ.
   overrides = dict(z_loss_multiplier=1e-3, per_device_batch_size=2, max_target_length=16, final_logits_soft_cap=0.5)
-  batch = _batch(_config(flags, **overrides))
-  want_loss, want = _grads(_config(flags, **overrides), batch)
-  uncapped_loss, _ = _grads(_config(flags, **{**overrides, "final_logits_soft_cap": 0.0}), batch)
+  (want_loss, want), (loss, grads) = tiled_and_untiled_grads("gemma2-tiny", flags, **overrides)
+  uncapped = family_config("gemma2-tiny", flags, **{**overrides, "final_logits_soft_cap": 0.0})
+  uncapped_loss, _ = _grads(uncapped, _batch(uncapped))
   assert abs(float(uncapped_loss) - float(want_loss)) > 1e-3
-  loss, grads = _grads(_config(flags, num_vocab_tiling=4, **overrides), batch)
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-  want, grads = canonical.flatten(want), canonical.flatten(grads)
-  assert sorted(grads) == sorted(want)
   for path in want:  # gradients of order 1: atol 1e-5 is float32 summation-order noise through the tanh
     np.testing.assert_allclose(grads[path], want[path], rtol=1e-4, atol=1e-5, err_msg=path)
 
@@ -273,7 +227,8 @@ def lora_losses(tmp_path_factory):
       backend: [
           record["loss"]
           for record in mb.train(
-              _config(flags, base_output_directory=str(tmp_path_factory.mktemp(backend)), **run), progress=False
+              family_config("gemma2-tiny", flags, base_output_directory=str(tmp_path_factory.mktemp(backend)), **run),
+              progress=False,
           )
       ]
       for backend, flags in BACKENDS.items()
@@ -288,11 +243,7 @@ def test_lora_trains_alike_on_both_backends(lora_losses):
 
 @pytest.mark.parametrize("preset", ["gemma-tiny", "gemma2-tiny"])
 def test_aqt_int8_quantizes_alike_on_both_backends(preset):
-  float_logits = np.asarray(mb.create_model(_config(LINEN, preset), seed=0).logits(TOKENS))
-  linen, nnx = (
-      np.asarray(mb.create_model(_config(flags, preset, quantization="int8"), seed=0).logits(TOKENS))
-      for flags in BACKENDS.values()
-  )
+  float_logits, linen, nnx = int8_logits(preset)
   assert np.all(np.isfinite(linen))
   assert np.abs(linen - float_logits).max() > 1e-3  # int8 rounding moves the logits past float noise
   np.testing.assert_allclose(nnx, linen, atol=1e-6, rtol=0)

@@ -6,15 +6,12 @@ its `generate` (and mb.Engine's), export-hf round-trips. Its window (4) is
 shorter than the test sequences, its sinks and biases are random, its
 swiglu_limit small enough to clamp, and its RoPE is YaRN: each feature, taken
 away, moves the logits past the tolerance. YaRN's frequencies are checked
-against transformers' own `_compute_yarn_parameters`.
+against transformers' own `_compute_yarn_parameters`. Its 8-device training is
+checked with the other newer families' in test_families_multidevice.py.
 """
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,20 +20,19 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import maxbridge as mb  # noqa: E402
-from maxbridge import cli  # noqa: E402
 from maxbridge.core import canonical  # noqa: E402
 from maxbridge.core.config import ConfigError  # noqa: E402
-from maxbridge.interop import hf, pretrained  # noqa: E402
+from maxbridge.interop import hf  # noqa: E402
 from maxbridge.ops import rotary  # noqa: E402
-from maxbridge.training import data, recipe  # noqa: E402
-from test_hf import LOGITS_TOL, max_diff, randomize  # noqa: E402
-from test_vocab_tiling import _assert_grads_close, _batch, _grads  # noqa: E402
+from test_hf import LOGITS_TOL, max_diff  # noqa: E402
+from conftest import LINEN  # noqa: E402
+from hf_family import NNX, TOKENS, Saved, assert_matches_transformers, assert_same_tree  # noqa: E402
+from hf_family import assert_tiling_matches_untiled_linen, export_and_reimport, family_config  # noqa: E402
+from hf_family import int8_logits, train_steps  # noqa: E402
+from hf_family import TINY  # noqa: E402
+from hf_family import highest_precision  # noqa: E402,F401 (an autouse fixture)
 
 PRESET = "gpt-oss-tiny"
-LINEN, NNX = (False, False, False), (True, True, True)
-NEW_TOKENS = 24
-PROMPT = np.array([[3, 17, 250, 42, 9], [100, 1, 77, 200, 31]], np.int64)
-TOKENS = np.random.default_rng(0).integers(0, 256, (2, 12))
 WINDOW = 4
 YARN = {
     "rope_type": "yarn",
@@ -48,10 +44,8 @@ YARN = {
     "original_max_position_embeddings": 4096,
 }
 DIMS = dict(
-    hidden_size=64,
+    **TINY,
     num_hidden_layers=4,
-    vocab_size=256,
-    num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=16,
     intermediate_size=32,
@@ -60,43 +54,20 @@ DIMS = dict(
     sliding_window=WINDOW,
     swiglu_limit=0.5,  # below the gate's and up projection's spread: the clamp bites
     max_position_embeddings=256,
-    initializer_range=0.1,
     rope_parameters=YARN,
 )
 
 
-@pytest.fixture(autouse=True)
-def highest_precision():
-  with jax.default_matmul_precision("highest"):
-    yield
-
-
-def family_config(flags, **overrides) -> mb.Config:
-  pure_nnx, enable_nnx, pure_nnx_decoder = flags
-  return mb.load_config(PRESET, pure_nnx=pure_nnx, enable_nnx=enable_nnx, pure_nnx_decoder=pure_nnx_decoder, **overrides)
-
-
-class Saved:
-  """A tiny random gpt-oss saved by transformers, with its logits and greedy continuation."""
-
-  def __init__(self, folder, generate: bool = True, **changes):
-    torch.manual_seed(0)
-    self.model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**{**DIMS, **changes})).eval()
-    randomize(self.model)
-    self.folder = folder
-    self.model.save_pretrained(folder)
-    with torch.no_grad():
-      self.logits = self.model(torch.tensor(TOKENS)).logits.numpy()
-      if generate:
-        self.continuation = self.model.generate(
-            torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
-        ).numpy()
-    assert np.std(self.logits) > 0.1, "logits too flat to tell a wrong mapping from a right one"
+def saved(folder, generate: bool = True, **changes) -> Saved:
+  """A tiny random GptOss saved by transformers, with its logits and greedy continuation."""
+  torch.manual_seed(0)
+  config = transformers.GptOssConfig(**{**DIMS, **changes})
+  return Saved(transformers.GptOssForCausalLM(config), folder, generate=generate)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-  return Saved(tmp_path_factory.mktemp("gpt_oss") / "hf")
+  return saved(tmp_path_factory.mktemp("gpt_oss") / "hf")
 
 
 # --- Hugging Face -------------------------------------------------------------------------------
@@ -118,16 +89,7 @@ def test_imported_logits_and_24_greedy_tokens_match_transformers(reference, back
   )
   if scan_layers:  # two blocks stacked: one scan, no loop over layers
     assert model.params()["decoder"]["layers"]["global"]["MoeBlock_0"]["wi"].shape[cfg.param_scan_axis] == 2
-  assert max_diff(model.logits(jnp.asarray(TOKENS, jnp.int32)), reference.logits) <= LOGITS_TOL
-  np.testing.assert_array_equal(np.asarray(model.generate(PROMPT, max_new_tokens=NEW_TOKENS)), reference.continuation)
-  # The same tokens through mb.Engine, both prompts in two decode slots.
-  engine = mb.Engine(cfg.replace(per_device_batch_size=2, max_prefill_predict_length=8), model=model)
-  state = engine.init_decode_state()
-  for slot, prompt in enumerate(PROMPT):
-    state = engine.insert(engine.prefill(prompt), state, slot)
-  first = np.asarray(state.tokens)[:, None]
-  state, tokens = engine.generate_steps(state, NEW_TOKENS - 1)
-  np.testing.assert_array_equal(np.concatenate([first, tokens], axis=1), reference.continuation[:, PROMPT.shape[1] :])
+  assert_matches_transformers(model, reference)
 
 
 def _without(params, cfg, leaf: str, value):
@@ -157,7 +119,7 @@ def test_sinks_and_biases_each_change_the_logits(reference, backend):
     ids=["window", "clamp", "yarn"],
 )
 def test_each_feature_changes_the_result_as_transformers_computes_it(reference, tmp_path, change):
-  other = Saved(tmp_path / "hf", generate=False, **change)
+  other = saved(tmp_path / "hf", generate=False, **change)
   assert max_diff(other.logits, reference.logits) > 100 * LOGITS_TOL
   model = mb.from_pretrained(other.folder, backend="linen")
   assert max_diff(model.logits(jnp.asarray(TOKENS, jnp.int32)), other.logits) <= LOGITS_TOL
@@ -191,23 +153,11 @@ def test_yarn_frequencies_and_attention_factor_are_transformers(parameters):
 
 
 def test_export_loads_in_transformers_and_reimports_the_same_tree(reference, tmp_path):
-  assert cli.main(["import-hf", str(reference.folder), str(tmp_path / "ckpt")]) == 0
-  assert cli.main(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "exported")]) == 0
-  exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
-  assert type(exported) is transformers.GptOssForCausalLM
+  exported, first, again = export_and_reimport(reference, tmp_path, transformers.GptOssForCausalLM)
   assert exported.config.layer_types == reference.model.config.layer_types
   assert exported.config.rope_parameters["rope_type"] == "yarn"
-  with torch.no_grad():
-    assert max_diff(exported(torch.tensor(TOKENS)).logits.numpy(), reference.logits) <= 1e-5
-  assert cli.main(["import-hf", str(tmp_path / "exported"), str(tmp_path / "again"), "--scan-layers", "false"]) == 0
-  _, first = pretrained.load_checkpoint(tmp_path / "ckpt")
-  _, again = pretrained.load_checkpoint(tmp_path / "again")
-  first = canonical.flatten(canonical.unstack_layers(first, 1) if canonical.is_scanned(first) else first)
-  again = canonical.flatten(again)
-  assert sorted(first) == sorted(again)
   assert "decoder/layers_1/global/self_attention/sinks" in first  # Hugging Face's layer 3
-  for path in first:
-    np.testing.assert_array_equal(first[path], again[path], err_msg=path)
+  assert_same_tree(first, again)
 
 
 @pytest.fixture(scope="module")
@@ -275,31 +225,13 @@ def test_real_size_presets_build_abstractly(preset):
 
 
 def test_vocab_tiling_gives_the_untiled_loss_and_gradients_on_both_backends():
-  untiled = family_config(LINEN)
-  batch = _batch(untiled)
-  want_loss, want = _grads(untiled, batch)
-  for flags in (LINEN, NNX):
-    loss, grads = _grads(family_config(flags, num_vocab_tiling=4), batch)
-    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-    _assert_grads_close(grads, want, rtol=1e-5)
-
-
-def _steps(config, steps=3):
-  trainer = recipe.create_trainer(config)
-  state = trainer.init_state(0)
-  dataset = data.make_dataset(config, "train", config.per_device_batch_size)
-  before = jax.device_get(trainer.params(state))
-  losses = []
-  for step in range(steps):
-    state, metrics = trainer.train_step(state, trainer.shard_batch(dataset.batch(step, 0, 1)))
-    losses.append(float(metrics["loss"]))
-  return losses, before, jax.device_get(trainer.params(state)), jax.device_get(trainer.trained_params(state))
+  assert_tiling_matches_untiled_linen(PRESET)
 
 
 @pytest.mark.parametrize("flags", [LINEN, NNX], ids=["linen", "nnx"])
 def test_lora_trains_its_adapters_and_leaves_the_base_alone(flags):
-  config = family_config(flags, lora_rank=4, lora_alpha=8.0, learning_rate=1e-2, per_device_batch_size=2)
-  losses, before, after, adapters = _steps(config)
+  config = family_config(PRESET, flags, lora_rank=4, lora_alpha=8.0, learning_rate=1e-2, per_device_batch_size=2)
+  losses, before, after, adapters = train_steps(config)
   assert losses[-1] < losses[0]
   adapted = [path for path in canonical.flatten(adapters) if path.endswith("_lora_a")]
   assert any("/local/" in path for path in adapted) and any("/global/" in path for path in adapted), adapted
@@ -308,27 +240,6 @@ def test_lora_trains_its_adapters_and_leaves_the_base_alone(flags):
 
 
 def test_aqt_int8_runs_alike_on_both_backends_and_stays_near_float():
-  def logits(flags, **overrides):
-    return np.asarray(mb.create_model(family_config(flags, **overrides), seed=0).logits(TOKENS))
-
-  float_logits = logits(LINEN)
-  linen, nnx = logits(LINEN, quantization="int8"), logits(NNX, quantization="int8")
+  float_logits, linen, nnx = int8_logits(PRESET)
   np.testing.assert_allclose(nnx, linen, rtol=1e-5, atol=1e-5)
   assert 0 < max_diff(linen, float_logits) < 0.1 * float(np.max(np.abs(float_logits)))
-
-
-# --- 8 devices ------------------------------------------------------------------------------------
-
-
-def test_training_on_8_devices_over_fsdp_tensor_and_expert_matches_one_device():
-  script = Path(__file__).parent / "gpt_oss_multidevice.py"
-  proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  report = json.loads(proc.stdout)
-  assert report["devices"] == 8
-  for backend in ("linen", "nnx"):
-    np.testing.assert_allclose(report[f"{backend}@1x2x2x2"], report[f"{backend}@1"], rtol=1e-4)
-    np.testing.assert_allclose(report[f"{backend}@1"], report["linen@1"], rtol=1e-6)
-    # [experts, D, 2F] over expert=2 and fsdp=2 (D), tensor=2 (2F): an eighth of it on each device.
-    shards = report[f"{backend}/wi_shards"]
-    assert shards and all(np.prod(shard) * 8 == np.prod(full) and shard[0] * 2 == full[0] for full, shard in shards)

@@ -94,6 +94,24 @@ FAMILIES = {
             "final_logit_softcapping": 3.0,
         },
     ),
+    # One block of five windowed layers and a full one; each layer kind's own RoPE, the full one's linear.
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            **DIMS,
+            "num_hidden_layers": 6,
+            "head_dim": 16,
+            "sliding_window": 3,
+            "query_pre_attn_scalar": 12,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 3.0,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 20000.0},
+            },
+        },
+    ),
     # Blocks of a windowed then a full layer; GptOssConfig's default RoPE is YaRN.
     "gpt_oss": (
         "GptOssConfig",
@@ -317,6 +335,44 @@ HONOURED = [
         },
         expect={"final_logits_soft_cap": 0.0, "attn_logits_soft_cap": 0.0},
     ),
+    Case(
+        "gemma3_text",
+        (
+            *_SIZES,
+            "head_dim",
+            "tie_word_embeddings",
+            "rope_parameters",
+            "max_position_embeddings",
+            "query_pre_attn_scalar",
+            "sliding_window",
+            "layer_types",
+            "final_logit_softcapping",
+        ),
+        # transformers' Gemma3 keeps attn_logit_softcapping (2.0 here) unused: so do we.
+        expect={
+            "sliding_window_size": 3,
+            "num_decoder_layers": 6,
+            "local_rope_max_timescale": 100,
+            "attn_logits_soft_cap": 0.0,
+        },
+    ),
+    # A hub config.json's spelling: the legacy RoPE keys and window pattern, no caps.
+    Case(
+        "gemma3_text",
+        ("rope_theta", "rope_local_base_freq", "rope_scaling", "sliding_window_pattern", "hidden_activation"),
+        edit={
+            "rope_parameters": DELETE,
+            "layer_types": DELETE,
+            "rope_theta": 30000.0,
+            "rope_local_base_freq": 50.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 3.0},
+            "sliding_window_pattern": 6,
+            "final_logit_softcapping": None,
+            "attn_logit_softcapping": None,
+            "hidden_activation": "gelu_fast",
+        },
+        expect={"rope_max_timescale": 30000, "local_rope_max_timescale": 50, "rope_linear_scaling_factor": 3.0},
+    ),
     Case("qwen3_moe", ("num_local_experts",), edit={"num_local_experts": 4, "num_experts": 8}, expect={"num_experts": 4}),
     Case(
         "gpt_oss",
@@ -419,6 +475,14 @@ REFUSED = [
     ("gemma2", "attention_bias", {"attention_bias": True}, "attention_bias=True"),
     (
         "gemma2",
+        "use_bidirectional_attention",
+        {"use_bidirectional_attention": True},
+        "use_bidirectional_attention=True",
+    ),
+    ("gemma3_text", "hidden_activation", {"hidden_activation": "silu"}, "hidden_activation='silu'"),
+    ("gemma3_text", "attention_bias", {"attention_bias": True}, "attention_bias=True"),
+    (
+        "gemma3_text",
         "use_bidirectional_attention",
         {"use_bidirectional_attention": True},
         "use_bidirectional_attention=True",

@@ -7,7 +7,6 @@ QK-norm over the whole projection, which makes the relative size of the heads
 matter (`test_scaling_one_query_head_changes_olmo2_as_transformers_computes_it`).
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,70 +15,44 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import maxbridge as mb  # noqa: E402
-from maxbridge import cli  # noqa: E402
-from maxbridge.core import canonical  # noqa: E402
 from maxbridge.core.config import ConfigError  # noqa: E402
-from maxbridge.interop import hf, pretrained  # noqa: E402
+from maxbridge.interop import hf  # noqa: E402
 from maxbridge.models import lora  # noqa: E402
 from maxbridge.ops import normalization  # noqa: E402
-from conftest import LINEN, LINEN_FLAGS  # noqa: E402
-from test_hf import LOGITS_TOL, max_diff, randomize  # noqa: E402
-from test_vocab_tiling import _batch, _grads  # noqa: E402
+from conftest import LINEN  # noqa: E402
+from hf_family import BACKENDS, TOKENS, Saved, assert_matches_transformers, assert_same_tree  # noqa: E402
+from hf_family import export_and_reimport, family_config, int8_logits, tiled_and_untiled_grads  # noqa: E402
+from hf_family import TINY  # noqa: E402
+from hf_family import highest_precision  # noqa: E402,F401 (an autouse fixture)
+from test_hf import LOGITS_TOL, max_diff  # noqa: E402
 
-NNX = (True, True, True)
-BACKENDS = {"linen": LINEN, "nnx": NNX}
-PROMPT = np.array([[3, 17, 250, 42, 9], [100, 1, 77, 200, 31]], np.int64)
-NEW_TOKENS = 24
-TOKENS = np.random.default_rng(0).integers(0, 256, (2, 12))
 DIMS = dict(
-    hidden_size=64,
+    **TINY,
     num_hidden_layers=2,
-    vocab_size=256,
-    num_attention_heads=4,
     num_key_value_heads=2,
     intermediate_size=128,
-    initializer_range=0.1,
     rms_norm_eps=1e-6,
     rope_parameters={"rope_type": "default", "rope_theta": 5e5},
 )
 
 
-@pytest.fixture(autouse=True)
-def highest_precision():
-  with jax.default_matmul_precision("highest"):
-    yield
-
-
-def _olmo2(scaled_head: float = 1.0):
-  """A seeded random OLMo 2; `scaled_head` multiplies query head 0's projection in every layer."""
+def saved(folder, scaled_head: float = 1.0) -> Saved:
+  """A saved tiny random OLMo 2; `scaled_head` multiplies query head 0's projection in every layer."""
   torch.manual_seed(0)
-  model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**DIMS)).eval()
-  randomize(model)
+  model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**DIMS))
   head_dim = DIMS["hidden_size"] // DIMS["num_attention_heads"]
-  with torch.no_grad():
-    for layer in model.model.layers:
-      layer.self_attn.q_proj.weight[:head_dim] *= scaled_head
-  return model
 
-
-class Reference:
-  """A saved tiny OLMo 2 and what transformers computes with it."""
-
-  def __init__(self, folder, scaled_head: float = 1.0):
-    self.model = _olmo2(scaled_head)
-    self.folder = folder
-    self.model.save_pretrained(folder)
+  def scale_head(model):
     with torch.no_grad():
-      self.logits = self.model(torch.tensor(TOKENS)).logits.numpy()
-      self.continuation = self.model.generate(
-          torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
-      ).numpy()
-    assert np.std(self.logits) > 0.1, "logits too flat to tell a wrong mapping from a right one"
+      for layer in model.model.layers:
+        layer.self_attn.q_proj.weight[:head_dim] *= scaled_head
+
+  return Saved(model, folder, prepare=scale_head)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-  return Reference(tmp_path_factory.mktemp("olmo2") / "hf")
+  return saved(tmp_path_factory.mktemp("olmo2") / "hf")
 
 
 @pytest.fixture(scope="module")
@@ -98,40 +71,18 @@ def imported(reference):
 def test_imported_logits_and_a_24_token_greedy_continuation_match_transformers(reference, imported, backend):
   model = imported[backend]
   assert model.config.decoder_block == "olmo2" and model.config.pure_nnx == (backend == "nnx")
-  assert max_diff(model.logits(jnp.asarray(TOKENS, jnp.int32)), reference.logits) <= LOGITS_TOL
-  continuation = model.generate(PROMPT, max_new_tokens=NEW_TOKENS)
-  np.testing.assert_array_equal(np.asarray(continuation), reference.continuation)
-  # The same tokens from mb.Engine, both prompts in two decode slots.
-  engine = mb.Engine(model.config.replace(per_device_batch_size=2, max_prefill_predict_length=8), model=model)
-  state = engine.init_decode_state()
-  for slot, prompt in enumerate(PROMPT):
-    state = engine.insert(engine.prefill(prompt), state, slot)
-  first = np.asarray(state.tokens)[:, None]
-  state, tokens = engine.generate_steps(state, NEW_TOKENS - 1)
-  np.testing.assert_array_equal(np.concatenate([first, tokens], axis=1), reference.continuation[:, PROMPT.shape[1] :])
+  assert_matches_transformers(model, reference)
 
 
 def test_export_loads_in_transformers_and_reimports_the_same_tree(reference, tmp_path):
-  assert cli.main(["import-hf", str(reference.folder), str(tmp_path / "ckpt")]) == 0
-  assert cli.main(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "exported")]) == 0
-  exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
-  assert type(exported) is transformers.Olmo2ForCausalLM
-  with torch.no_grad():
-    assert max_diff(exported(torch.tensor(TOKENS)).logits.numpy(), reference.logits) <= 1e-5
-  assert cli.main(["import-hf", str(tmp_path / "exported"), str(tmp_path / "again"), "--scan-layers", "false"]) == 0
-  _, first = pretrained.load_checkpoint(tmp_path / "ckpt")
-  _, again = pretrained.load_checkpoint(tmp_path / "again")
-  first = canonical.flatten(canonical.unstack_layers(first, 1) if canonical.is_scanned(first) else first)
-  again = canonical.flatten(again)
-  assert sorted(first) == sorted(again)
+  _, first, again = export_and_reimport(reference, tmp_path, transformers.Olmo2ForCausalLM)
   assert first["decoder/layers_0/self_attention/query_norm/scale"].shape == (64,)  # all heads, as Hugging Face's
-  for path in first:
-    np.testing.assert_array_equal(first[path], again[path], err_msg=path)
+  assert_same_tree(first, again)
 
 
 def test_scaling_one_query_head_changes_olmo2_as_transformers_computes_it(reference, tmp_path):
   """A per-head norm would undo the factor; OLMo 2's norm over the whole projection does not."""
-  scaled = Reference(tmp_path / "hf", scaled_head=4.0)
+  scaled = saved(tmp_path / "hf", scaled_head=4.0)
   assert max_diff(scaled.logits, reference.logits) > 0.1
   for backend in BACKENDS:
     model = mb.from_pretrained(scaled.folder, backend=backend)
@@ -178,21 +129,13 @@ def test_qk_clip_and_a_missing_qk_norm_are_refused_with_the_reason(overrides, ma
 PRESETS = ["olmo2-tiny", "olmo3-tiny"]
 
 
-def _config(preset, flags, **overrides) -> mb.Config:
-  return mb.load_config(preset, **dict(zip(LINEN_FLAGS, flags)), **overrides)
-
-
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_vocab_tiling_gives_the_untiled_loss_and_gradients(preset, backend):
   flags = BACKENDS[backend]
   overrides = dict(z_loss_multiplier=1e-3, per_device_batch_size=2, max_target_length=16)
-  batch = _batch(_config(preset, flags, **overrides))
-  want_loss, want = _grads(_config(preset, flags, **overrides), batch)
-  loss, grads = _grads(_config(preset, flags, num_vocab_tiling=4, **overrides), batch)
+  (want_loss, want), (loss, grads) = tiled_and_untiled_grads(preset, flags, **overrides)
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-  want, grads = canonical.flatten(want), canonical.flatten(grads)
-  assert sorted(grads) == sorted(want)
   for path in want:
     # Tiles sum in another order: float32 noise relative to the leaf's largest gradient.
     atol = 1e-6 * float(np.max(np.abs(want[path])))
@@ -215,7 +158,7 @@ def lora_runs(tmp_path_factory):
   runs = {}
   for preset in PRESETS:
     for backend, flags in BACKENDS.items():
-      config = _config(preset, flags, base_output_directory=str(tmp_path_factory.mktemp(backend)), **run)
+      config = family_config(preset, flags, base_output_directory=str(tmp_path_factory.mktemp(backend)), **run)
       runs[preset, backend] = [record["loss"] for record in mb.train(config, progress=False)]
   return runs
 
@@ -228,8 +171,8 @@ def test_lora_trains_alike_on_both_backends(lora_runs, preset):
 
 
 def test_the_default_lora_targets_reach_every_layer_of_an_olmo3_block():
-  config = _config("olmo3-tiny", LINEN, lora_rank=4)
-  targets = lora.targets(config, mb.create_model(_config("olmo3-tiny", LINEN), seed=0).abstract_params())
+  config = family_config("olmo3-tiny", LINEN, lora_rank=4)
+  targets = lora.targets(config, mb.create_model(family_config("olmo3-tiny", LINEN), seed=0).abstract_params())
   for sublayer in ("local_0", "local_1", "local_2", "global"):
     assert f"decoder/layers/{sublayer}/self_attention/query/kernel" in targets, sorted(targets)
     assert f"decoder/layers/{sublayer}/mlp/wo/kernel" in targets, sorted(targets)
@@ -237,11 +180,7 @@ def test_the_default_lora_targets_reach_every_layer_of_an_olmo3_block():
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_aqt_int8_quantizes_alike_on_both_backends(preset):
-  float_logits = np.asarray(mb.create_model(_config(preset, LINEN), seed=0).logits(TOKENS))
-  linen, nnx = (
-      np.asarray(mb.create_model(_config(preset, flags, quantization="int8"), seed=0).logits(TOKENS))
-      for flags in BACKENDS.values()
-  )
+  float_logits, linen, nnx = int8_logits(preset)
   assert np.all(np.isfinite(linen))
   assert np.abs(linen - float_logits).max() > 1e-3  # int8 rounding moves the logits past float noise
   np.testing.assert_allclose(nnx, linen, atol=1e-6, rtol=0)

@@ -8,55 +8,36 @@ QK-norm are tested in test_olmo2.py.
 
 import json
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import maxbridge as mb  # noqa: E402
-from maxbridge import cli  # noqa: E402
-from maxbridge.core import canonical  # noqa: E402
 from maxbridge.core.config import ConfigError  # noqa: E402
-from maxbridge.interop import hf, pretrained  # noqa: E402
-from test_hf import LOGITS_TOL, max_diff, randomize  # noqa: E402
-from test_olmo2 import DIMS, NEW_TOKENS, PROMPT, TOKENS  # noqa: E402
+from maxbridge.interop import hf  # noqa: E402
+from hf_family import TOKENS, Saved, assert_matches_transformers, assert_same_tree, export_and_reimport  # noqa: E402
+from hf_family import highest_precision  # noqa: E402,F401 (an autouse fixture)
+from test_hf import LOGITS_TOL, max_diff  # noqa: E402
+from test_olmo2 import DIMS  # noqa: E402
 
 WINDOW = 4
 BLOCKS = 2
 
 
-@pytest.fixture(autouse=True)
-def highest_precision():
-  with jax.default_matmul_precision("highest"):
-    yield
-
-
-class Reference:
+def saved(folder, window: int = WINDOW, generate: bool = True) -> Saved:
   """A saved tiny OLMo 3 and what transformers computes with it."""
-
-  def __init__(self, folder, window: int = WINDOW):
-    torch.manual_seed(0)
-    config = transformers.Olmo3Config(
-        **{**DIMS, "num_hidden_layers": 4 * BLOCKS, "rope_parameters": None}, sliding_window=window
-    )
-    self.model = transformers.Olmo3ForCausalLM(config).eval()
-    randomize(self.model)
-    self.folder = folder
-    self.model.save_pretrained(folder)
-    with torch.no_grad():
-      self.logits = self.model(torch.tensor(TOKENS)).logits.numpy()
-      self.continuation = self.model.generate(
-          torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
-      ).numpy()
-    assert np.std(self.logits) > 0.1, "logits too flat to tell a wrong mapping from a right one"
+  torch.manual_seed(0)
+  config = transformers.Olmo3Config(
+      **{**DIMS, "num_hidden_layers": 4 * BLOCKS, "rope_parameters": None}, sliding_window=window
+  )
+  return Saved(transformers.Olmo3ForCausalLM(config), folder, generate=generate)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-  return Reference(tmp_path_factory.mktemp("olmo3") / "hf")
+  return saved(tmp_path_factory.mktemp("olmo3") / "hf")
 
 
 @pytest.mark.parametrize("backend, scan_layers", [("linen", True), ("nnx", False), ("nnx", True)])
@@ -67,42 +48,22 @@ def test_imported_logits_and_a_24_token_greedy_continuation_match_transformers(r
   assert cfg.rope_max_timescale == 500000  # Olmo3Config's own default theta
   if scan_layers:  # the blocks are stacked: one scan over BLOCKS, no loop over layers
     assert model.params()["decoder"]["layers"]["global"]["mlp"]["wo"]["kernel"].shape[cfg.param_scan_axis] == BLOCKS
-  assert max_diff(model.logits(jnp.asarray(TOKENS, jnp.int32)), reference.logits) <= LOGITS_TOL
-  np.testing.assert_array_equal(np.asarray(model.generate(PROMPT, max_new_tokens=NEW_TOKENS)), reference.continuation)
-  engine = mb.Engine(cfg.replace(per_device_batch_size=2, max_prefill_predict_length=8), model=model)
-  state = engine.init_decode_state()
-  for slot, prompt in enumerate(PROMPT):
-    state = engine.insert(engine.prefill(prompt), state, slot)
-  first = np.asarray(state.tokens)[:, None]
-  state, tokens = engine.generate_steps(state, NEW_TOKENS - 1)
-  np.testing.assert_array_equal(np.concatenate([first, tokens], axis=1), reference.continuation[:, PROMPT.shape[1] :])
+  assert_matches_transformers(model, reference)
 
 
 def test_the_window_changes_the_result_as_transformers_computes_it(reference, tmp_path):
   """The same weights with a window covering the sequence: other logits, which we read as transformers does."""
-  wide = Reference(tmp_path / "hf", window=64)
+  wide = saved(tmp_path / "hf", window=64, generate=False)
   assert max_diff(wide.logits, reference.logits) > 0.1
   model = mb.from_pretrained(wide.folder, backend="linen")
   assert max_diff(model.logits(jnp.asarray(TOKENS, jnp.int32)), wide.logits) <= LOGITS_TOL
 
 
 def test_export_loads_in_transformers_and_reimports_the_same_tree(reference, tmp_path):
-  assert cli.main(["import-hf", str(reference.folder), str(tmp_path / "ckpt")]) == 0
-  assert cli.main(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "exported")]) == 0
-  exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
-  assert type(exported) is transformers.Olmo3ForCausalLM
+  exported, first, again = export_and_reimport(reference, tmp_path, transformers.Olmo3ForCausalLM)
   assert exported.config.layer_types == reference.model.config.layer_types
-  with torch.no_grad():
-    assert max_diff(exported(torch.tensor(TOKENS)).logits.numpy(), reference.logits) <= 1e-5
-  assert cli.main(["import-hf", str(tmp_path / "exported"), str(tmp_path / "again"), "--scan-layers", "false"]) == 0
-  _, first = pretrained.load_checkpoint(tmp_path / "ckpt")
-  _, again = pretrained.load_checkpoint(tmp_path / "again")
-  first = canonical.flatten(canonical.unstack_layers(first, 1) if canonical.is_scanned(first) else first)
-  again = canonical.flatten(again)
-  assert sorted(first) == sorted(again)
   assert "decoder/layers_1/global/self_attention/query_norm/scale" in first  # Hugging Face's layer 7
-  for path in first:
-    np.testing.assert_array_equal(first[path], again[path], err_msg=path)
+  assert_same_tree(first, again)
 
 
 @pytest.fixture(scope="module")

@@ -18,25 +18,20 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import maxbridge as mb  # noqa: E402
-from maxbridge import cli  # noqa: E402
 from maxbridge.core import canonical  # noqa: E402
 from maxbridge.core.config import ConfigError  # noqa: E402
-from maxbridge.interop import hf, pretrained  # noqa: E402
+from maxbridge.interop import hf  # noqa: E402
 from maxbridge.ops import moe as moe_ops  # noqa: E402
-from maxbridge.training import data, recipe  # noqa: E402
-from test_hf import LOGITS_TOL, max_diff, randomize  # noqa: E402
-from test_vocab_tiling import _assert_grads_close, _batch, _grads  # noqa: E402
+from test_hf import LOGITS_TOL, max_diff  # noqa: E402
+from conftest import LINEN  # noqa: E402
+from hf_family import NNX, TOKENS, Saved, assert_matches_transformers, assert_same_tree  # noqa: E402
+from hf_family import assert_tiling_matches_untiled_linen, export_and_reimport, family_config  # noqa: E402
+from hf_family import TINY, int8_logits, train_steps  # noqa: E402
 
 PRESET = "qwen3-moe-tiny"
-LINEN, NNX = (False, False, False), (True, True, True)
-NEW_TOKENS = 24
-PROMPT = np.array([[3, 17, 250, 42, 9], [100, 1, 77, 200, 31]], np.int64)
-TOKENS = np.random.default_rng(0).integers(0, 256, (2, 12))
 DIMS = dict(
-    hidden_size=64,
+    **TINY,
     num_hidden_layers=2,
-    vocab_size=256,
-    num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=16,
     intermediate_size=128,
@@ -44,41 +39,25 @@ DIMS = dict(
     num_experts=8,
     num_experts_per_tok=2,
     norm_topk_prob=True,
-    initializer_range=0.1,
     rope_parameters={"rope_theta": 1e6, "rope_type": "default"},
 )
 
 
-def family_config(flags, **overrides) -> mb.Config:
-  pure_nnx, enable_nnx, pure_nnx_decoder = flags
-  return mb.load_config(PRESET, pure_nnx=pure_nnx, enable_nnx=enable_nnx, pure_nnx_decoder=pure_nnx_decoder, **overrides)
-
-
-class Saved:
-  """A tiny random Qwen3-MoE saved by transformers, with its logits and greedy continuation."""
-
-  def __init__(self, folder, **changes):
-    torch.manual_seed(0)
-    self.model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{**DIMS, **changes})).eval()
-    randomize(self.model)
-    self.folder = folder
-    self.model.save_pretrained(folder)
-    with torch.no_grad():
-      self.logits = self.model(torch.tensor(TOKENS)).logits.numpy()
-      self.continuation = self.model.generate(
-          torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
-      ).numpy()
-    assert np.std(self.logits) > 0.1, "logits too flat to tell a wrong mapping from a right one"
+def saved(folder, **changes) -> Saved:
+  """A tiny random Qwen3Moe saved by transformers, with its logits and greedy continuation."""
+  torch.manual_seed(0)
+  config = transformers.Qwen3MoeConfig(**{**DIMS, **changes})
+  return Saved(transformers.Qwen3MoeForCausalLM(config), folder)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-  return Saved(tmp_path_factory.mktemp("qwen3_moe") / "hf")
+  return saved(tmp_path_factory.mktemp("qwen3_moe") / "hf")
 
 
 @pytest.fixture(scope="module")
 def unnormalised(tmp_path_factory):
-  return Saved(tmp_path_factory.mktemp("qwen3_moe_unnormalised") / "hf", norm_topk_prob=False)
+  return saved(tmp_path_factory.mktemp("qwen3_moe_unnormalised") / "hf", norm_topk_prob=False)
 
 
 # --- Hugging Face -------------------------------------------------------------------------------
@@ -90,16 +69,7 @@ def unnormalised(tmp_path_factory):
 def test_imported_logits_and_24_greedy_tokens_match_transformers(reference, backend, scan_layers):
   model = mb.from_pretrained(reference.folder, backend=backend, scan_layers=scan_layers)
   assert (model.config.decoder_block, model.config.moe_mlp_dim, model.config.num_experts) == ("qwen3_moe", 32, 8)
-  assert max_diff(model.logits(jnp.asarray(TOKENS, jnp.int32)), reference.logits) <= LOGITS_TOL
-  np.testing.assert_array_equal(np.asarray(model.generate(PROMPT, max_new_tokens=NEW_TOKENS)), reference.continuation)
-  # The same tokens through mb.Engine, both prompts in two decode slots.
-  engine = mb.Engine(model.config.replace(per_device_batch_size=2, max_prefill_predict_length=8), model=model)
-  state = engine.init_decode_state()
-  for slot, prompt in enumerate(PROMPT):
-    state = engine.insert(engine.prefill(prompt), state, slot)
-  first = np.asarray(state.tokens)[:, None]
-  state, tokens = engine.generate_steps(state, NEW_TOKENS - 1)
-  np.testing.assert_array_equal(np.concatenate([first, tokens], axis=1), reference.continuation[:, PROMPT.shape[1] :])
+  assert_matches_transformers(model, reference)
 
 
 @pytest.mark.parametrize("backend", ["linen", "nnx"])
@@ -113,22 +83,9 @@ def test_norm_topk_prob_false_keeps_each_experts_softmax_share(unnormalised, bac
 
 
 def test_export_loads_in_transformers_and_reimports_exactly(reference, tmp_path):
-  assert cli.main(["import-hf", str(reference.folder), str(tmp_path / "ckpt")]) == 0
-  assert cli.main(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "exported")]) == 0
-  exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
-  assert type(exported) is transformers.Qwen3MoeForCausalLM
+  exported, first, again = export_and_reimport(reference, tmp_path, transformers.Qwen3MoeForCausalLM)
   assert exported.config.norm_topk_prob is True
-  with torch.no_grad():
-    logits = exported(torch.tensor(TOKENS)).logits.numpy()
-  assert max_diff(logits, reference.logits) <= 1e-5
-  assert cli.main(["import-hf", str(tmp_path / "exported"), str(tmp_path / "again"), "--scan-layers", "false"]) == 0
-  _, first = pretrained.load_checkpoint(tmp_path / "ckpt")
-  _, again = pretrained.load_checkpoint(tmp_path / "again")
-  first = canonical.flatten(canonical.unstack_layers(first, 1) if canonical.is_scanned(first) else first)
-  again = canonical.flatten(again)
-  assert sorted(first) == sorted(again)
-  for path in first:
-    np.testing.assert_array_equal(first[path], again[path], err_msg=path)
+  assert_same_tree(first, again)
 
 
 def test_mixtral_routing_exports_as_the_renormalised_softmax(tmp_path):
@@ -229,31 +186,13 @@ def test_maxtexts_own_yaml_reads_as_our_preset(tmp_path):
 
 
 def test_vocab_tiling_gives_the_untiled_loss_and_gradients_on_both_backends():
-  untiled = family_config(LINEN)
-  batch = _batch(untiled)
-  want_loss, want = _grads(untiled, batch)
-  for flags in (LINEN, NNX):
-    loss, grads = _grads(family_config(flags, num_vocab_tiling=4), batch)
-    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-    _assert_grads_close(grads, want, rtol=1e-5)
-
-
-def _steps(config, steps=3):
-  trainer = recipe.create_trainer(config)
-  state = trainer.init_state(0)
-  dataset = data.make_dataset(config, "train", config.per_device_batch_size)
-  before = jax.device_get(trainer.params(state))
-  losses = []
-  for step in range(steps):
-    state, metrics = trainer.train_step(state, trainer.shard_batch(dataset.batch(step, 0, 1)))
-    losses.append(float(metrics["loss"]))
-  return losses, before, jax.device_get(trainer.params(state)), jax.device_get(trainer.trained_params(state))
+  assert_tiling_matches_untiled_linen(PRESET)
 
 
 @pytest.mark.parametrize("flags", [LINEN, NNX], ids=["linen", "nnx"])
 def test_lora_trains_its_adapters_and_leaves_the_experts_alone(flags):
-  config = family_config(flags, lora_rank=4, lora_alpha=8.0, learning_rate=1e-2, per_device_batch_size=2)
-  losses, before, after, adapters = _steps(config)
+  config = family_config(PRESET, flags, lora_rank=4, lora_alpha=8.0, learning_rate=1e-2, per_device_batch_size=2)
+  losses, before, after, adapters = train_steps(config)
   assert losses[-1] < losses[0]
   adapted = [path for path in canonical.flatten(adapters) if path.endswith("_lora_a")]
   assert adapted and all("self_attention" in path for path in adapted), adapted
@@ -262,10 +201,6 @@ def test_lora_trains_its_adapters_and_leaves_the_experts_alone(flags):
 
 
 def test_aqt_int8_runs_alike_on_both_backends_and_stays_near_float():
-  def logits(flags, **overrides):
-    return np.asarray(mb.create_model(family_config(flags, **overrides), seed=0).logits(TOKENS))
-
-  float_logits = logits(LINEN)
-  linen, nnx = logits(LINEN, quantization="int8"), logits(NNX, quantization="int8")
+  float_logits, linen, nnx = int8_logits(PRESET)
   np.testing.assert_allclose(nnx, linen, rtol=1e-5, atol=1e-5)
   assert 0 < max_diff(linen, float_logits) < 0.1 * float(np.max(np.abs(float_logits)))

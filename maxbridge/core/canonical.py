@@ -54,18 +54,41 @@ def layer_path(stacked: str, index: int) -> str:
   return f"{head or ''}{name}_{index}{tail}"
 
 
-def layer_paths(config) -> list[str]:
-  """Unscanned canonical path of every decoder layer, in depth order (`decoder/layers_0`, ...).
+def sublayer_path(sub: str, under: str, suffixed: bool) -> str:
+  """The path of `under` (`self_attention/query/kernel`) in a block's sub-layer `sub`, relative to the block.
 
-  A stack of blocks (a `Stack` with `sublayers`) gives one path per sub-layer (`decoder/layers_0/local`).
+  Nested: `local/self_attention/query/kernel`. Suffixed (MaxText's Gemma 2):
+  the sub-layer's name ends the block's first module name,
+  `self_attention_local/query/kernel`.
   """
-  subs = {stack.name: stack.sublayers for stack in config.family.stacks}
-  return [
-      f"decoder/{name}_{i}{sub}"
-      for name, count in layer_stacks(config)
-      for i in range(count)
-      for sub in ([f"/{s}" for s in subs.get(name, ())] or [""])
-  ]
+  if not suffixed:
+    return f"{sub}/{under}"
+  module, _, rest = under.partition("/")
+  return f"{module}_{sub}/{rest}" if rest else f"{module}_{sub}"
+
+
+def layer_paths(config, under: str = "") -> list[str]:
+  """Unscanned canonical path of every decoder layer, in depth order (`decoder/layers_0`, ...);
+  with `under`, the path of `under` in each (`decoder/layers_0/self_attention/query/kernel`).
+
+  A stack of blocks (a `Stack` with `sublayers`) gives one path per sub-layer
+  (`decoder/layers_0/local`). A suffixed sub-layer (Gemma 2's) has no path of its
+  own, only its modules do: name one in `under`.
+  """
+  paths = []
+  for stack in config.family.stacks:
+    if stack.suffixed and not under:
+      raise ValueError(
+          f"stack {stack.name!r} suffixes its sub-layers' module names ({stack.sublayers}): "
+          "a sub-layer has no path of its own; pass `under` (a module path under the layer)"
+      )
+    for i in range(stack.depth(config)):
+      layer = f"decoder/{stack.name}_{i}"
+      if not stack.sublayers:
+        paths.append(f"{layer}/{under}" if under else layer)
+      for sub in stack.sublayers:
+        paths.append(f"{layer}/{sublayer_path(sub, under, stack.suffixed)}" if under else f"{layer}/{sub}")
+  return paths
 
 
 def stack_layer_values(per_layer: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

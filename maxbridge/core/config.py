@@ -55,6 +55,8 @@ class Config:
   beta_fast: float
   beta_slow: float
   rope_truncate: bool
+  local_rope_max_timescale: int
+  rope_linear_scaling_factor: float
   scan_layers: bool
   param_scan_axis: int
   remat_policy: str
@@ -104,12 +106,21 @@ class Config:
   adam_b2: float
   adam_eps: float
   adam_weight_decay: float
+  opt_type: str
+  muon_beta: float
+  muon_weight_decay: float
+  muon_consistent_rms: float
+  muon_include_routers: bool
   gradient_clipping_threshold: float
   gradient_accumulation_steps: int
   z_loss_multiplier: float
   num_vocab_tiling: int
   use_qk_clip: bool
   qk_clip_threshold: float
+  teacher_overrides: str
+  distill_alpha: float
+  distill_temperature: float
+  distill_logits_path: str
   dataset_type: str
   dataset_path: str
   sft_train_on_completion_only: bool
@@ -143,6 +154,8 @@ class Config:
   decode_sampling_top_k: int
   decode_sampling_nucleus_p: float
   stack_prefill_result_cache: bool
+  quantize_kvcache: bool
+  kv_quant_dtype: str
   # quantization (see maxbridge/ops/quantization.py)
   quantization: str
   use_qwix_quantization: bool
@@ -384,10 +397,13 @@ def load_config(preset_or_path: str | None = None, *overrides: str, **kwargs: An
     raise ConfigError(f"{BASE_CONFIG} and Config disagree on keys: {drift}")
 
   path = _resolve(preset_or_path)
-  model = config_rules.known_only(_read_yaml(path), _FIELD_TYPES, source=str(path))
+  raw, given = _read_yaml(path), dict(map(_parse_override, overrides))
+  # The decoder_block the config will have: some MaxText keys' accepted value is its family's.
+  block = str(kwargs.get("decoder_block", given.get("decoder_block", raw.get("decoder_block", values["decoder_block"]))))
+  model = config_rules.known_only(raw, _FIELD_TYPES, source=str(path), decoder_block=block)
   values.update(model)
-  values.update(config_rules.known_only(dict(map(_parse_override, overrides)), _FIELD_TYPES, source="overrides"))
-  values.update(config_rules.known_only(kwargs, _FIELD_TYPES, source="keyword arguments"))
+  values.update(config_rules.known_only(given, _FIELD_TYPES, source="overrides", decoder_block=block))
+  values.update(config_rules.known_only(kwargs, _FIELD_TYPES, source="keyword arguments", decoder_block=block))
   if by_model_name and not _coerce("override_model_config", values["override_model_config"], bool):
     _refuse_model_overrides(values["model_name"], model, values)
   return Config(**values)

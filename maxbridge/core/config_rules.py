@@ -105,6 +105,8 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("beta_slow", lambda v: 0 < v < float("inf"), "a finite number > 0 (yarn: rotations)"),
     ("mlp_activations_limit", lambda v: 0 <= v < float("inf"), "a finite number >= 0 (0: no clamp)"),
     ("rope_low_freq_factor", _positive, "> 0"),
+    ("local_rope_max_timescale", lambda v: v == -1 or v > 0, "a positive integer, or -1 for rope_max_timescale"),
+    ("rope_linear_scaling_factor", _positive, "> 0 (1 leaves RoPE unscaled)"),
     ("normalization_layer_epsilon", _positive, "> 0"),
     ("adam_eps", _positive, "> 0"),
     ("learning_rate", lambda v: v >= 0, ">= 0"),
@@ -131,6 +133,11 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("cosine_learning_rate_final_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("adam_b1", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("adam_b2", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("muon_beta", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("distill_alpha", lambda v: 0 <= v <= 1, "in [0, 1] (0: cross-entropy only, 1: the teacher's KL only)"),
+    ("distill_temperature", _positive, "> 0"),
+    ("muon_weight_decay", lambda v: v >= 0, ">= 0"),
+    ("muon_consistent_rms", lambda v: v >= 0, ">= 0 (0: width scaling, MaxText's null)"),
     ("max_prefill_predict_length", _positive, "a positive integer"),
     ("decode_sampling_temperature", lambda v: 0 <= v < float("inf"), ">= 0 (0 is greedy)"),
     ("decode_sampling_top_k", lambda v: v >= 0, ">= 0"),
@@ -147,8 +154,10 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "param_scan_axis": (0, 1),
     "dataset_type": ("embedded", "synthetic", "text", "sft"),
     "decode_sampling_strategy": ("greedy", "weighted", "topk", "nucleus"),
+    "kv_quant_dtype": ("int8",),
     "quantization": QUANTIZATIONS,
     "lora_weight_qtype": ("", "int8", "nf4"),
+    "opt_type": ("adamw", "muon"),
 }
 
 
@@ -274,6 +283,20 @@ def _validate_lora(cfg: Config) -> None:
         f"lora_weight_qtype={cfg.lora_weight_qtype!r} with quantization={cfg.quantization!r}: QLoRA stores its "
         "base quantized and runs the matmuls on the dequantized weights; set quantization=''"
     )
+  if cfg.distill_logits_path and (cfg.num_vocab_tiling > 1 or cfg.eval_interval):
+    raise ConfigError(
+        f"distill_logits_path={cfg.distill_logits_path!r} holds the teacher's top-k logits of the training batches, "
+        "read beside full student logits: set num_vocab_tiling=1 and eval_interval=0 (or distill in the step)"
+    )
+  if (cfg.teacher_overrides.strip() or cfg.distill_logits_path) and (cfg.use_dpo or cfg.use_grpo):
+    raise ConfigError(
+        "teacher_overrides (distillation) with use_dpo or use_grpo: each is the run's loss; set teacher_overrides=''"
+    )
+  if cfg.lora_rank and cfg.opt_type == "muon":
+    raise ConfigError(
+        "lora_rank > 0 with opt_type=muon: LoRA's adapters are low-rank factors, not the weight matrices Muon "
+        "orthogonalises; set opt_type=adamw"
+    )
   if cfg.lora_rank and cfg.use_qk_clip:
     raise ConfigError(
         "lora_rank > 0 with use_qk_clip=true: QK-Clip rescales the query/key kernels after each update, "
@@ -303,6 +326,13 @@ def _validate_family(cfg: Config) -> None:
     raise ConfigError(
         f"rope_high_freq_factor={cfg.rope_high_freq_factor} must exceed rope_low_freq_factor="
         f"{cfg.rope_low_freq_factor}: they bound the band of wavelengths that blends scaled and unscaled"
+    )
+  family = families.lookup(cfg.decoder_block)
+  if not family.layer_rope and (cfg.local_rope_max_timescale != -1 or cfg.rope_linear_scaling_factor != 1.0):
+    raise ConfigError(
+        f"local_rope_max_timescale={cfg.local_rope_max_timescale} and rope_linear_scaling_factor="
+        f"{cfg.rope_linear_scaling_factor} give local and global layers their own RoPE (decoder_block='gemma3'); "
+        f"decoder_block={cfg.decoder_block!r} rotates every layer alike: leave them at -1 and 1.0"
     )
   if cfg.num_experts_per_tok > cfg.num_experts:
     raise ConfigError(f"num_experts_per_tok={cfg.num_experts_per_tok} must be at most num_experts={cfg.num_experts}")
@@ -397,7 +427,18 @@ _MAXTEXT_FIXED: dict[str, Any] = {
     "dcn_pipeline_parallelism": 1,
     "ici_sequence_parallelism": 1,
     "ici_pipeline_parallelism": 1,
+    # MaxText's base.yml values; a family may fix others (`Family.maxtext_fixed`: Gemma's GeGLU, post-norms).
+    "use_post_attn_norm": False,
+    "use_post_ffw_norm": False,
 }
+
+
+def _maxtext_fixed(key: str, decoder_block: str | None) -> Any:
+  """The value maxbridge computes for MaxText key `key` with `decoder_block` (None: the default)."""
+  fixed = _MAXTEXT_FIXED[key]
+  if decoder_block in families.DECODER_BLOCKS:
+    fixed = families.lookup(decoder_block).maxtext_fixed.get(key, fixed)
+  return fixed
 
 
 # MaxText's names for keys that maxbridge spells otherwise: read as maxbridge's key.
@@ -410,9 +451,13 @@ _ONE_SEED = (
 _MAXTEXT_MERGED = {"init_weights_seed": _ONE_SEED, "data_shuffle_seed": _ONE_SEED}
 
 
-def known_only(values: Mapping[str, Any], keys: Collection[str], source: str) -> dict[str, Any]:
+def known_only(
+    values: Mapping[str, Any], keys: Collection[str], source: str, decoder_block: str | None = None
+) -> dict[str, Any]:
   """`values` without MaxText's keys that do not change the numbers (each reported by name),
-  MaxText's names for our keys renamed; any other key not among `keys` is an error, all of them named at once."""
+  MaxText's names for our keys renamed; any other key not among `keys` is an error, all of them named at once.
+
+  `decoder_block`, the config's, decides the value of a key its family fixes (`Family.maxtext_fixed`)."""
   ignored, problems, renamed = [], [], {}
   for key, value in values.items():
     if key in keys:
@@ -430,11 +475,14 @@ def known_only(values: Mapping[str, Any], keys: Collection[str], source: str) ->
       ignored.append(key)
     elif key in _MAXTEXT_FIXED:
       parsed = yaml.safe_load(value) if isinstance(value, str) else value
-      fixed = _MAXTEXT_FIXED[key]
+      fixed = _maxtext_fixed(key, decoder_block)
       if parsed == fixed or (isinstance(fixed, list) and parsed == tuple(fixed)):
         ignored.append(key)
       else:
-        problems.append(f"MaxText key {key!r} = {value!r} is not supported; maxbridge computes only {key}={fixed!r}")
+        problems.append(
+            f"MaxText key {key!r} = {value!r} is not supported; maxbridge computes only {key}={fixed!r}"
+            + (f" with decoder_block={decoder_block!r}" if decoder_block else "")
+        )
     else:
       problems.append(_unknown(key, keys))
   if len(problems) == 1:

@@ -105,6 +105,9 @@ def rules(options: InitOptions) -> tuple[tuple[str, Initializer], ...]:
       # Also MLA's query kernel (q_lora_rank=0), which never carries the scale.
       ("*/self_attention/query/kernel", query_kernel(options.query_kernel_carries_scale)),
       ("*/self_attention/out/kernel", kernel(in_ndim=2)),
+      # A block's suffixed sub-layers (Gemma 2's, as MaxText names them: self_attention_local).
+      ("*/self_attention_*/query/kernel", query_kernel(options.query_kernel_carries_scale)),
+      ("*/self_attention_*/out/kernel", kernel(in_ndim=2)),
       ("*/kernel", kernel()),
       ("*/kernel_lora_a", lora_a()),
       ("*/kernel_lora_b", zeros()),

@@ -30,10 +30,12 @@ def abstract_cache(config: Config, batch: int, length: int, *, ring: bool = True
   """
   layer = kv_cache.abstract(config, batch, length, ring=ring)
   # A block of sub-layers (Gemma 2's) has one attention per sub-layer.
-  subs = {stack.name: stack.sublayers for stack in config.family.stacks}
+  stacks = {stack.name: stack for stack in config.family.stacks}
   flat = {}
   for stack, count in canonical.layer_stacks(config):
-    for attention in [f"{sub}/self_attention" for sub in subs[stack]] or ["self_attention"]:
+    own = stacks[stack]
+    subs = [canonical.sublayer_path(sub, "self_attention", own.suffixed) for sub in own.sublayers]
+    for attention in subs or ["self_attention"]:
       for name, leaf in layer.items():
         if config.scan_layers:
           flat[f"decoder/{stack}/{attention}/{name}"] = jax.ShapeDtypeStruct((count, *leaf.shape), leaf.dtype)

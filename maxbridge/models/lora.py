@@ -75,7 +75,8 @@ def scale(config: Config) -> float:
 
 def in_ndim(path: str) -> int:
   """Input axes of a kernel (canonical, unscanned): attention's output projection reads heads and head_dim."""
-  return 2 if path.endswith("self_attention/out/kernel") else 1
+  # `self_attention_<sub>`: a suffixed sub-layer's (Gemma 2's `self_attention_local`).
+  return 2 if re.search(r"/self_attention(_[a-z0-9]+)?/out/kernel$", path) else 1
 
 
 def targets(config: Config, abstract_params: Mapping[str, Any]) -> list[str]:

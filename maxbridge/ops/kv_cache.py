@@ -14,6 +14,11 @@ i of a row lands at `i mod W`, so memory stays bounded however long it decodes.
 The mask needs no change (an entry carries its own position), but a chunk of
 several tokens reads the cache as it was *before* the write, plus itself: the
 ring overwrites entries that the chunk's first tokens still see.
+
+With `quantize_kvcache` (MaxText's key; `kv_quant_dtype: int8`), each float
+entry is stored int8 with one scale per token and head (its absolute maximum
+over the feature axis / 127, MaxText's kv_quant_axis "dkv"), kept beside it as
+`<entry>_scale` in the activation dtype and multiplied back on every read.
 """
 
 from typing import Mapping
@@ -25,6 +30,8 @@ POSITIONS = "cache_positions"
 SEGMENT_IDS = "cache_segment_ids"
 INDEX = "cache_index"
 BOOKKEEPING = (POSITIONS, SEGMENT_IDS, INDEX)
+SCALE = "_scale"
+_FEATURE_AXES = ("cache_kv", "cache_kv_lora")
 
 # Each entry's logical axes, in the order it is stored. Keys and values are
 # stored head-major, keys transposed ([B, K, H, S] and [B, K, S, H]): as the
@@ -69,23 +76,83 @@ def abstract(config, batch: int, length: int, *, ring: bool = True) -> dict[str,
   dtype = jnp.dtype(config.dtype)
   if ring and window(config):
     length = min(length, window(config))
+  quantized = quantized_dtype(config)
   out = {}
   for name, shape in entries(config).items():
     stored = [batch, *shape]
     stored.insert(sequence_axis(name), length)
-    out[name] = jax.ShapeDtypeStruct(tuple(stored), dtype)
+    out[name] = jax.ShapeDtypeStruct(tuple(stored), quantized or dtype)
+    if quantized:
+      stored[feature_axis(name)] = 1
+      out[name + SCALE] = jax.ShapeDtypeStruct(tuple(stored), dtype)
   out[POSITIONS] = out[SEGMENT_IDS] = jax.ShapeDtypeStruct((batch, length), jnp.int32)
   out[INDEX] = jax.ShapeDtypeStruct((batch,), jnp.int32)
   return out
 
 
+def quantized_dtype(config):
+  """The integer dtype `config` stores keys and values in (`quantize_kvcache`), or None for its float dtype."""
+  if not config.quantize_kvcache:
+    return None
+  if config.kv_quant_dtype != "int8":
+    raise ValueError(f"kv_quant_dtype={config.kv_quant_dtype!r}: the quantized KV cache stores int8 only")
+  return jnp.dtype(jnp.int8)
+
+
+def is_scale(name: str) -> bool:
+  return name.endswith(SCALE)
+
+
 def logical_axes(name: str) -> tuple[str, ...]:
+  if is_scale(name):  # its entry's axes, the feature axis reduced to one
+    return tuple(None if axis in _FEATURE_AXES else axis for axis in _ENTRY_AXES[name.removesuffix(SCALE)])
   return _ENTRY_AXES[name]
 
 
 def sequence_axis(name: str) -> int:
   """The axis of entry `name` that runs over the cached tokens."""
-  return _ENTRY_AXES[name].index("cache_sequence")
+  return logical_axes(name).index("cache_sequence")
+
+
+def feature_axis(name: str) -> int:
+  """The axis of entry `name` (stored) that a quantized cache keeps one scale across."""
+  return next(i for i, axis in enumerate(_ENTRY_AXES[name]) if axis in _FEATURE_AXES)
+
+
+def stored_names(new, present) -> tuple[str, ...]:
+  """The entries an attention layer's `update` reads and writes: `new`'s, their scales where `present(name)`
+  says the cache holds them (a quantized cache), and the bookkeeping."""
+  scales = [name + SCALE for name in new if present(name + SCALE)]
+  return (*new, *scales, POSITIONS, SEGMENT_IDS, INDEX)
+
+
+def quantize(stored: jax.Array, axis: int, dtype) -> tuple[jax.Array, jax.Array]:
+  """(int8 values, scales in `dtype`): symmetric, one scale per slice along `axis`, max |x| -> 127."""
+  stored = stored.astype(jnp.float32)
+  scale = jnp.max(jnp.abs(stored), axis=axis, keepdims=True) / 127.0
+  values = jnp.round(stored / jnp.where(scale > 0, scale, 1.0))
+  return jnp.clip(values, -127, 127).astype(jnp.int8), scale.astype(dtype)
+
+
+def load(cache: Mapping[str, jax.Array], name: str) -> jax.Array:
+  """Entry `name` of `cache` in token order ([B, S, ...]), dequantized where the cache holds its scale."""
+  stored = cache[name]
+  if name + SCALE in cache:
+    scale = cache[name + SCALE]
+    stored = stored.astype(scale.dtype) * scale
+  return from_stored(name, stored)
+
+
+def _encode(cache: Mapping[str, jax.Array], new: Mapping[str, jax.Array], positions, segment_ids) -> dict:
+  """What a write puts into `cache`, each in its stored order and dtype: `new`'s entries (quantized, with
+  their scales, where the cache holds scales) and the tokens' positions and segment ids."""
+  out = {}
+  for name, values in new.items():
+    if name + SCALE in cache:
+      out[name], out[name + SCALE] = quantize(to_stored(name, values), feature_axis(name), cache[name + SCALE].dtype)
+    else:
+      out[name] = to_stored(name, values.astype(cache[name].dtype))
+  return {**out, POSITIONS: positions, SEGMENT_IDS: segment_ids}
 
 
 def to_stored(name: str, values: jax.Array) -> jax.Array:
@@ -113,7 +180,7 @@ def append(
     # One dynamic_update_slice per row, not a vmap of one: vmapped, the
     # per-row indices make it a scatter, which rewrote the whole cache on
     # every decode step (4x the step time at 8 slots on CPU).
-    buffer, values, axis = cache[name], to_stored(name, values.astype(cache[name].dtype)), sequence_axis(name)
+    buffer, axis = cache[name], sequence_axis(name)
     for b in range(buffer.shape[0]):
       start = [0] * buffer.ndim
       start[0], start[axis] = b, index[b]
@@ -121,7 +188,7 @@ def append(
     return buffer
 
   out = dict(cache)
-  for name, values in {**new, POSITIONS: positions, SEGMENT_IDS: segment_ids}.items():
+  for name, values in _encode(cache, new, positions, segment_ids).items():
     out[name] = write(name, values)
   out[INDEX] = index + positions.shape[1]
   return out
@@ -148,9 +215,8 @@ def update(
   out = ring_append(cache, new, positions, segment_ids)
   if positions.shape[1] == 1:
     return (out, *read(out, new))
-  values = tuple(
-      jnp.concatenate([from_stored(name, cache[name]), new[name].astype(cache[name].dtype)], axis=1) for name in new
-  )
+  old = {name: load(cache, name) for name in new}
+  values = tuple(jnp.concatenate([old[name], new[name].astype(old[name].dtype)], axis=1) for name in new)
   keywords = dict(
       kv_segment_ids=jnp.concatenate([cache[SEGMENT_IDS], segment_ids], axis=1),
       kv_positions=jnp.concatenate([cache[POSITIONS], positions], axis=1),
@@ -182,11 +248,11 @@ def ring_append(
     buffer, axis = cache[name], sequence_axis(name)
     shape = [1] * buffer.ndim  # [B, L] laid along the batch and sequence axes
     shape[0], shape[axis] = source.shape
-    taken = jnp.take_along_axis(to_stored(name, values.astype(buffer.dtype)), source.reshape(shape), axis=axis)
+    taken = jnp.take_along_axis(values, source.reshape(shape), axis=axis)
     return jnp.where(written.reshape(shape), taken, buffer)
 
   out = dict(cache)
-  for name, values in {**new, POSITIONS: positions, SEGMENT_IDS: segment_ids}.items():
+  for name, values in _encode(cache, new, positions, segment_ids).items():
     out[name] = write(name, values)
   out[INDEX] = index + steps
   return out
@@ -198,5 +264,5 @@ def read(cache: Mapping[str, jax.Array], names) -> tuple[tuple[jax.Array, ...], 
   The keywords are `ops.attention.self_attention`'s `kv_segment_ids` and
   `kv_positions`: a cached read is masked by the cache's own positions.
   """
-  values = tuple(from_stored(name, cache[name]) for name in names)
+  values = tuple(load(cache, name) for name in names)
   return values, dict(kv_segment_ids=cache[SEGMENT_IDS], kv_positions=cache[POSITIONS])

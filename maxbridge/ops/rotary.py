@@ -1,4 +1,4 @@
-"""Rotary position embeddings in the Llama "rotate_half" layout, with Llama 3.1's and YaRN's frequency scaling."""
+"""Rotary position embeddings in the Llama "rotate_half" layout, with Llama 3.1's, YaRN's and linear frequency scaling."""
 
 import dataclasses
 import math
@@ -87,6 +87,38 @@ class YarnScaling:
     return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
+@dataclasses.dataclass(frozen=True)
+class LinearScaling:
+  """Every pair `factor` times slower: positions divided by `factor` (Hugging Face `rope_type="linear"`,
+  MaxText's `rope_linear_scaling_factor`; Gemma 3's global layers)."""
+
+  factor: float
+
+  def __call__(self, timescale: jax.Array) -> jax.Array:
+    return timescale * self.factor
+
+  @property
+  def attention_factor(self) -> float:
+    return 1.0
+
+
+def layer_rope(config, *, local: bool) -> dict:
+  """`apply_rotary`'s max_timescale and scaling for a layer of a family with per-layer RoPE (Gemma 3).
+
+  As MaxText: a sliding-window (`local`) layer turns at `local_rope_max_timescale`
+  when it is positive and is never linearly scaled; a global layer turns at
+  `rope_max_timescale`, slowed by `rope_linear_scaling_factor`. Families
+  without per-layer RoPE keep those keys at -1 and 1.0 (config rules), which
+  gives every layer the config's one RoPE.
+  """
+  if local:
+    timescale = config.local_rope_max_timescale if config.local_rope_max_timescale > 0 else config.rope_max_timescale
+    return dict(max_timescale=timescale, scaling=scaling_from_config(config))
+  factor = config.rope_linear_scaling_factor
+  scaling = LinearScaling(factor) if factor != 1.0 else scaling_from_config(config)
+  return dict(max_timescale=config.rope_max_timescale, scaling=scaling)
+
+
 def scaling_from_config(config) -> Llama3Scaling | YarnScaling | None:
   """Llama 3.1's or YaRN's RoPE frequency scaling from a config's `rope_*` keys, or None for plain RoPE."""
   if config.rope_type == "yarn":
@@ -115,14 +147,14 @@ def apply_rotary(
     max_timescale: float,
     min_timescale: float = 1.0,
     interleave: bool = False,
-    scaling: Llama3Scaling | YarnScaling | None = None,
+    scaling: Llama3Scaling | YarnScaling | LinearScaling | None = None,
 ) -> jax.Array:
   """Rotates `x` [B, T, N, H] by `positions` [B, T]; pairs are (i, i + H/2).
 
   `interleave=True` reads pairs (2i, 2i + 1) instead (DeepSeek's MLA layout) and
   returns them de-interleaved, evens then odds, as Hugging Face does; queries
   and keys are permuted alike, so their dot products are those of the pairs.
-  `scaling` rescales the pairs' timescales (Llama 3.1, YaRN) and multiplies
+  `scaling` rescales the pairs' timescales (Llama 3.1, YaRN, linear) and multiplies
   the result by its `attention_factor`.
   """
   if x.ndim != 4 or positions.shape != x.shape[:2]:

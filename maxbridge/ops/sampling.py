@@ -44,3 +44,34 @@ def sample(
     cutoff = jnp.take_along_axis(ordered, needed, axis=-1)
     logits = jnp.where(logits >= cutoff, logits, -jnp.inf)
   return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def sample_rows(
+    logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
+) -> jax.Array:
+  """logits [B, V] -> int32 [B], each row by its own settings (a server's requests each ask their own).
+
+  Row b: argmax where temperature[b] == 0; else a draw with keys[b] from
+  softmax(logits / temperature) among its top_k[b] most likely tokens (0: all),
+  then among the fewest of those holding top_p[b] of their probability (1: all),
+  top-k before top-p as Hugging Face and vLLM apply them. When every row is
+  greedy the sort is skipped (`lax.cond`), so a greedy step pays for argmax alone.
+  """
+  logits = logits.astype(jnp.float32)
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  vocab = logits.shape[-1]
+
+  def draw(logits):
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None]
+    kept = jnp.where(jnp.arange(vocab)[None] < k, ordered, -jnp.inf)
+    cumulative = jnp.cumsum(jax.nn.softmax(kept, axis=-1), axis=-1)
+    # The smallest logit kept: the first whose cumulative probability reaches top_p, never past the k-th.
+    needed = jnp.minimum(jnp.sum(cumulative < top_p[:, None], axis=-1, keepdims=True), k - 1)
+    cutoff = jnp.take_along_axis(ordered, needed, axis=-1)
+    masked = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+    drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, masked).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy)
+
+  return jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, logits)

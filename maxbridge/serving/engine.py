@@ -51,7 +51,8 @@ from maxbridge.interop import pretrained
 from maxbridge.models import decoding, dispatch, lora
 from maxbridge.models import model as model_lib
 from maxbridge.models.model import Model
-from maxbridge.ops import kv_cache, sampling
+from maxbridge.ops import kv_cache
+from maxbridge.ops import sampling as sampling_ops
 
 Params = dict[str, Any]
 
@@ -76,6 +77,26 @@ class DecodeState(NamedTuple):
   tokens: jax.Array  # int32 [slots]
   next_pos: jax.Array  # int32 [slots]
   logits: jax.Array  # float32 [slots, V]: the logits each slot's last token was sampled from
+
+
+class SlotSampling(NamedTuple):
+  """Each slot's own sampling (`generate(..., sampling=)`), for a server whose requests each ask their own.
+
+  A slot's draw at position p is keyed by fold_in(key(seed), p): on the
+  device, with no key split on the host between steps, and a seeded request
+  draws the same tokens whichever slot it lands in.
+  """
+
+  temperature: jax.Array  # float32 [slots]; 0 is greedy
+  top_k: jax.Array  # int32 [slots]; 0 keeps every token
+  top_p: jax.Array  # float32 [slots]; 1 keeps every token
+  seed: jax.Array  # uint32 [slots]
+
+
+def sample_slots(logits: jax.Array, sampling: SlotSampling, positions: jax.Array) -> jax.Array:
+  """logits [B, V] -> int32 [B], row b by sampling's row b, keyed by its seed and positions[b]."""
+  keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.key(seed), pos))(sampling.seed, positions)
+  return sampling_ops.sample_rows(logits, keys, sampling.temperature, sampling.top_k, sampling.top_p)
 
 
 def _is_axes(x) -> bool:
@@ -150,7 +171,9 @@ class Engine:
         donate_argnums=(0,),
         out_shardings=state,
     )
-    self._generate = jax.jit(self._generate_impl, donate_argnums=(1,), out_shardings=(state, tokens))
+    self._generate = jax.jit(
+        self._generate_impl, donate_argnums=(1,), static_argnames=("advance",), out_shardings=(state, tokens, None)
+    )
     self._generate_steps = jax.jit(
         self._generate_steps_impl,
         donate_argnums=(1,),
@@ -223,10 +246,15 @@ class Engine:
     self._rng, rng = jax.random.split(self._rng)
     return rng
 
+  @property
+  def _greedy(self) -> bool:
+    cfg = self.config
+    return cfg.decode_sampling_strategy == "greedy" or cfg.decode_sampling_temperature == 0
+
   def _sample(self, logits, rng):
     cfg = self.config
-    strategy = "greedy" if cfg.decode_sampling_temperature == 0 else cfg.decode_sampling_strategy
-    return sampling.sample(
+    strategy = "greedy" if self._greedy else cfg.decode_sampling_strategy
+    return sampling_ops.sample(
         logits,
         rng,
         strategy=strategy,
@@ -512,7 +540,7 @@ class Engine:
     return DecodeState(cache, tokens, next_pos, logits)
 
   def generate(
-      self, decode_state: DecodeState, *, params: Params | None = None, rng=None
+      self, decode_state: DecodeState, *, params: Params | None = None, rng=None, sampling: SlotSampling | None = None
   ) -> tuple[DecodeState, jax.Array]:
     """One step for every slot: (new state, int32 [slots] the tokens sampled); `decode_state` is donated.
 
@@ -522,22 +550,34 @@ class Engine:
     position table; a ring that holds a whole sliding window has no end.
     The positions of a state this engine made are known on the host, so the
     check never waits for the step before.
+
+    `sampling` samples each slot by its own settings instead of the
+    decode_sampling_* keys (`rng` is then unused).
     """
     positions = self._check_room(decode_state, 1)
+    # The engine's own key is split inside the step, not by a dispatch of its own on the host before it: one
+    # call per step (the same keys as `_next_rng` draws). Greedy steps and `sampling` take no key at all.
+    advance = rng is None and sampling is None and not self._greedy
+    key = self._rng if advance else None if sampling is not None or self._greedy else rng
     with sharding.active(self.mesh, self.config.logical_axis_rules):  # activation constraints while tracing
-      state, tokens = self._generate(self._params(params), decode_state, self._next_rng(rng))
+      state, tokens, key = self._generate(self._params(params), decode_state, key, sampling, advance=advance)
+    if advance:
+      self._rng = key
     self._positions.put(state.next_pos, _advanced(positions, 1))
     return state, tokens
 
-  def _generate_impl(self, params, state, rng):
-    return self._step(self._weights(params), state, rng)
+  def _generate_impl(self, params, state, rng, sampling=None, *, advance: bool = False):
+    carried = None
+    if advance:
+      carried, rng = jax.random.split(rng)
+    return (*self._step(self._weights(params), state, rng, sampling), carried)
 
-  def _step(self, params, state, rng):
+  def _step(self, params, state, rng, sampling=None):
     cache, tokens, next_pos, _ = state
     ones = jnp.ones_like(tokens)[:, None]
     logits, cache = self.model.cached_forward(params, cache, tokens[:, None], next_pos[:, None], ones)
     logits = logits[:, 0]
-    new = self._sample(logits, rng)
+    new = self._sample(logits, rng) if sampling is None else sample_slots(logits, sampling, next_pos)
     return DecodeState(cache, new, jnp.where(next_pos > 0, next_pos + 1, 0), logits), new  # idle slots stay idle
 
   def generate_steps(
@@ -722,7 +762,11 @@ def _to_ring(config: Config, cache: Params, length) -> Params:
     empty = {name: ring[f"{layer}/{name}"] for name in entries}
     written = kv_cache.ring_append(
         empty,
-        {name: kv_cache.from_stored(name, leaf) for name, leaf in entries.items() if name not in kv_cache.BOOKKEEPING},
+        {
+            name: kv_cache.load(entries, name)
+            for name in entries
+            if name not in kv_cache.BOOKKEEPING and not kv_cache.is_scale(name)
+        },
         entries[kv_cache.POSITIONS],
         entries[kv_cache.SEGMENT_IDS],
     )

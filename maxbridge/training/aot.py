@@ -12,7 +12,7 @@ import numpy as np
 
 from maxbridge.core import canonical, sharding
 from maxbridge.core.config import Config
-from maxbridge.training import recipe
+from maxbridge.training import distill, recipe
 
 
 def _rows_of(tree) -> dict[str, object]:
@@ -94,9 +94,12 @@ def compile_train_step(config: Config) -> dict:
       trainer.state_shardings,
   )
   rows = config.per_device_batch_size * jax.device_count() * config.gradient_accumulation_steps
+  shapes = {key: jax.ShapeDtypeStruct((rows, config.max_target_length), np.int32) for key in trainer.loss.batch_keys}
+  if config.distill_logits_path:  # the teacher's top-k logits come with each batch
+    shapes.update(distill.offline_shapes(config, rows))
   batch = {
-      key: jax.ShapeDtypeStruct((rows, config.max_target_length), np.int32, sharding=trainer.batch_sharding)
-      for key in trainer.loss.batch_keys
+      key: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=trainer.batch_sharding)
+      for key, shape in shapes.items()
   }
   compiled = trainer.lower_train_step(state, batch).compile()
   memory = compiled.memory_analysis()

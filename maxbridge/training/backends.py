@@ -56,7 +56,15 @@ class LinenTrainer(Trainer):
     # Linen's logical boxes ride through optax: mu and nu come out boxed too.
     t = self.trainable
     trained, stored = _boxed(t.abstract_trained, t.trained_axes), _boxed(t.abstract_stored, t.stored_axes)
-    return nn.get_partition_spec(jax.eval_shape(self._new_state, trained, stored))
+    state = jax.eval_shape(self._new_state, trained, stored)
+    # A box around no array (optax's MaskedNode: a partitioned optimizer such as Muon keeps no state of that
+    # kind for the leaf) is no leaf of the state, so it takes no spec.
+    state = jax.tree.map(
+        lambda x: x.value if isinstance(x, nn.LogicallyPartitioned) and not jax.tree.leaves(x.value) else x,
+        state,
+        is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned),
+    )
+    return nn.get_partition_spec(state)
 
   def _bind(self, state) -> Bound:
     trained = state.params[self.trainable.collection]
@@ -167,8 +175,14 @@ class NNXTrainer(Trainer):
     return self._abstract_state
 
   def logical_specs(self):
-    # nnx.Optimizer copies each parameter's metadata onto its mu and nu.
-    return nnx.get_partition_spec(self._abstract_state)
+    # nnx.Optimizer copies each parameter's metadata onto its mu and nu. A Variable holding no array (optax's
+    # MaskedNode: a partitioned optimizer such as Muon keeps no state of that kind for the leaf) takes no spec.
+    return jax.tree.map(
+        lambda spec, variable: variable if not jax.tree.leaves(variable) else spec,
+        nnx.get_partition_spec(self._abstract_state),
+        self._abstract_state,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
 
   def _bind(self, state) -> Bound:
     # No copy: `state` is this trace's own input, and the optimizer update

@@ -4,8 +4,9 @@ The loop trains on the batches of one source: the config's dataset (`Data`),
 or GRPO's completions sampled from the policy as it trains (`Sampled`). Each
 `Hook` is told when the run's state is ready, when the run first writes into
 its folder, and what each step logged: DPO and GRPO hold the frozen starting
-policy (`FrozenReference`), LoRA checks and records the base its adapters train
-on (`LoraBase`), QK-Clip logs the largest attention logit (`MaxLogits`). What a
+policy (`FrozenReference`), distillation checks and records its teacher
+(`TeacherReference`), LoRA checks and records the base its adapters train on
+(`LoraBase`), QK-Clip logs the largest attention logit (`MaxLogits`). What a
 feature does inside a step is the trainer's: its policy, loss and after-update
 hook.
 """
@@ -21,12 +22,14 @@ import jax
 from maxbridge.core import canonical, checkpointing, files
 from maxbridge.core.config import Config
 from maxbridge.models import lora
-from maxbridge.training import data
+from maxbridge.training import data, distill
 from maxbridge.training.posttrain import grpo
 from maxbridge.training.trainer import Trainer
 
 # DPO's and GRPO's reference model, recorded as LoRA records its base (`lora.REFERENCE_FILE`).
 REFERENCE_FILE = "reference.json"
+# Distillation's teacher, recorded the same way.
+TEACHER_FILE = "teacher.json"
 
 
 def global_batch_size(config: Config) -> int:
@@ -40,11 +43,16 @@ class Data:
   def __init__(self, config: Config):
     self.train = data.make_dataset(config, "train", global_batch_size(config))
     self.eval = data.make_dataset(config, "eval", global_batch_size(config)) if config.eval_interval else None
+    # Distillation from offline logits: the teacher's top-k of each training batch, joined to its rows.
+    self.logits = distill.OfflineLogits(config, global_batch_size(config)) if config.distill_logits_path else None
 
   def batch(self, step: int, state) -> tuple[dict, dict]:
     """(this process's rows of `step`, entries for the step's record)."""
     del state
-    return self.train.batch(step, jax.process_index(), jax.process_count()), {}
+    rows = self.train.batch(step, jax.process_index(), jax.process_count())
+    if self.logits is not None:
+      rows = {**rows, **self.logits.batch(step, jax.process_index(), jax.process_count())}
+    return rows, {}
 
 
 class Sampled:
@@ -97,11 +105,13 @@ class _Fingerprinted(Hook):
 
   file: str
   role: str  # what the model is to the run, as the refusal says it
+  key = "load_parameters_path"  # the setting that names the model
 
-  def check(self, run: Run, params) -> None:
+  def check(self, run: Run, params, source: str | None = None, param_scan_axis: int | None = None) -> None:
+    axis = run.config.param_scan_axis if param_scan_axis is None else param_scan_axis
     self.reference = {
-        "base": _source(run.config),
-        "fingerprint": canonical.fingerprint(params, run.config.param_scan_axis),
+        "base": _source(run.config) if source is None else source,
+        "fingerprint": canonical.fingerprint(params, axis),
     }
     path = run.run_dir / self.file
     if not path.is_file():
@@ -111,7 +121,7 @@ class _Fingerprinted(Hook):
       raise checkpointing.CheckpointError(
           f"{run.run_dir}: {self.role} {saved['base']} (fingerprint {saved['fingerprint']}), not "
           f"{self.reference['base']} (fingerprint {self.reference['fingerprint']}); resume with the original "
-          "(load_parameters_path, with the values it held), or start a new run_name"
+          f"({self.key}, with the values it held), or start a new run_name"
       )
 
   def open(self, run_dir: Path) -> None:
@@ -139,6 +149,19 @@ class LoraBase(_Fingerprinted):
 
   def start(self, run: Run) -> None:
     self.check(run, run.trainer.params(run.state))
+
+
+class TeacherReference(_Fingerprinted):
+  """Distillation's teacher: recorded in `TEACHER_FILE`, and a resume whose teacher's values differ is refused
+  (`teacher_overrides` itself is fixed on resume by the loop's config check)."""
+
+  file = TEACHER_FILE
+  role = "its distillation teacher was"
+  key = "teacher_overrides"
+
+  def start(self, run: Run) -> None:
+    teacher = run.trainer.loss.teacher
+    self.check(run, run.trainer.teacher_params, teacher.source, teacher.config.param_scan_axis)
 
 
 class MaxLogits(Hook):

@@ -67,8 +67,9 @@ _TRAINER_FREE_KEYS = frozenset(
 
 
 # Keys fixed when a run starts that its checkpoints' shapes do not show: how the trees are laid out
-# (scan_layers), LoRA's adapters and their scale, quantization, what the run optimises (DPO, GRPO) and what it
-# learns from (its data, GRPO's reward). Resuming with another value would read the same bytes as another model,
+# (scan_layers), LoRA's adapters and their scale, quantization, what the run optimises (DPO, GRPO, distillation's
+# mix of KL and cross-entropy: its loss curve would change meaning mid-run) and what it learns from (its data, GRPO's
+# reward, distillation's teacher, whose values `hooks.TeacherReference` checks). Resuming with another value would read the same bytes as another model,
 # fail with a list of paths that does not say why, or go on from a step on other data. (A change of the model's shape is refused by the restore, naming the first path whose shape
 # differs.) The other keys (learning rate, steps, logging, the backend flags) may change on resume, as in MaxText.
 _FIXED_KEYS = (
@@ -82,6 +83,9 @@ _FIXED_KEYS = (
     "use_qwix_quantization",
     "use_dpo",
     "use_grpo",
+    "teacher_overrides",
+    "distill_alpha",
+    "distill_temperature",
     "dataset_type",
     "dataset_path",
     "tokenizer_path",
@@ -557,7 +561,8 @@ def _full_state(path: str, trainer):
     lines = [f"  missing: {p}" for p in sorted(set(want) - set(got))[:20]]
     lines += [f"  unexpected: {p}" for p in sorted(set(got) - set(want))[:20]]
     raise checkpointing.CheckpointError(
-        f"{where}: {reader.items} holds another optimizer's state than this run's (adamw):\n" + "\n".join(lines)
+        f"{where}: {reader.items} holds another optimizer's state than this run's "
+        f"(opt_type={trainer.config.opt_type}):\n" + "\n".join(lines)
     )
   placed = {p: jax.device_put(jnp.asarray(got[p], want[p].dtype), want[p].sharding) for p in want}
   leaves = [placed[p] for p in _leaf_paths(target)]

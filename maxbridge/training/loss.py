@@ -59,6 +59,9 @@ class Loss(abc.ABC):
   frozen_reference: bool = False
   # aux entries train.py writes to metrics.jsonl (each per `tokens`, as the loss).
   metric_keys: tuple[str, ...] = ()
+  # A frozen model of its own (distillation's teacher, `maxbridge.training.distill.Teacher`): its `params` enter the
+  # step as an argument (placed by its `logical_axes`), and the `reference` the step passes is its forward (`apply`).
+  teacher: Any = None
 
   @abc.abstractmethod
   def __call__(self, forward: Forward, batch: Batch, reference: Forward | None = None) -> tuple[jax.Array, dict]:

@@ -1,8 +1,12 @@
-"""AdamW with warmup + cosine schedule, built from config (MaxText's names and layout)."""
+"""The optimizer (`opt_type`: AdamW, or Muon) with warmup + cosine schedule, built from config (MaxText's names and
+layout)."""
+
+from typing import Any, Mapping
 
 import optax
 
 from maxbridge.core.config import Config
+from maxbridge.training import muon
 
 
 def learning_rate_schedule(config: Config) -> optax.Schedule:
@@ -33,3 +37,10 @@ def adamw(config: Config) -> optax.GradientTransformation:
       eps=config.adam_eps,
       weight_decay=config.adam_weight_decay,
   )
+
+
+def create(config: Config, axes: Mapping[str, Any]) -> optax.GradientTransformation:
+  """The run's optimizer (`opt_type`) over a trained tree whose leaves have the logical `axes` (canonical)."""
+  if config.opt_type == "muon":
+    return muon.muon(config, learning_rate_schedule(config), axes)
+  return adamw(config)

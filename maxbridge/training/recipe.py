@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 from maxbridge.core.config import Config
 from maxbridge.models import dispatch, lora
 from maxbridge.models.model import LinenModel
-from maxbridge.training import hooks, qk_clip, vocab_tiling
+from maxbridge.training import distill, hooks, qk_clip, vocab_tiling
 from maxbridge.training.backends import LinenTrainer, NNXTrainer
 from maxbridge.training.loss import CrossEntropy, Loss
 from maxbridge.training.posttrain import dpo, grpo
@@ -20,11 +20,15 @@ from maxbridge.training.trainer import AfterUpdate, Trainer
 
 
 def create_loss(config: Config) -> Loss:
-  """The training objective for `config`: DPO, GRPO, tiled or plain cross-entropy (SFT is cross-entropy on SFT rows)."""
+  """The training objective for `config`: DPO, GRPO, distillation from a teacher, tiled or plain cross-entropy (SFT
+  is cross-entropy on SFT rows)."""
   if config.use_dpo:
     return dpo.DPO(config.dpo_beta, config.dpo_label_smoothing)
   if config.use_grpo:
     return grpo.GRPO(config.grpo_beta, config.grpo_epsilon)
+  if distill.is_enabled(config):
+    teacher = None if config.distill_logits_path else distill.Teacher.for_student(config)
+    return distill.Distillation(config, teacher)
   if config.num_vocab_tiling > 1:
     return vocab_tiling.TiledCrossEntropy(config)
   return CrossEntropy(z_loss_multiplier=config.z_loss_multiplier)
@@ -64,13 +68,15 @@ def create_hooks(config: Config, trainer: Trainer) -> tuple[hooks.Data | hooks.S
   """(the batch source, the feature hooks) of a run of `config` by `trainer` (whose loss may be a caller's own).
 
   GRPO samples its batches from the policy; DPO's and GRPO's losses read the
-  frozen starting policy; LoRA checks the base it resumes on; QK-Clip logs the
-  largest attention logit.
+  frozen starting policy; distillation checks the teacher it resumes with; LoRA
+  checks the base it resumes on; QK-Clip logs the largest attention logit.
   """
   source = hooks.Sampled(config, trainer) if config.use_grpo else hooks.Data(config)
   run_hooks: list[hooks.Hook] = []
   if trainer.loss.frozen_reference:
     run_hooks.append(hooks.FrozenReference())
+  if trainer.loss.teacher is not None:
+    run_hooks.append(hooks.TeacherReference())
   if lora.is_enabled(config):
     run_hooks.append(hooks.LoraBase())
   if config.use_qk_clip:

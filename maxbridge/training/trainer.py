@@ -131,10 +131,10 @@ class Trainer(abc.ABC):
     self.config = config
     self.mesh = sharding.create_mesh(config) if mesh is None else mesh
     self.rules = config.logical_axis_rules
-    self.tx = optimizers.adamw(config)
     self.schedule = optimizers.learning_rate_schedule(config)
     self.abstract_params = abstract_params
     self.trainable = trainable(config, abstract_params, kernel_axes)
+    self.tx = optimizers.create(config, self.trainable.trained_axes)
     self.loss = loss
     self.after_update = after_update
     # The frozen reference (canonical parameters) a `frozen_reference` loss reads; see set_reference.
@@ -172,17 +172,46 @@ class Trainer(abc.ABC):
     return self.params(self.state_shardings) if self._copies_reference else None
 
   @functools.cached_property
+  def _teacher_shardings(self) -> Any:
+    if self.loss.teacher is None:
+      return None
+    return jax.tree.map(
+        lambda axes: sharding.named_sharding(self.mesh, axes, self.rules),
+        self.loss.teacher.logical_axes,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+  @functools.cached_property
+  def teacher_params(self) -> Any:
+    """The frozen teacher's parameters (distillation), placed once by its own logical axes on this mesh: the
+    run's only copy. They enter the step as an argument, never as constants of it."""
+    if self.loss.teacher is None:
+      return None
+    return jax.device_put(self.loss.teacher.take_params(), self._teacher_shardings)
+
+  def _teacher_arg(self, abstract: bool = False):
+    if abstract and self.loss.teacher is not None and "teacher_params" not in self.__dict__:
+      # Ahead-of-time lowering needs shapes only: nothing is read or placed.
+      return jax.tree.map(
+          lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+          self.loss.teacher.abstract_params,
+          self._teacher_shardings,
+      )
+    return self.teacher_params
+
+  @functools.cached_property
   def _jitted_train_step(self):
     return jax.jit(
         self._train_step,
-        in_shardings=(self.state_shardings, self.batch_sharding, self._reference_shardings),
+        in_shardings=(self.state_shardings, self.batch_sharding, self._reference_shardings, self._teacher_shardings),
         out_shardings=(self.state_shardings, None),
         donate_argnums=0,
     )
 
   @functools.cached_property
   def _jitted_eval_step(self):
-    return jax.jit(self._eval_step, in_shardings=(self.state_shardings, self.batch_sharding, self._reference_shardings))
+    shardings = (self.state_shardings, self.batch_sharding, self._reference_shardings, self._teacher_shardings)
+    return jax.jit(self._eval_step, in_shardings=shardings)
 
   def set_reference(self, state) -> None:
     """Holds a copy of `state`'s parameters as the frozen reference of a `frozen_reference` loss (DPO).
@@ -223,12 +252,14 @@ class Trainer(abc.ABC):
   def train_step(self, state, batch: Batch):
     """(state, global batch) -> (new state, metrics); `state` is donated."""
     with sharding.active(self.mesh, self.rules):
-      return self._jitted_train_step(state, self.loss_batch(batch), self._reference_arg())
+      return self._jitted_train_step(state, self.loss_batch(batch), self._reference_arg(), self._teacher_arg())
 
   def lower_train_step(self, state, batch: Batch):
     """The train step lowered for (possibly abstract, sharded) inputs: `.compile()` it."""
     with sharding.active(self.mesh, self.rules):
-      return self._jitted_train_step.lower(state, self.loss_batch(batch), self._reference_arg(abstract=True))
+      return self._jitted_train_step.lower(
+          state, self.loss_batch(batch), self._reference_arg(abstract=True), self._teacher_arg(abstract=True)
+      )
 
   def compile_train_step(self, state, batch: Batch):
     """(the compiled step, `step(state) -> (state, metrics)` running it on `batch`).
@@ -236,7 +267,7 @@ class Trainer(abc.ABC):
     One compile serves both XLA's analyses of the executable and timed steps.
     """
     compiled = self.lower_train_step(state, batch).compile()
-    args = (self.loss_batch(batch), self._reference_arg())
+    args = (self.loss_batch(batch), self._reference_arg(), self._teacher_arg())
 
     def step(state):
       with sharding.active(self.mesh, self.rules):
@@ -246,7 +277,7 @@ class Trainer(abc.ABC):
 
   def eval_step(self, state, batch: Batch) -> dict:
     with sharding.active(self.mesh, self.rules):
-      return self._jitted_eval_step(state, self.loss_batch(batch), self._reference_arg())
+      return self._jitted_eval_step(state, self.loss_batch(batch), self._reference_arg(), self._teacher_arg())
 
   def init_state(self, seed: int):
     """The initial state, created directly in its shardings (never whole on one device)."""
@@ -356,21 +387,24 @@ class Trainer(abc.ABC):
   def _forward(self, bound: Bound, params: Params, frozen, tokens, positions, segment_ids):
     return self._run(bound, self._canonical_view(bound, params), frozen, tokens, positions, segment_ids)
 
-  def _loss(self, bound: Bound, params: Params, batch: Batch, reference: Params | None = None):
+  def _loss(self, bound: Bound, params: Params, batch: Batch, reference: Params | None = None, teacher=None):
     apply = functools.partial(self._forward, bound)
     view = functools.partial(self._canonical_view, bound)
     # The reference pass reads the parameters the step started from, or the
     # frozen `reference`: a constant of the differentiation either way, so no
-    # gradient flows through it.
+    # gradient flows through it. A distillation loss's is its teacher's forward pass.
     forward = None
-    if self.loss.needs_reference:
+    if self.loss.teacher is not None:
+      forward = Forward(self.loss.teacher.apply, jax.lax.stop_gradient(teacher), None)
+    elif self.loss.needs_reference:
       fixed = bound.params if reference is None else self.trainable.reference(bound.params, reference)
       forward = Forward(apply, jax.lax.stop_gradient(fixed), bound.frozen, view)
     return self.loss(Forward(apply, params, bound.frozen, view), batch, forward)
 
-  def _train_step(self, state, batch: Batch, reference: Params | None = None):
+  def _train_step(self, state, batch: Batch, reference: Params | None = None, teacher=None):
     bound = self._bind(state)._replace(training=True)
-    value_and_grad = jax.value_and_grad(functools.partial(self._loss, bound, reference=reference), has_aux=True)
+    loss = functools.partial(self._loss, bound, reference=reference, teacher=teacher)
+    value_and_grad = jax.value_and_grad(loss, has_aux=True)
     with quantization.stochastic_rounding(self.config, bound.step):
       grads, metrics = accumulate_gradients(value_and_grad, bound.params, batch, self.config.gradient_accumulation_steps)
     grads, grad_norm = clip_gradients(grads, self.config.gradient_clipping_threshold)
@@ -380,9 +414,9 @@ class Trainer(abc.ABC):
       state = self.replace_params(state, self.after_update(self.params(state), metrics))
     return state, metrics
 
-  def _eval_step(self, state, batch: Batch, reference: Params | None = None):
+  def _eval_step(self, state, batch: Batch, reference: Params | None = None, teacher=None):
     bound = self._bind(state)
-    loss_sum, aux = self._loss(bound, bound.params, batch, reference)
+    loss_sum, aux = self._loss(bound, bound.params, batch, reference, teacher)
     return {"loss": loss_sum / jnp.maximum(aux["tokens"], 1.0), "tokens": aux["tokens"]}
 
   # --- backend hooks ---------------------------------------------------------

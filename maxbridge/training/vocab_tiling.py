@@ -27,6 +27,9 @@ from maxbridge.ops import linear, losses, output_head
 
 # head(trainable, frozen, hidden [rows, D]) -> float32 logits [rows, V]
 Head = Callable[[Any, Any, jax.Array], jax.Array]
+# tile_loss(trainable, frozen, hidden [rows, D], targets [rows], weights [rows]) -> (the float32 sum the step
+# differentiates, a tree of float32 metric sums): one tile's share of a loss (cross-entropy; distillation's KL).
+TileLoss = Callable[[Any, Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
 
 
 def valid_tilings(rows: int) -> list[int]:
@@ -60,21 +63,26 @@ def _tile_inputs(hidden, targets, weights, num_tiles):
   return _tiles(hidden, num_tiles), _tiles(targets, num_tiles), _tiles(weights, num_tiles)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6, 7))
-def _tiled_loss(head, trainable, frozen, hidden, targets, weights, num_tiles, z_loss_multiplier):
+def _zero_sums(tile_loss: TileLoss, trainable, frozen, tiles):
+  # The carry stays float32 whatever the activation dtype.
+  shapes = jax.eval_shape(tile_loss, trainable, frozen, *jax.tree.map(lambda x: x[0], tiles))
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
+def _tiled_loss(tile_loss, trainable, frozen, hidden, targets, weights, num_tiles):
   """Undifferentiated (evaluation): the sums alone, one tile's logits at a time."""
 
   def body(total, tile):
     h, t, w = tile
     h = sharding.constrain(h, ("activation_batch", "activation_embed"))
-    return jax.tree.map(jnp.add, total, _tile_loss(head, z_loss_multiplier, trainable, frozen, h, t, w)), None
+    return jax.tree.map(jnp.add, total, tile_loss(trainable, frozen, h, t, w)), None
 
-  # The carry stays float32 whatever the activation dtype.
-  zero = jnp.zeros((), jnp.float32)
-  return jax.lax.scan(body, (zero, zero), _tile_inputs(hidden, targets, weights, num_tiles))[0]
+  tiles = _tile_inputs(hidden, targets, weights, num_tiles)
+  return jax.lax.scan(body, _zero_sums(tile_loss, trainable, frozen, tiles), tiles)[0]
 
 
-def _forward(head, trainable, frozen, hidden, targets, weights, num_tiles, z_loss_multiplier):
+def _forward(tile_loss, trainable, frozen, hidden, targets, weights, num_tiles):
   """Differentiated (training): the sums and, in the same pass over each tile, their gradient.
 
   The loss is a scalar, so its gradient is a fixed field scaled by the
@@ -87,27 +95,23 @@ def _forward(head, trainable, frozen, hidden, targets, weights, num_tiles, z_los
     total, grad_sum = carry
     h, t, w = tile
     h = sharding.constrain(h, ("activation_batch", "activation_embed"))
-    token_sum, vjp, z_sum = jax.vjp(
-        lambda p, x: _tile_loss(head, z_loss_multiplier, p, frozen, x, t, w), trainable, h, has_aux=True
-    )
+    token_sum, vjp, metric_sums = jax.vjp(lambda p, x: tile_loss(p, frozen, x, t, w), trainable, h, has_aux=True)
     grad_params, grad_hidden = vjp(jnp.ones((), jnp.float32))
-    total = jax.tree.map(jnp.add, total, (token_sum, z_sum))
+    total = jax.tree.map(jnp.add, total, (token_sum, metric_sums))
     return (total, jax.tree.map(jnp.add, grad_sum, grad_params)), grad_hidden
 
-  zero = jnp.zeros((), jnp.float32)
+  tiles = _tile_inputs(hidden, targets, weights, num_tiles)
   # Accumulate in float32 even for bfloat16 weights: N partial sums would round otherwise.
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), trainable)
-  (sums, grad_params), grad_hidden = jax.lax.scan(
-      body, ((zero, zero), zeros), _tile_inputs(hidden, targets, weights, num_tiles)
-  )
+  (sums, grad_params), grad_hidden = jax.lax.scan(body, (_zero_sums(tile_loss, trainable, frozen, tiles), zeros), tiles)
   grad_hidden = _untile(grad_hidden, hidden.shape)
   return sums, (grad_params, grad_hidden, trainable, frozen, hidden, targets, weights)
 
 
-def _backward(head, num_tiles, z_loss_multiplier, residuals, cotangents):
+def _backward(tile_loss, num_tiles, residuals, cotangents):
   grad_params, grad_hidden, trainable, frozen, hidden, targets, weights = residuals
-  # The z-loss sum is a metric: `tiled_cross_entropy` stops its gradient, so
-  # its cotangent is always zero; the token sum already includes the z-loss.
+  # The metric sums (the z-loss's) are metrics: `tiled_sums` stops their
+  # gradient, so their cotangent is always zero; the token sum already includes the z-loss.
   scale, _ = cotangents
   # Explicit zeros, never None, for everything not differentiated: the frozen
   # state may hold scanned stacks whose layer axis is not 0, which a None
@@ -149,6 +153,19 @@ def tiled_cross_entropy(
   but not differentiated, and the z-loss sum is a metric with no gradient.
   Equal to `losses.cross_entropy_with_z_loss` on `head`'s full logits, summed.
   """
+  tile_loss = functools.partial(_tile_loss, head, z_loss_multiplier)
+  return tiled_sums(tile_loss, trainable, frozen, hidden, targets, weights, num_tiles=num_tiles)
+
+
+def tiled_sums(
+    tile_loss: TileLoss, trainable: Any, frozen: Any, hidden: jax.Array, targets: jax.Array, weights, *, num_tiles: int
+) -> tuple[jax.Array, Any]:
+  """(sum of `tile_loss`'s first output over all tiles, the sum of its metric tree), in float32.
+
+  `tiled_cross_entropy` with any per-tile loss: gradients flow from the first
+  sum to `trainable` and `hidden` [B, T, D], taken tile by tile; the metrics
+  have none.
+  """
   rows = hidden.shape[0] * hidden.shape[1]
   if num_tiles < 1 or rows % num_tiles:
     valid = valid_tilings(rows)
@@ -160,10 +177,10 @@ def tiled_cross_entropy(
     raise ValueError(
         f"tiled_cross_entropy: targets {targets.shape} and weights {weights.shape} must be {hidden.shape[:2]}"
     )
-  token_sum, z_loss_sum = _tiled_loss(
-      head, trainable, frozen, hidden, targets, weights.astype(jnp.float32), num_tiles, z_loss_multiplier
+  token_sum, metric_sums = _tiled_loss(
+      tile_loss, trainable, frozen, hidden, targets, weights.astype(jnp.float32), num_tiles
   )
-  return token_sum, jax.lax.stop_gradient(z_loss_sum)
+  return token_sum, jax.lax.stop_gradient(metric_sums)
 
 
 def head_params(config: Config, params: Mapping[str, Any]) -> dict:

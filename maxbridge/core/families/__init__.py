@@ -9,7 +9,7 @@ layer class. A new family is one module here and one line in `REGISTRY`.
 Pure Python (no jax), like the config that validates against it.
 """
 
-from maxbridge.core.families import deepseek, gemma, gpt3, gpt_oss, llama, mixtral, olmo2, olmo3, qwen3_moe
+from maxbridge.core.families import deepseek, gemma, gemma3, gpt3, gpt_oss, llama, mixtral, olmo2, olmo3, qwen3_moe
 from maxbridge.core.families.base import ClipPiece, Family, Stack, query_kernel_carries_scale
 
 REGISTRY: tuple[Family, ...] = (
@@ -22,6 +22,7 @@ REGISTRY: tuple[Family, ...] = (
     qwen3_moe.FAMILY,
     gemma.GEMMA,
     gemma.GEMMA2,
+    gemma3.FAMILY,
     gpt_oss.FAMILY,
 )
 

@@ -7,7 +7,7 @@ check a config before JAX starts.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 # A `maxbridge.core.config.Config`; that module reads the registry, so this package cannot import it.
 Config = Any
@@ -28,6 +28,10 @@ class Stack:
   # A stack of blocks of several Hugging Face layers (Gemma 2's local then global layer):
   # each block's sub-layer names, in depth order; () for a stack of single layers.
   sublayers: tuple[str, ...] = ()
+  # How a block names its sub-layers' modules (`canonical.sublayer_path`): nested
+  # (`local/self_attention`), or, as MaxText's Gemma2DecoderLayer does, suffixed
+  # (`self_attention_local`), so that MaxText's checkpoints load as they are.
+  suffixed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +66,12 @@ class Family:
   # Whether a windowed layer's decode cache is a ring of its window; False where
   # only some layers are windowed (Gemma 2): every layer then caches every token.
   ring_cache: bool = True
+  # Whether sliding-window and global layers take their own RoPE (local_rope_max_timescale,
+  # rope_linear_scaling_factor: `ops.rotary.layer_rope`); elsewhere those keys must stay unset.
+  layer_rope: bool = False
+  # MaxText keys whose value this family fixes (MaxText's model yml for it sets them,
+  # maxbridge computes only that): they override `config_rules`' fixed values.
+  maxtext_fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def layer_stacks(self, config: Config) -> tuple[tuple[str, int], ...]:
     """(stack name, number of layers) of the non-empty stacks, in depth order."""

@@ -8,8 +8,12 @@ Face's (1 + w), and the query kernel carries attention's scale. The Hugging
 Face rules convert at the boundary.
 
 Gemma 2 alternates a sliding-window layer and a global one. As in MaxText, a
-stacked layer is a block of the two (`local`, `global`), so `base_num_decoder_layers`
-counts blocks: half of Hugging Face's `num_hidden_layers`.
+stacked layer is a block of the two, so `base_num_decoder_layers` counts blocks:
+half of Hugging Face's `num_hidden_layers`. The block is MaxText's
+Gemma2DecoderLayer: one scope whose module names end in their sub-layer
+(`pre_self_attention_norm_local`, `self_attention_global`, `mlp_local`, ...), so
+MaxText's gemma2 checkpoints (scanned `decoder/layers/...`, unscanned
+`decoder/layers_<i>/...`) load as they are.
 """
 
 from __future__ import annotations
@@ -104,7 +108,11 @@ GEMMA_RULES = (
     *_ATTENTION_RULES,
     *llama.GATED_MLP_RULES,
 )
-# `{layer}` is a sub-layer of a block here (`decoder/layers_0/local`): Hugging Face's layer 2i and 2i + 1.
+# Gemma 2's block: its sub-layers in depth order, each module name suffixed by one (`self_attention_local`).
+GEMMA2_SUBLAYERS = ("local", "global")
+LOCAL = "local"  # the sliding-window one
+# `{layer}/x` is x in a sub-layer of a block here (`decoder/layers_0/self_attention_local/...` for
+# `self_attention/...`, `canonical.sublayer_path`): Hugging Face's layers 2i (local) and 2i + 1 (global).
 GEMMA2_RULES = (
     *_COMMON_RULES,
     Rule("model.layers.{layer}.input_layernorm.weight", "{layer}/pre_self_attention_norm/scale", PlusOne()),
@@ -151,7 +159,7 @@ GEMMA2_CONFIG = ConfigClass(
 )
 
 
-def _read_common(hf: Mapping[str, Any], decoder_block: str, activation: str) -> dict[str, Any]:
+def read_common(hf: Mapping[str, Any], decoder_block: str, activation: str) -> dict[str, Any]:
   require_one_of(hf, activation, TANH_GELUS)
   require(hf, "attention_bias", False, False)
   # transformers' Gemma attends both ways when this is set (an encoder): not a causal LM.
@@ -173,10 +181,10 @@ def _read_common(hf: Mapping[str, Any], decoder_block: str, activation: str) -> 
 
 def _gemma_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
   hf = GEMMA_CONFIG.read(raw)
-  return {**_read_common(hf, "gemma", "hidden_act"), "base_num_decoder_layers": get_int(hf, "num_hidden_layers")}
+  return {**read_common(hf, "gemma", "hidden_act"), "base_num_decoder_layers": get_int(hf, "num_hidden_layers")}
 
 
-def _soft_cap(hf: Mapping[str, Any], key: str) -> float:
+def soft_cap(hf: Mapping[str, Any], key: str) -> float:
   # null (or 0, which transformers' `is not None` would divide by) turns it off.
   value = get_float(hf, key, 0.0)
   if value < 0:
@@ -206,16 +214,16 @@ def _gemma2_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
   if scalar <= 0:
     raise HFError(f"{CONFIG_FILE}: query_pre_attn_scalar={scalar!r} must be > 0")
   return {
-      **_read_common(hf, "gemma2", "hidden_activation"),
+      **read_common(hf, "gemma2", "hidden_activation"),
       "base_num_decoder_layers": layers // 2,
       "sliding_window_size": window,
-      "attn_logits_soft_cap": _soft_cap(hf, "attn_logit_softcapping"),
-      "final_logits_soft_cap": _soft_cap(hf, "final_logit_softcapping"),
+      "attn_logits_soft_cap": soft_cap(hf, "attn_logit_softcapping"),
+      "final_logits_soft_cap": soft_cap(hf, "final_logit_softcapping"),
       "query_pre_attn_scalar": scalar,
   }
 
 
-def _common_to_hf(cfg: Config, layers: int) -> dict[str, Any]:
+def common_to_hf(cfg: Config, layers: int) -> dict[str, Any]:
   return {
       "hidden_size": cfg.emb_dim,
       "num_attention_heads": cfg.num_query_heads,
@@ -233,13 +241,13 @@ def _common_to_hf(cfg: Config, layers: int) -> dict[str, Any]:
 
 
 def _gemma_to_hf(cfg: Config) -> dict[str, Any]:
-  return {**_common_to_hf(cfg, cfg.num_decoder_layers), "hidden_act": "gelu_pytorch_tanh"}
+  return {**common_to_hf(cfg, cfg.num_decoder_layers), "hidden_act": "gelu_pytorch_tanh"}
 
 
 def _gemma2_to_hf(cfg: Config) -> dict[str, Any]:
   layers = 2 * cfg.num_decoder_layers
   return {
-      **_common_to_hf(cfg, layers),
+      **common_to_hf(cfg, layers),
       "hidden_activation": "gelu_pytorch_tanh",
       "sliding_window": cfg.sliding_window_size,
       "layer_types": ["sliding_attention", "full_attention"] * cfg.num_decoder_layers,
@@ -277,6 +285,11 @@ def _gemma2_check(config: Config) -> list[str]:
   return broken(_no_qk_norm(config), window, clip)
 
 
+# MaxText's model yml keys for what every Gemma computes: GeGLU (its "gelu" is tanh-approximated,
+# as Flax's nn.gelu), and from Gemma 2 on, the norms after attention and after the MLP.
+MAXTEXT_GEGLU = {"mlp_activations": ["gelu", "linear"]}
+MAXTEXT_GEMMA2 = {**MAXTEXT_GEGLU, "use_post_attn_norm": True, "use_post_ffw_norm": True}
+
 GEMMA = Family(
     decoder_blocks=("gemma",),
     stacks=(Stack("layers", "gemma"),),
@@ -297,11 +310,12 @@ GEMMA = Family(
         ),
     ),
     check=_gemma_check,
+    maxtext_fixed=MAXTEXT_GEGLU,
 )
 
 GEMMA2 = Family(
     decoder_blocks=("gemma2",),
-    stacks=(Stack("layers", "gemma2", sublayers=("local", "global")),),
+    stacks=(Stack("layers", "gemma2", sublayers=GEMMA2_SUBLAYERS, suffixed=True),),
     norm="rms_norm",
     query_kernel_carries_scale=True,
     cache_entries=key_value_cache,
@@ -320,4 +334,5 @@ GEMMA2 = Family(
     ),
     check=_gemma2_check,
     ring_cache=False,
+    maxtext_fixed=MAXTEXT_GEMMA2,
 )

@@ -101,7 +101,10 @@ def _expansions(rule: Rule, cfg: Config) -> list[tuple[int | None, str]]:
   """(Hugging Face layer index, canonical path) pairs a rule can produce."""
   if "{layer}" not in rule.ours:
     return [(None, rule.ours)]
-  return [(i, rule.ours.format(layer=path)) for i, path in enumerate(canonical.layer_paths(cfg))]
+  under = rule.ours.removeprefix("{layer}/")
+  if "{layer}" in under:
+    raise ValueError(f"rule {rule.hf} -> {rule.ours}: a canonical template must start with '{{layer}}/'")
+  return list(enumerate(canonical.layer_paths(cfg, under)))
 
 
 def to_hf_tensors(params: Mapping[str, Any], cfg: Config) -> dict[str, Any]:

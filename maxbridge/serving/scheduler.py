@@ -1,0 +1,395 @@
+"""Continuous batching over `mb.Engine`'s slots: one thread owns the engine, requests come and go between steps.
+
+Between two decode steps the loop admits waiting requests into free slots
+(prefilled together, `prefill_batch`, when several wait; a request of n
+choices by one `prefill_multisampling` and `bulk_insert`), and frees at once
+the slots of choices that finished (max_tokens, a stop string, end of
+sequence) or whose request was cancelled (the client went away). Each slot
+samples by its own request's settings (`SlotSampling`). Text is decoded here,
+token by token, so that a stop string ends its slot on the step that makes it.
+
+The loop talks to the server only through `Request.emit` (called on this
+thread with one event per token and one per finished choice) and `cancel`.
+"""
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxbridge.serving.engine import Engine, SlotSampling, sample_slots
+
+log = logging.getLogger(__name__)
+
+# Most alternatives a request may ask per token (OpenAI's top_logprobs maximum); one compiled shape serves all.
+MAX_LOGPROBS = 20
+
+
+class QueueFull(Exception):
+  """The bounded queue of waiting requests is full: the caller should retry later (HTTP 429)."""
+
+
+class Draining(Exception):
+  """The server is shutting down and admits nothing new (HTTP 503)."""
+
+
+@dataclasses.dataclass
+class SamplingParams:
+  max_tokens: int
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  n: int = 1
+  seed: int = 0
+  stop: tuple[str, ...] = ()
+  logprobs: int | None = None  # alternatives per token, or None for no log-probabilities
+
+
+@dataclasses.dataclass
+class TokenEvent:
+  """One generated token of choice `index`: the text it adds (held back while it may start a stop string)."""
+
+  index: int
+  text: str
+  token: int
+  logprob: float | None = None
+  top: list[tuple[int, float]] | None = None
+
+
+@dataclasses.dataclass
+class FinishEvent:
+  index: int
+  reason: str  # "stop" | "length" | "cancelled"
+  text: str = ""  # text held back until now
+
+
+@dataclasses.dataclass
+class _Choice:
+  request: "Request"
+  index: int
+  slot: int
+  ids: list[int] = dataclasses.field(default_factory=list)
+  sent: int = 0  # characters of the decoded text already emitted
+
+
+class Request:
+  """A prompt with its sampling; `emit(event)` is called on the loop's thread for each `TokenEvent`/`FinishEvent`."""
+
+  def __init__(self, prompt: list[int], params: SamplingParams, emit: Callable[[object], None]):
+    self.prompt, self.params, self.emit = prompt, params, emit
+    self.cancelled = False
+    self.submitted = time.monotonic()
+    self.first_token: float | None = None
+
+
+class Scheduler:
+  """Runs `engine` on its own thread; `submit` queues a request, `cancel` drops it, `drain` lets the rest finish."""
+
+  def __init__(
+      self, engine: Engine, decode: Callable[[list[int]], str], *, eos_ids=(), max_queue: int = 64, metrics=None
+  ):
+    self.engine, self.decode, self.eos_ids = engine, decode, frozenset(eos_ids)
+    self.max_queue, self.metrics = max_queue, metrics
+    self.slots: list[_Choice | None] = [None] * engine.max_concurrent_decodes
+    self._waiting: collections.deque[Request] = collections.deque()
+    self._cond = threading.Condition()
+    self._draining = self._stopped = False
+    self._thread = threading.Thread(target=self._run, name="maxbridge-decode", daemon=True)
+    self._sample_first = jax.jit(sample_slots)
+    self._top_logprobs = jax.jit(_top_logprobs)
+    self._sampling = SlotSampling(
+        np.zeros(len(self.slots), np.float32),
+        np.zeros(len(self.slots), np.int32),
+        np.ones(len(self.slots), np.float32),
+        np.zeros(len(self.slots), np.uint32),
+    )
+    self._device_sampling = None  # the arrays above on the device, remade only when a slot's request changes
+    self._pending_release: list[int] = []  # slots of finished choices, freed in the engine before the next step
+    self._admitting = 0  # slots of requests taken off the queue and not yet inserted
+    self.error: BaseException | None = None
+
+  # --- the server's side ------------------------------------------------------------------------
+
+  def start(self) -> None:
+    self._thread.start()
+
+  def submit(self, request: Request) -> None:
+    with self._cond:
+      if self._draining:
+        raise Draining("the server is shutting down")
+      # Requests the free slots will take on the loop's next turn are not queued yet, whatever that turn costs.
+      unclaimed = len(self.slots) - self.busy_slots - self._admitting
+      if len(self._waiting) - unclaimed >= self.max_queue:
+        raise QueueFull(f"{len(self._waiting)} requests are waiting, the most this server queues (--max-queue)")
+      self._waiting.append(request)
+      self._gauge("queue_depth", len(self._waiting))
+      self._cond.notify()
+
+  def cancel(self, request: Request) -> None:
+    with self._cond:
+      request.cancelled = True
+      self._cond.notify()
+
+  def drain(self) -> None:
+    """Admits nothing new; what is queued or decoding goes on."""
+    with self._cond:
+      self._draining = True
+      self._cond.notify()
+
+  def stop(self, timeout: float) -> None:
+    """Drains, waits up to `timeout` s for requests in flight, then cancels the rest and ends the loop."""
+    self.drain()
+    deadline = time.monotonic() + timeout
+    with self._cond:
+      while (self._waiting or any(self.slots)) and self._thread.is_alive() and time.monotonic() < deadline:
+        self._cond.wait(0.05)
+      for request in {*self._waiting, *(c.request for c in self.slots if c)}:
+        request.cancelled = True
+      self._stopped = True
+      self._cond.notify()
+    self._thread.join(timeout=max(1.0, deadline - time.monotonic()))
+
+  @property
+  def busy_slots(self) -> int:
+    return sum(choice is not None for choice in self.slots)
+
+  # --- the loop ---------------------------------------------------------------------------------
+
+  def _run(self) -> None:
+    try:
+      state = self.engine.init_decode_state()
+      # A step's tokens are read after the next step is dispatched: the host's work on them (text, stop
+      # strings, streaming) overlaps the device's next step instead of leaving it idle. A choice that
+      # finished decodes one step more, whose token is dropped, before its slot is freed.
+      pending = None
+      while True:
+        with self._cond:
+          while not self._stopped and not self._waiting and not any(self.slots) and pending is None:
+            self._cond.notify_all()  # `stop` waits for an empty engine
+            self._cond.wait()
+          if self._stopped and not any(self.slots) and pending is None:
+            for request in self._waiting:
+              request.emit(FinishEvent(0, "cancelled"))
+            self._waiting.clear()
+            return
+          admitted = self._admit()
+        state = self._release(state, [c for c in self.slots if c and c.request.cancelled], "cancelled")
+        state = self._release(self._insert(state, admitted), [], "")
+        launched = None
+        if any(self.slots):
+          state, launched = self._launch(state)
+        if pending is not None:
+          self._collect(pending)
+          state = self._release(state, [], "")
+        pending = launched
+    except BaseException as e:  # pylint: disable=broad-exception-caught
+      log.exception("the decode loop failed")
+      self.error = e
+      with self._cond:
+        for request in {*self._waiting, *(c.request for c in self.slots if c)}:
+          request.emit(FinishEvent(0, "error"))
+        self._waiting.clear()
+        self._stopped = True
+        self._cond.notify_all()
+
+  def _admit(self) -> list[Request]:
+    """Waiting requests, in order, while their choices fit the free slots (called holding the lock)."""
+    free = len(self.slots) - self.busy_slots
+    admitted = []
+    while self._waiting and (self._waiting[0].cancelled or self._waiting[0].params.n <= free):
+      request = self._waiting.popleft()
+      if request.cancelled:
+        request.emit(FinishEvent(0, "cancelled"))
+        continue
+      free -= request.params.n
+      self._admitting += request.params.n
+      admitted.append(request)
+    self._gauge("queue_depth", len(self._waiting))
+    return admitted
+
+  def _insert(self, state, requests: list[Request]):
+    if not requests:
+      return state
+    single = [r for r in requests if r.params.n == 1]
+    prefixes = {}
+    # In batches of a power of two: `prefill_batch` compiles once per batch size, and a size first met while
+    # serving stalls every stream for that compile (seconds on CPU); log2(slots) sizes bound those stalls.
+    while len(single) > 1:
+      size = 1 << (len(single).bit_length() - 1)
+      batch, single = single[:size], single[size:]
+      prefixes.update(zip(map(id, batch), self.engine.prefill_batch([r.prompt for r in batch])))
+    for request in requests:
+      if id(request) not in prefixes:
+        n = request.params.n
+        prefix = self.engine.prefill_multisampling(request.prompt, num_samples=n) if n > 1 else None
+        prefixes[id(request)] = prefix or self.engine.prefill(request.prompt)
+    free = iter(i for i, choice in enumerate(self.slots) if choice is None)
+    for request in requests:
+      prefix, params = prefixes[id(request)], request.params
+      slots = [next(free) for _ in range(params.n)]
+      rows = _rows(params)
+      for slot in slots:
+        for column, value in zip(self._sampling, rows):
+          column[slot] = value
+      # Each choice's first token by its request's own sampling (the engine's prefill samples by the config's).
+      sampling = SlotSampling(
+          *(
+              np.asarray([value + i if name == "seed" else value for i in range(params.n)])
+              for name, value in zip(SlotSampling._fields, rows)
+          )
+      )
+      first = self._sample_first(
+          jnp.broadcast_to(prefix.logits, (params.n, prefix.logits.shape[-1])),
+          sampling,
+          jnp.full((params.n,), len(request.prompt) - 1, jnp.int32),
+      )
+      self._seed_slots(slots, params)
+      state = self.engine.bulk_insert(prefix._replace(token=first if params.n > 1 else first[0]), state, slots)
+      choices = [_Choice(request, i, slot) for i, slot in enumerate(slots)]
+      with self._cond:
+        for choice in choices:
+          self.slots[choice.slot] = choice
+        self._admitting -= params.n
+      self._device_sampling = None
+      scores = None
+      if params.logprobs is not None:
+        logits = jnp.broadcast_to(prefix.logits, (params.n, prefix.logits.shape[-1]))
+        scores = tuple(map(np.asarray, self._top_logprobs(logits, first)))
+      self._deliver(choices, np.asarray(first), scores, range(params.n))
+    self._gauge("slots_busy", self.busy_slots)
+    return state
+
+  def _seed_slots(self, slots, params: SamplingParams) -> None:
+    # Choice i draws with seed + i: n choices of one prompt differ, and a seeded request repeats.
+    for i, slot in enumerate(slots):
+      self._sampling.seed[slot] = np.uint32((params.seed + i) % 2**32)
+
+  def _launch(self, state):
+    """Dispatches one decode step; (the new state, what `_collect` reads of it once the next is dispatched)."""
+    if self._device_sampling is None:
+      self._device_sampling = SlotSampling(*(jnp.asarray(column) for column in self._sampling))
+    state, tokens = self.engine.generate(state, sampling=self._device_sampling)
+    owners = [c for c in self.slots if c is not None]
+    scores = None
+    if any(c.request.params.logprobs is not None for c in owners):  # now: the next step donates state.logits
+      scores = self._top_logprobs(state.logits, tokens)
+    tokens.copy_to_host_async()
+    self._count("decode_steps", 1)
+    self._observe("slot_occupancy", len(owners))
+    return state, (tokens, scores, owners)
+
+  def _collect(self, launched) -> None:
+    tokens, scores, owners = launched
+    live = [c for c in owners if self.slots[c.slot] is c and not c.request.cancelled]
+    slots = [c.slot for c in live]
+    self._deliver(live, np.asarray(tokens), None if scores is None else tuple(map(np.asarray, scores)), slots)
+
+  def _deliver(self, choices: list[_Choice], tokens: np.ndarray, scores, rows) -> None:
+    """Each choice's new token (row `rows[i]` of `tokens` and of `scores`, `_top_logprobs`' arrays): emitted as
+    text, and its slot freed when that token ends the choice."""
+    self._count("generated_tokens", len(choices))
+    now = time.monotonic()
+    finished = []
+    for choice, row in zip(choices, rows):
+      request, params, token = choice.request, choice.request.params, int(tokens[row])
+      if request.cancelled:
+        continue
+      if request.first_token is None:
+        request.first_token = now
+        self._observe("ttft", now - request.submitted)
+      logprob = top = None
+      if params.logprobs is not None:
+        chosen, top_values, top_ids = scores
+        k = params.logprobs
+        logprob, top = float(chosen[row]), list(zip(top_ids[row, :k].tolist(), top_values[row, :k].tolist()))
+      if token in self.eos_ids:  # ends the choice; its own text is not part of the completion
+        finished.append((choice, "stop"))
+        continue
+      choice.ids.append(token)
+      text, reason = self._text(choice)
+      if reason is None and len(choice.ids) >= params.max_tokens:
+        reason = "length"
+      request.emit(TokenEvent(choice.index, text, token, logprob, top))  # one per token, its text maybe held back
+      if reason is not None:
+        finished.append((choice, reason))
+    for choice, reason in finished:
+      self._finish(choice, reason)
+
+  def _text(self, choice: _Choice) -> tuple[str, str | None]:
+    """(the text choice's newest token adds, "stop" if a stop string now ends it else None)."""
+    text = self.decode(choice.ids)
+    stops = choice.request.params.stop
+    found = [i for i in (text.find(s, max(0, choice.sent - len(s))) for s in stops) if i >= 0]
+    if found:
+      end = min(found)
+      out, choice.sent = text[choice.sent : end], end
+      return out, "stop"
+    # Hold back an unfinished UTF-8 sequence, and a tail that may yet become a stop string.
+    safe = len(text.rstrip("\ufffd"))
+    for s in stops:
+      for k in range(min(len(s) - 1, safe - choice.sent), 0, -1):
+        if text[:safe].endswith(s[:k]):
+          safe -= k
+          break
+    out = text[choice.sent : max(safe, choice.sent)]
+    choice.sent = max(safe, choice.sent)
+    return out, None
+
+  def _finish(self, choice: _Choice, reason: str) -> None:
+    """Frees the choice's slot; text held back (an unfinished character, a stop string's start) goes out now,
+    unless a stop string cut it."""
+    text = self.decode(choice.ids)
+    rest = text[choice.sent :] if choice.sent < len(text) and not self._stopped_by_string(choice, text) else ""
+    choice.request.emit(FinishEvent(choice.index, reason, rest))
+    self._pending_release.append(choice.slot)
+    self.slots[choice.slot] = None
+
+  def _stopped_by_string(self, choice: _Choice, text: str) -> bool:
+    return any(s in text for s in choice.request.params.stop)
+
+  def _release(self, state, cancelled: list[_Choice], reason: str):
+    for choice in cancelled:
+      choice.request.emit(FinishEvent(choice.index, reason))
+      self._pending_release.append(choice.slot)
+      self.slots[choice.slot] = None
+    if self._pending_release:
+      for slot in self._pending_release:  # idle slots decode greedily: no sort for them
+        self._sampling.temperature[slot] = 0
+      self._device_sampling = None
+      state = self.engine.release(state, self._pending_release)
+      self._pending_release = []
+      self._gauge("slots_busy", self.busy_slots)
+      with self._cond:
+        self._cond.notify_all()
+    return state
+
+  # --- metrics ----------------------------------------------------------------------------------
+
+  def _gauge(self, name, value):
+    if self.metrics is not None:
+      self.metrics.set(name, value)
+
+  def _count(self, name, value):
+    if self.metrics is not None:
+      self.metrics.inc(name, value)
+
+  def _observe(self, name, value):
+    if self.metrics is not None:
+      self.metrics.observe(name, value)
+
+
+def _rows(params: SamplingParams) -> tuple:
+  return (np.float32(params.temperature), np.int32(params.top_k), np.float32(params.top_p), np.uint32(params.seed))
+
+
+def _top_logprobs(logits, tokens):
+  """(log p of `tokens` [B], the MAX_LOGPROBS largest log p [B, K], their token ids [B, K]) under `logits` [B, V]."""
+  logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  values, ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logprobs.shape[-1]))
+  return jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0], values, ids

@@ -1,0 +1,321 @@
+"""Knowledge distillation: the student learns from a frozen teacher's softened distribution and from the labels.
+
+Per token, with the teacher's distribution p and the student's q, both at temperature T:
+
+    loss = alpha * T^2 * KL(p_T || q_T) + (1 - alpha) * cross-entropy(q, label)
+
+(Hinton et al.: T^2 keeps the soft term's gradients the size of the hard
+term's as T grows). On when `teacher_overrides` is set: the teacher's own
+config as a YAML mapping over the student's (its `model_name`, its
+`load_parameters_path`, its backend flags...). "{}" is the student's own model
+and starting weights. The teacher is read through
+`maxbridge.interop.pretrained` (ours, MaxText's, a Hugging Face folder; scanned
+or not), may be another size, family or backend, and must share the
+vocabulary.
+
+The teacher runs inside the same compiled step: its parameters are an
+argument of the step (the trainer places them once on the run's mesh), its
+forward pass the step's reference pass, under `stop_gradient`. With
+`num_vocab_tiling` > 1 the KL is tiled with the cross-entropy
+(`vocab_tiling.tiled_sums`): each tile computes both models' logits from their
+hidden states and heads, so neither model's [B, T, V] logits are ever held.
+
+Or offline: `write_logits` (`maxbridge distill-logits`) stores the teacher's
+top-k logits of the run's training batches, and a run with
+`distill_logits_path` reads them with its batches and runs no teacher; its KL
+is `kl_top_k`, on the teacher's top k renormalised.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+
+from maxbridge.core import canonical, files
+from maxbridge.core.config import Config, ConfigError, load_config
+from maxbridge.interop import pretrained
+from maxbridge.interop.hf.families import HFError
+from maxbridge.models import dispatch
+from maxbridge.ops import losses
+from maxbridge.training import data, vocab_tiling
+from maxbridge.training.loss import CrossEntropy, Forward, Loss
+
+# Keys a teacher of another model takes from the student unless its overrides say otherwise: the step's shapes,
+# dtype and backend.
+INHERITED = ("max_target_length", "dtype", "num_vocab_tiling", "pure_nnx", "enable_nnx", "pure_nnx_decoder")
+
+
+def is_enabled(config: Config) -> bool:
+  return bool(config.teacher_overrides.strip() or config.distill_logits_path)
+
+
+def teacher_overrides(config: Config) -> dict[str, Any]:
+  """`teacher_overrides` as a dict; a clear error if it is not a YAML mapping."""
+  try:
+    overrides = yaml.safe_load(config.teacher_overrides)
+  except yaml.YAMLError as e:
+    raise ConfigError(f"teacher_overrides={config.teacher_overrides!r} is not YAML: {e}") from e
+  if not isinstance(overrides, dict):
+    raise ConfigError(
+        f"teacher_overrides={config.teacher_overrides!r} must be a mapping of the teacher's config keys, e.g. "
+        "'{model_name: llama-small, load_parameters_path: /ckpt/5/items}' ('{}': the student's own model)"
+    )
+  return overrides
+
+
+def load_teacher(config: Config) -> tuple[Config, dict | None, str]:
+  """(the teacher's config, its canonical parameters or None for its seed's, where they come from) for `config`."""
+  overrides = teacher_overrides(config)
+  model_name = overrides.pop("model_name", None)
+  path = overrides.pop("load_parameters_path", None if model_name else config.load_parameters_path)
+  off = dict(teacher_overrides="", load_parameters_path="")
+  if path:
+    kwargs = {**{key: getattr(config, key) for key in INHERITED}, **overrides, **off}
+    try:
+      teacher_config, params = pretrained.load_pretrained(path, config=model_name, **kwargs)
+    except HFError as e:
+      raise ConfigError(f"teacher_overrides: the teacher at {path} cannot be read: {e} (give its model_name)") from e
+  else:  # initial weights from the seed: the student's own (model_name unset) or another model's
+    if model_name:
+      teacher_config = load_config(model_name, **{key: getattr(config, key) for key in INHERITED}, **overrides, **off)
+    else:
+      teacher_config = config.replace(**overrides, **off)
+    params = None
+  if teacher_config.vocab_size != config.vocab_size:
+    raise ConfigError(
+        f"teacher_overrides: the teacher's vocabulary ({teacher_config.vocab_size} tokens, "
+        f"{teacher_config.model_name}) is not the student's ({config.vocab_size} tokens, {config.model_name}); "
+        "distillation compares their distributions token by token, so both must share one vocabulary"
+    )
+  return teacher_config, params, os.path.abspath(path) if path else f"seed {teacher_config.seed}"
+
+
+class Teacher:
+  """A frozen model the loss reads: its config, parameter shapes and logical axes, and its forward pass.
+
+  It holds no placed parameters of its own: `take_params` hands them over once
+  (the trainer places them on its mesh, the one copy the run keeps), and its
+  model is abstract, so `maxbridge compile` lowers the step on shapes alone.
+  """
+
+  def __init__(self, config: Config, params: dict | None = None, source: str | None = None):
+    self.config = config
+    self.model = dispatch.abstract_model(config)
+    self.abstract_params = self.model.abstract_params()
+    self.logical_axes = self.model.logical_axes()
+    self.source = source or f"seed {config.seed}"  # as `hooks.TeacherReference` records it
+    self._params = params
+    self._taken = False
+
+  @classmethod
+  def for_student(cls, config: Config) -> Teacher:
+    return cls(*load_teacher(config))
+
+  def take_params(self) -> dict:
+    """The canonical parameters in the model's layout (None given: its seed's), handed over once."""
+    if self._taken:
+      raise RuntimeError("the teacher's parameters were handed over already: the trainer holds them (teacher_params)")
+    params, self._params, self._taken = self._params, None, True
+    if params is None:
+      return dispatch.create_model(self.config).params()
+    return canonical.conform(params, self.abstract_params, self.config.param_scan_axis)
+
+  def apply(self, params, frozen, tokens, positions, segment_ids):
+    """(logits, flat intermediates): `Forward`'s apply."""
+    del frozen
+    return self.model.apply_with_intermediates(params, tokens, positions, segment_ids)
+
+
+def kl_top_k(values: jax.Array, indices: jax.Array, student_logits: jax.Array, temperature: float) -> jax.Array:
+  """KL(p~_T || q_T) on the teacher's top k per position, [..., K] x [..., V] -> [...], in float32.
+
+  p~_T is the teacher's softmax at T renormalised over its k largest logits
+  (the mass of the rest is dropped); q_T is the student's softmax at T over
+  the whole vocabulary, read at those k tokens. With k = V it is `kl_per_token`.
+  """
+  log_p = jax.nn.log_softmax(values.astype(jnp.float32) / temperature)
+  log_q = jnp.take_along_axis(jax.nn.log_softmax(student_logits.astype(jnp.float32) / temperature), indices, axis=-1)
+  return jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+
+
+def kl_per_token(teacher_logits: jax.Array, student_logits: jax.Array, temperature: float) -> jax.Array:
+  """KL(p_T || q_T) per position, [..., V] -> [...], in float32."""
+  log_p = jax.nn.log_softmax(teacher_logits.astype(jnp.float32) / temperature)
+  log_q = jax.nn.log_softmax(student_logits.astype(jnp.float32) / temperature)
+  return jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+
+
+class Distillation(Loss):
+  """alpha * T^2 * KL(teacher || student at T) + (1 - alpha) * cross-entropy, plus the z-loss and MoE's."""
+
+  metric_keys = ("distill_kl", "distill_ce")
+
+  def __init__(self, config: Config, teacher: Teacher | None):
+    """`teacher` None: its top-k logits come with each batch (`distill_logits_path`, `OFFLINE_KEYS`)."""
+    self.config = config
+    self.teacher = teacher
+    self.alpha, self.temperature = config.distill_alpha, config.distill_temperature
+    self.batch_keys = CrossEntropy.batch_keys + (OFFLINE_KEYS if teacher is None else ())
+
+  def _per_token(self, student_logits, teacher_logits, targets):
+    """(the loss, cross-entropy + z-loss, z-loss, KL) per position; `teacher_logits` [..., V] or offline
+    (top-k values, their indices)."""
+    ce, z_loss = losses.cross_entropy_with_z_loss(
+        student_logits, targets, z_loss_multiplier=self.config.z_loss_multiplier
+    )
+    if isinstance(teacher_logits, tuple):
+      kl = kl_top_k(*teacher_logits, student_logits, self.temperature)
+    else:
+      kl = kl_per_token(teacher_logits, student_logits, self.temperature)
+    return (1.0 - self.alpha) * ce + self.alpha * self.temperature**2 * kl, ce, z_loss, kl
+
+  def _tile_loss(self, width: int, trainable, frozen, hidden, targets, weights):
+    # `hidden` is [student's | teacher's] hidden states; only the student's take a gradient.
+    student = vocab_tiling.canonical_head(self.config)(trainable, None, hidden[:, :width])
+    teacher = vocab_tiling.canonical_head(self.teacher.config)(frozen, None, jax.lax.stop_gradient(hidden[:, width:]))
+    loss, ce, z_loss, kl = self._per_token(student, teacher, targets)
+    return jnp.sum(loss * weights), {
+        "z": jnp.sum(z_loss * weights),
+        "ce": jnp.sum(ce * weights),
+        "kl": jnp.sum(kl * weights),
+    }
+
+  def __call__(self, forward: Forward, batch, reference: Forward | None = None):
+    inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+    mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
+    student_logits, intermediates = forward(*inputs)
+    tiles = self.config.num_vocab_tiling
+    if self.teacher is None:  # offline; config_rules keeps num_vocab_tiling at 1
+      teacher_logits, tiles = (batch["teacher_values"], batch["teacher_indices"]), 1
+    else:
+      teacher_logits, teacher_intermediates = reference(*inputs)
+    if tiles == 1:
+      loss, ce, z_loss, kl = self._per_token(student_logits, teacher_logits, batch["targets"])
+      total = jnp.sum(loss * mask)
+      sums = {"z": jnp.sum(z_loss * mask), "ce": jnp.sum(ce * mask), "kl": jnp.sum(kl * mask)}
+    else:
+      # Neither model's logits are read: XLA drops both, and each tile makes its own.
+      student_hidden = intermediates["decoder/hidden_states"]
+      teacher_hidden = teacher_intermediates["decoder/hidden_states"]
+      dtype = jnp.promote_types(student_hidden.dtype, teacher_hidden.dtype)
+      hidden = jnp.concatenate([student_hidden.astype(dtype), teacher_hidden.astype(dtype)], axis=-1)
+      total, sums = vocab_tiling.tiled_sums(
+          functools.partial(self._tile_loss, student_hidden.shape[-1]),
+          vocab_tiling.head_params(self.config, forward.canonical(forward.params)),
+          vocab_tiling.head_params(self.teacher.config, reference.params),
+          hidden,
+          batch["targets"],
+          mask,
+          num_tiles=tiles,
+      )
+    token_sum, aux = CrossEntropy.total(total, sums["z"], mask, intermediates)
+    return token_sum, {**aux, "distill_kl": sums["kl"], "distill_ce": sums["ce"]}
+
+
+# --- Offline teacher logits (`maxbridge distill-logits`, read back with `distill_logits_path`) ---
+
+# The batch entries an offline run's loss reads: the teacher's k largest logits (float32) per token and their
+# token ids (int32), [B, T, K].
+OFFLINE_KEYS = ("teacher_values", "teacher_indices")
+_META = "meta.json"
+
+
+def _step_file(folder: Path, step: int) -> Path:
+  return folder / f"step_{step:08d}.npz"
+
+
+def write_logits(config: Config, destination: str | os.PathLike, *, top_k: int, steps: int, rows: int) -> Path:
+  """Writes the teacher's top-k logits of the run's first `steps` training batches (`rows` rows each) as one
+  folder, all or nothing: `meta.json` and one `step_XXXXXXXX.npz` (values, indices) per step.
+
+  The batches are a pure function of the config (its data keys and seed) and
+  the step, so a run of `config` with `distill_logits_path=destination` reads
+  the logits of exactly the batches it trains on.
+  """
+  destination = Path(destination)
+  if destination.exists():
+    raise FileExistsError(f"{destination} exists; give a new folder for the teacher's logits")
+  if not 1 <= top_k <= config.vocab_size:
+    raise ValueError(f"--top-k {top_k}: must be in [1, vocab_size={config.vocab_size}]")
+  teacher = Teacher.for_student(config.replace(distill_logits_path=""))
+  params = teacher.take_params()
+  dataset = data.make_dataset(config, "train", rows)
+
+  @jax.jit
+  def top(params, tokens, positions, segment_ids):
+    logits, _ = teacher.apply(params, None, tokens, positions, segment_ids)
+    values, indices = jax.lax.top_k(logits.astype(jnp.float32), top_k)
+    return values, indices.astype(jnp.int32)
+
+  tmp = files.temp_dir_beside(destination, "distill-logits")
+  try:
+    for step in range(steps):
+      batch = dataset.batch(step)
+      values, indices = top(params, batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+      np.savez(_step_file(tmp, step), teacher_values=np.asarray(values), teacher_indices=np.asarray(indices))
+    meta = {
+        "steps": steps,
+        "top_k": top_k,
+        "rows": rows,
+        "max_target_length": config.max_target_length,
+        "vocab_size": config.vocab_size,
+        "teacher": teacher.source,
+    }
+    (tmp / _META).write_text(json.dumps(meta, indent=2) + "\n")
+    os.rename(tmp, destination)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  return destination
+
+
+def _read_meta(path: Path) -> dict:
+  if not (path / _META).is_file():
+    raise ConfigError(
+        f"distill_logits_path={path}: no {_META} there; write the teacher's logits with "
+        "`maxbridge distill-logits CONFIG --top-k K --steps N OUT`"
+    )
+  return json.loads((path / _META).read_text())
+
+
+def offline_shapes(config: Config, rows: int) -> dict[str, jax.ShapeDtypeStruct]:
+  """The shapes of `OFFLINE_KEYS` in a batch of `rows` rows (ahead-of-time lowering; nothing else is read)."""
+  shape = (rows, config.max_target_length, _read_meta(Path(config.distill_logits_path))["top_k"])
+  return {
+      "teacher_values": jax.ShapeDtypeStruct(shape, np.float32),
+      "teacher_indices": jax.ShapeDtypeStruct(shape, np.int32),
+  }
+
+
+class OfflineLogits:
+  """Reads a run's teacher logits from `distill_logits_path`; refuses, naming the path, a folder written for
+  other batches (fewer steps, other rows or length) or another vocabulary."""
+
+  def __init__(self, config: Config, rows: int):
+    self.path = Path(config.distill_logits_path)
+    meta = _read_meta(self.path)
+    want = {"rows": rows, "max_target_length": config.max_target_length, "vocab_size": config.vocab_size}
+    bad = [f"{key} {meta.get(key)} (the run's: {value})" for key, value in want.items() if meta.get(key) != value]
+    if meta.get("steps", 0) < config.steps:
+      bad.append(f"steps {meta.get('steps')} (the run trains {config.steps})")
+    if bad:
+      raise ConfigError(
+          f"distill_logits_path={self.path} was written for other batches: {'; '.join(bad)}; write it again with "
+          "`maxbridge distill-logits` for this run's config"
+      )
+
+  def batch(self, step: int, process_index: int = 0, process_count: int = 1) -> dict[str, np.ndarray]:
+    """The teacher's entries of `step`'s batch, this process's contiguous rows (as `data` slices them)."""
+    with np.load(_step_file(self.path, step)) as stored:
+      arrays = {key: stored[key] for key in OFFLINE_KEYS}
+    rows = len(arrays["teacher_values"]) // process_count
+    return {key: value[process_index * rows : (process_index + 1) * rows] for key, value in arrays.items()}

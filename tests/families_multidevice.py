@@ -1,0 +1,62 @@
+"""The newer families trained on 8 virtual CPU devices and on one; prints one JSON report.
+
+Started by tests/test_families_multidevice.py in a subprocess, because the
+device count must be fixed (XLA_FLAGS) before JAX is imported. Each family
+trains on one device with Linen, then over fsdp x tensor (x expert for the
+MoE families) on 8 with Linen and with NNX: both must give the one-device
+losses. Linen against NNX on one device is the parity matrix's to check.
+"""
+
+import json
+import os
+import sys
+
+from fast_compile import xla_flags  # a constant; imports no JAX
+
+os.environ["XLA_FLAGS"] = xla_flags(8)
+
+import jax  # noqa: E402  (after XLA_FLAGS)
+
+from maxbridge.core import canonical  # noqa: E402
+from multidevice_checks import BACKENDS, STEPS, config, single_device_mesh, train  # noqa: E402
+from maxbridge.training import recipe  # noqa: E402
+
+# preset -> (data, fsdp, tensor, expert) on 8 devices
+MESHES = {
+    "qwen3-moe-tiny": (1, 2, 2, 2),
+    "gpt-oss-tiny": (1, 2, 2, 2),
+    "olmo2-tiny": (1, 4, 2, 1),
+    "olmo3-tiny": (1, 4, 2, 1),
+    "gemma-tiny": (1, 4, 2, 1),
+    "gemma2-tiny": (1, 4, 2, 1),
+    "gemma3-tiny": (1, 4, 2, 1),
+}
+# gemma-tiny has one KV head (multi-query, as gemma-2b): two, so that tensor=2 can split them.
+OVERRIDES = {"gemma-tiny": dict(base_num_kv_heads=2)}
+# The routed experts' first kernel: gpt-oss fuses gate and up (wi); Qwen3-MoE keeps wi_0 and wi_1.
+EXPERT_KERNELS = ("MoeBlock_0/wi", "moe_block/wi_0")
+
+
+def main():
+  report = {"devices": jax.device_count()}
+  for preset, shape in MESHES.items():
+    overrides = dict(preset=preset, **OVERRIDES.get(preset, {}))
+    one = recipe.create_trainer(config(BACKENDS["linen"], **overrides), single_device_mesh())
+    _, report[f"{preset}/linen@1"] = train(one, STEPS)
+    for name in ("linen", "nnx"):
+      trainer = recipe.create_trainer(config(BACKENDS[name], shape, **overrides))
+      state, report[f"{preset}/{name}@8"] = train(trainer, STEPS)
+      # What each device holds of the experts' kernel: (full shape, shard shape) pairs.
+      report[f"{preset}/{name}/expert_shards"] = sorted(
+          {
+              (tuple(leaf.shape), tuple(shard.data.shape))
+              for path, leaf in canonical.flatten(trainer.params(state)).items()
+              if path.endswith(EXPERT_KERNELS)
+              for shard in leaf.addressable_shards
+          }
+      )
+  json.dump(report, sys.stdout)
+
+
+if __name__ == "__main__":
+  main()

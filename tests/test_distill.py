@@ -1,0 +1,221 @@
+"""Distillation (teacher_overrides): alpha * T^2 * KL(teacher || student) + (1 - alpha) * cross-entropy, in the step."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import maxbridge as mb
+from maxbridge.core import canonical
+from maxbridge.core.checkpointing import CheckpointError
+from maxbridge.core.config import ConfigError
+from maxbridge.training import aot, data, distill, hooks, recipe
+from maxbridge.training.loss import Forward
+from conftest import LINEN, tiny_config
+
+NNX = (True, True, True)
+# The saved teacher (see `teacher_dir`), as the student's backend runs it, and as scanned Linen.
+SAVED_TEACHER = "{load_parameters_path: TEACHER_DIR}"
+LINEN_TEACHER = (
+    "{load_parameters_path: TEACHER_DIR, scan_layers: true, pure_nnx: false, enable_nnx: false, pure_nnx_decoder: false}"
+)
+
+
+def distill_config(**overrides):
+  options = dict(warmup_steps_fraction=0.0, learning_rate=1e-2, steps=4, eval_interval=0, distill_temperature=2.0)
+  return tiny_config(NNX, **{**options, **overrides})
+
+
+# name -> config overrides; each is one step from the same initial student on the same batch.
+RUNS = {
+    "plain": dict(),
+    "alpha0": dict(teacher_overrides=SAVED_TEACHER, distill_alpha=0.0),
+    "half": dict(teacher_overrides=SAVED_TEACHER, distill_alpha=0.5),
+    "half-linen-teacher": dict(teacher_overrides=LINEN_TEACHER, distill_alpha=0.5),
+    "self": dict(teacher_overrides="{}", distill_alpha=1.0),
+}
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+  """A saved llama-tiny run (Linen, unscanned, from another seed than the student): the teacher."""
+  root = tmp_path_factory.mktemp("distill")
+  config = tiny_config(LINEN, seed=7, steps=2, scan_layers=False, eval_interval=0, base_output_directory=str(root))
+  mb.train(config.replace(run_name="teacher"), progress=False)
+  return root / "teacher"
+
+
+@pytest.fixture(scope="module")
+def steps(teacher_dir):
+  out = {}
+  for name, overrides in RUNS.items():
+    if "teacher_overrides" in overrides:
+      overrides = {
+          **overrides,
+          "teacher_overrides": overrides["teacher_overrides"].replace("TEACHER_DIR", str(teacher_dir)),
+      }
+    config = distill_config(**overrides)
+    trainer = recipe.create_trainer(config)
+    batch = data.make_dataset(config, "train", 4).batch(0)
+    state, metrics = trainer.train_step(trainer.init_state(0), batch)
+    metrics = {key: np.asarray(value) for key, value in metrics.items()}
+    out[name] = dict(
+        config=config, trainer=trainer, metrics=metrics, params=jax.tree.map(np.asarray, trainer.params(state))
+    )
+  return out
+
+
+def _assert_same_step(got, want, atol):
+  for key in ("loss", "grad_norm"):
+    np.testing.assert_allclose(got["metrics"][key], want["metrics"][key], rtol=atol, atol=atol, err_msg=key)
+  want_flat = canonical.flatten(want["params"])
+  for path, value in canonical.flatten(got["params"]).items():
+    np.testing.assert_allclose(value, want_flat[path], atol=atol, rtol=0, err_msg=path)
+
+
+def test_alpha_zero_is_plain_training(steps):
+  assert steps["alpha0"]["metrics"]["distill_kl"] > 0.01  # the teacher runs and disagrees, but does not count
+  _assert_same_step(steps["alpha0"], steps["plain"], 1e-6)
+
+
+def test_alpha_one_with_the_students_own_weights_has_zero_kl_and_zero_gradient(steps):
+  metrics = steps["self"]["metrics"]
+  assert abs(metrics["distill_kl"]) < 1e-6 and abs(metrics["loss"]) < 1e-6
+  assert metrics["grad_norm"] < 1e-6
+  assert metrics["distill_ce"] > 1.0  # the labels were there; alpha = 1 ignores them
+
+
+def test_the_loss_is_alpha_t_squared_kl_plus_one_minus_alpha_cross_entropy(steps):
+  metrics, config = steps["half"]["metrics"], steps["half"]["config"]
+  alpha, t = config.distill_alpha, config.distill_temperature
+  want = alpha * t**2 * metrics["distill_kl"] + (1 - alpha) * metrics["distill_ce"]
+  np.testing.assert_allclose(metrics["loss"], want, rtol=1e-6)
+  np.testing.assert_allclose(metrics["distill_ce"], steps["plain"]["metrics"]["loss"], rtol=1e-6)
+
+
+def test_tiled_kl_equals_untiled_in_value_and_gradient(steps):
+  config = steps["half"]["config"]
+  trainer = steps["half"]["trainer"]
+  teacher = trainer.loss.teacher
+  model = mb.create_model(config, seed=0)
+  batch = data.make_dataset(config, "train", 4).batch(0)
+  teacher_forward = Forward(teacher.apply, trainer.teacher_params, None)
+
+  def value_and_grad(tiles):
+    loss = distill.Distillation(config.replace(num_vocab_tiling=tiles), teacher)
+
+    def total(params):
+      student = Forward(lambda p, _, *inputs: model.apply_with_intermediates(p, *inputs), params, None, lambda p: p)
+      return loss(student, batch, teacher_forward)
+
+    return jax.jit(jax.value_and_grad(total, has_aux=True))(model.params())
+
+  (want, want_aux), want_grads = value_and_grad(1)
+  (got, got_aux), got_grads = value_and_grad(4)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for key in ("distill_kl", "distill_ce", "z_loss"):
+    np.testing.assert_allclose(got_aux[key], want_aux[key], rtol=1e-5, atol=1e-6, err_msg=key)
+  want_flat = canonical.flatten(want_grads)
+  for path, value in canonical.flatten(got_grads).items():
+    np.testing.assert_allclose(value, want_flat[path], atol=1e-5, rtol=1e-5, err_msg=path)
+
+
+def test_a_linen_unscanned_teacher_equals_an_nnx_teacher_for_an_nnx_student(steps):
+  assert not steps["half-linen-teacher"]["trainer"].loss.teacher.config.pure_nnx
+  _assert_same_step(steps["half-linen-teacher"], steps["half"], 1e-6)
+
+
+def test_a_teacher_of_another_vocabulary_is_refused_naming_both_sizes():
+  with pytest.raises(
+      ConfigError, match=r"teacher's vocabulary \(50257 tokens, gpt2\) is not the student's \(256 tokens, llama-tiny"
+  ):
+    distill.load_teacher(distill_config(teacher_overrides="{model_name: gpt2}"))
+  with pytest.raises(ConfigError, match="must be a mapping"):
+    distill.load_teacher(distill_config(teacher_overrides="llama-small"))
+
+
+def test_the_teacher_is_read_from_its_run_and_distillation_trains_with_decreasing_loss(steps, teacher_dir, tmp_path):
+  config = steps["half"]["config"]
+  teacher_config, params, source = distill.load_teacher(config)
+  # Its own run's config.yml (unscanned), with the student's backend flags (its overrides could set its own).
+  assert teacher_config.run_name == "teacher" and not teacher_config.scan_layers and teacher_config.pure_nnx
+  assert teacher_config.teacher_overrides == "" and params is not None and source == str(teacher_dir)
+
+  config = config.replace(base_output_directory=str(tmp_path), run_name="student")
+  losses = [r["loss"] for r in mb.train(config, trainer=steps["half"]["trainer"], progress=False)]
+  assert losses[-1] < losses[0], losses
+
+
+def test_the_teacher_keeps_no_copy_of_the_parameters_the_trainer_placed(steps):
+  for name in ("half", "half-linen-teacher"):
+    trainer = steps[name]["trainer"]
+    teacher = trainer.loss.teacher
+    held = (
+        jax.tree.leaves(teacher.model.params()) if teacher.config.pure_nnx else [getattr(teacher.model, "_params", None)]
+    )
+    # An abstract model: shapes only (NNX), or no tree at all (Linen); the placed tree is the one copy.
+    assert all(isinstance(leaf, (jax.ShapeDtypeStruct, type(None))) for leaf in held), name
+    assert teacher._params is None and jax.tree.leaves(trainer.teacher_params), name
+    with pytest.raises(RuntimeError, match="handed over already"):
+      teacher.take_params()
+
+
+def test_compile_lowers_on_the_teachers_shapes_without_reading_or_placing_its_parameters(steps, monkeypatch):
+  def refuse(self):
+    raise AssertionError("maxbridge compile asked for the teacher's parameters")
+
+  monkeypatch.setattr(distill.Teacher, "take_params", refuse)
+  result = aot.compile_train_step(steps["half"]["config"])
+  assert result["flops"] > 0 and result["argument_bytes"] > 0
+
+
+def test_a_resume_is_refused_when_the_teacher_changed_and_goes_on_with_the_same_one(steps, tmp_path):
+  trainer = steps["self"]["trainer"]
+  config = steps["self"]["config"].replace(base_output_directory=str(tmp_path), run_name="student", checkpoint_period=2)
+  mb.train(config, trainer=trainer, until_step=2, progress=False)
+  recorded = json.loads((tmp_path / "student" / hooks.TEACHER_FILE).read_text())
+  assert recorded["base"] == f"seed {config.seed}"
+  # The same teacher_overrides ('{}': the student's own model at the student's seed) with other values.
+  with pytest.raises(CheckpointError, match=r"its distillation teacher was seed 0 .* not seed 1 .*\(teacher_overrides,"):
+    mb.train(config.replace(seed=1), progress=False)
+  # Another teacher, or another mix of KL and cross-entropy, is another objective: refused, naming the key.
+  for key, value in (("teacher_overrides", "{seed: 1}"), ("distill_alpha", 0.5), ("distill_temperature", 1.0)):
+    with pytest.raises(CheckpointError, match=f"{key}: "):
+      mb.train(config.replace(**{key: value}), progress=False)
+  records = mb.train(config, trainer=trainer, progress=False)
+  assert [r["step"] for r in records] == [2, 3] and json.loads(
+      (tmp_path / "student" / hooks.TEACHER_FILE).read_text()
+  ) == recorded
+
+
+def test_offline_logits_with_k_the_whole_vocabulary_train_as_the_teacher_in_the_step(steps, tmp_path):
+  config = steps["half"]["config"]
+  out = distill.write_logits(config, tmp_path / "logits", top_k=config.vocab_size, steps=config.steps, rows=4)
+  assert sorted(p.name for p in out.iterdir()) == ["meta.json"] + [f"step_{i:08d}.npz" for i in range(4)]
+  offline = config.replace(distill_logits_path=str(out))
+  trainer = recipe.create_trainer(offline)
+  assert trainer.loss.teacher is None  # no teacher is built, read or run
+  # `maxbridge compile` lowers on these (the file's k, any batch), reading no logits.
+  assert distill.offline_shapes(offline, 8)["teacher_values"].shape == (8, config.max_target_length, 256)
+  batch = {**data.make_dataset(offline, "train", 4).batch(0), **distill.OfflineLogits(offline, 4).batch(0)}
+  state, metrics = trainer.train_step(trainer.init_state(0), batch)
+  got = dict(metrics={key: np.asarray(value) for key, value in metrics.items()}, params=trainer.params(state))
+  np.testing.assert_allclose(got["metrics"]["distill_kl"], steps["half"]["metrics"]["distill_kl"], rtol=1e-5)
+  _assert_same_step(got, steps["half"], 1e-5)
+
+
+def test_offline_logits_written_for_other_batches_or_another_vocabulary_are_refused_naming_the_path(steps, tmp_path):
+  config = steps["self"]["config"]
+  out = distill.write_logits(config, tmp_path / "logits", top_k=8, steps=2, rows=4)
+  offline = config.replace(distill_logits_path=str(out))
+  with pytest.raises(ConfigError, match=rf"distill_logits_path={out} was written for other batches: steps 2 \(the run"):
+    distill.OfflineLogits(offline, 4)
+  with pytest.raises(ConfigError, match=r"rows 4 \(the run's: 8\); steps 2"):
+    hooks.Data(offline)  # the run's own source: 8 rows a step on one device
+  with pytest.raises(ConfigError, match=r"vocab_size 256 \(the run's: 512\)"):
+    distill.OfflineLogits(offline.replace(vocab_size=512, steps=2), 4)
+  with pytest.raises(ConfigError, match=rf"distill_logits_path={tmp_path}: no meta.json"):
+    distill.OfflineLogits(offline.replace(distill_logits_path=str(tmp_path)), 4)
+  with pytest.raises(FileExistsError, match="exists"):
+    distill.write_logits(config, out, top_k=8, steps=2, rows=4)

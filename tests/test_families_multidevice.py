@@ -1,0 +1,36 @@
+"""The newer families (Qwen3-MoE, OLMo 2/3, Gemma 1/2/3, gpt-oss): 8-device training matches one device.
+
+One subprocess (tests/families_multidevice.py) for all of them, as the device
+count is fixed before JAX is imported.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+MOE = ("qwen3-moe-tiny", "gpt-oss-tiny")
+DENSE = ("olmo2-tiny", "olmo3-tiny", "gemma-tiny", "gemma2-tiny", "gemma3-tiny")
+
+
+def test_training_on_8_devices_matches_one_device_on_both_backends():
+  script = Path(__file__).parent / "families_multidevice.py"
+  proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=1800)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = json.loads(proc.stdout)
+  assert report["devices"] == 8
+  for preset in MOE + DENSE:
+    one = report[f"{preset}/linen@1"]
+    assert len(one) >= 2 and np.all(np.isfinite(one)), (preset, one)
+    for backend in ("linen", "nnx"):
+      np.testing.assert_allclose(report[f"{preset}/{backend}@8"], one, rtol=1e-4, err_msg=f"{preset} {backend}")
+      shards = report[f"{preset}/{backend}/expert_shards"]
+      if preset in MOE:
+        # [experts, D, F] over expert=2, fsdp=2 (D) and tensor=2 (F): an eighth of it on each device.
+        assert shards and all(
+            np.prod(shard) * 8 == np.prod(full) and shard[0] * 2 == full[0] for full, shard in shards
+        ), (preset, backend, shards)
+      else:
+        assert shards == [], (preset, shards)

@@ -1,0 +1,112 @@
+"""SFT, DPO and GRPO losses, and Qwix int8, on the newer families: Linen and NNX agree to 1e-6.
+
+The recipes' own tests (test_sft, test_dpo, test_grpo, test_quantization) run
+whole trainings on llama-tiny. Here each newer family gets what could break
+in it: the recipes' losses and gradients through its layers (local/global
+blocks, sinks, soft-caps, MoE), at the seed-0 weights, from the trainer's own
+loss path; and Qwix int8's logits. To keep the suite fast, one compile per
+(family, backend) covers the three recipes: their losses are summed into one
+`Loss`, each also compared on its own through its aux value.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import maxbridge as mb
+from maxbridge.core import canonical
+from maxbridge.training import data, recipe
+from maxbridge.training.loss import CrossEntropy, Loss
+from maxbridge.training.posttrain import dpo, grpo
+from hf_family import BACKENDS, TOKENS, family_config
+
+PRESETS = ["qwen3-moe-tiny", "olmo2-tiny", "olmo3-tiny", "gemma-tiny", "gemma2-tiny", "gemma3-tiny", "gpt-oss-tiny"]
+MOE = ("qwen3-moe-tiny", "gpt-oss-tiny")
+TOL = 1e-6
+LENGTH = 16
+RECIPES = {"sft": CrossEntropy(), "dpo": dpo.DPO(beta=0.5, label_smoothing=0.1), "grpo": grpo.GRPO(beta=0.1)}
+
+
+class Recipes(Loss):
+  """The sum of SFT's, DPO's and GRPO's per-token (DPO: per-pair) losses, each batch under its recipe's prefix;
+  aux holds each recipe's loss."""
+
+  batch_keys = tuple(f"{name}/{key}" for name, loss in RECIPES.items() for key in loss.batch_keys)
+  needs_reference = True
+
+  def __call__(self, forward, batch, reference=None):
+    total, aux = jnp.float32(0.0), {}
+    for name, loss in RECIPES.items():
+      part = {key: batch[f"{name}/{key}"] for key in loss.batch_keys}
+      value, terms = loss(forward, part, reference)
+      aux[name] = value / terms["tokens"]
+      total += aux[name]
+      if name == "dpo":
+        aux["dpo margins"] = terms["margins"] / terms["tokens"]
+    return total, {**aux, "tokens": jnp.float32(1.0)}
+
+
+def recipe_batches(config: mb.Config) -> dict:
+  """The built-in SFT rows and preference pairs, and GRPO completions of TOKENS' rows with unequal rewards."""
+  sft = data.make_dataset(config.replace(dataset_type="sft", sft_train_on_completion_only=True), "train", 2).batch(0)
+  pairs = data.make_dataset(config.replace(use_dpo=True), "train", 2).batch(0)
+  prompts = [row[:4].tolist() for row in TOKENS]
+  completions = [row[4 + i : 8 + 2 * i].tolist() for row in TOKENS for i in range(2)]
+  rollouts = grpo.pack_completions(prompts, completions, grpo.group_advantages([[1.0, 0.0], [0.2, 0.9]]), LENGTH)
+  batches = {"sft": sft, "dpo": pairs, "grpo": rollouts}
+  return {f"{name}/{key}": jnp.asarray(batches[name][key]) for name, loss in RECIPES.items() for key in loss.batch_keys}
+
+
+def recipe_losses_and_grads(config: mb.Config, batch: dict):
+  """({recipe: loss}, flat gradients of their sum) at the seed-0 state, through Trainer._loss (the reference
+  is the policy the step starts from, as on a run's first step)."""
+  trainer = recipe.create_trainer(config, loss=Recipes())
+  state = trainer.init_state(0)
+
+  @jax.jit
+  def value_and_grad(state, batch):
+    bound = trainer._bind(state)
+    (_, aux), grads = jax.value_and_grad(lambda p: trainer._loss(bound, p, batch), has_aux=True)(bound.params)
+    return {name: aux[name] for name in (*RECIPES, "dpo margins")}, grads
+
+  losses, grads = value_and_grad(state, batch)
+  return jax.device_get(losses), canonical.flatten(jax.device_get(grads))
+
+
+@pytest.fixture(autouse=True)
+def highest_precision():
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_sft_dpo_and_grpo_losses_and_gradients_agree_on_linen_and_nnx(preset):
+  config = {name: family_config(preset, flags, max_target_length=LENGTH) for name, flags in BACKENDS.items()}
+  batch = recipe_batches(config["linen"])
+  (linen, linen_grads), (nnx, nnx_grads) = (recipe_losses_and_grads(config[name], batch) for name in BACKENDS)
+  # At the start the policy is its reference: DPO's margins are 0, its loss log 2 (plus, in the MoE families,
+  # the load-balancing loss every recipe adds), and GRPO's ratio is 1.
+  assert abs(linen["dpo margins"]) < 1e-6, linen
+  if preset in MOE:
+    assert linen["dpo"] > np.log(2) + 1e-4, linen
+  else:
+    np.testing.assert_allclose(linen["dpo"], np.log(2), rtol=1e-6)
+  assert np.isfinite(linen["sft"]) and linen["sft"] > 1.0 and linen["grpo"] != 0.0, linen
+  for name in linen:
+    np.testing.assert_allclose(nnx[name], linen[name], rtol=TOL, atol=TOL, err_msg=name)
+  assert sorted(nnx_grads) == sorted(linen_grads)
+  for path, grad in linen_grads.items():
+    np.testing.assert_allclose(nnx_grads[path], grad, rtol=0, atol=TOL, err_msg=path)
+  assert max(float(np.abs(grad).max()) for grad in linen_grads.values()) > 1e-3
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_qwix_int8_logits_agree_on_linen_and_nnx_and_move_off_float(preset):
+  def logits(flags, **overrides):
+    return np.asarray(mb.create_model(family_config(preset, flags, **overrides), seed=0).logits(TOKENS))
+
+  linen, nnx = (logits(flags, quantization="int8", use_qwix_quantization=True) for flags in BACKENDS.values())
+  assert np.all(np.isfinite(linen))
+  np.testing.assert_allclose(nnx, linen, atol=TOL, rtol=0)
+  assert np.abs(linen - logits(BACKENDS["linen"])).max() > 1e-3  # int8 rounding moves the logits past float noise

@@ -1,0 +1,260 @@
+"""`maxbridge serve` as a user runs it: a real server subprocess per backend, driven by the official `openai` client.
+
+The model is llama-tiny with random weights, written as a Hugging Face folder
+with a word-level tokenizer (w0..w255, one word per token, so text and tokens
+map one to one and equal text means equal tokens) and a chat template.
+"""
+
+import concurrent.futures
+import http.client
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import jax
+import numpy as np
+import pytest
+
+from maxbridge import cli
+from maxbridge.interop.hf import folders
+from maxbridge.models import dispatch
+from maxbridge.ops import sampling
+from conftest import tiny_config
+
+openai = pytest.importorskip("openai")
+tokenizers = pytest.importorskip("tokenizers")
+
+SLOTS = 4
+QUEUE = 12
+OVERRIDES = [f"per_device_batch_size={SLOTS}", "max_target_length=64", "max_prefill_predict_length=32"]
+# The NNX server also stores its KV cache int8: `maxbridge generate` gets the same keys, so greedy still agrees.
+BACKEND_OVERRIDES = {"linen": [], "nnx": ["quantize_kvcache=true"]}
+TEMPLATE = "{% for m in messages %}w1 {{ m.content }} w2 {% endfor %}{% if add_generation_prompt %}w3{% endif %}"
+PROMPTS = ["w5 w9 w200", "w17", "w3 w3 w3 w3 w44", "w250 w1 w7"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+  path = tmp_path_factory.mktemp("serve") / "llama-tiny-hf"
+  model = dispatch.create_model(tiny_config())
+  folders.save_hf(model.params(), model.config, path)
+  tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
+  tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tokenizer.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
+  tokenizer.save(str(path / "tokenizer.json"))
+  (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+  return path
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _get(url: str) -> tuple[int, str]:
+  try:
+    with urllib.request.urlopen(url, timeout=10) as response:
+      return response.status, response.read().decode()
+  except urllib.error.HTTPError as e:
+    return e.code, e.read().decode()
+
+
+class Server:
+
+  def __init__(self, folder, backend: str):
+    self.port = _free_port()
+    self.url = f"http://127.0.0.1:{self.port}"
+    argv = [sys.executable, "-m", "maxbridge.cli", "serve", str(folder), "--backend", backend, "--port", str(self.port)]
+    argv += ["--max-queue", str(QUEUE), "--shutdown-timeout", "10", *OVERRIDES, *BACKEND_OVERRIDES[backend]]
+    self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+      if self.process.poll() is not None:
+        raise RuntimeError(f"the server exited {self.process.returncode}: {self.process.stdout.read()}")
+      try:
+        if _get(self.url + "/health")[0] == 200:
+          break
+      except OSError:
+        time.sleep(0.2)
+    else:
+      raise TimeoutError("the server did not come up in 120 s")
+    self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+  def metric(self, name: str) -> float:
+    text = _get(self.url + "/metrics")[1]
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE))
+
+  def busy(self) -> int:
+    return json.loads(_get(self.url + "/health")[1])["slots_busy"]
+
+  def stop(self):
+    if self.process.poll() is None:
+      self.process.kill()
+      self.process.wait()
+
+
+@pytest.fixture(scope="module", params=["linen", "nnx"])
+def server(request, folder):
+  server = Server(folder, request.param)
+  server.backend = request.param
+  yield server
+  server.stop()
+
+
+def _generate(folder, backend: str, prompt: str, new_tokens: int, capsys) -> str:
+  """What `maxbridge generate` prints after the prompt."""
+  capsys.readouterr()
+  argv = ["generate", str(folder), "--prompt", prompt, "--max-new-tokens", str(new_tokens), "--backend", backend]
+  assert cli.main([*argv, *OVERRIDES, *BACKEND_OVERRIDES[backend]]) == 0
+  out = capsys.readouterr().out.strip()
+  assert out.startswith(prompt)
+  return out[len(prompt) :].strip()
+
+
+def test_each_row_samples_by_its_own_settings():
+  logits = jax.random.normal(jax.random.key(0), (5, 256)) * 3
+  keys = jax.random.split(jax.random.key(1), 5)
+  greedy = np.argmax(logits, axis=-1)
+  top3 = np.argsort(-logits, axis=-1)[:, :3]
+  draw = jax.jit(lambda keys, t, k, p: sampling.sample_rows(logits, keys, t, k, p))
+  # Rows: greedy; top_k=1; a tiny top_p; top_k=3; everything (temperature 1).
+  t, k, p = np.float32([0, 1, 1, 1, 1]), np.int32([0, 1, 0, 3, 0]), np.float32([1, 1, 1e-6, 1, 1])
+  seen = np.stack([np.asarray(draw(jax.random.split(jax.random.key(i), 5), t, k, p)) for i in range(64)])
+  np.testing.assert_array_equal(seen[:, :3], np.broadcast_to(greedy[:3], (64, 3)))
+  assert set(seen[:, 3]) <= set(top3[3]) and len(set(seen[:, 3])) > 1
+  assert len(set(seen[:, 4])) > 3
+  assert np.asarray(draw(keys, np.zeros(5, np.float32), k, p)).tolist() == greedy.tolist()  # all greedy: no sort
+
+
+def test_greedy_completion_equals_generate_streamed_or_not(server, folder, capsys):
+  for prompt in PROMPTS[:1]:  # one: each `maxbridge generate` builds and compiles an engine of its own
+    want = _generate(folder, server.backend, prompt, 16, capsys)
+    whole = server.client.completions.create(model="m", prompt=prompt, max_tokens=16, temperature=0)
+    assert whole.choices[0].text.strip() == want
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 16
+    chunks = list(server.client.completions.create(model="m", prompt=prompt, max_tokens=16, temperature=0, stream=True))
+    assert len(chunks) == 17  # one per token, then the finish
+    assert "".join(c.choices[0].text for c in chunks).strip() == want
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_renders_the_folders_template(server, folder, capsys):
+  messages = [{"role": "user", "content": "w8 w9"}]
+  want = _generate(folder, server.backend, "w1 w8 w9 w2 w3", 8, capsys)
+  whole = server.client.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0)
+  assert whole.choices[0].message.content.strip() == want and whole.choices[0].message.role == "assistant"
+  stream = server.client.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0, stream=True)
+  chunks = list(stream)
+  assert chunks[0].choices[0].delta.role == "assistant"
+  assert "".join(c.choices[0].delta.content or "" for c in chunks).strip() == want
+
+
+def test_n_stop_seed_and_logprobs(server):
+  client = server.client
+  two = client.completions.create(model="m", prompt="w4 w5", max_tokens=6, temperature=1.0, n=2, seed=7)
+  assert [c.index for c in two.choices] == [0, 1] and all(len(c.text.split()) == 6 for c in two.choices)
+  again = client.completions.create(model="m", prompt="w4 w5", max_tokens=6, temperature=1.0, n=2, seed=7)
+  assert [c.text for c in again.choices] == [c.text for c in two.choices]  # a seeded request repeats
+  greedy = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=10, temperature=0).choices[0].text
+  words = greedy.split()
+  cut = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=10, temperature=0, stop=[words[3]])
+  assert cut.choices[0].finish_reason == "stop"
+  assert cut.choices[0].text.split() == words[: words.index(words[3])]
+  scored = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=3, temperature=0, logprobs=2)
+  lp = scored.choices[0].logprobs
+  assert lp.tokens == words[:3] and len(lp.top_logprobs) == 3
+  # Greedy: the token drawn is the most likely one, and its log-probability the top one.
+  assert all(
+      max(top, key=top.get) == tok and abs(top[tok] - v) < 1e-5
+      for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs)
+  )
+
+
+def test_sixteen_concurrent_streams_share_decode_steps(server):
+  client = server.client
+  want = {
+      p: client.completions.create(model="m", prompt=p, max_tokens=12, temperature=0).choices[0].text for p in PROMPTS
+  }
+  before = server.metric("maxbridge_slot_occupancy_count") - server.metric('maxbridge_slot_occupancy_bucket{le="1.5"}')
+
+  def one(i):
+    prompt = PROMPTS[i % len(PROMPTS)]
+    stream = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0, stream=True)
+    return prompt, "".join(c.choices[0].text for c in stream)
+
+  with concurrent.futures.ThreadPoolExecutor(16) as pool:
+    results = list(pool.map(one, range(16)))
+  assert [text for _, text in results] == [want[p] for p, _ in results]
+  shared = server.metric("maxbridge_slot_occupancy_count") - server.metric('maxbridge_slot_occupancy_bucket{le="1.5"}')
+  assert shared - before > 0  # decode steps that ran more than one request at once
+  assert server.busy() == 0
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
+  connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+  body = json.dumps({"prompt": "w5", "max_tokens": 60, "temperature": 0, "stream": True})
+  connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+  response = connection.getresponse()
+  assert response.status == 200
+  response.fp.readline()  # the first token's chunk
+  connection.sock.shutdown(socket.SHUT_RDWR)
+  connection.close()
+  deadline = time.monotonic() + 10
+  while server.busy() and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert server.busy() == 0
+
+
+def test_a_full_queue_answers_429_with_retry_after(server):
+  body = json.dumps({"prompt": "w5", "max_tokens": 60, "temperature": 0}).encode()
+
+  def post(_):
+    request = urllib.request.Request(server.url + "/v1/completions", body, {"Content-Type": "application/json"})
+    try:
+      with urllib.request.urlopen(request, timeout=60) as response:
+        return response.status, None
+    except urllib.error.HTTPError as e:
+      return e.code, e.headers.get("Retry-After")
+
+  with concurrent.futures.ThreadPoolExecutor(SLOTS + QUEUE + 8) as pool:
+    answers = list(pool.map(post, range(SLOTS + QUEUE + 8)))
+  refused = [retry for status, retry in answers if status == 429]
+  assert refused and all(retry == "1" for retry in refused)
+  assert {status for status, _ in answers} == {200, 429}
+  assert answers.count((200, None)) >= SLOTS + QUEUE
+
+
+def test_bad_requests_get_400_naming_the_field(server):
+  client = server.client
+  with pytest.raises(openai.BadRequestError, match="max_tokens"):
+    client.completions.create(model="m", prompt="w5", max_tokens="many")
+  with pytest.raises(openai.BadRequestError, match="temperature"):
+    client.completions.create(model="m", prompt="w5", temperature="hot")
+  with pytest.raises(openai.BadRequestError, match="max_prefill_predict_length=32"):
+    client.completions.create(model="m", prompt=" ".join(["w5"] * 40), max_tokens=2)
+  with pytest.raises(openai.BadRequestError, match="max_target_length=64"):
+    client.completions.create(model="m", prompt="w5", max_tokens=80)
+  # Unknown fields are ignored, as OpenAI does.
+  ok = client.completions.create(model="m", prompt="w5", max_tokens=2, temperature=0, extra_body={"frobnicate": 1})
+  assert ok.usage.completion_tokens == 2
+  assert [m.id for m in client.models.list().data] == ["llama-tiny-hf"]
+
+
+def test_sigterm_finishes_what_is_in_flight_and_exits_0(server):
+  # The module's last test on each server: it ends it.
+  stream = server.client.completions.create(model="m", prompt="w5", max_tokens=40, temperature=0, stream=True)
+  first = next(iter(stream))
+  server.process.send_signal(signal.SIGTERM)
+  rest = list(stream)
+  assert first.choices[0].finish_reason is None
+  assert rest[-1].choices[0].finish_reason == "length" and len(rest) + 1 == 41
+  assert server.process.wait(timeout=30) == 0
+  with pytest.raises(openai.APIConnectionError):
+    server.client.completions.create(model="m", prompt="w5", max_tokens=2)
