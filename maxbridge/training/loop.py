@@ -301,6 +301,11 @@ def _train(
   checkpoints = run_dir / "checkpoints"
   _check_folder(run_dir)
   _check_folder(checkpoints)
+  _check_writable(checkpoints if config.enable_checkpointing else run_dir)
+  if primary:
+    # One writer per run folder, taken before anything in it is read (orbax's manager lists, and may tidy,
+    # the step folders a holder is writing) and held until this call returns.
+    held.enter_context(files.run_lock(run_dir))
   if trainer is None:
     trainer = recipe.create_trainer(config)
   sharding.check_divisible(trainer.abstract_state(), trainer.state_shardings)
@@ -313,9 +318,6 @@ def _train(
   )
   saving = ckpt if config.enable_checkpointing else None
   try:
-    _check_writable(checkpoints if saving else run_dir)
-    if primary:  # one writer per run folder, from before anything in it is read until this call returns
-      held.enter_context(files.run_lock(run_dir))
     start = (ckpt.latest_intact_step() if ckpt else None) or 0
     metrics_path = run_dir / "metrics.jsonl"
     # Every process decides the same: the run folder is shared (orbax saves into it collectively).
