@@ -56,7 +56,7 @@ def config(flags, shape=(1, 8, 1), per_device_batch_size=1, preset="llama-tiny",
 
 
 def single_device_mesh():
-  return Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1, 1), sharding.MESH_AXES)
+  return Mesh(np.asarray(jax.devices()[:1]).reshape((1,) * len(sharding.MESH_AXES)), sharding.MESH_AXES)
 
 
 def train(trainer, steps, state=None, start=0):

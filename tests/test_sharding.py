@@ -121,7 +121,7 @@ def test_mesh_shape_is_checked_against_the_device_count():
     sharding.mesh_shape(config, 8)
   with pytest.raises(ConfigError, match=r"only one of .* may be -1"):
     sharding.mesh_shape(config.replace(ici_data_parallelism=-1, ici_fsdp_parallelism=-1), 8)
-  assert sharding.mesh_shape(config.replace(ici_fsdp_parallelism=-1, ici_tensor_parallelism=2), 8) == (1, 4, 2, 1)
+  assert sharding.mesh_shape(config.replace(ici_fsdp_parallelism=-1, ici_tensor_parallelism=2), 8) == (1, 1, 4, 1, 2, 1)
 
 
 def free_port() -> int:

@@ -24,7 +24,7 @@ from maxbridge.core.config_rules import ConfigError
 CONFIG_DIR = Path(__file__).parent.parent / "configs"  # maxbridge/configs: data, beside the code that reads it
 BASE_CONFIG = CONFIG_DIR / "base.yml"
 PRESET_DIR = CONFIG_DIR / "models"
-MESH_AXES = ("data", "fsdp", "tensor", "expert")  # maxbridge.sharding builds the mesh with these names
+MESH_AXES = ("data", "stage", "fsdp", "context", "tensor", "expert")  # MaxText's order  # maxbridge.sharding builds the mesh with these names
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -163,7 +163,9 @@ class Config:
   quantization_local_shard_count: int
   # sharding
   ici_data_parallelism: int
+  ici_pipeline_parallelism: int
   ici_fsdp_parallelism: int
+  ici_context_parallelism: int
   ici_tensor_parallelism: int
   ici_expert_parallelism: int
   logical_axis_rules: tuple

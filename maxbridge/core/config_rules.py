@@ -64,7 +64,14 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ),
     *(
         (key, lambda v: v == -1 or v > 0, "a positive integer, or -1 for the remaining devices")
-        for key in ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism", "ici_expert_parallelism")
+        for key in (
+            "ici_data_parallelism",
+            "ici_pipeline_parallelism",
+            "ici_fsdp_parallelism",
+            "ici_context_parallelism",
+            "ici_tensor_parallelism",
+            "ici_expert_parallelism",
+        )
     ),
     ("num_processes", _positive, "a positive integer"),
     ("process_id", lambda v: v >= 0, ">= 0"),

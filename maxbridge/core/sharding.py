@@ -19,7 +19,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxbridge.core.config import MESH_AXES, Config, ConfigError
 
-_PARALLELISM_KEYS = ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism", "ici_expert_parallelism")
+# In MESH_AXES's order.
+_PARALLELISM_KEYS = (
+    "ici_data_parallelism",
+    "ici_pipeline_parallelism",
+    "ici_fsdp_parallelism",
+    "ici_context_parallelism",
+    "ici_tensor_parallelism",
+    "ici_expert_parallelism",
+)
 
 # (mesh, rules) while a step is traced; ops read it through `constrain`.
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, tuple] | None] = contextvars.ContextVar("maxbridge_sharding", default=None)
@@ -27,7 +35,7 @@ _WARNED: set[str] = set()
 
 
 def mesh_shape(config: Config, num_devices: int) -> tuple[int, ...]:
-  """(data, fsdp, tensor, expert) sizes; one of them may be -1, meaning the remaining devices."""
+  """The sizes of MESH_AXES (data, stage, fsdp, context, tensor, expert); one of them may be -1, meaning the remaining devices."""
   sizes = [getattr(config, key) for key in _PARALLELISM_KEYS]
   unknown = [key for key, size in zip(_PARALLELISM_KEYS, sizes) if size == -1]
   if len(unknown) > 1:
