@@ -24,7 +24,14 @@ from maxbridge.core.config_rules import ConfigError
 CONFIG_DIR = Path(__file__).parent.parent / "configs"  # maxbridge/configs: data, beside the code that reads it
 BASE_CONFIG = CONFIG_DIR / "base.yml"
 PRESET_DIR = CONFIG_DIR / "models"
-MESH_AXES = ("data", "stage", "fsdp", "context", "tensor", "expert")  # MaxText's order  # maxbridge.sharding builds the mesh with these names
+MESH_AXES = (
+    "data",
+    "stage",
+    "fsdp",
+    "context",
+    "tensor",
+    "expert",
+)  # MaxText's order  # maxbridge.sharding builds the mesh with these names
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
