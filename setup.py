@@ -32,6 +32,13 @@ setup(
         "zstandard>=0.25.0",
         # A digest of every saved array (maxbridge/core/checkpointing.py), checked on restore, compare and verify.
         "xxhash>=4.1.0",
+        # Data larger than memory (maxbridge/training/grain_data.py): Grain's pipelines and orbax handler,
+        # ArrayRecord and Parquet/Arrow files.
+        "grain>=0.2.18",
+        "array-record>=0.8.6",
+        "pyarrow>=26.0.1",
+        # A Hugging Face tokenizer.json for pre-training, SFT and DPO text (tokenizer_path).
+        "tokenizers>=0.23.3",
         # Quantization (maxbridge/quantization.py): AQT and Qwix.
         "aqtp>=0.9.0",
         "qwix>=0.1.8",
@@ -43,7 +50,6 @@ setup(
             # Reference implementations for tests/test_hf.py (the CPU build of torch).
             "torch>=2.13.0",
             "transformers>=5.23.0",
-            "tokenizers>=0.23.3",
             # tests/test_serve.py talks to `maxbridge serve` as a user would, with the official client.
             "openai>=3.57.0",
             *SERVE,

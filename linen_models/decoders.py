@@ -20,9 +20,11 @@ from linen_models.linears import dense
 from linen_models.llama import DecoderLayer
 from linen_models.mixtral import MixtralDecoderLayer
 from linen_models.normalizations import norm
+from linen_models import pipeline
 from linen_models.olmo2 import Olmo2DecoderLayer, Olmo3Block
 from linen_models.qwen3_moe import Qwen3MoeDecoderLayer
 from maxbridge.core import canonical
+from maxbridge.core import families
 from maxbridge.core.config import Config
 from maxbridge.ops import linear
 from maxbridge.ops import output_head
@@ -68,9 +70,16 @@ class Decoder(nn.Module):
     if cfg.trainable_position_size:
       x = x + Embed(cfg.trainable_position_size, cfg.emb_dim, name="position_embedder", **dtypes)(positions)
     classes = layer_classes(cfg)
+    plan = families.pipeline_plan(cfg)
     per_stack = []
     for name, count in canonical.layer_stacks(cfg):
       layer = classes[name]
+      pipelined = plan is not None and name == plan.stack
+      # Initialising only declares the stack's parameters; decoding (a cache) runs it unpipelined.
+      if pipelined and not self.is_initializing() and not self.is_mutable_collection("cache"):
+        x, outputs = pipeline.run(layer, self.variables["params"][name], cfg, plan, x, positions, segment_ids)
+        per_stack.append(outputs)
+        continue
       if cfg.remat_policy != "none":
         # prevent_cse only matters outside scan, where XLA could otherwise merge
         # the recomputation back into the forward pass.
@@ -84,7 +93,7 @@ class Decoder(nn.Module):
             split_rngs={"params": True},
             in_axes=(nn.broadcast, nn.broadcast),
             length=count,
-            metadata_params={nn.PARTITION_NAME: "layers"},
+            metadata_params={nn.PARTITION_NAME: canonical.layer_axis(cfg, name)},
         )
         x, outputs = stack(cfg, name=name)(x, positions, segment_ids)
       else:

@@ -269,20 +269,20 @@ def _virtual_devices(args: argparse.Namespace) -> None:
 
 def _shardings(args: argparse.Namespace) -> int:
   config = load_config(args.preset, *args.overrides)
-  _virtual_devices(args)
   import jax
 
-  from maxbridge.core import sharding
   from maxbridge.training import aot
 
-  rows = aot.sharding_rows(config)
-  print(aot.format_table(rows, sharding.mesh_shape(config, jax.device_count())))
+  # The plan needs shapes only: --devices sizes an abstract mesh, no virtual devices.
+  print(aot.sharding_table(config, args.devices or jax.device_count()))
   return 0
 
 
 def _compile(args: argparse.Namespace) -> int:
   config = load_config(args.preset, *args.overrides)
   _virtual_devices(args)
+  from maxbridge.core import families
+  from maxbridge.ops import pipeline
   from maxbridge.training import aot
 
   result = aot.compile_train_step(config)
@@ -295,6 +295,12 @@ def _compile(args: argparse.Namespace) -> int:
   print(f"  outputs (aliased to inputs):  {result['output_bytes'] / gib:8.2f} GiB per device")
   print(f"  model FLOPs per step:         {result['model_flops']:8.3e} (6 N tokens + attention, all devices)")
   print(f"  XLA cost analysis FLOPs:      {result['flops']:8.3e} per device (a scanned layer counts once)")
+  if plan := families.pipeline_plan(config):
+    bubble = pipeline.bubble_fraction(plan.stages, plan.microbatches, plan.repeats)
+    print(
+        f"  pipeline: {plan.stages} stages x {plan.repeats} repeats x {plan.per_stage} layers of {plan.stack!r}, "
+        f"{plan.microbatches} micro-batches; bubble {bubble:.1%}"
+    )
   return 0
 
 
@@ -323,6 +329,23 @@ def _migrate(args: argparse.Namespace) -> int:
       args.source, args.destination, args.linen, args.nnx, rules=args.rules, input_shape=shape, linen_kwargs=linen_kwargs
   )
   print(f"{args.destination}: {plan.__str__().splitlines()[0].removeprefix('migrate plan: ')}")
+  return 0
+
+
+def _data(args: argparse.Namespace) -> int:
+  from maxbridge.training import grain_data  # grain (and jax) load only for this verb
+
+  if args.action == "inspect":
+    config = load_config(args.preset, *args.overrides)
+    if config.dataset_type != "grain":
+      raise ValueError(f"data inspect reads dataset_type=grain configs, got dataset_type={config.dataset_type!r}")
+    print(grain_data.inspect(config, batches=args.batches))
+  else:
+    written = grain_data.convert(args.source, args.destination, progress=sys.stderr.isatty())
+    print(
+        f"{args.destination}: {len(written)} ArrayRecord file(s); train on them with dataset_type=grain "
+        f"grain_train_files={args.destination}"
+    )
   return 0
 
 
@@ -364,6 +387,7 @@ HANDLERS: dict[str, Handler] = {
     "serve": _serve,
     "bench": _bench,
     "migrate": _migrate,
+    "data": _data,
 }
 
 
@@ -536,12 +560,17 @@ def build_parser() -> argparse.ArgumentParser:
   _overrides(p)
 
   for verb, text in (
-      ("shardings", "print each parameter's logical axes, PartitionSpec and bytes per device"),
+      ("shardings", "print each parameter's and optimizer state's logical axes, PartitionSpec and bytes per device"),
       ("compile", "compile the train step ahead of time on abstract arrays; print memory and FLOPs"),
   ):
     p = verbs.add_parser(verb, help=text)
     p.add_argument("preset", help="preset name (e.g. llama2-7b) or path to a YAML config")
-    p.add_argument("--devices", type=_count, default=0, help="virtual CPU devices to stand in for the mesh")
+    p.add_argument(
+        "--devices",
+        type=_count,
+        default=0,
+        help="devices the mesh spans (compile: virtual CPU devices stand in; shardings: shapes only, none needed)",
+    )
     _overrides(p)
 
   p = verbs.add_parser(
@@ -610,6 +639,24 @@ def build_parser() -> argparse.ArgumentParser:
     if action == "check":
       a.add_argument("--atol", type=_tolerance, default=1e-6, help="absolute tolerance (default 1e-6)")
     a.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug)
+
+  p = verbs.add_parser(
+      "data",
+      help="look at a Grain corpus as the run reads it, or convert one to ArrayRecord",
+      description="inspect: a dataset_type=grain config's documents, tokens, padding and a few decoded rows. "
+      "convert: JSONL, Parquet or text files (a file, folder or glob) to a new folder of ArrayRecord files, "
+      "one per source file, with progress (exit 0 done, 2 bad input, nothing written).",
+  )
+  actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+  a = actions.add_parser("inspect", help="decoded rows, token count and padding of a grain config")
+  a.add_argument("preset", help="preset name or YAML config with dataset_type=grain")
+  a.add_argument("--batches", type=_count, default=2, help="batches to read (default 2)")
+  _overrides(a)
+  a.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug)
+  a = actions.add_parser("convert", help="write ArrayRecord from JSONL, Parquet or text")
+  a.add_argument("source", help="JSONL, Parquet or .txt file, folder or glob")
+  a.add_argument("destination", help="new folder for the .arrayrecord files (never overwritten)")
+  a.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug)
 
   for sub in verbs.choices.values():
     # After the verb too; SUPPRESS keeps the subparser from resetting `maxbridge --debug VERB`.

@@ -11,7 +11,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxbridge.core import bridge
 from maxbridge.core import canonical
+from maxbridge.core import families
 from maxbridge.core.config import Config
 from maxbridge.ops import linear
 from maxbridge.ops import output_head
@@ -25,6 +27,7 @@ from nnx_models.linears import dense
 from nnx_models.llama import DecoderLayer
 from nnx_models.mixtral import MixtralDecoderLayer
 from nnx_models.normalizations import norm
+from nnx_models import pipeline
 from nnx_models.olmo2 import Olmo2DecoderLayer, Olmo3Block
 from nnx_models.qwen3_moe import Qwen3MoeDecoderLayer
 
@@ -61,7 +64,7 @@ class Decoder(nnx.Module):
     classes = layer_classes(cfg)
     for name, count in canonical.layer_stacks(cfg):
       if cfg.scan_layers:
-        setattr(self, name, _stacked_layers(classes[name], cfg, count, rngs))
+        setattr(self, name, _stacked_layers(classes[name], cfg, count, rngs, canonical.layer_axis(cfg, name)))
       else:
         for i in range(count):
           setattr(self, f"{name}_{i}", classes[name](cfg, rngs=rngs))
@@ -80,9 +83,15 @@ class Decoder(nnx.Module):
     cfg = self.config
     if cfg.trainable_position_size:
       x = x + self.position_embedder(positions)
+    plan = families.pipeline_plan(cfg)
     per_stack = []
     for name, count in canonical.layer_stacks(cfg):
-      if cfg.scan_layers:
+      pipelined = plan is not None and name == plan.stack
+      # Decoding (a cache) runs the stack unpipelined; so does a Linen init (this
+      # decoder behind ToLinen), which only declares the parameters.
+      if pipelined and not _has_cache(getattr(self, name)) and not bridge.linen_initializing():
+        x, outputs = pipeline.run(getattr(self, name), cfg, plan, x, positions, segment_ids)
+      elif cfg.scan_layers:
         x, outputs = _scan_layers(getattr(self, name), cfg, x, positions, segment_ids)
       else:
         layer_outputs = []
@@ -111,17 +120,18 @@ class Decoder(nnx.Module):
     )
 
 
-def _stacked_layers(layer_class, cfg: Config, count: int, rngs: nnx.Rngs) -> nnx.Module:
+def _stacked_layers(layer_class, cfg: Config, count: int, rngs: nnx.Rngs, layer_axis: str) -> nnx.Module:
   """`count` layers, one per split key: parameters stacked on param_scan_axis, other state on axis 0.
 
-  The "layers" logical axis is inserted there, as Linen's nn.scan does.
+  The logical axis `layer_axis` ("layers", or the pipeline's `canonical.layer_axis`)
+  is inserted there, as Linen's nn.scan does.
   """
 
   @nnx.split_rngs(splits=count)
   @nnx.vmap(
       in_axes=0,
       out_axes=nnx.StateAxes({nnx.Param: cfg.param_scan_axis, ...: 0}),
-      transform_metadata={nnx.PARTITION_NAME: "layers"},
+      transform_metadata={nnx.PARTITION_NAME: layer_axis},
   )
   def make_layers(rngs: nnx.Rngs) -> nnx.Module:
     return layer_class(cfg, rngs=rngs)
@@ -148,6 +158,11 @@ def _layer_step(graphdef: nnx.GraphDef, cfg: Config, positions: jax.Array, segme
   # prevent_cse only matters outside scan, where XLA could otherwise merge the
   # recomputation back into the forward pass (the same choice nn.remat gets).
   return jax.checkpoint(step, policy=remat.checkpoint_policy(cfg.remat_policy), prevent_cse=not cfg.scan_layers)
+
+
+def _has_cache(stack: nnx.Module) -> bool:
+  """Whether the stack holds a decode cache: decoding runs it unpipelined."""
+  return bool(jax.tree.leaves(nnx.state(stack, nnx.Cache)))
 
 
 def _call_layer(layer: nnx.Module, cfg: Config, x: jax.Array, positions: jax.Array, segment_ids: jax.Array):

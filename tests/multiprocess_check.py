@@ -1,6 +1,9 @@
 """One process of a multi-process training run on localhost (started by tests/test_sharding.py).
 
-python multiprocess_check.py OUTPUT_DIR RUN_NAME NUM_PROCESSES PROCESS_ID PORT DEVICES_PER_PROCESS
+python multiprocess_check.py OUTPUT_DIR RUN_NAME NUM_PROCESSES PROCESS_ID PORT DEVICES_PER_PROCESS [KEY=VALUE ...]
+
+Config overrides (KEY=VALUE) replace the defaults below (tests/test_scaleout.py: a dcn mesh); the run's mesh
+shape is then printed as JSON.
 """
 
 import os
@@ -28,4 +31,12 @@ config = mb.load_config(
     enable_nnx=False,
     pure_nnx_decoder=False,
 )
+overrides = dict(arg.split("=", 1) for arg in sys.argv[7:])
+config = config.replace(**overrides) if overrides else config
 mb.train(config, progress=False)
+if overrides:
+  import json  # noqa: E402
+
+  from maxbridge.core import sharding  # noqa: E402
+
+  print(json.dumps(dict(sharding.create_mesh(config).shape)))

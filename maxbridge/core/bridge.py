@@ -71,6 +71,12 @@ def to_linen_var(variable: nnx.Variable) -> Any:
   return bridge_variables.to_linen_var(variable)
 
 
+def linen_initializing() -> bool:
+  """Whether NNX code runs inside a Linen init (ToLinen's first call), which only declares the parameters."""
+  module = bridge_wrappers.current_linen_module()
+  return module is not None and module.is_initializing()
+
+
 class ToLinen(flax_bridge.ToLinen):
   """An NNX module class as a Linen module; strict about the parameters it is given."""
 

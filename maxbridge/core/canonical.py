@@ -28,6 +28,19 @@ def layer_stacks(config) -> tuple[tuple[str, int], ...]:
   return config.family.layer_stacks(config)
 
 
+def layer_axis(config, stack: str) -> str:
+  """The logical axis of scanned stack `stack`'s layer dimension.
+
+  "layers", split over the "stage" mesh axis, so each device holds its own
+  stage's layers; "layers_outside_pipeline" (replicated over the stages) for a
+  stack the pipeline does not run whole (DeepSeek's dense layers).
+  """
+  plan = families.pipeline_plan(config)
+  if plan is None or (stack == plan.stack and plan.layers == dict(layer_stacks(config))[stack]):
+    return "layers"
+  return "layers_outside_pipeline"
+
+
 def layer_of(path: str) -> tuple[str, int] | None:
   """`.../layers_3/x` -> (`.../layers/x`, 3); None for a path outside unscanned layers."""
   match = _LAYER.match(path)

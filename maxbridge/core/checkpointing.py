@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import grain.checkpoint
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -46,6 +47,9 @@ CONFIG = "config.yml"
 DIGESTS = "digests"  # the step's second item: {stored path: digest} of its arrays
 DIGESTS_FILE = "digests.json"
 DIGEST_ALGORITHM = "xxh3_64"
+# The step's data iterator state (a Grain pipeline's: `grain_data`), one JSON file per process, written by
+# Grain's own orbax handler; steps of runs on in-memory data have none.
+DATA = "data"
 # Subtrees a loader may ignore: MaxText's NNX path saves its RNG state here.
 IGNORED_SUBTREES = layouts.IGNORED
 
@@ -221,7 +225,11 @@ class Checkpointer:
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
         ),
         # Named up front so metadata can be read before any save or restore.
-        item_handlers={ITEM: ocp.PyTreeCheckpointHandler(), DIGESTS: ocp.JsonCheckpointHandler(DIGESTS_FILE)},
+        item_handlers={
+            ITEM: ocp.PyTreeCheckpointHandler(),
+            DIGESTS: ocp.JsonCheckpointHandler(DIGESTS_FILE),
+            DATA: grain.checkpoint.CheckpointHandler(),
+        },
     )
 
   def latest_step(self) -> int | None:
@@ -264,8 +272,11 @@ class Checkpointer:
         if _ORBAX_TMP in entry.name and entry.name.split(".")[0].isdigit():
           shutil.rmtree(entry, ignore_errors=True)
 
-  def save(self, step: int, tree: dict) -> None:
+  def save(self, step: int, tree: dict, data=None) -> None:
     """Starts an asynchronous save; arrays are copied off the live state before it returns.
+
+    `data`: the run's data iterator state to save with it (an object whose `get_state` returns it as JSON
+    bytes, fixed: Grain's handler may read it after this returns).
 
     Their digests are computed here, before returning too: once it returns, the
     caller may donate or overwrite the arrays while orbax writes its copies.
@@ -276,6 +287,8 @@ class Checkpointer:
     items = {ITEM: ocp.args.PyTreeSave(tree, save_args=_layer_chunks(tree))}
     if self.digests:
       items[DIGESTS] = ocp.args.JsonSave(tree_digests(tree))
+    if data is not None:
+      items[DATA] = grain.checkpoint.CheckpointSave(data)
     try:
       self.manager.save(step, args=ocp.args.Composite(**items))
     except Exception as e:  # orbax and tensorstore report a failed write in several types
@@ -310,6 +323,20 @@ class Checkpointer:
     reason = reason if len(reason) <= 300 else reason[:300] + "..."
     what = f"checkpoint step {step}" if step is not None else "a checkpoint"
     return CheckpointSaveError(f"could not save {what} in {self.directory}: {type(e).__name__}: {reason}")
+
+  def restore_data(self, step: int, iterator) -> bool:
+    """Sets `iterator` (anything with `set_state`) to the data state saved with `step`; False when it has none."""
+    if DATA not in _saved_items(self.step_dir(step)):
+      return False
+    try:
+      self.manager.restore(step, args=ocp.args.Composite(**{DATA: grain.checkpoint.CheckpointRestore(iterator)}))
+    except CheckpointError:  # the iterator's own refusal (another data config), as it said it
+      raise
+    except (OSError, ValueError, KeyError) as e:
+      raise CheckpointError(
+          f"{self.step_dir(step)}: its {DATA}/ iterator state cannot be read by this process ({type(e).__name__}: {e})"
+      ) from e
+    return True
 
   def restore(self, step: int, target: dict) -> dict:
     """Restores `step` into the abstract `target` tree, after checking every path and shape; then checks each

@@ -132,6 +132,13 @@ class Config:
   dataset_path: str
   sft_train_on_completion_only: bool
   tokenizer_path: str
+  grain_train_files: str
+  grain_eval_files: str
+  grain_file_type: str
+  grain_worker_count: int
+  data_columns: str
+  add_bos: bool
+  add_eos: bool
   use_dpo: bool
   dpo_beta: float
   dpo_label_smoothing: float
@@ -175,6 +182,15 @@ class Config:
   ici_context_parallelism: int
   ici_tensor_parallelism: int
   ici_expert_parallelism: int
+  dcn_data_parallelism: int
+  dcn_pipeline_parallelism: int
+  dcn_fsdp_parallelism: int
+  num_layers_per_pipeline_stage: int
+  num_pipeline_repeats: int
+  num_pipeline_microbatches: int
+  pipeline_parallel_layers: int
+  shard_optimizer_over_data: bool
+  context_parallel_strategy: str
   logical_axis_rules: tuple
   # multi-process
   num_processes: int

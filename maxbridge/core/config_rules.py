@@ -73,6 +73,16 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
             "ici_expert_parallelism",
         )
     ),
+    *(
+        (key, lambda v: v == -1 or v > 0, "a positive integer, or -1 for the remaining processes")
+        for key in ("dcn_data_parallelism", "dcn_fsdp_parallelism")
+    ),
+    ("dcn_pipeline_parallelism", _positive, "a positive integer (the pipeline stages count it: never -1)"),
+    ("num_layers_per_pipeline_stage", _positive, "a positive integer"),
+    *(
+        (key, lambda v: v == -1 or v > 0, "a positive integer, or -1 (derived)")
+        for key in ("num_pipeline_repeats", "num_pipeline_microbatches", "pipeline_parallel_layers")
+    ),
     ("num_processes", _positive, "a positive integer"),
     ("process_id", lambda v: v >= 0, ">= 0"),
     (
@@ -133,6 +143,7 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         "-1 (one shard per slice), 0 (float weight gradients) or a positive shard count",
     ),
     ("eval_interval", lambda v: v >= 0, ">= 0 (0 disables evaluation)"),
+    ("grain_worker_count", lambda v: v >= 0, ">= 0 (0 reads in the training process)"),
     ("lora_rank", lambda v: v >= 0, ">= 0 (0 disables LoRA)"),
     ("lora_alpha", _positive, "> 0 (adapters are scaled by lora_alpha / lora_rank)"),
     ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1) (the probability of dropping an adapter input feature)"),
@@ -159,12 +170,14 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "weight_dtype": ("float32", "bfloat16"),
     "remat_policy": ("none", "full", "minimal"),
     "param_scan_axis": (0, 1),
-    "dataset_type": ("embedded", "synthetic", "text", "sft"),
+    "dataset_type": ("embedded", "synthetic", "text", "sft", "grain"),
+    "grain_file_type": ("auto", "jsonl", "text", "parquet", "arrayrecord", "arrow"),
     "decode_sampling_strategy": ("greedy", "weighted", "topk", "nucleus"),
     "kv_quant_dtype": ("int8",),
     "quantization": QUANTIZATIONS,
     "lora_weight_qtype": ("", "int8", "nf4"),
     "opt_type": ("adamw", "muon"),
+    "context_parallel_strategy": ("all_gather", "ring"),
 }
 
 
@@ -210,11 +223,15 @@ def validate(cfg: Config) -> None:
   if cfg.process_id >= cfg.num_processes:
     raise ConfigError(f"process_id={cfg.process_id} must be below num_processes={cfg.num_processes}")
   _validate_family(cfg)
+  _validate_pipeline(cfg)
+  _validate_context(cfg)
   _validate_sampling(cfg)
   _validate_quantization(cfg)
   _validate_lora(cfg)
   if cfg.dataset_type == "text" and not cfg.dataset_path:
     raise ConfigError("dataset_type='text' needs dataset_path (a text file to train on)")
+  if cfg.dataset_type == "grain" and not cfg.grain_train_files:
+    raise ConfigError("dataset_type='grain' needs grain_train_files (a file, folder or glob of training files)")
   if cfg.use_dpo and cfg.dataset_type not in ("embedded", "sft"):
     raise ConfigError(
         f"use_dpo=true reads preference pairs: dataset_type must be 'sft' (prompt/chosen/rejected .jsonl rows "
@@ -223,6 +240,40 @@ def validate(cfg: Config) -> None:
   if cfg.use_dpo and cfg.num_vocab_tiling > 1:
     raise ConfigError("use_dpo=true computes full logits for its log-probabilities; set num_vocab_tiling=1")
   _validate_grpo(cfg)
+
+
+def _validate_pipeline(cfg: Config) -> None:
+  """The pipeline's layers and micro-batches divide (`families.pipeline_plan`), and what it cannot run is refused."""
+  try:
+    plan = families.pipeline_plan(cfg)
+  except ValueError as error:
+    raise ConfigError(str(error)) from None
+  if plan is None:
+    return
+  if not cfg.scan_layers:
+    raise ConfigError(
+        f"ici_pipeline_parallelism={cfg.ici_pipeline_parallelism} needs scan_layers=true: a pipeline splits the "
+        "stacked layers of a scanned stack into stages"
+    )
+  if cfg.use_qwix_quantization:
+    raise ConfigError(
+        f"ici_pipeline_parallelism={cfg.ici_pipeline_parallelism} with use_qwix_quantization=true: Qwix intercepts "
+        "the decoder's layers, which a pipeline runs as pure functions; use AQT (use_qwix_quantization=false)"
+    )
+
+
+def _validate_context(cfg: Config) -> None:
+  """Context parallelism as maxbridge computes it (`maxbridge.ops.attention`: keys and values gathered)."""
+  if cfg.context_parallel_strategy == "ring":
+    raise ConfigError(
+        "context_parallel_strategy='ring' (ring attention) is not implemented: maxbridge gathers keys and values "
+        "over the context axis; set context_parallel_strategy='all_gather'"
+    )
+  if cfg.ici_context_parallelism > 1 and cfg.max_target_length % cfg.ici_context_parallelism:
+    raise ConfigError(
+        f"ici_context_parallelism={cfg.ici_context_parallelism} splits each sequence into that many equal pieces: "
+        f"max_target_length={cfg.max_target_length} must be a multiple of it"
+    )
 
 
 def _validate_sampling(cfg: Config) -> None:
@@ -416,6 +467,7 @@ _MAXTEXT_IGNORED = frozenset(
         "dump_hlo_xla_flags",
         "dump_hlo_upload_all",
         "enable_dropout",  # dropout_rate is fixed at 0 here, so there is no dropout to switch
+        "context_parallel_load_balance",  # where each token's attention runs, not what it computes
     }
 )
 
@@ -428,12 +480,8 @@ _MAXTEXT_FIXED: dict[str, Any] = {
     "fused_qkv": False,
     "fused_mlp": False,
     "num_slices": 1,
-    "dcn_data_parallelism": -1,
-    "dcn_fsdp_parallelism": 1,
     "dcn_tensor_parallelism": 1,
-    "dcn_pipeline_parallelism": 1,
     "ici_sequence_parallelism": 1,
-    "ici_pipeline_parallelism": 1,
     # MaxText's base.yml values; a family may fix others (`Family.maxtext_fixed`: Gemma's GeGLU, post-norms).
     "use_post_attn_norm": False,
     "use_post_ffw_norm": False,

@@ -8,6 +8,7 @@ initial values: they hold a `placeholder` until `init_params` writes `rules`'.
 
 import dataclasses
 import fnmatch
+import functools
 import zlib
 from typing import Callable
 
@@ -149,3 +150,13 @@ def init_params(abstract: dict, seed: int | jax.Array, options: InitOptions) -> 
   }
   tree = canonical.unflatten(flat)
   return canonical.stack_layers(tree, axis) if scanned else tree
+
+
+@functools.lru_cache(maxsize=32)
+def jitted_init(spec: tuple, options: InitOptions, shardings: tuple | None = None) -> Callable:
+  """`init_params` compiled for one tree (`spec`: (path, shape, dtype name) per leaf), into `shardings` (one per
+  leaf; None: the default device). Cached: every flag combination of a model, and every trainer of it on one
+  mesh, runs this one program (its random draws are most of a small model's start-up compile)."""
+  abstract = canonical.unflatten({path: jax.ShapeDtypeStruct(shape, dtype) for path, shape, dtype in spec})
+  out = None if shardings is None else canonical.unflatten({path: s for (path, *_), s in zip(spec, shardings)})
+  return jax.jit(lambda seed: init_params(abstract, seed, options), out_shardings=out)

@@ -5,6 +5,7 @@ backends; activations are constrained by logical names inside `maxbridge.ops`.
 `logical_axis_rules` in the config maps each name to mesh axes, MaxText style.
 """
 
+import collections
 import contextlib
 import contextvars
 import math
@@ -15,6 +16,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 from absl import logging
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxbridge.core.config import MESH_AXES, Config, ConfigError
@@ -34,27 +36,63 @@ _ACTIVE: contextvars.ContextVar[tuple[Mesh, tuple] | None] = contextvars.Context
 _WARNED: set[str] = set()
 
 
-def mesh_shape(config: Config, num_devices: int) -> tuple[int, ...]:
-  """The sizes of MESH_AXES (data, stage, fsdp, context, tensor, expert); one of them may be -1, meaning the remaining devices."""
-  sizes = [getattr(config, key) for key in _PARALLELISM_KEYS]
-  unknown = [key for key, size in zip(_PARALLELISM_KEYS, sizes) if size == -1]
+# The mesh axes a multi-process (multi-slice) run may also split over processes: MaxText's dcn_* keys.
+_DCN_KEYS = {"data": "dcn_data_parallelism", "stage": "dcn_pipeline_parallelism", "fsdp": "dcn_fsdp_parallelism"}
+
+
+def _fill(sizes: dict[str, int], total: int, what: str) -> tuple[int, ...]:
+  """Config sizes by key (one may be -1: what remains) -> the sizes, whose product must be `total` `what`."""
+  unknown = [key for key, size in sizes.items() if size == -1]
   if len(unknown) > 1:
-    raise ConfigError(f"only one of {', '.join(_PARALLELISM_KEYS)} may be -1; got -1 for {unknown}")
-  known = math.prod(size for size in sizes if size != -1)
+    raise ConfigError(f"only one of {', '.join(sizes)} may be -1; got -1 for {unknown}")
+  known = math.prod(size for size in sizes.values() if size != -1)
   if unknown:
-    if num_devices % known:
+    if total % known:
       raise ConfigError(
-          f"{unknown[0]}=-1 cannot fill {num_devices} devices: the other axes use {known}, "
-          f"which does not divide {num_devices}"
+          f"{unknown[0]}=-1 cannot fill {total} {what}: the other axes use {known}, which does not divide {total}"
       )
-    sizes[_PARALLELISM_KEYS.index(unknown[0])] = num_devices // known
-  if math.prod(sizes) != num_devices:
-    described = ", ".join(f"{k}={s}" for k, s in zip(_PARALLELISM_KEYS, sizes))
+    sizes = {**sizes, unknown[0]: total // known}
+  if math.prod(sizes.values()) != total:
+    described = ", ".join(f"{k}={s}" for k, s in sizes.items())
     raise ConfigError(
-        f"the mesh {described} needs {math.prod(sizes)} devices, but {num_devices} are "
-        "available; make the product equal the device count (or set one axis to -1)"
+        f"the mesh {described} needs {math.prod(sizes.values())} {what}, but {total} are "
+        "available; make the product equal the count (or set one axis to -1)"
     )
-  return tuple(sizes)
+  return tuple(sizes.values())
+
+
+def dcn_shape(config: Config, num_processes: int | None = None) -> tuple[int, ...]:
+  """How many processes each of MESH_AXES spans (1 where it stays inside a process).
+
+  `num_processes` None: as many as the dcn_* keys name (an abstract mesh), their -1 read as 1.
+  """
+  sizes = {key: getattr(config, key) for key in _DCN_KEYS.values()}
+  if all(size == 1 for size in sizes.values()):
+    return (1,) * len(MESH_AXES)  # one mesh over every device of every process, as before any dcn key was set
+  if num_processes is None:
+    num_processes = math.prod(size for size in sizes.values() if size != -1)
+  if num_processes == 1 and any(size > 1 for size in sizes.values()):
+    named = ", ".join(f"{k}={v}" for k, v in sizes.items() if v > 1)
+    raise ConfigError(
+        f"{named} split the mesh over processes, but this run has one process: set num_processes (with "
+        "coordinator_address and process_id) or leave the dcn_* keys at 1"
+    )
+  filled = dict(zip(_DCN_KEYS, _fill(sizes, num_processes, "processes")))
+  return tuple(filled.get(axis, 1) for axis in MESH_AXES)
+
+
+def mesh_shape(config: Config, num_devices: int, num_processes: int | None = None) -> tuple[int, ...]:
+  """The sizes of MESH_AXES (data, stage, fsdp, context, tensor, expert) over `num_devices` devices.
+
+  The ici_* keys (one may be -1: the remaining devices) split each process's
+  devices, the dcn_* keys the processes (see `dcn_shape`); an axis's size is the product.
+  """
+  dcn = dcn_shape(config, num_processes)
+  if num_devices % math.prod(dcn):
+    raise ConfigError(f"{num_devices} devices do not divide over {math.prod(dcn)} processes (the dcn_* keys)")
+  what = "devices" if math.prod(dcn) == 1 else "devices per process"
+  ici = _fill({key: getattr(config, key) for key in _PARALLELISM_KEYS}, num_devices // math.prod(dcn), what)
+  return tuple(i * d for i, d in zip(ici, dcn))
 
 
 def initialize_distributed(config: Config) -> None:
@@ -81,16 +119,32 @@ def initialize_distributed(config: Config) -> None:
 
 
 def create_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """The run's mesh over `devices` (default: every device of every process).
+
+  With dcn_* keys above 1, a hybrid mesh (MaxText's multi-slice one, processes
+  standing in for slices): the axes a dcn key names span processes, the
+  others stay inside each process, whose devices are one ici mesh.
+  """
   devices = jax.devices() if devices is None else list(devices)
-  shape = mesh_shape(config, len(devices))
-  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+  by_process = collections.Counter(device.process_index for device in devices)
+  shape = mesh_shape(config, len(devices), len(by_process))
+  dcn = dcn_shape(config, len(by_process))
+  if math.prod(dcn) == 1:
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+  if len(set(by_process.values())) > 1:
+    raise ConfigError(
+        f"the dcn_* keys split the mesh over processes, which must hold as many devices each: {dict(by_process)}"
+    )
+  ici = tuple(size // d for size, d in zip(shape, dcn))
+  grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=True)
+  return Mesh(grid, MESH_AXES)
 
 
 def logical_to_spec(logical_axes: Sequence[str | None], rules: tuple) -> PartitionSpec:
   """Logical names -> PartitionSpec; a name missing from the rules is replicated (warned once)."""
   known = {name for name, _ in rules}
   for name in logical_axes:
-    if name is not None and name not in known and name not in _WARNED:
+    if isinstance(name, str) and name not in known and name not in _WARNED:
       _WARNED.add(name)
       logging.warning("logical axis %r has no rule in logical_axis_rules; it is replicated", name)
   return nn.logical_to_mesh_axes(tuple(logical_axes), rules)
@@ -110,8 +164,17 @@ def active(mesh: Mesh, rules: tuple) -> Iterator[None]:
     _ACTIVE.reset(token)
 
 
-def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
-  """Constrains an activation by logical names; a no-op outside `active` (plain inference)."""
+def axis_size(axis: str) -> int:
+  """The size of mesh axis `axis` while a step is traced (see `active`); 1 outside."""
+  current = _ACTIVE.get()
+  return 1 if current is None else current[0].shape[axis]
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[Any]) -> jax.Array:
+  """Constrains an activation by logical names; a no-op outside `active` (plain inference).
+
+  A `PartitionSpec.UNCONSTRAINED` entry leaves that dimension to the partitioner.
+  """
   current = _ACTIVE.get()
   if current is None:
     return x
@@ -126,6 +189,22 @@ def spec_tree_to_shardings(specs: Any, mesh: Mesh, rules: tuple) -> Any:
       specs,
       is_leaf=lambda x: isinstance(x, PartitionSpec),
   )
+
+
+def with_data_axis(where: NamedSharding, shape: Any) -> NamedSharding:
+  """ZeRO-1: `where` also split over "data", on the first dimension that divides (MaxText's choice: one
+  not split over "tensor"); kept as it is when "data" is already there or no dimension divides."""
+  data = where.mesh.shape["data"]
+  spec = (*where.spec, *(None,) * (len(shape.shape) - len(where.spec)))
+  if data == 1 or "data" in jax.tree.leaves(tuple(spec)):
+    return where
+  for dim, (size, axes) in enumerate(zip(shape.shape, spec)):
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    parts = math.prod(where.mesh.shape[a] for a in axes)
+    if "tensor" not in axes and size % (parts * data) == 0:
+      split = ("data", *axes) if axes else "data"
+      return NamedSharding(where.mesh, PartitionSpec(*spec[:dim], split, *spec[dim + 1 :]))
+  return where
 
 
 def check_divisible(shapes: Any, shardings: Any) -> None:

@@ -58,8 +58,18 @@ def init_cache(config: Config, batch: int, length: int, *, ring: bool = True) ->
 
 
 def decode_config(config: Config) -> Config:
-  """The configuration a decoding model runs: `config` with its layers unrolled (see the module docstring)."""
-  return config.replace(scan_layers=False) if config.scan_layers else config
+  """The configuration a decoding model runs: `config` with its layers unrolled (see the module docstring).
+
+  Decoding runs no pipeline: a pipeline's stage devices split the decode slots
+  as data parallelism does, so the mesh keeps its devices.
+  """
+  changes = {"scan_layers": False} if config.scan_layers else {}
+  for kind in ("ici", "dcn"):
+    stages, data = getattr(config, f"{kind}_pipeline_parallelism"), getattr(config, f"{kind}_data_parallelism")
+    if stages != 1:
+      changes[f"{kind}_pipeline_parallelism"] = 1
+      changes[f"{kind}_data_parallelism"] = data if data == -1 else data * stages
+  return config.replace(**changes) if changes else config
 
 
 def generate_tokens(

@@ -121,7 +121,7 @@ def create_model(config: Config, seed: int | None = None, *, params: Mapping[str
     model.load_params(params)
     return model
   spec = tuple((path, leaf.shape, leaf.dtype.name) for path, leaf in canonical.flatten(model.abstract_params()).items())
-  init = _jitted_init(spec, initializers.InitOptions.from_config(config))
+  init = initializers.jitted_init(spec, initializers.InitOptions.from_config(config))
   model.load_params(init(config.seed if seed is None else seed))
   return model
 
@@ -153,10 +153,3 @@ def quantize_params(config: Config, params: Mapping[str, Any]) -> dict[str, Any]
   float_abstract = abstract_model(config.replace(quantization="", checkpoint_is_quantized=False)).abstract_params()
   params = canonical.conform(params, float_abstract, config.param_scan_axis)
   return quantization.convert(config, params, abstract_model(config).abstract_params())
-
-
-@functools.lru_cache(maxsize=16)
-def _jitted_init(spec: tuple, options: initializers.InitOptions):
-  """One compiled initialiser per parameter tree, shared by every flag combination."""
-  abstract = canonical.unflatten({path: jax.ShapeDtypeStruct(shape, dtype) for path, shape, dtype in spec})
-  return jax.jit(lambda seed: initializers.init_params(abstract, seed, options))

@@ -6,6 +6,7 @@ may differ in length and offset (a query block against a cache of keys).
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from maxbridge.core import sharding
 from maxbridge.ops.soft_cap import soft_cap
@@ -83,6 +84,8 @@ def dot_product_attention(
   if num_heads % num_kv_heads:
     raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} kv heads")
   with jax.named_scope("dot_product_attention"):
+    if sharding.axis_size("context") > 1 and length % sharding.axis_size("context") == 0:  # not a decode step's query
+      query, key, value, kv_segment_ids, kv_positions = _gather_context(query, key, value, kv_segment_ids, kv_positions)
     if query_scale is not None:
       query = query * jnp.asarray(query_scale, query.dtype)
     query = query.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -105,6 +108,22 @@ def dot_product_attention(
     # every pair is masked reports MASK_VALUE.
     max_logits = jnp.max(jax.lax.stop_gradient(scores), axis=(0, 3, 4)).reshape(num_heads)
     return out, max_logits
+
+
+def _gather_context(query, key, value, kv_segment_ids, kv_positions):
+  """Context parallelism, MaxText's all_gather strategy: each device keeps its slice of the sequence's queries
+  and reads every key and value, gathered over "context" by the partitioner.
+
+  The mask needs nothing more: it is built from the keys' own (global) positions and segment ids, gathered with
+  them, so causality, documents and sliding windows hold across the slices. Heads are left to the partitioner.
+  """
+  free = PartitionSpec.UNCONSTRAINED
+  query = sharding.constrain(query, ("activation_batch", "activation_q_length", free, free))
+  key, value = (sharding.constrain(x, ("activation_batch", "activation_kv_length", free, free)) for x in (key, value))
+  kv_segment_ids, kv_positions = (
+      sharding.constrain(x, ("activation_batch", "activation_kv_length")) for x in (kv_segment_ids, kv_positions)
+  )
+  return query, key, value, kv_segment_ids, kv_positions
 
 
 def softmax_with_sinks(scores: jax.Array, sinks: jax.Array | None) -> jax.Array:

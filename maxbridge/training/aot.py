@@ -1,7 +1,8 @@
 """Look before you allocate: the sharding table and an ahead-of-time compiled train step.
 
-Both work on abstract state (shapes, dtypes, shardings), so a 7B model's
-plan is inspected on a laptop: on CPU, virtual devices stand in for a mesh
+Both work on abstract state (shapes, dtypes, shardings), so a 70B model's
+plan is inspected on a laptop. The table needs no devices at all (an
+`AbstractMesh`); the compile does: on CPU, virtual devices stand in for a mesh
 (`--xla_force_host_platform_device_count`).
 """
 
@@ -9,32 +10,59 @@ import math
 
 import jax
 import numpy as np
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from maxbridge.core import canonical, sharding
 from maxbridge.core.config import Config
 from maxbridge.training import distill, recipe
 
+# The groups of a train state's arrays, in the order the table lists them.
+GROUPS = ("parameters", "optimizer state", "step")
 
-def _rows_of(tree) -> dict[str, object]:
-  return canonical.flatten(tree["params"]["params"])
+
+def abstract_mesh(config: Config, num_devices: int) -> AbstractMesh:
+  """The config's mesh over `num_devices` devices, as shapes only: no device needs to exist."""
+  return AbstractMesh(sharding.mesh_shape(config, num_devices), sharding.MESH_AXES)
 
 
-def sharding_rows(config: Config) -> list[dict]:
-  """One row per parameter: canonical path, shape, logical axes, PartitionSpec, bytes per device."""
-  trainer = recipe.create_trainer(config)
-  layout = _rows_of(trainer.disk_layout)
-  logical = _rows_of(trainer.to_checkpoint(trainer.logical_specs()))
-  placed = _rows_of(trainer.to_checkpoint(trainer.state_shardings))
-  return [
-      {
-          "path": path,
-          "shape": tuple(leaf.shape),
-          "logical_axes": tuple(logical[path]),
-          "spec": placed[path].spec,
-          "bytes_per_device": _bytes_on_one_device(leaf, placed[path]),
-      }
-      for path, leaf in layout.items()
-  ]
+def _flat(tree) -> dict[str, object]:
+  """{"a/b/0/c": leaf}; a PartitionSpec is a leaf, and None (an empty optax state) is no leaf."""
+  leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
+  return {jax.tree_util.keystr(path, simple=True, separator="/"): leaf for path, leaf in leaves}
+
+
+def sharding_rows(config: Config, mesh: Mesh | AbstractMesh | None = None) -> list[dict]:
+  """One row per array of the train state, in the checkpoint's layout (the same on both backends).
+
+  Each row: `path` (a parameter's canonical path; "opt_state/..." and "step" as
+  in the checkpoint), `group` ("parameters", "optimizer state" or "step"),
+  shape, dtype, logical axes, PartitionSpec and bytes per device. `mesh`
+  defaults to the config's over all devices; an `abstract_mesh` needs none.
+  An array that does not divide over its mesh axes is a ConfigError naming it.
+  """
+  trainer = recipe.create_trainer(config, mesh)
+  layout_tree, placed_tree = trainer.disk_layout, trainer.to_checkpoint(trainer.state_shardings)
+  # JAX's own error names a shape, not the array: check first, the parameters before their optimizer state.
+  sharding.check_divisible(layout_tree["params"], placed_tree["params"])
+  sharding.check_divisible(layout_tree, placed_tree)
+  layout, placed = _flat(layout_tree), _flat(placed_tree)
+  logical = _flat(trainer.to_checkpoint(trainer.logical_specs()))
+  trained = f"params/{trainer.trainable.collection}/"
+  rows = []
+  for path, leaf in layout.items():
+    group = "parameters" if path.startswith(trained) else "step" if path == "step" else "optimizer state"
+    rows.append(
+        {
+            "path": path.removeprefix(trained),
+            "group": group,
+            "shape": tuple(leaf.shape),
+            "dtype": str(leaf.dtype),
+            "logical_axes": tuple(logical[path]),
+            "spec": placed[path].spec,
+            "bytes_per_device": _bytes_on_one_device(leaf, placed[path]),
+        }
+    )
+  return sorted(rows, key=lambda row: GROUPS.index(row["group"]))  # stable: each group in the checkpoint's order
 
 
 def _bytes_on_one_device(leaf, where) -> int:
@@ -47,30 +75,41 @@ def _state_bytes_per_device(trainer) -> int:
   return sum(map(_bytes_on_one_device, jax.tree.leaves(trainer.disk_layout), placed))
 
 
-def format_table(rows: list[dict], mesh_shape: tuple[int, ...]) -> str:
-  header = ("path", "shape", "logical axes", "PartitionSpec", "MiB/device")
+def format_table(rows: list[dict], mesh: Mesh | AbstractMesh) -> str:
+  """`rows` (`sharding_rows`) as `maxbridge shardings` prints them: exact bytes, so a changed plan shows in a diff."""
+  header = ("path", "shape", "dtype", "logical axes", "PartitionSpec", "bytes/device")
   lines = [
       (
           r["path"],
           str(r["shape"]),
+          r["dtype"],
           ", ".join(str(a) for a in r["logical_axes"]),
           str(r["spec"]),
-          f"{r['bytes_per_device'] / 2**20:.2f}",
+          f"{r['bytes_per_device']:,}",
       )
       for r in rows
   ]
   widths = [max(len(x) for x in column) for column in zip(header, *lines)]
-  fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-  total = sum(r["bytes_per_device"] for r in rows) / 2**20
-  mesh = " x ".join(f"{name}={size}" for name, size in zip(sharding.MESH_AXES, mesh_shape))
+  # Left-aligned text, right-aligned bytes; no trailing spaces, so a golden file diffs cleanly.
+  fmt = "  ".join([*(f"{{:<{w}}}" for w in widths[:-1]), f"{{:>{widths[-1]}}}"])
+  totals = {group: sum(r["bytes_per_device"] for r in rows if r["group"] == group) for group in GROUPS}
+  everything = sum(totals.values())
+  described = " x ".join(f"{name}={size}" for name, size in mesh.shape.items())
   return "\n".join(
       [
-          f"mesh: {mesh}",
+          f"mesh: {described}",
           fmt.format(*header),
           *(fmt.format(*line) for line in lines),
-          f"parameters: {total:.2f} MiB per device",
+          *(f"{group}: {size:,} bytes ({size / 2**20:.2f} MiB) per device" for group, size in totals.items()),
+          f"total: {everything:,} bytes ({everything / 2**20:.2f} MiB) per device",
       ]
   )
+
+
+def sharding_table(config: Config, num_devices: int) -> str:
+  """What `maxbridge shardings --devices N` prints: the plan of the config's mesh over N devices, none needed."""
+  mesh = abstract_mesh(config, num_devices)
+  return format_table(sharding_rows(config, mesh), mesh)
 
 
 def model_flops(config: Config, num_params: int, tokens: int) -> float:

@@ -146,11 +146,11 @@ class NNXTrainer(Trainer):
           f"{self.trainable.stored_outside_model}, whose state must be its parameters only; this model also "
           f"holds {sorted(nnx.to_pure_dict(rest))}"
       )
-    self.graphdef, self._abstract_state = nnx.split(nnx.eval_shape(lambda: self._module(*self._initial_trees(0))))
+    # From the abstract trees, as Linen's `abstract_state`: tracing the initializers would cost most of the build.
+    self.graphdef, self._abstract_state = nnx.split(
+        nnx.eval_shape(self._module, self.trainable.abstract_trained, self.trainable.abstract_stored)
+    )
     self._layout = {**self.disk_layout, "stored": self.trainable.abstract_stored}
-
-  def _initial_trees(self, seed):
-    return self.trainable.initial(self._initial_params(seed), seed)
 
   def _model(self, params: Params) -> nnx.Module:
     # Built inside jit or eval_shape only: the module's own random initial

@@ -1,6 +1,8 @@
 """Training data: documents packed into fixed-length rows, read in a seeded order.
 
-numpy only (no jax, tf or grain), so loading data never starts an accelerator.
+numpy only (no jax or tf), so loading data never starts an accelerator. Corpora
+larger than memory go through Grain (`dataset_type: grain`, `grain_data`), imported
+only by the runs that read one.
 Batches use MaxText's names, each an int32 array [batch, max_target_length]:
 
     inputs                tokens
@@ -33,7 +35,7 @@ from maxbridge.training.posttrain import dpo, sft
 # Dataset carries whatever keys its rows have.
 BATCH_KEYS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
 SPLITS = ("train", "eval")
-DATASET_TYPES = ("embedded", "synthetic", "text", "sft")
+DATASET_TYPES = ("embedded", "synthetic", "text", "sft", "grain")
 
 # Every EVAL_EVERY-th document (index % EVAL_EVERY == 0) is held out for eval.
 EVAL_EVERY = 20
@@ -185,6 +187,10 @@ class Dataset:
     # Fancy indexing copies, so the caller may modify the batch freely.
     return {key: value[row_ids] for key, value in self.rows.items()}
 
+  # Its batches are a pure function of the step: a checkpoint saves nothing of it (`grain_data.GrainDataset`
+  # is stateful: its iterator's state is saved).
+  stateful = False
+
   def __repr__(self) -> str:
     return (
         f"Dataset({self.name}, num_rows={self.num_rows}, length={self.length}, "
@@ -198,15 +204,29 @@ def _permutation(seed: int, epoch: int, num_rows: int) -> np.ndarray:
   return np.random.default_rng([seed, epoch]).permutation(num_rows)
 
 
-def make_dataset(config: Config, split: str = "train", global_batch_size: int | None = None) -> Dataset:
+def make_dataset(
+    config: Config,
+    split: str = "train",
+    global_batch_size: int | None = None,
+    process_index: int = 0,
+    process_count: int = 1,
+):
   """The `split` ("train" or "eval") of `config.dataset_type`, packed to max_target_length.
 
   `global_batch_size` defaults to `config.per_device_batch_size`; a caller
-  on several devices passes per_device_batch_size * device count.
+  on several devices passes per_device_batch_size * device count. A Grain
+  dataset (`grain_data.GrainDataset`, the same `batch`) reads only the share
+  of process `process_index` of `process_count`; the others read everything
+  and `batch` slices it.
   """
   if split not in SPLITS:
     raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(map(repr, SPLITS))}")
   length = config.max_target_length
+  batch_size = config.per_device_batch_size if global_batch_size is None else global_batch_size
+  if config.dataset_type == "grain":
+    from maxbridge.training import grain_data  # grain and its threads only for the runs that read through it
+
+    return grain_data.GrainDataset(config, split, batch_size, process_index, process_count)
   if config.use_dpo:
     rows = _preference_rows(config, split, length)
     name = f"preferences {split} ({config.dataset_path or 'built-in arithmetic'})"
@@ -226,7 +246,6 @@ def make_dataset(config: Config, split: str = "train", global_batch_size: int | 
     name = f"sft {split} ({config.dataset_path or 'built-in arithmetic'})"
   else:
     raise ValueError(f"unknown dataset_type {config.dataset_type!r}; valid values: {', '.join(map(repr, DATASET_TYPES))}")
-  batch_size = config.per_device_batch_size if global_batch_size is None else global_batch_size
   return Dataset(rows, batch_size, config.seed, name)
 
 

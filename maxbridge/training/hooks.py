@@ -41,8 +41,10 @@ class Data:
   """The config's dataset: each step's rows of this process, and the held-out set (None without eval_interval)."""
 
   def __init__(self, config: Config):
-    self.train = data.make_dataset(config, "train", global_batch_size(config))
-    self.eval = data.make_dataset(config, "eval", global_batch_size(config)) if config.eval_interval else None
+    # A Grain dataset reads only this process's share; the in-memory ones read all and slice each batch.
+    where = (jax.process_index(), jax.process_count())
+    self.train = data.make_dataset(config, "train", global_batch_size(config), *where)
+    self.eval = data.make_dataset(config, "eval", global_batch_size(config), *where) if config.eval_interval else None
     # Distillation from offline logits: the teacher's top-k of each training batch, joined to its rows.
     self.logits = distill.OfflineLogits(config, global_batch_size(config)) if config.distill_logits_path else None
 
@@ -53,6 +55,21 @@ class Data:
     if self.logits is not None:
       rows = {**rows, **self.logits.batch(step, jax.process_index(), jax.process_count())}
     return rows, {}
+
+  def state(self):
+    """What a checkpoint saves of the data (a Grain iterator's state), or None: in-memory batches are a
+    pure function of the step."""
+    return self.train.snapshot() if self.train.stateful else None
+
+  def resume(self, checkpointer: checkpointing.Checkpointer, step: int) -> None:
+    """Goes on from the data state saved with `step`; without one a Grain dataset replays up to it."""
+    if self.train.stateful:
+      checkpointer.restore_data(step, self.train)
+
+  def close(self) -> None:
+    for dataset in (self.train, self.eval):
+      if dataset is not None and dataset.stateful:
+        dataset.close()
 
 
 class Sampled:
@@ -66,6 +83,15 @@ class Sampled:
   def batch(self, step: int, state) -> tuple[dict, dict]:
     rows, info = self.rollouts.batch(step, state)
     return rows, {key: info[key] for key in ("mean_reward", "completion_length")}
+
+  def state(self):
+    return None  # sampled from the policy, which the checkpoint holds
+
+  def resume(self, checkpointer, step: int) -> None:
+    pass
+
+  def close(self) -> None:
+    pass
 
 
 @dataclasses.dataclass

@@ -60,6 +60,13 @@ _TRAINER_FREE_KEYS = frozenset(
         "reward_function",
         "sft_train_on_completion_only",
         "tokenizer_path",
+        "grain_train_files",
+        "grain_eval_files",
+        "grain_file_type",
+        "grain_worker_count",
+        "data_columns",
+        "add_bos",
+        "add_eos",
         "load_parameters_path",
         "load_full_state_path",
     }
@@ -89,6 +96,12 @@ _FIXED_KEYS = (
     "dataset_type",
     "dataset_path",
     "tokenizer_path",
+    "grain_train_files",
+    "grain_eval_files",
+    "grain_file_type",
+    "data_columns",
+    "add_bos",
+    "add_eos",
     "reward_function",
 )
 
@@ -310,6 +323,7 @@ def _train(
     trainer = recipe.create_trainer(config)
   sharding.check_divisible(trainer.abstract_state(), trainer.state_shardings)
   source, features = recipe.create_hooks(config, trainer)
+  held.callback(source.close)  # a Grain pipeline's worker processes
   # Read-only with enable_checkpointing=false: the run resumes, and saves nothing.
   ckpt = (
       checkpointing.Checkpointer(checkpoints, max_to_keep=config.max_to_keep, create=False)
@@ -336,6 +350,7 @@ def _train(
       restored = ckpt.restore(start, trainer.checkpoint_target())
       # Adapters only (LoRA): the base comes from where the run started, checked by a hook below.
       state = trainer.restore(restored, initial)
+      source.resume(ckpt, start)  # a Grain iterator's state, saved with the step
       logging.info("resumed %s from step %d", run_dir, start)
     else:
       state = initial()
@@ -405,7 +420,7 @@ def _train(
         if not _all_finite(tree):
           raise TrainingDiverged(f"the state became non-finite at step {step}; training stopped")
         with _signals_deferred():
-          saving.save(done, tree)
+          saving.save(done, tree, data=source.state())
     if saving:
       saving.wait()  # the last save's failure surfaces here, not after we report success
   except BaseException as e:

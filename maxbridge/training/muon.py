@@ -32,7 +32,7 @@ from optax.contrib import MuonDimensionNumbers
 from maxbridge.core import canonical
 from maxbridge.core.config import Config
 
-BATCH_AXES = ("layers", "exp", "qkv")
+BATCH_AXES = ("layers", "layers_outside_pipeline", "exp", "qkv")
 HEAD_AXES = ("heads", "q_heads", "kv_heads")
 # Path segments whose leaves are never matrices of a linear map in the step's sense (MaxText's exclusions).
 ADAM_SEGMENTS = ("embedding", "logits_dense", "scale", "sinks")

@@ -111,7 +111,8 @@ class Trainer(abc.ABC):
   """The train step, written once; `maxbridge.train` drives either backend the same way.
 
   The state lives on `mesh`, each leaf sharded by its logical axes through
-  the config's `logical_axis_rules`; batches are split on the batch axes.
+  the config's `logical_axis_rules` (with `shard_optimizer_over_data`, the
+  optimizer state over "data" too: ZeRO-1); batches are split on the batch axes.
   `loss` is what the step minimises; `trainable` (a `Trainable` class) what
   trains; `after_update`, if given, maps the canonical parameters after each
   update (QK-Clip), the same on both backends.
@@ -133,6 +134,7 @@ class Trainer(abc.ABC):
     self.rules = config.logical_axis_rules
     self.schedule = optimizers.learning_rate_schedule(config)
     self.abstract_params = abstract_params
+    self.kernel_axes = kernel_axes
     self.trainable = trainable(config, abstract_params, kernel_axes)
     self.tx = optimizers.create(config, self.trainable.trained_axes)
     self.loss = loss
@@ -146,18 +148,57 @@ class Trainer(abc.ABC):
     return self.trainable.saves_params
 
   def _initial_params(self, seed) -> dict:
-    return initializers.init_params(self.abstract_params, seed, initializers.InitOptions.from_config(self.config))
+    """The canonical initial parameters, each in its sharding (on one device: create_model's program)."""
+    spec = tuple((path, leaf.shape, leaf.dtype.name) for path, leaf in canonical.flatten(self.abstract_params).items())
+    shardings = None
+    if self.mesh.size > 1:
+      axes = canonical.flatten(self.kernel_axes)
+      shardings = tuple(sharding.named_sharding(self.mesh, axes[path], self.rules) for path, *_ in spec)
+    return initializers.jitted_init(spec, initializers.InitOptions.from_config(self.config), shardings)(seed)
 
-  def _init(self, seed) -> Any:
-    """The initial state as a traceable function of the seed."""
-    return self._new_state(*self.trainable.initial(self._initial_params(seed), seed))
+  def _init(self, params, seed) -> Any:
+    """The initial state around the canonical initial parameters (traceable)."""
+    return self._new_state(*self.trainable.initial(params, seed))
 
   def abstract_state(self) -> Any:
     return jax.eval_shape(self._new_state, self.trainable.abstract_trained, self.trainable.abstract_stored)
 
   @functools.cached_property
+  def _zero1(self) -> bool:
+    """ZeRO-1 (`shard_optimizer_over_data`) on a mesh with a "data" axis to split over."""
+    return self.config.shard_optimizer_over_data and self.mesh.shape["data"] > 1
+
+  @functools.cached_property
   def state_shardings(self) -> Any:
-    return sharding.spec_tree_to_shardings(self.logical_specs(), self.mesh, self.rules)
+    shardings = sharding.spec_tree_to_shardings(self.logical_specs(), self.mesh, self.rules)
+    if not self._zero1:
+      return shardings
+    # ZeRO-1: the optimizer state (and so the update) split over "data" too; the parameters stay replicated on it.
+    opt_state = jax.tree.map(
+        sharding.with_data_axis, self.to_checkpoint(shardings)["opt_state"], self.disk_layout["opt_state"]
+    )
+    return self._with_tree(shardings, {"opt_state": opt_state})
+
+  @functools.cached_property
+  def _gradient_shardings(self) -> dict[str, NamedSharding]:
+    """ZeRO-1: each trained leaf's path -> the sharding its summed gradient is reduced to (its optimizer state's)."""
+    shapes = canonical.flatten(self.trainable.abstract_trained)
+    return {
+        path: sharding.with_data_axis(where, shapes[path])
+        for path, where in canonical.flatten(self.trained_params(self.state_shardings)).items()
+    }
+
+  def _reduce_gradients(self, grads: Params) -> Params:
+    """ZeRO-1: the summed gradients placed as their optimizer state is, split over "data", so that each device
+    updates its slice (the parameters are then gathered back). Only after the accumulation scan: its carry keeps
+    the parameters' sharding, as in MaxText's auto-sharding mode (a spec inside a scan carry is what its explicit
+    mode had to move out)."""
+    if not self._zero1:
+      return grads
+    return jax.tree_util.tree_map_with_path(
+        lambda path, g: jax.lax.with_sharding_constraint(g, self._gradient_shardings[layouts.keypath_str(path)]),
+        grads,
+    )
 
   @functools.cached_property
   def batch_sharding(self) -> NamedSharding:
@@ -281,8 +322,10 @@ class Trainer(abc.ABC):
 
   def init_state(self, seed: int):
     """The initial state, created directly in its shardings (never whole on one device)."""
+    # Two programs. The parameters' (initializers.jitted_init) is one per model and mesh, shared by every trainer,
+    # backend and create_model: its random draws were most of the compile time of a small model's initial state.
     with sharding.active(self.mesh, self.rules):
-      return jax.jit(self._init, out_shardings=self.state_shardings)(seed)
+      return jax.jit(self._init, out_shardings=self.state_shardings)(self._initial_params(seed), seed)
 
   def loss_batch(self, batch: Mapping[str, Any]) -> dict:
     """The entries of `batch` the loss declares (others are never sent to a device); names any missing."""
@@ -407,6 +450,7 @@ class Trainer(abc.ABC):
     value_and_grad = jax.value_and_grad(loss, has_aux=True)
     with quantization.stochastic_rounding(self.config, bound.step):
       grads, metrics = accumulate_gradients(value_and_grad, bound.params, batch, self.config.gradient_accumulation_steps)
+    grads = self._reduce_gradients(grads)
     grads, grad_norm = clip_gradients(grads, self.config.gradient_clipping_threshold)
     metrics = {**metrics, "grad_norm": grad_norm, "lr": self.schedule(bound.step)}
     state = self._apply_update(bound, grads)

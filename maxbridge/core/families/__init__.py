@@ -10,7 +10,14 @@ Pure Python (no jax), like the config that validates against it.
 """
 
 from maxbridge.core.families import deepseek, gemma, gemma3, gpt3, gpt_oss, llama, mixtral, olmo2, olmo3, qwen3_moe
-from maxbridge.core.families.base import ClipPiece, Family, Stack, query_kernel_carries_scale
+from maxbridge.core.families.base import (
+    ClipPiece,
+    Family,
+    PipelinePlan,
+    Stack,
+    pipeline_plan,
+    query_kernel_carries_scale,
+)
 
 REGISTRY: tuple[Family, ...] = (
     llama.FAMILY,

@@ -1,0 +1,54 @@
+"""NNX's wiring of the pipeline (`maxbridge.ops.pipeline`): a scanned stack split into state, one layer as a function.
+
+The stack keeps its canonical state (made by the decoder's nnx.vmap); here it
+is split into plain arrays and each layer runs as nnx.merge of one layer's
+slice, so the one schedule in ops sees plain arrays (jax.vmap over the stages,
+lax.scan over the iterations).
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxbridge.core import families
+from maxbridge.core.config import Config
+from maxbridge.ops import pipeline
+from maxbridge.ops import remat
+
+
+def run(
+    stack: nnx.Module,
+    cfg: Config,
+    plan: families.PipelinePlan,
+    x: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The stack's layers over x: the first plan.layers pipelined, the rest scanned; the stack's state is left as it was."""
+  graphdef, params, state = nnx.split(stack, nnx.Param, ...)
+  # Parameters are stacked on param_scan_axis, other state on axis 0.
+  params = jax.tree.map(lambda a: jnp.moveaxis(a, cfg.param_scan_axis, 0), params)
+
+  def layer_fn(layer, h, extras):
+    # A fresh module inside this trace; what it writes (a sown value) is dropped.
+    return nnx.merge(graphdef, *layer)(h, *extras)
+
+  if cfg.remat_policy != "none":
+    layer_fn = jax.checkpoint(layer_fn, policy=remat.checkpoint_policy(cfg.remat_policy))
+  layers = (params, state)
+  head = jax.tree.map(lambda a: a[: plan.layers], layers)
+  x, values = pipeline.run(
+      layer_fn,
+      head,
+      x,
+      (positions, segment_ids),
+      stages=plan.stages,
+      microbatches=plan.microbatches,
+      repeats=plan.repeats,
+      remat_policy=cfg.remat_policy,
+  )
+  tail = jax.tree.map(lambda a: a[plan.layers :], layers)
+  if plan.layers < jax.tree.leaves(params)[0].shape[0]:
+    x, rest = jax.lax.scan(lambda h, layer: layer_fn(layer, h, (positions, segment_ids)), x, tail)
+    values = {key: jnp.concatenate([values[key], rest[key]]) for key in values}
+  return x, values
