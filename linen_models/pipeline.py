@@ -12,7 +12,6 @@ import jax.numpy as jnp
 from maxbridge.core import families
 from maxbridge.core.config import Config
 from maxbridge.ops import pipeline
-from maxbridge.ops import remat
 
 
 def run(
@@ -30,21 +29,14 @@ def run(
   def layer_fn(layer_params, h, extras):
     return layer_class(cfg).apply({"params": layer_params}, h, *extras)
 
-  if cfg.remat_policy != "none":
-    layer_fn = jax.checkpoint(layer_fn, policy=remat.checkpoint_policy(cfg.remat_policy))
-  head = jax.tree.map(lambda a: a[: plan.layers], params)
-  x, values = pipeline.run(
+  return pipeline.run_stack(
       layer_fn,
-      head,
+      params,
       x,
       (positions, segment_ids),
+      pipelined=plan.layers,
       stages=plan.stages,
       microbatches=plan.microbatches,
       repeats=plan.repeats,
       remat_policy=cfg.remat_policy,
   )
-  tail = jax.tree.map(lambda a: a[plan.layers :], params)
-  if jax.tree.leaves(tail)[0].shape[0]:
-    x, rest = jax.lax.scan(lambda h, p: layer_fn(p, h, (positions, segment_ids)), x, tail)
-    values = {key: jnp.concatenate([values[key], rest[key]]) for key in values}
-  return x, values

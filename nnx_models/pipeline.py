@@ -13,7 +13,6 @@ from flax import nnx
 from maxbridge.core import families
 from maxbridge.core.config import Config
 from maxbridge.ops import pipeline
-from maxbridge.ops import remat
 
 
 def run(
@@ -33,22 +32,14 @@ def run(
     # A fresh module inside this trace; what it writes (a sown value) is dropped.
     return nnx.merge(graphdef, *layer)(h, *extras)
 
-  if cfg.remat_policy != "none":
-    layer_fn = jax.checkpoint(layer_fn, policy=remat.checkpoint_policy(cfg.remat_policy))
-  layers = (params, state)
-  head = jax.tree.map(lambda a: a[: plan.layers], layers)
-  x, values = pipeline.run(
+  return pipeline.run_stack(
       layer_fn,
-      head,
+      (params, state),
       x,
       (positions, segment_ids),
+      pipelined=plan.layers,
       stages=plan.stages,
       microbatches=plan.microbatches,
       repeats=plan.repeats,
       remat_policy=cfg.remat_policy,
   )
-  tail = jax.tree.map(lambda a: a[plan.layers :], layers)
-  if plan.layers < jax.tree.leaves(params)[0].shape[0]:
-    x, rest = jax.lax.scan(lambda h, layer: layer_fn(layer, h, (positions, segment_ids)), x, tail)
-    values = {key: jnp.concatenate([values[key], rest[key]]) for key in values}
-  return x, values

@@ -44,6 +44,8 @@ def _moe(config: mb.Config) -> bool:
   return config.num_experts > 1
 
 
+_FEW = ("llama-tiny", "deepseek3-tiny", "llama3.1-70b")
+
 # name -> (the mesh's overrides, which presets it applies to, judged on the preset's config). A plan the config
 # refuses (a pipeline over too few layers, a split that does not divide) is kept as the error it raises.
 MESHES = {
@@ -51,6 +53,15 @@ MESHES = {
     "fsdp4-tensor2": ({"ici_fsdp_parallelism": 4, "ici_tensor_parallelism": 2}, lambda config: True),
     "fsdp2-expert4": ({"ici_fsdp_parallelism": 2, "ici_expert_parallelism": 4}, _moe),
     "stage2-fsdp4": ({"ici_pipeline_parallelism": 2, "ici_fsdp_parallelism": 4}, lambda config: True),
+    # ZeRO-1 and context parallelism change few rules: a dense, an MLA and a real-size preset show them.
+    "data2-fsdp4-zero1": (
+        {"ici_data_parallelism": 2, "ici_fsdp_parallelism": 4, "shard_optimizer_over_data": True},
+        lambda config: config.model_name in _FEW,
+    ),
+    "context2-fsdp4": (
+        {"ici_context_parallelism": 2, "ici_fsdp_parallelism": 4},
+        lambda config: config.model_name in _FEW,
+    ),
 }
 
 

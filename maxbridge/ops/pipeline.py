@@ -145,6 +145,23 @@ def run(
   return x, values
 
 
+def run_stack(
+    layer_fn: LayerFn, layers: Any, x: jax.Array, extras: Any, *, pipelined: int, remat_policy: str = "none", **schedule
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """A whole stack (leaves [L, ...]) over x: its first `pipelined` layers through `run` (with `schedule`: stages,
+  microbatches, repeats), the rest scanned after them (MaxText's pipeline_parallel_layers). Each backend's wiring
+  calls this with its own layer_fn, so what runs where is decided here once."""
+  if remat_policy != "none":
+    layer_fn = jax.checkpoint(layer_fn, policy=remat.checkpoint_policy(remat_policy))
+  head = jax.tree.map(lambda a: a[:pipelined], layers)
+  x, values = run(layer_fn, head, x, extras, remat_policy=remat_policy, **schedule)
+  tail = jax.tree.map(lambda a: a[pipelined:], layers)
+  if jax.tree.leaves(tail)[0].shape[0]:
+    x, rest = jax.lax.scan(lambda h, layer: layer_fn(layer, h, extras), x, tail)
+    values = {key: jnp.concatenate([values[key], rest[key]]) for key in values}
+  return x, values
+
+
 def _combine(key: str) -> str:
   if key not in COMBINE:
     raise ValueError(f"per-layer value {key!r} has no rule to combine micro-batches; add it to pipeline.COMBINE")
