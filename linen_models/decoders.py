@@ -19,6 +19,7 @@ from linen_models.gpt_oss import GptOssBlock
 from linen_models.linears import dense
 from linen_models.llama import DecoderLayer
 from linen_models.mixtral import MixtralDecoderLayer
+from linen_models.mtp import MTPBlock
 from linen_models.normalizations import norm
 from linen_models import pipeline
 from linen_models.olmo2 import Olmo2DecoderLayer, Olmo3Block
@@ -67,6 +68,7 @@ class Decoder(nn.Module):
     """Embedded tokens [B, T, D] -> float32 logits [B, T, V]; `embedding` ties the head."""
     cfg = self.config
     dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype))
+    embedded = x  # multi-token prediction embeds later tokens like this, without positions
     if cfg.trainable_position_size:
       x = x + Embed(cfg.trainable_position_size, cfg.emb_dim, name="position_embedder", **dtypes)(positions)
     classes = layer_classes(cfg)
@@ -114,13 +116,25 @@ class Decoder(nn.Module):
     project = None  # tied: `embedding` projects
     if not cfg.logits_via_embedding:
       project = dense(cfg, (cfg.emb_dim,), (cfg.vocab_size,), ("embed", "vocab"), name="logits_dense")
-    return output_head.output_logits(
-        x,
-        norm=norm(cfg, name="decoder_norm"),
-        project=project,
-        embedding=embedding,
-        dtype=jnp.dtype(cfg.dtype),
-        dot_general=self.dot_general,
-        normalize_embedding_logits=cfg.normalize_embedding_logits,
-        final_logits_soft_cap=cfg.final_logits_soft_cap,
-    )
+    final_norm = norm(cfg, name="decoder_norm")
+
+    def head(h):
+      return output_head.output_logits(
+          h,
+          norm=final_norm,
+          project=project,
+          embedding=embedding,
+          dtype=jnp.dtype(cfg.dtype),
+          dot_general=self.dot_general,
+          normalize_embedding_logits=cfg.normalize_embedding_logits,
+          final_logits_soft_cap=cfg.final_logits_soft_cap,
+      )
+
+    logits = head(x)
+    # Training only: decoding (a cache) predicts the next token alone.
+    # (A cache collection may be mutable yet empty, as behind ToNNX: what counts is whether one was given.)
+    if cfg.mtp_num_layers and not jax.tree.leaves(self.variables.get("cache", {})):
+      layer = classes[cfg.family.mtp_stack(cfg).name]
+      hidden = MTPBlock(cfg, layer, name="mtp")(x, embedded, positions, segment_ids)
+      self.sow("intermediates", "mtp_logits", jnp.stack([head(h) for h in hidden]))  # [K, B, T, V]
+    return logits

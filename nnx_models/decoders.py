@@ -26,6 +26,7 @@ from nnx_models.gpt_oss import GptOssBlock
 from nnx_models.linears import dense
 from nnx_models.llama import DecoderLayer
 from nnx_models.mixtral import MixtralDecoderLayer
+from nnx_models.mtp import MTPBlock
 from nnx_models.normalizations import norm
 from nnx_models import pipeline
 from nnx_models.olmo2 import Olmo2DecoderLayer, Olmo3Block
@@ -71,6 +72,8 @@ class Decoder(nnx.Module):
     self.decoder_norm = norm(cfg, rngs=rngs)
     if not cfg.logits_via_embedding:
       self.logits_dense = dense(cfg, (cfg.emb_dim,), (cfg.vocab_size,), ("embed", "vocab"), rngs=rngs)
+    if cfg.mtp_num_layers:
+      self.mtp = MTPBlock(cfg, classes[cfg.family.mtp_stack(cfg).name], rngs=rngs)
 
   def __call__(
       self,
@@ -81,6 +84,7 @@ class Decoder(nnx.Module):
   ) -> jax.Array:
     """Embedded tokens [B, T, D] -> float32 logits [B, T, V]; `embedding` ties the head."""
     cfg = self.config
+    embedded = x  # multi-token prediction embeds later tokens like this, without positions
     if cfg.trainable_position_size:
       x = x + self.position_embedder(positions)
     plan = families.pipeline_plan(cfg)
@@ -108,16 +112,25 @@ class Decoder(nnx.Module):
     # Before the final norm, which belongs to the output head: vocabulary
     # tiling runs that head itself, tile by tile.
     self.sow(nnx.Intermediate, "hidden_states", x)
-    return output_head.output_logits(
-        x,
-        norm=self.decoder_norm,
-        project=None if cfg.logits_via_embedding else self.logits_dense,
-        embedding=embedding,
-        dtype=jnp.dtype(cfg.dtype),
-        dot_general=self.dot_general,
-        normalize_embedding_logits=cfg.normalize_embedding_logits,
-        final_logits_soft_cap=cfg.final_logits_soft_cap,
-    )
+
+    def head(h):
+      return output_head.output_logits(
+          h,
+          norm=self.decoder_norm,
+          project=None if cfg.logits_via_embedding else self.logits_dense,
+          embedding=embedding,
+          dtype=jnp.dtype(cfg.dtype),
+          dot_general=self.dot_general,
+          normalize_embedding_logits=cfg.normalize_embedding_logits,
+          final_logits_soft_cap=cfg.final_logits_soft_cap,
+      )
+
+    logits = head(x)
+    # Training only: decoding (a cache) predicts the next token alone.
+    if cfg.mtp_num_layers and not _has_cache(self):
+      hidden = self.mtp(x, embedded, positions, segment_ids)
+      self.sow(nnx.Intermediate, "mtp_logits", jnp.stack([head(h) for h in hidden]))  # [K, B, T, V]
+    return logits
 
 
 def _stacked_layers(layer_class, cfg: Config, count: int, rngs: nnx.Rngs, layer_axis: str) -> nnx.Module:
@@ -161,7 +174,7 @@ def _layer_step(graphdef: nnx.GraphDef, cfg: Config, positions: jax.Array, segme
 
 
 def _has_cache(stack: nnx.Module) -> bool:
-  """Whether the stack holds a decode cache: decoding runs it unpipelined."""
+  """Whether the stack (or decoder) holds a decode cache: decoding runs it unpipelined, and without MTP."""
   return bool(jax.tree.leaves(nnx.state(stack, nnx.Cache)))
 
 

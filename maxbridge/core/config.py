@@ -122,6 +122,9 @@ class Config:
   gradient_accumulation_steps: int
   z_loss_multiplier: float
   num_vocab_tiling: int
+  mtp_num_layers: int
+  mtp_loss_scaling_factor: float
+  mtp_eval_target_module: int
   use_qk_clip: bool
   qk_clip_threshold: float
   teacher_overrides: str

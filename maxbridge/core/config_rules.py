@@ -131,6 +131,9 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("gradient_clipping_threshold", lambda v: v >= 0, ">= 0 (0 disables clipping)"),
     ("z_loss_multiplier", lambda v: v >= 0, ">= 0"),
     ("num_vocab_tiling", _positive, "a positive integer (1 disables tiling)"),
+    ("mtp_num_layers", lambda v: v >= 0, "an integer >= 0 (0 disables multi-token prediction)"),
+    ("mtp_loss_scaling_factor", lambda v: 0 <= v < float("inf"), "a finite number >= 0"),
+    ("mtp_eval_target_module", lambda v: v >= 0, "an integer >= 0 (0: none)"),
     ("dpo_beta", _positive, "> 0"),
     ("dpo_label_smoothing", lambda v: 0 <= v <= 0.5, "in [0, 0.5] (0 is plain DPO)"),
     ("num_generations", lambda v: v >= 2, ">= 2 (GRPO's advantages compare the completions of one prompt)"),
@@ -228,6 +231,7 @@ def validate(cfg: Config) -> None:
   _validate_sampling(cfg)
   _validate_quantization(cfg)
   _validate_lora(cfg)
+  _validate_mtp(cfg)
   if cfg.dataset_type == "text" and not cfg.dataset_path:
     raise ConfigError("dataset_type='text' needs dataset_path (a text file to train on)")
   if cfg.dataset_type == "grain" and not cfg.grain_train_files:
@@ -365,6 +369,37 @@ def _validate_lora(cfg: Config) -> None:
         "lora_rank > 0 with load_full_state_path: a LoRA run starts from base parameters "
         "(load_parameters_path) and a fresh optimizer for its adapters"
     )
+
+
+def _validate_mtp(cfg: Config) -> None:
+  """Multi-token prediction runs where its logits reach a cross-entropy loss, on a family of single layers."""
+  if cfg.mtp_eval_target_module > cfg.mtp_num_layers:
+    raise ConfigError(
+        f"mtp_eval_target_module={cfg.mtp_eval_target_module} names no module: it must be in "
+        f"1..mtp_num_layers={cfg.mtp_num_layers}, or 0 for none"
+    )
+  if not cfg.mtp_num_layers:
+    return
+  stack = families.lookup(cfg.decoder_block).mtp_stack(cfg)
+  if stack.sublayers:
+    raise ConfigError(
+        f"mtp_num_layers={cfg.mtp_num_layers}: decoder_block={cfg.decoder_block!r} stacks blocks of "
+        f"{len(stack.sublayers)} layers ({', '.join(stack.sublayers)}), and an MTP module holds one decoder layer; "
+        "set mtp_num_layers=0"
+    )
+  plain_loss = "the MTP loss is added to the plain cross-entropy over full logits only"
+  refused = (
+      ("num_vocab_tiling > 1", cfg.num_vocab_tiling > 1, plain_loss),
+      ("use_dpo=true", cfg.use_dpo, plain_loss),
+      ("use_grpo=true", cfg.use_grpo, plain_loss),
+      ("distillation (teacher_overrides)", bool(cfg.teacher_overrides or cfg.distill_logits_path), plain_loss),
+      ("use_qk_clip=true", cfg.use_qk_clip, "QK-Clip does not rescale the MTP modules' attention"),
+  )
+  for what, on, why in refused:
+    if on:
+      raise ConfigError(
+          f"mtp_num_layers={cfg.mtp_num_layers} with {what}: {why}; set mtp_num_layers=0 or turn the other off"
+      )
 
 
 def _validate_family(cfg: Config) -> None:

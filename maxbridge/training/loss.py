@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from maxbridge.ops import losses
+from maxbridge.ops import losses, mtp
 
 Batch = Mapping[str, jax.Array]
 
@@ -69,24 +69,64 @@ class Loss(abc.ABC):
 
 
 class CrossEntropy(Loss):
-  """Next-token cross-entropy over non-padding targets, plus z-loss and the sown MoE load-balancing loss."""
+  """Next-token cross-entropy over non-padding targets, plus z-loss, the sown MoE load-balancing loss and, with
+  `mtp_num_layers` > 0, the multi-token prediction loss."""
 
   batch_keys = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
 
-  def __init__(self, z_loss_multiplier: float = 0.0):
+  def __init__(
+      self,
+      z_loss_multiplier: float = 0.0,
+      *,
+      mtp_loss_scaling_factor: float | None = None,
+      mtp_eval_target_module: int = 0,
+  ):
     self.z_loss_multiplier = z_loss_multiplier
+    # None: the model has no MTP modules. Else the weight of their loss (MaxText's mtp_loss_scaling_factor).
+    self.mtp_loss_scaling_factor = mtp_loss_scaling_factor
+    self.mtp_eval_target_module = mtp_eval_target_module
+    if mtp_loss_scaling_factor is not None:
+      self.metric_keys = ("mtp_loss",) + (("mtp_acceptance_rate",) if mtp_eval_target_module else ())
 
   def __call__(self, forward: Forward, batch: Batch, reference: Forward | None = None) -> tuple[jax.Array, dict]:
     logits, intermediates = forward(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
     return self.terms(logits, batch, intermediates)
 
   def terms(self, logits: jax.Array, batch: Batch, intermediates: Mapping[str, Any]) -> tuple[jax.Array, dict]:
-    """(sum of per-token losses, {"tokens", "z_loss", "moe_lb_loss"}) over the non-padding targets."""
+    """(sum of per-token losses, {"tokens", "z_loss", "moe_lb_loss"} and the MTP entries) over the non-padding
+    targets."""
     mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
     per_token, z_loss = losses.cross_entropy_with_z_loss(
         logits, batch["targets"], z_loss_multiplier=self.z_loss_multiplier
     )
-    return self.total(jnp.sum(per_token * mask), jnp.sum(z_loss * mask), mask, intermediates)
+    total, aux = self.total(jnp.sum(per_token * mask), jnp.sum(z_loss * mask), mask, intermediates)
+    if "decoder/mtp_logits" not in intermediates:
+      if self.mtp_loss_scaling_factor is not None:
+        raise ValueError("this loss weighs multi-token prediction, but the model sowed no decoder/mtp_logits")
+      return total, aux
+    if self.mtp_loss_scaling_factor is None:
+      raise ValueError("the model sows decoder/mtp_logits: build CrossEntropy with mtp_loss_scaling_factor")
+    mtp_aux = self.mtp_terms(intermediates["decoder/mtp_logits"], batch, aux["tokens"])
+    return total + mtp_aux["mtp_loss"], {**aux, **mtp_aux}
+
+  def mtp_terms(self, mtp_logits: jax.Array, batch: Batch, tokens: jax.Array) -> dict:
+    """{"mtp_loss"[, "mtp_acceptance_rate"]} of the MTP logits [K, B, T, V], each times `tokens` (aux's convention).
+
+    As MaxText: the cross-entropy summed over modules and their targets, over the count of those targets, times
+    mtp_loss_scaling_factor. A per-batch mean, so it enters weighted by this batch's token count (as the MoE loss).
+    """
+    sums, counts, aux = jnp.float32(0.0), jnp.float32(0.0), {}
+    for k in range(1, mtp_logits.shape[0] + 1):
+      targets, weights = mtp.module_targets(
+          batch["targets"], batch["targets_segmentation"], batch["inputs_segmentation"], k
+      )
+      per_token, _ = losses.cross_entropy_with_z_loss(mtp_logits[k - 1], targets)
+      sums, counts = sums + jnp.sum(per_token * weights), counts + jnp.sum(weights)
+      if k == self.mtp_eval_target_module:  # how often module k's top-1 is the target: a drafter's acceptance
+        hits = (jnp.argmax(mtp_logits[k - 1], axis=-1) == targets) * weights
+        aux["mtp_acceptance_rate"] = jnp.sum(hits) / jnp.maximum(jnp.sum(weights), 1.0) * tokens
+    aux["mtp_loss"] = self.mtp_loss_scaling_factor * sums / jnp.maximum(counts, 1.0) * tokens
+    return aux
 
   @staticmethod
   def total(token_sum: jax.Array, z_loss_sum: jax.Array, mask: jax.Array, intermediates: Mapping[str, Any]):

@@ -31,7 +31,11 @@ def create_loss(config: Config) -> Loss:
     return distill.Distillation(config, teacher)
   if config.num_vocab_tiling > 1:
     return vocab_tiling.TiledCrossEntropy(config)
-  return CrossEntropy(z_loss_multiplier=config.z_loss_multiplier)
+  return CrossEntropy(
+      z_loss_multiplier=config.z_loss_multiplier,
+      mtp_loss_scaling_factor=config.mtp_loss_scaling_factor if config.mtp_num_layers else None,
+      mtp_eval_target_module=config.mtp_eval_target_module,
+  )
 
 
 def create_trainer(

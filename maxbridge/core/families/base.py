@@ -78,6 +78,11 @@ class Family:
     depths = ((stack.name, stack.depth(config)) for stack in self.stacks)
     return tuple((name, depth) for name, depth in depths if depth)
 
+  def mtp_stack(self, config: Config) -> Stack:
+    """The stack whose layer kind each multi-token prediction module runs: that of the model's last layer."""
+    name = self.layer_stacks(config)[-1][0]
+    return next(stack for stack in self.stacks if stack.name == name)
+
 
 def query_kernel_carries_scale(config: Config) -> bool:
   """Whether the query kernel holds attention's 1/sqrt(head_dim), so that attention does not scale at run time.

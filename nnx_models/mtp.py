@@ -1,0 +1,49 @@
+"""Multi-token prediction modules (DeepSeek-V3; MaxText's `multi_token_prediction.py`), run by the `Decoder`.
+
+Module k: hidden_norm(h) and embedding_norm(embedding of token i + k),
+concatenated (in MaxText's order), projected back to the model width, then one
+decoder layer of the family. The decoder's final norm and output head, shared
+with the main prediction, turn each module's hidden state into its logits.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxbridge.core.config import Config
+from maxbridge.ops import mtp
+from nnx_models.linears import dense
+from nnx_models.normalizations import norm
+
+
+class MTPLayer(nnx.Module):
+
+  def __init__(self, config: Config, layer_class: type[nnx.Module], *, rngs: nnx.Rngs):
+    cfg = self.config = config
+    self.hidden_norm = norm(cfg, rngs=rngs)
+    self.embedding_norm = norm(cfg, rngs=rngs)
+    self.projection = dense(cfg, (2 * cfg.emb_dim,), (cfg.emb_dim,), ("mlp", "embed"), rngs=rngs)
+    self.layer = layer_class(cfg, rngs=rngs)
+
+  def __call__(self, hidden: jax.Array, embedded: jax.Array, positions: jax.Array, segment_ids: jax.Array):
+    both = jnp.concatenate([self.hidden_norm(hidden), self.embedding_norm(embedded)], -1)
+    # The layer's own per-layer values (an MoE layer's load-balancing loss) stay out of the loss, as in MaxText.
+    x, _ = self.layer(self.projection(both), positions, segment_ids)
+    return x
+
+
+class MTPBlock(nnx.Module):
+  """`mtp_num_layers` modules in sequence: the decoder's last hidden states [B, T, D] -> theirs [K, B, T, D]."""
+
+  def __init__(self, config: Config, layer_class: type[nnx.Module], *, rngs: nnx.Rngs):
+    self.config = config
+    for k in range(1, config.mtp_num_layers + 1):
+      setattr(self, f"mtp_layer_{k}", MTPLayer(config, layer_class, rngs=rngs))
+
+  def __call__(self, hidden: jax.Array, embedded: jax.Array, positions: jax.Array, segment_ids: jax.Array):
+    out = []
+    for k in range(1, self.config.mtp_num_layers + 1):
+      embedded_k, positions_k = mtp.module_inputs(embedded, positions, k)
+      hidden = getattr(self, f"mtp_layer_{k}")(hidden, embedded_k, positions_k, segment_ids)
+      out.append(hidden)
+    return jnp.stack(out)
