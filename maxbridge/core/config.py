@@ -31,7 +31,7 @@ MESH_AXES = (
     "context",
     "tensor",
     "expert",
-)  # MaxText's order  # maxbridge.sharding builds the mesh with these names
+)  # MaxText's order; maxbridge.sharding builds the mesh with these names
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -22,6 +22,16 @@ from maxbridge.core import families
 # `maxbridge.core.config.Config`, which runs these rules on every instance: so this module cannot import it.
 Config = Any
 
+# Each mesh axis's size, in the order of config.MESH_AXES (data, stage, fsdp, context, tensor, expert).
+ICI_PARALLELISM_KEYS = (
+    "ici_data_parallelism",
+    "ici_pipeline_parallelism",
+    "ici_fsdp_parallelism",
+    "ici_context_parallelism",
+    "ici_tensor_parallelism",
+    "ici_expert_parallelism",
+)
+
 
 class ConfigError(ValueError):
   """A configuration key or value that cannot be used; the message says which and why."""
@@ -64,14 +74,7 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ),
     *(
         (key, lambda v: v == -1 or v > 0, "a positive integer, or -1 for the remaining devices")
-        for key in (
-            "ici_data_parallelism",
-            "ici_pipeline_parallelism",
-            "ici_fsdp_parallelism",
-            "ici_context_parallelism",
-            "ici_tensor_parallelism",
-            "ici_expert_parallelism",
-        )
+        for key in ICI_PARALLELISM_KEYS
     ),
     *(
         (key, lambda v: v == -1 or v > 0, "a positive integer, or -1 for the remaining processes")

@@ -19,17 +19,10 @@ from absl import logging
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from maxbridge.core import config_rules
 from maxbridge.core.config import MESH_AXES, Config, ConfigError
 
-# In MESH_AXES's order.
-_PARALLELISM_KEYS = (
-    "ici_data_parallelism",
-    "ici_pipeline_parallelism",
-    "ici_fsdp_parallelism",
-    "ici_context_parallelism",
-    "ici_tensor_parallelism",
-    "ici_expert_parallelism",
-)
+_PARALLELISM_KEYS = config_rules.ICI_PARALLELISM_KEYS
 
 # (mesh, rules) while a step is traced; ops read it through `constrain`.
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, tuple] | None] = contextvars.ContextVar("maxbridge_sharding", default=None)
