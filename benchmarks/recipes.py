@@ -15,11 +15,18 @@ Rows (add a recipe as one more entry of `ROWS`: its config overrides and its bas
   muon_consistent_rms=0.2 (its updates at AdamW's RMS, so the same learning rate suits both).
 - distill: an in-step teacher of the same model from another seed, alpha 0.5, T 2; vs plain training.
   Offline teacher logits (`maxbridge distill-logits`) are not built yet: no row.
-- MTP, DiLoCo: to come, as rows of their own here.
+- diloco: enable_diloco with H=10 on this process's devices as one replica (the step's own cost: the vmapped inner
+  step and the outer step every H); its communication over "diloco" is printed below the table, computed from the
+  parameter tree: one all-reduce of the parameters' size per outer step, against data parallelism's all-reduce of
+  the gradients (the same size) every inner step.
+- mtp: mtp_num_layers=1 (one DeepSeek-V3 multi-token prediction module, a decoder layer of the family, and its
+  logits through the shared head), the step-time overhead over plain training; its held-out loss is the main one.
 """
 
 import argparse
 import statistics
+
+import jax
 
 from maxbridge.core.config import load_config
 from maxbridge.models import dispatch
@@ -32,6 +39,8 @@ ROWS = {
     "muon": ({"opt_type": "muon"}, "adamw"),
     "muon-rms0.2": ({"opt_type": "muon", "muon_consistent_rms": 0.2}, "adamw"),
     "distill": ({"teacher_overrides": "{seed: 1}", "distill_alpha": 0.5, "distill_temperature": 2.0}, "adamw"),
+    "diloco": ({"enable_diloco": True, "diloco_sync_period": 10}, "adamw"),
+    "mtp": ({"mtp_num_layers": 1}, "adamw"),
 }
 
 
@@ -56,8 +65,11 @@ class Run:
     return seconds
 
   def eval_loss(self, batches) -> float:
-    """The held-out cross-entropy (a distilling row's own loss mixes in its teacher's KL: not comparable)."""
-    plain = self.config.replace(teacher_overrides="")
+    """The held-out cross-entropy of the main prediction."""
+    # The main cross-entropy alone: a distilling row's loss mixes in its teacher's KL, an MTP row's its MTP loss.
+    plain = self.config.replace(
+        teacher_overrides="", **({"mtp_loss_scaling_factor": 0.0} if self.config.mtp_num_layers else {})
+    )
     trainer, state = self.trainer, self.state
     if plain != self.config:  # the same parameters in a plain trainer's state
       trainer = recipe.create_trainer(plain)
@@ -100,6 +112,20 @@ def main() -> None:
     ratio = f"{bench.median_ratio(times[name], times[base]):.2f}x {base}" if base else ""
     step_ms = 1e3 * statistics.median(times[name])
     print(f"| {name} | {run.first_call:.1f} | {step_ms:.1f} | {ratio} | {run.eval_loss(batches):.4f} |")
+  if "diloco" in runs:
+    print(diloco_communication(runs["diloco"].config, runs["diloco"].trainer.abstract_params))
+
+
+def diloco_communication(config, abstract_params) -> str:
+  """Bytes each step all-reduces across replicas: DiLoCo's pseudo-gradient (one value per parameter, in its dtype)
+  once per outer step, vs data parallelism's gradients (as many) every inner step."""
+  size = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(abstract_params))
+  h = config.diloco_sync_period
+  return (
+      f"DiLoCo over 'diloco': {size / 2**20:.1f} MiB all-reduced per outer step (every H={h} inner steps), "
+      f"{size / h / 2**20:.2f} MiB per inner step on average; data parallelism across the same replicas: "
+      f"{size / 2**20:.1f} MiB of gradients per inner step ({h}x DiLoCo's)"
+  )
 
 
 if __name__ == "__main__":

@@ -18,12 +18,14 @@ from linen_models.gpt3 import Gpt3DecoderLayer
 from linen_models.gpt_oss import GptOssBlock
 from linen_models.linears import dense
 from linen_models.llama import DecoderLayer
+from linen_models.llama4 import Llama4Block
 from linen_models.mixtral import MixtralDecoderLayer
 from linen_models.mtp import MTPBlock
 from linen_models.normalizations import norm
 from linen_models import pipeline
 from linen_models.olmo2 import Olmo2DecoderLayer, Olmo3Block
 from linen_models.qwen3_moe import Qwen3MoeDecoderLayer
+from linen_models.qwen3_next import Qwen3NextBlock
 from maxbridge.core import canonical
 from maxbridge.core import families
 from maxbridge.core.config import Config
@@ -45,6 +47,8 @@ LAYER_CLASSES = {
     "olmo2": Olmo2DecoderLayer,
     "olmo3": Olmo3Block,
     "qwen3_moe": Qwen3MoeDecoderLayer,
+    "qwen3_next": Qwen3NextBlock,
+    "llama4": Llama4Block,
 }
 
 

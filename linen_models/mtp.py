@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from linen_models.linears import dense
 from linen_models.normalizations import norm
 from maxbridge.core.config import Config
-from maxbridge.ops import mtp
+from maxbridge.ops import mtp, output_head
 
 
 class MTPLayer(nn.Module):
@@ -46,3 +46,35 @@ class MTPBlock(nn.Module):
       )
       out.append(hidden)
     return jnp.stack(out)
+
+
+class MTPDrafter(nn.Module):
+  """Module k alone, then the decoder's final norm and output head: self-speculative decoding's draft step.
+
+  Its parameters are the decoder's own (`mtp/mtp_layer_{k}`, `decoder_norm`,
+  `logits_dense`); given a "cache" collection, module k's attention appends to
+  and reads a cache of its own (`maxbridge.serving.speculative`).
+  Returns (logits [B, T, V], module k's hidden states [B, T, D]).
+  """
+
+  config: Config
+  layer_class: type[nn.Module]
+  k: int
+
+  @nn.compact
+  def __call__(self, hidden, embedded, positions, segment_ids, embedding=None):
+    cfg = self.config
+    hidden = MTPLayer(cfg, self.layer_class, name=f"mtp_layer_{self.k}")(hidden, embedded, positions, segment_ids)
+    project = None
+    if not cfg.logits_via_embedding:
+      project = dense(cfg, (cfg.emb_dim,), (cfg.vocab_size,), ("embed", "vocab"), name="logits_dense")
+    logits = output_head.output_logits(
+        hidden,
+        norm=norm(cfg, name="decoder_norm"),
+        project=project,
+        embedding=embedding,
+        dtype=jnp.dtype(cfg.dtype),
+        normalize_embedding_logits=cfg.normalize_embedding_logits,
+        final_logits_soft_cap=cfg.final_logits_soft_cap,
+    )
+    return logits, hidden

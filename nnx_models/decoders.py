@@ -25,12 +25,14 @@ from nnx_models.gpt3 import Gpt3DecoderLayer
 from nnx_models.gpt_oss import GptOssBlock
 from nnx_models.linears import dense
 from nnx_models.llama import DecoderLayer
+from nnx_models.llama4 import Llama4Block
 from nnx_models.mixtral import MixtralDecoderLayer
 from nnx_models.mtp import MTPBlock
 from nnx_models.normalizations import norm
 from nnx_models import pipeline
 from nnx_models.olmo2 import Olmo2DecoderLayer, Olmo3Block
 from nnx_models.qwen3_moe import Qwen3MoeDecoderLayer
+from nnx_models.qwen3_next import Qwen3NextBlock
 
 LAYER_CLASSES = {
     "llama": DecoderLayer,
@@ -46,6 +48,8 @@ LAYER_CLASSES = {
     "olmo2": Olmo2DecoderLayer,
     "olmo3": Olmo3Block,
     "qwen3_moe": Qwen3MoeDecoderLayer,
+    "qwen3_next": Qwen3NextBlock,
+    "llama4": Llama4Block,
 }
 
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxbridge.core.config import Config
-from maxbridge.ops import mtp
+from maxbridge.ops import mtp, output_head
 from nnx_models.linears import dense
 from nnx_models.normalizations import norm
 
@@ -47,3 +47,35 @@ class MTPBlock(nnx.Module):
       hidden = getattr(self, f"mtp_layer_{k}")(hidden, embedded_k, positions_k, segment_ids)
       out.append(hidden)
     return jnp.stack(out)
+
+
+class MTPDrafter(nnx.Module):
+  """Module k alone, then the decoder's final norm and output head: self-speculative decoding's draft step.
+
+  Its parameters are the decoder's own (`mtp/mtp_layer_{k}`, `decoder_norm`,
+  `logits_dense`); given `nnx.Cache` variables, module k's attention appends
+  to and reads a cache of its own (`maxbridge.serving.speculative`).
+  Returns (logits [B, T, V], module k's hidden states [B, T, D]).
+  """
+
+  def __init__(self, config: Config, layer_class: type[nnx.Module], k: int, *, rngs: nnx.Rngs):
+    cfg = self.config = config
+    self.k = k
+    setattr(self, f"mtp_layer_{k}", MTPLayer(cfg, layer_class, rngs=rngs))
+    self.decoder_norm = norm(cfg, rngs=rngs)
+    if not cfg.logits_via_embedding:
+      self.logits_dense = dense(cfg, (cfg.emb_dim,), (cfg.vocab_size,), ("embed", "vocab"), rngs=rngs)
+
+  def __call__(self, hidden, embedded, positions, segment_ids, embedding=None):
+    cfg = self.config
+    hidden = getattr(self, f"mtp_layer_{self.k}")(hidden, embedded, positions, segment_ids)
+    logits = output_head.output_logits(
+        hidden,
+        norm=self.decoder_norm,
+        project=None if cfg.logits_via_embedding else self.logits_dense,
+        embedding=embedding,
+        dtype=jnp.dtype(cfg.dtype),
+        normalize_embedding_logits=cfg.normalize_embedding_logits,
+        final_logits_soft_cap=cfg.final_logits_soft_cap,
+    )
+    return logits, hidden

@@ -1,4 +1,4 @@
-"""RMSNorm and LayerNorm with logically partitioned parameters, and the config's choice of the two."""
+"""RMSNorm (plain or zero-centred) and LayerNorm with logically partitioned parameters, and the config's choice."""
 
 from typing import ClassVar
 
@@ -39,6 +39,13 @@ class RMSNorm(_Norm):
     return normalization.rms_norm(x, self.scale[...], epsilon=self.epsilon, dtype=self.dtype)
 
 
+class ZeroCentredRMSNorm(_Norm):
+  """Qwen3-Next's: `scale` holds w of the multiplier 1 + w (`ops.normalization.zero_centred_rms_norm`)."""
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return normalization.zero_centred_rms_norm(x, self.scale[...], epsilon=self.epsilon, dtype=self.dtype)
+
+
 class LayerNorm(_Norm):
   """GPT-2's: a `scale` that is the multiplier itself, and a `bias`."""
 
@@ -51,7 +58,7 @@ class LayerNorm(_Norm):
 
 def norm(config: Config, *, rngs: nnx.Rngs) -> nnx.Module:
   """The family's norm over the model width (`config.normalization`), with the config's epsilon and dtypes."""
-  norm_class = LayerNorm if config.normalization == "layer_norm" else RMSNorm
+  norm_class = {"layer_norm": LayerNorm, "zero_centred_rms_norm": ZeroCentredRMSNorm}.get(config.normalization, RMSNorm)
   return norm_class(
       config.emb_dim,
       config.normalization_layer_epsilon,

@@ -30,11 +30,12 @@ MESHES = {
     "gemma-tiny": (1, 4, 2, 1),
     "gemma2-tiny": (1, 4, 2, 1),
     "gemma3-tiny": (1, 4, 2, 1),
+    "llama4-tiny": (1, 2, 2, 2),
 }
 # gemma-tiny has one KV head (multi-query, as gemma-2b): two, so that tensor=2 can split them.
 OVERRIDES = {"gemma-tiny": dict(base_num_kv_heads=2)}
-# The routed experts' first kernel: gpt-oss fuses gate and up (wi); Qwen3-MoE keeps wi_0 and wi_1.
-EXPERT_KERNELS = ("MoeBlock_0/wi", "moe_block/wi_0")
+# The routed experts' first kernel: gpt-oss and Llama 4 fuse gate and up (wi); Qwen3-MoE keeps wi_0 and wi_1.
+EXPERT_KERNELS = ("MoeBlock_0/wi", "moe_block/wi_0", "Llama4MoEBlock_0/MoeBlock_0/wi_0")
 
 
 def main():

@@ -34,6 +34,10 @@ RUNS = {
     "half": dict(teacher_overrides=SAVED_TEACHER, distill_alpha=0.5),
     "half-linen-teacher": dict(teacher_overrides=LINEN_TEACHER, distill_alpha=0.5),
     "self": dict(teacher_overrides="{}", distill_alpha=1.0),
+    # With a feature loss too (distill_beta), on the student's own weights: every term is zero.
+    "self-beta": dict(teacher_overrides="{}", distill_alpha=1.0, distill_beta=1.0, distill_feature_loss_type="l2"),
+    "half-beta": dict(teacher_overrides=SAVED_TEACHER, distill_alpha=0.5, distill_beta=0.5),
+    "half-beta-linen-teacher": dict(teacher_overrides=LINEN_TEACHER, distill_alpha=0.5, distill_beta=0.5),
 }
 
 
@@ -119,6 +123,38 @@ def test_tiled_kl_equals_untiled_in_value_and_gradient(steps):
   want_flat = canonical.flatten(want_grads)
   for path, value in canonical.flatten(got_grads).items():
     np.testing.assert_allclose(value, want_flat[path], atol=1e-5, rtol=1e-5, err_msg=path)
+
+
+def test_distill_beta_adds_beta_times_the_feature_loss_and_beta_0_is_todays_distillation(steps):
+  # "half" runs with distill_beta=0 (the default): its loss is the logit distillation's alone, as checked above.
+  assert "distill_feature" not in steps["half"]["metrics"]
+  metrics, config = steps["half-beta"]["metrics"], steps["half-beta"]["config"]
+  assert config.distill_feature_loss_type == "cosine" and metrics["distill_feature"] > 1e-3
+  want = steps["half"]["metrics"]["loss"] + config.distill_beta * metrics["distill_feature"]
+  np.testing.assert_allclose(metrics["loss"], want, rtol=1e-6)
+  np.testing.assert_allclose(metrics["distill_kl"], steps["half"]["metrics"]["distill_kl"], rtol=1e-6)
+
+
+def test_a_feature_loss_against_the_students_own_weights_is_zero_with_zero_gradient(steps):
+  metrics = steps["self-beta"]["metrics"]
+  assert abs(metrics["distill_feature"]) < 1e-6 and abs(metrics["loss"]) < 1e-6 and metrics["grad_norm"] < 1e-6
+
+
+def test_feature_losses_match_their_formulas():
+  s, t = np.array([[3.0, 4.0], [1.0, 0.0]], np.float32), np.array([[6.0, 8.0], [0.0, 2.0]], np.float32)
+  np.testing.assert_allclose(distill.feature_loss(s, t, "cosine"), [0.0, 1.0], atol=1e-6)
+  np.testing.assert_allclose(distill.feature_loss(s, t, "l2"), [(9 + 16) / 2, (1 + 4) / 2], rtol=1e-6)
+
+
+def test_a_feature_loss_against_a_teacher_of_another_width_or_offline_logits_is_refused():
+  with pytest.raises(ConfigError, match="emb_dim 64.*emb_dim 128|emb_dim 128.*emb_dim 64"):
+    recipe.create_loss(distill_config(teacher_overrides="{base_emb_dim: 128}", distill_beta=0.5))
+  with pytest.raises(ConfigError, match="only a teacher in the step has"):
+    distill_config(distill_logits_path="/nowhere", distill_beta=0.5)
+
+
+def test_a_linen_teacher_equals_an_nnx_teacher_with_a_feature_loss(steps):
+  _assert_same_step(steps["half-beta-linen-teacher"], steps["half-beta"], 1e-6)
 
 
 def test_a_linen_unscanned_teacher_equals_an_nnx_teacher_for_an_nnx_student(steps):

@@ -32,6 +32,8 @@ FAMILIES = (
     "gemma2-tiny",
     "gemma3-tiny",
     "gpt-oss-tiny",
+    "llama4-tiny",
+    "qwen3-next-tiny",  # DeltaNet layers: a recurrent state per slot beside the attention layer's KV cache
 )
 LINEN, NNX, MIX = (False, False, False), (True, True, True), (True, True, False)  # MIX: NNX model, bridged Linen decoder
 # Of different lengths, so the slots decode at different positions; mistral-tiny's
@@ -94,7 +96,7 @@ def test_cached_decoding_is_the_full_forward_in_two_slots_of_different_lengths(p
     np.testing.assert_allclose(result["logits"][i], full, atol=1e-5, rtol=1e-5, err_msg=f"prompt {i}")
 
 
-@pytest.mark.parametrize("preset", ["llama-tiny", "deepseek3-tiny"])
+@pytest.mark.parametrize("preset", ["llama-tiny", "deepseek3-tiny", "qwen3-next-tiny"])
 def test_the_cache_tree_is_identical_on_linen_and_nnx(preset):
   linen, nnx_ = (canonical.flatten(decode(preset, flags)["prefixes"][1].cache) for flags in (LINEN, NNX))
   want = canonical.flatten(decoding.abstract_cache(decode(preset, LINEN)["engine"].config, 1, 32))
@@ -105,6 +107,9 @@ def test_the_cache_tree_is_identical_on_linen_and_nnx(preset):
   if preset == "deepseek3-tiny":  # MLA caches the latent and the rope key, not expanded keys and values
     assert {path.rsplit("/", 1)[1] for path in linen} >= {"cached_latent", "cached_key_rope"}
     assert not any("cached_key/" in path or path.endswith("cached_value") for path in linen)
+  if preset == "qwen3-next-tiny":  # the DeltaNet layers keep a fixed-size state, the attention layer a KV cache
+    assert {path.rsplit("/", 2)[-2] for path in linen} == {"linear_attention", "self_attention"}
+    assert linen["decoder/layers_0/linear_0/linear_attention/recurrent_state"].shape == (1, 4, 16, 16)
 
 
 def compiled_ops(eng: engine.Engine, jitted, *args, **static) -> list[str]:

@@ -21,8 +21,17 @@ from maxbridge.training.loss import CrossEntropy, Loss
 from maxbridge.training.posttrain import dpo, grpo
 from hf_family import BACKENDS, TOKENS, family_config
 
-PRESETS = ["qwen3-moe-tiny", "olmo2-tiny", "olmo3-tiny", "gemma-tiny", "gemma2-tiny", "gemma3-tiny", "gpt-oss-tiny"]
-MOE = ("qwen3-moe-tiny", "gpt-oss-tiny")
+PRESETS = [
+    "qwen3-moe-tiny",
+    "olmo2-tiny",
+    "olmo3-tiny",
+    "gemma-tiny",
+    "gemma2-tiny",
+    "gemma3-tiny",
+    "gpt-oss-tiny",
+    "llama4-tiny",
+]
+MOE = ("qwen3-moe-tiny", "gpt-oss-tiny", "llama4-tiny")
 TOL = 1e-6
 LENGTH = 16
 RECIPES = {"sft": CrossEntropy(), "dpo": dpo.DPO(beta=0.5, label_smoothing=0.1), "grpo": grpo.GRPO(beta=0.1)}

@@ -280,3 +280,220 @@ def test_bad_input_exits_2_naming_the_file(corpus, bpe, tmp_path, capsys):
   for files, overrides, message in cases:
     code, out = _inspect(capsys, files, **overrides)
     assert code == 2 and message in out.err, (files, overrides, out.err)
+
+
+# --- SFT and DPO rows through Grain -------------------------------------------------------
+
+
+POSTTRAIN_LENGTH = 96  # byte tokens: an example's prompt fits, with some of its completion
+
+
+def _sft_rows(count=60, seed=2):
+  rng = np.random.default_rng(seed)
+  words = ["one", "two", "three", "four", "the", "cat", "sat"]
+  text = lambda low, high: " ".join(rng.choice(words, rng.integers(low, high)))  # noqa: E731
+  rows = []
+  for i in range(count):
+    if i % 3 == 0:
+      chat = [{"role": "system", "content": text(1, 3)}] if i % 2 else []
+      chat += [{"role": "user", "content": text(1, 6)}, {"role": "assistant", "content": text(1, 8)}]
+      rows.append({"messages": chat})
+    else:
+      rows.append({"prompt": text(1, 5), "completion": text(1, 9)})
+  return rows
+
+
+def _pairs(count=60, seed=3):
+  rng = np.random.default_rng(seed)
+  words = ["yes", "no", "maybe", "the", "cat"]
+  text = lambda low, high: " ".join(rng.choice(words, rng.integers(low, high)))  # noqa: E731
+  return [{"prompt": text(1, 5), "chosen": text(1, 8), "rejected": text(1, 12)} for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def posttrain_files(tmp_path_factory, bpe):
+  folder = tmp_path_factory.mktemp("posttrain")
+  for name, rows in (("sft", _sft_rows()), ("dpo", _pairs())):
+    (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  chat = folder / "chat-tokenizer"  # the BPE tokenizer with a chat template, as an instruct model's folder has
+  chat.mkdir()
+  for file in ("tokenizer.json", "tokenizer_config.json"):
+    (chat / file).write_bytes((bpe[0] / file).read_bytes())
+  (chat / "chat_template.jinja").write_text(
+      "{% for m in messages %}<s>{{ m['role'] }} {{ m['content'] }}</s>{% endfor %}"
+      "{% if add_generation_prompt %}<s>assistant {% endif %}"
+  )
+  return folder, chat
+
+
+def _in_memory(kind, path, split="train", **overrides):
+  extra = {"use_dpo": True} if kind == "dpo" else {}
+  values = dict(dataset_type="sft", dataset_path=str(path), max_target_length=POSTTRAIN_LENGTH, **extra)
+  config = load_config("llama-tiny", **{**values, **overrides})
+  return data.make_dataset(config, split, 1).rows
+
+
+def _grain(kind, path, **overrides):
+  return _config(path, **{f"use_{kind}": True, "max_target_length": POSTTRAIN_LENGTH, **overrides})
+
+
+@pytest.mark.parametrize(
+    "kind, overrides",
+    [("sft", {}), ("sft", {"sft_train_on_completion_only": True}), ("sft", {"tokenizer": True}), ("dpo", {})],
+)
+def test_sft_and_dpo_rows_equal_the_in_memory_paths(posttrain_files, kind, overrides):
+  folder, chat = posttrain_files
+  if overrides.pop("tokenizer", False):
+    overrides = {"tokenizer_path": str(chat), "vocab_size": 64}
+  path = folder / f"{kind}.jsonl"
+  for split in ("train", "eval"):
+    want = _in_memory(kind, path, split, **overrides)
+    dataset = grain_data.GrainDataset(_grain(kind, path, **overrides), split, 1, num_epochs=1, shuffle=False)
+    rows = list(dataset.dataset())
+    assert sorted(rows[0]) == sorted(want)
+    for key in want:  # prompt masks, chosen/rejected in step, whole examples per row, padding: all as in memory
+      np.testing.assert_array_equal(np.concatenate([r[key] for r in rows]), want[key], err_msg=f"{split} {key}")
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_sft_and_dpo_resume_exactly_and_read_only_their_share(posttrain_files, kind):
+  folder, _ = posttrain_files
+  config = _grain(kind, folder / f"{kind}.jsonl", per_device_batch_size=2)
+  dataset = data.make_dataset(config, "train", 2)
+  for step in range(3):
+    dataset.batch(step)
+  state = json.loads(json.dumps(dataset.get_state()))
+  assert state["iterator"]["pending"]  # the example that did not fit the last row starts the next
+  want = [dataset.batch(step) for step in range(3, 6)]
+  resumed = data.make_dataset(config, "train", 2)
+  resumed.set_state(state)
+  for step, batch in zip(range(3, 6), want):
+    for key in batch:
+      np.testing.assert_array_equal(resumed.batch(step)[key], batch[key], err_msg=f"step {step} {key}")
+  from maxbridge.training.posttrain import dpo, sft
+
+  train = [r for i, r in enumerate(_sft_rows() if kind == "sft" else _pairs()) if i % data.EVAL_EVERY]
+  for process in range(2):  # each process packs exactly its share of the examples, in order
+    rows = list(grain_data.GrainDataset(config, "train", 2, process, 2, num_epochs=1, shuffle=False).dataset())
+    share = train[process::2]
+    if kind == "sft":
+      want = sft.pack_examples(
+          [sft.fit(sft.record_example(r), POSTTRAIN_LENGTH, "") for r in share], POSTTRAIN_LENGTH, False
+      )
+    else:
+      want = dpo.pack_pairs([dpo.fit_pair(dpo.record_pair(r), POSTTRAIN_LENGTH, "") for r in share], POSTTRAIN_LENGTH)
+    for key in want:
+      np.testing.assert_array_equal(np.concatenate([r[key] for r in rows]), want[key], err_msg=f"{process} {key}")
+
+
+# --- damaged records ---------------------------------------------------------------------
+
+
+def test_damaged_records_are_an_error_naming_the_offset_unless_skipped_and_counted(corpus, tmp_path):
+  folder, texts, jsonl = corpus
+  clean = jsonl.read_bytes().splitlines(keepends=True)
+  damaged = tmp_path / "damaged.jsonl"
+  lines = list(clean)
+  lines.insert(5, b'{"text": "cut short\n')  # a torn write
+  lines.insert(30, b'{"text": "caf\xe9"}\n')  # Latin-1
+  damaged.write_bytes(b"".join(lines))
+  torn = sum(map(len, lines[:5]))
+  with pytest.raises(ValueError, match=f"{damaged}: byte offset {torn}: not valid JSON"):
+    _all_rows(_config(damaged))
+  # Skipped: the rows of the corpus without them (its held-out split is by position, so compare to the same
+  # positions), and the count kept in the iterator's state.
+  config = _config(damaged, grain_skip_damaged_records=True, grain_eval_files=str(jsonl))
+  dataset = grain_data.GrainDataset(config, "train", 1, num_epochs=1, shuffle=False)
+  want = data.pack([np.frombuffer(t.encode(), np.uint8) for t in texts], LENGTH)
+  iterator = iter(dataset.dataset())
+  rows = list(iterator)
+  np.testing.assert_array_equal(np.concatenate([r["inputs"] for r in rows]), want["inputs"])
+  assert iterator.get_state()["damaged"] == 2
+  stream = data.make_dataset(config, "train", 4)
+  stream.batch(100)  # past an epoch: both damaged records read once each epoch
+  assert stream.damaged >= 2
+  resumed = data.make_dataset(config, "train", 4)
+  resumed.set_state(json.loads(json.dumps(stream.get_state())))
+  assert resumed.damaged == stream.damaged
+
+
+# --- windowed shuffle ----------------------------------------------------------------------
+
+
+def test_windowed_shuffle_permutes_within_windows_by_seed_and_resumes_exactly(corpus):
+  import grain
+
+  order = lambda seed: list(grain_data.WindowShuffle(grain.MapDataset.range(10), 4, seed))  # noqa: E731
+  assert order(0) == order(0) != order(1)
+  for got in (order(0), order(1)):
+    assert [sorted(got[i : i + 4]) for i in (0, 4, 8)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]], got
+  folder, texts, jsonl = corpus
+  config = _config(jsonl, grain_shuffle_buffer_size=8)
+  dataset = data.make_dataset(config, "train", 4)
+  batches = [dataset.batch(step) for step in range(4)]
+  globally = data.make_dataset(_config(jsonl), "train", 4).batch(0)
+  assert not np.array_equal(batches[0]["inputs"], globally["inputs"])
+  state = json.loads(json.dumps(dataset.get_state()))
+  want = [dataset.batch(step) for step in range(4, 8)]
+  resumed = data.make_dataset(config, "train", 4)
+  resumed.set_state(state)
+  for step, batch in zip(range(4, 8), want):
+    np.testing.assert_array_equal(resumed.batch(step)["inputs"], batch["inputs"], err_msg=f"step {step}")
+  np.testing.assert_array_equal(data.make_dataset(config, "train", 4).batch(2)["inputs"], batches[2]["inputs"])
+
+
+# --- restarting the data on resume ---------------------------------------------------------
+
+
+def test_restart_data_on_resume_starts_the_new_data_from_its_beginning(run, corpus, tmp_path):
+  overrides, trainer, reference = run
+  folder, texts, jsonl = corpus
+  other = _write_jsonl(tmp_path / "other.jsonl", _documents(80, seed=5))
+  loop.train(load_config("llama-tiny", **overrides, run_name="restart"), trainer=trainer, until_step=2, progress=False)
+  changed = {**overrides, "run_name": "restart", "grain_train_files": str(other)}
+  with pytest.raises(checkpointing.CheckpointError, match=f"grain_train_files: '{jsonl}' -> '{other}'"):
+    loop.train(load_config("llama-tiny", **changed), trainer=trainer, progress=False)
+  restarted_run = load_config("llama-tiny", **changed, restart_data_on_resume=True)
+  resumed = loop.train(restarted_run, trainer=trainer, until_step=4, progress=False)
+  assert [r["step"] for r in resumed] == [2, 3]
+  # The state saved at step 4: two batches into the new data, which started at step 2.
+  run_dir = Path(overrides["base_output_directory"], "restart")
+  state = json.loads((run_dir / "checkpoints/4/data/process_0-of-1.json").read_text())
+  assert (state["step"], state["origin"], state["settings"]["grain_train_files"]) == (2, 2, str(other))
+  fresh = data.make_dataset(load_config("llama-tiny", **changed), "train", 4)
+  want = [fresh.batch(step) for step in range(3)]
+  restarted = data.make_dataset(load_config("llama-tiny", **changed), "train", 4)
+  restarted.set_state(state)
+  np.testing.assert_array_equal(restarted.batch(4)["inputs"], want[2]["inputs"])
+  # Resumed again without the key: the new data goes on (the run's data keys are now the new ones).
+  again = loop.train(load_config("llama-tiny", **changed), trainer=trainer, progress=False)
+  assert [r["step"] for r in again] == [4, 5]
+
+
+def test_two_processes_resume_from_their_own_saved_iterator_states(corpus, tmp_path):
+  import socket
+
+  folder, texts, jsonl = corpus
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = str(s.getsockname()[1])
+  script = str(REPO / "tests" / "grain_multiprocess_check.py")
+  procs = [
+      subprocess.Popen(
+          [sys.executable, script, str(tmp_path), str(i), port, str(jsonl)],
+          stdout=subprocess.PIPE,
+          stderr=subprocess.PIPE,
+          text=True,
+      )
+      for i in range(2)
+  ]
+  outputs = []
+  for proc in procs:
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    outputs.append(out)
+  reports = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+  assert reports[0]["resumed"] == reports[0]["reference"][2:], "the resumed run read other batches"
+  for process, report in enumerate(reports):  # each process saved its own iterator's state, and went on from it
+    assert (tmp_path / f"resumed/checkpoints/2/data/process_{process}-of-2.json").is_file()
+    assert report["restored"] == [[2, 2]], report

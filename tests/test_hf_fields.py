@@ -118,6 +118,43 @@ FAMILIES = {
         "GptOssForCausalLM",
         {**DIMS, "head_dim": 8, "sliding_window": 3, "num_local_experts": 4, "num_experts_per_tok": 2},
     ),
+    # One block of three DeltaNet layers and a full one; every DeltaNet size differs from the others.
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        {
+            **DIMS,
+            "num_hidden_layers": 4,
+            "head_dim": 8,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 3,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 4,
+            "linear_value_head_dim": 6,
+            "linear_conv_kernel_dim": 3,
+        },
+    ),
+    # One block of three chunked RoPE layers and a NoPE one, dense and MoE alternating; a chunk and a
+    # temperature floor the test's ten positions cross.
+    "llama4_text": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        {
+            **DIMS,
+            "num_hidden_layers": 4,
+            "head_dim": 8,
+            "intermediate_size": 16,
+            "intermediate_size_mlp": 40,
+            "num_local_experts": 4,
+            "interleave_moe_layer_step": 2,
+            "attention_chunk_size": 3,
+            "floor_scale": 2,
+            "attn_scale": 0.5,
+        },
+    ),
 }
 DELETE = object()  # a json edit that removes the key
 
@@ -418,6 +455,95 @@ HONOURED = [
         edit={"output_router_logits": True, "router_aux_loss_coef": 0.25},
         expect={"load_balance_loss_weight": 0.25},
     ),
+    Case(
+        "qwen3_next",
+        (
+            *_SIZES,
+            "head_dim",
+            "max_position_embeddings",
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+            "num_experts",
+            "num_experts_per_tok",
+            "norm_topk_prob",
+            "linear_conv_kernel_dim",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+            "output_router_logits",
+            "router_aux_loss_coef",
+        ),
+        build={"norm_topk_prob": False},
+        edit={"output_router_logits": True, "router_aux_loss_coef": 0.25},
+        expect={"shared_experts": 2, "gdn_conv_kernel_dim": 3, "norm_topk_prob": False, "load_balance_loss_weight": 0.25},
+    ),
+    # The RoPE dict's own fraction, then a top-level one filling in a dict that lacks it; layer_types null.
+    Case(
+        "qwen3_next",
+        ("rope_parameters", "tie_word_embeddings", "layer_types"),
+        build={"tie_word_embeddings": True},
+        edit={
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5},
+            "layer_types": None,
+        },
+        expect={"partial_rotary_factor": 0.5, "rope_max_timescale": 500},
+    ),
+    Case(
+        "qwen3_next",
+        ("partial_rotary_factor",),
+        edit={"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "partial_rotary_factor": 1.0},
+        expect={"partial_rotary_factor": 1.0},
+    ),
+    Case(
+        "llama4_text",
+        (
+            *_SIZES,
+            "head_dim",
+            "intermediate_size_mlp",
+            "num_local_experts",
+            "num_experts_per_tok",
+            "interleave_moe_layer_step",
+            "attention_chunk_size",
+            "attn_temperature_tuning",
+            "floor_scale",
+            "attn_scale",
+            "use_qk_norm",
+        ),
+        build={"num_experts_per_tok": 2},
+        expect={
+            "chunk_attn_window_size": 3,
+            "num_experts": 4,
+            "interleave_moe_layer_step": 2,
+            "temperature_tuning": True,
+        },
+    ),
+    Case(
+        "llama4_text",
+        ("use_qk_norm", "attn_temperature_tuning", "tie_word_embeddings", "interleave_moe_layer_step"),
+        build={
+            "use_qk_norm": False,
+            "attn_temperature_tuning": False,
+            "tie_word_embeddings": True,
+            "interleave_moe_layer_step": 1,
+        },
+        # Every layer MoE, and moe_layers derived from the step, as Llama4TextConfig's __post_init__ does.
+        edit={"interleave_moe_layer_step": 1, "moe_layers": None},
+        expect={"use_qk_norm": False, "temperature_tuning": False, "interleave_moe_layer_step": 1},
+    ),
+    Case(
+        "llama4_text",
+        ("rope_parameters", "max_position_embeddings"),
+        build={"rope_parameters": dict(_LLAMA3), "max_position_embeddings": 6},
+        edit={"rope_parameters": dict(_LLAMA3), "max_position_embeddings": 6},
+        expect={"original_max_position_embeddings": 6, "rope_max_timescale": 500000},
+    ),
+    Case(
+        "llama4_text",
+        ("output_router_logits", "router_aux_loss_coef"),
+        edit={"output_router_logits": True, "router_aux_loss_coef": 0.25},
+        expect={"load_balance_loss_weight": 0.25},
+    ),
 ]
 
 # (family, field, config.json edit, what the message must say); "all" rows are tried on llama.
@@ -491,9 +617,31 @@ REFUSED = [
     ("qwen3_moe", "attention_bias", {"attention_bias": True}, "attention_bias=True"),
     ("qwen3_moe", "decoder_sparse_step", {"decoder_sparse_step": 2}, "decoder_sparse_step=2 gives some layers a dense"),
     ("qwen3_moe", "mlp_only_layers", {"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\] gives those layers a dense"),
+    ("qwen3_next", "hidden_act", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ("qwen3_next", "attention_bias", {"attention_bias": True}, "attention_bias=True"),
+    ("qwen3_next", "decoder_sparse_step", {"decoder_sparse_step": 2}, "decoder_sparse_step=2 gives some layers a dense"),
+    ("qwen3_next", "mlp_only_layers", {"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\] gives those layers a dense"),
+    ("qwen3_next", "layer_types", {"layer_types": ["full_attention"] * 4}, r"layer_types=\['full_attention'"),
+    (
+        "qwen3_next",
+        "shared_expert_intermediate_size",
+        {"shared_expert_intermediate_size": 24},
+        "shared_expert_intermediate_size=24 must be a positive multiple of moe_intermediate_size=16",
+    ),
     ("gpt_oss", "attention_bias", {"attention_bias": False}, "attention_bias=False"),
     ("gpt_oss", "swiglu_alpha", {"swiglu_alpha": 1.5}, "swiglu_alpha=1.5 is not supported"),
     ("gpt_oss", "layer_types", {"layer_types": ["full_attention"] * 2}, r"layer_types=\['full_attention'"),
+    ("llama4_text", "hidden_act", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ("llama4_text", "attention_bias", {"attention_bias": True}, "attention_bias=True"),
+    ("llama4_text", "moe_layers", {"moe_layers": [0]}, r"moe_layers=\[0\]"),
+    ("llama4_text", "no_rope_layers", {"no_rope_layers": [0, 1, 1, 1]}, r"no_rope_layers=\[0, 1, 1, 1\]"),
+    (
+        "llama4_text",
+        "no_rope_layer_interval",
+        {"no_rope_layers": None, "no_rope_layer_interval": 2},
+        r"no_rope_layer_interval=2",
+    ),
+    ("llama4_text", "layer_types", {"layer_types": ["full_attention"] * 4}, r"layer_types=\['full_attention'"),
 ]
 
 

@@ -127,3 +127,18 @@ def test_llama3_1_presets_have_the_published_parameter_counts(preset, total):
   for model in (linen, nnx_model):
     shapes = canonical.flatten(model.abstract_params())
     assert sum(int(np.prod(s.shape)) for s in shapes.values()) == total
+
+
+@pytest.mark.parametrize("high", [4.0, 1.0], ids=["llama3.1", "llama4-scout"])
+def test_llama3_scaling_equals_transformers_also_with_no_blending_band(high):
+  """Llama 4 Scout sets high_freq_factor = low_freq_factor = 1: a band of no width, not a division by zero."""
+  from transformers import LlamaConfig
+  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+  rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0}
+  rope |= {"high_freq_factor": high, "original_max_position_embeddings": 8192}
+  hf = LlamaConfig(hidden_size=1024, num_attention_heads=8, rope_parameters=rope)
+  want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf)
+  timescale = 500000.0 ** (np.arange(0, 128, 2) / 128)
+  got = 1.0 / np.asarray(rotary.Llama3Scaling(16.0, 1.0, high, 8192)(jnp.asarray(timescale, jnp.float32)))
+  np.testing.assert_allclose(got, want.numpy(), rtol=1e-6)

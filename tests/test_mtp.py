@@ -115,6 +115,23 @@ def _rms_norm(x, scale, epsilon):
   return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + epsilon) * scale
 
 
+def test_mtp_rows_never_see_later_tokens(llama):
+  """Module k's row i reads tokens up to i + k alone: a new last token leaves every earlier row's logits as they were
+  (rows past the end once sat at position 0, which every row's attention saw)."""
+  config, model, batch = llama
+  inputs = batch["inputs"][1:]
+  changed = inputs.at[:, -1].set((inputs[:, -1] + 1) % config.vocab_size)
+  _, before = model.apply_with_intermediates(model.params(), inputs)
+  _, after = model.apply_with_intermediates(model.params(), changed)
+  length = inputs.shape[1]
+  for k in (1, 2):
+    rows = length - 1 - k  # row i < rows reads tokens before the last
+    np.testing.assert_allclose(
+        after["decoder/mtp_logits"][k - 1][:, :rows], before["decoder/mtp_logits"][k - 1][:, :rows], atol=1e-6
+    )
+    assert not np.allclose(after["decoder/mtp_logits"][k - 1][:, rows], before["decoder/mtp_logits"][k - 1][:, rows])
+
+
 def test_llama_mtp_loss_equals_a_hand_computation_over_the_canonical_params(llama):
   config, model, batch = llama
   params = model.params()
@@ -131,12 +148,11 @@ def test_llama_mtp_loss_equals_a_hand_computation_over_the_canonical_params(llam
   sums = counts = 0.0
   for k in (1, 2):
     mtp = decoder["mtp"][f"mtp_layer_{k}"]
-    # Token i + k at position i (zeros past the end, which only masked positions see).
+    # Token i + k at position i (zeros past the end), at position i's + k: later than every earlier row.
     later = np.zeros_like(inputs)
     later[:, : length - k] = inputs[:, k:]
     embedded = table[later] * (np.arange(length) < length - k)[None, :, None]
-    later_positions = np.zeros_like(positions)
-    later_positions[:, : length - k] = positions[:, k:]
+    later_positions = positions + k
     both = jnp.concatenate(
         [_rms_norm(hidden, mtp["hidden_norm"]["scale"], eps), _rms_norm(embedded, mtp["embedding_norm"]["scale"], eps)],
         -1,
@@ -201,3 +217,51 @@ def test_what_mtp_cannot_run_is_refused_naming_the_keys(overrides, message):
 def test_a_family_of_blocks_is_refused():
   with pytest.raises(ConfigError, match="decoder_block='gemma2' stacks blocks of 2 layers .* an MTP module holds one"):
     mb.load_config("gemma2-tiny", mtp_num_layers=1)
+
+
+def test_deepseek_mtp_layers_round_trip_through_a_hugging_face_folder(tmp_path):
+  """Export writes DeepSeek-V3's layout (module k as model.layers.{num_hidden_layers + k - 1}: enorm, hnorm,
+  eh_proj, a decoder layer, copies of the embedding and shared head); import reads it back exactly."""
+  import json
+
+  from safetensors.numpy import load_file, save_file
+
+  from maxbridge.interop.hf import HFError
+  from maxbridge.interop.hf.folders import load_hf, save_hf
+
+  config = mb.load_config("deepseek3-tiny", mtp_num_layers=2)
+  params = mb.create_model(config, seed=3).params()
+  folder = save_hf(params, config, tmp_path / "hf")
+  assert json.loads((folder / "config.json").read_text())["num_nextn_predict_layers"] == 2
+  tensors = load_file(folder / "model.safetensors")
+  first = config.num_decoder_layers  # module 1
+  flat = canonical.flatten(canonical.unstack_layers(params, config.param_scan_axis))
+  np.testing.assert_array_equal(
+      tensors[f"model.layers.{first + 1}.hnorm.weight"], flat["decoder/mtp/mtp_layer_2/hidden_norm/scale"]
+  )
+  # eh_proj reads [embedding; hidden], our projection [hidden; embedding]: the same map.
+  hidden, embedded = np.random.default_rng(0).normal(size=(2, config.emb_dim)).astype(np.float32)
+  np.testing.assert_allclose(
+      tensors[f"model.layers.{first}.eh_proj.weight"] @ np.concatenate([embedded, hidden]),
+      np.concatenate([hidden, embedded]) @ flat["decoder/mtp/mtp_layer_1/projection/kernel"],
+      rtol=1e-5,
+      atol=1e-6,
+  )
+  np.testing.assert_array_equal(tensors[f"model.layers.{first}.shared_head.norm.weight"], tensors["model.norm.weight"])
+
+  loaded_config, loaded = load_hf(folder)
+  assert loaded_config.mtp_num_layers == 2  # read off the stored layers
+  got = canonical.flatten(loaded)
+  assert sorted(got) == sorted(flat)
+  for path, want in flat.items():
+    np.testing.assert_array_equal(got[path], want, err_msg=path)
+
+  # mtp_num_layers=0 leaves the stored MTP layers out, as transformers does.
+  main_config, main = load_hf(folder, "mtp_num_layers=0")
+  assert main_config.mtp_num_layers == 0 and not any("mtp" in path for path in canonical.flatten(main))
+
+  # A shared head norm of its own (DeepSeek-V3's checkpoints have one) is refused by name.
+  tensors[f"model.layers.{first}.shared_head.norm.weight"] = tensors[f"model.layers.{first}.shared_head.norm.weight"] + 1
+  save_file(tensors, folder / "model.safetensors")
+  with pytest.raises(HFError, match=rf"model\.layers\.{first}\.shared_head\.norm\.weight differs.*mtp_num_layers=0"):
+    load_hf(folder)

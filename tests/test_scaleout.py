@@ -76,6 +76,7 @@ def test_context_splits_the_sequence_of_the_batch(report):
   assert report["context"]["score_blocks"] == ["32x64"]
   assert report["context"]["batch_spec"] == "P(('data', 'fsdp', 'expert'), 'context')"
   assert report["context"]["llama-tiny/nnx/mesh"] == {
+      "diloco": 1,
       "data": 1,
       "stage": 1,
       "fsdp": 2,
@@ -110,7 +111,8 @@ def test_two_processes_over_a_dcn_data_axis_train_like_one_device(tmp_path):
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     outputs.append(json.loads(out.strip().splitlines()[-1]))
-  assert outputs[1] == outputs[2] == {"data": 2, "stage": 1, "fsdp": 4, "context": 1, "tensor": 1, "expert": 1}
+  mesh = {"diloco": 1, "data": 2, "stage": 1, "fsdp": 4, "context": 1, "tensor": 1, "expert": 1}
+  assert outputs[1] == outputs[2] == mesh
 
   def losses(run):
     return [json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
@@ -131,18 +133,18 @@ def free_port() -> int:
 def test_dcn_mesh_shapes_and_errors():
   config = mb.load_config("llama-tiny", ici_fsdp_parallelism=-1)
   # The dcn axes multiply the ici ones: each process's 4 devices are fsdp 4, the 2 processes data 2.
-  assert sharding.mesh_shape(config.replace(dcn_data_parallelism=2), 8, 2) == (2, 1, 4, 1, 1, 1)
-  assert sharding.mesh_shape(config.replace(dcn_fsdp_parallelism=-1), 8, 2) == (1, 1, 8, 1, 1, 1)
-  assert sharding.dcn_shape(config.replace(dcn_fsdp_parallelism=-1), 2) == (1, 1, 2, 1, 1, 1)
+  assert sharding.mesh_shape(config.replace(dcn_data_parallelism=2), 8, 2) == (1, 2, 1, 4, 1, 1, 1)
+  assert sharding.mesh_shape(config.replace(dcn_fsdp_parallelism=-1), 8, 2) == (1, 1, 1, 8, 1, 1, 1)
+  assert sharding.dcn_shape(config.replace(dcn_fsdp_parallelism=-1), 2) == (1, 1, 1, 2, 1, 1, 1)
   # All dcn keys at 1: one mesh over every device of every process, as before.
-  assert sharding.mesh_shape(config, 8, 2) == (1, 1, 8, 1, 1, 1)
+  assert sharding.mesh_shape(config, 8, 2) == (1, 1, 1, 8, 1, 1, 1)
   with pytest.raises(ConfigError, match=r"dcn_data_parallelism=2 split the mesh over processes, but this run has one"):
     sharding.mesh_shape(config.replace(dcn_data_parallelism=2), 8, 1)
   with pytest.raises(ConfigError, match=r"dcn_data_parallelism=2, .* needs 2 processes, but 4 are available"):
     sharding.mesh_shape(config.replace(dcn_data_parallelism=2), 8, 4)
   with pytest.raises(ConfigError, match=r"ici_fsdp_parallelism=2, .* needs 2 devices per process, but 4 are"):
     sharding.mesh_shape(config.replace(dcn_data_parallelism=2, ici_fsdp_parallelism=2), 8, 2)
-  with pytest.raises(ConfigError, match=r"only one of dcn_data_parallelism, .* may be -1"):
+  with pytest.raises(ConfigError, match=r"only one of dcn_diloco_parallelism, dcn_data_parallelism, .* may be -1"):
     sharding.mesh_shape(config.replace(dcn_data_parallelism=-1, dcn_fsdp_parallelism=-1), 8, 2)
   with pytest.raises(ConfigError, match=r"'dcn_fsdp_parallelism' = 0 is invalid; it must be a positive integer, or -1"):
     config.replace(dcn_fsdp_parallelism=0)

@@ -122,7 +122,8 @@ def test_mesh_shape_is_checked_against_the_device_count():
     sharding.mesh_shape(config, 8)
   with pytest.raises(ConfigError, match=r"only one of .* may be -1"):
     sharding.mesh_shape(config.replace(ici_data_parallelism=-1, ici_fsdp_parallelism=-1), 8)
-  assert sharding.mesh_shape(config.replace(ici_fsdp_parallelism=-1, ici_tensor_parallelism=2), 8) == (1, 1, 4, 1, 2, 1)
+  shape = sharding.mesh_shape(config.replace(ici_fsdp_parallelism=-1, ici_tensor_parallelism=2), 8)
+  assert shape == (1, 1, 1, 4, 1, 2, 1)
 
 
 def free_port() -> int:
@@ -182,7 +183,7 @@ def test_shardings_table_is_the_same_on_both_backends():
   # The printout is what the sharding goldens hold (tests/test_sharding_goldens.py).
   assert linen == (Path(__file__).parent / "goldens" / "shardings" / "llama-tiny.fsdp4-tensor2.txt").read_text()
   mesh = linen.splitlines()[0]
-  assert mesh.startswith("mesh: data=1 x ") and "fsdp=4" in mesh and "tensor=2" in mesh, mesh
+  assert mesh.startswith("mesh: diloco=1 x data=1 x ") and "fsdp=4" in mesh and "tensor=2" in mesh, mesh
   row = next(line for line in linen.splitlines() if line.startswith("decoder/layers/mlp/wi_0/kernel"))
   assert "float32  embed, layers, mlp" in row and "P(('fsdp', 'context'), " in row and "'tensor')" in row, row
   # The last column is the bytes one device holds: the float32 kernel split 4 x 2 ways.
@@ -208,7 +209,7 @@ def test_llama2_7b_train_step_compiles_for_eight_devices():
       "remat_policy=full",
       *LINEN_ARGS,
   )
-  assert "for 8 devices (data=1 x stage=1 x fsdp=8 x context=1 x tensor=1 x expert=1)" in out
+  assert "for 8 devices (diloco=1 x data=1 x stage=1 x fsdp=8 x context=1 x tensor=1 x expert=1)" in out
   # 6.74e9 parameters x (4 + 4 + 4 bytes: params, mu, nu) / 8 devices = 9.42 GiB.
   state = float(next(l for l in out.splitlines() if "parameters + optimizer state" in l).split()[-4])
   assert 9.3 < state < 9.5, out

@@ -25,6 +25,7 @@ CONFIG_DIR = Path(__file__).parent.parent / "configs"  # maxbridge/configs: data
 BASE_CONFIG = CONFIG_DIR / "base.yml"
 PRESET_DIR = CONFIG_DIR / "models"
 MESH_AXES = (
+    "diloco",
     "data",
     "stage",
     "fsdp",
@@ -95,11 +96,24 @@ class Config:
   n_routing_groups: int
   topk_routing_group: int
   first_num_dense_layers: int
+  chunk_attn_window_size: int
+  nope_layer_interval: int
+  interleave_moe_layer_step: int
+  temperature_tuning: bool
+  temperature_tuning_scale: float
+  temperature_tuning_floor_scale: float
   q_lora_rank: int
   kv_lora_rank: int
   qk_nope_head_dim: int
   qk_rope_head_dim: int
   v_head_dim: int
+  partial_rotary_factor: float
+  gdn_num_key_heads: int
+  gdn_num_value_heads: int
+  gdn_key_head_dim: int
+  gdn_value_head_dim: int
+  gdn_conv_kernel_dim: int
+  gdn_chunk_size: int
   # training
   run_name: str
   base_output_directory: str
@@ -131,6 +145,8 @@ class Config:
   distill_alpha: float
   distill_temperature: float
   distill_logits_path: str
+  distill_beta: float
+  distill_feature_loss_type: str
   dataset_type: str
   dataset_path: str
   sft_train_on_completion_only: bool
@@ -139,6 +155,10 @@ class Config:
   grain_eval_files: str
   grain_file_type: str
   grain_worker_count: int
+  grain_shuffle_buffer_size: int
+  grain_skip_damaged_records: bool
+  use_sft: bool
+  restart_data_on_resume: bool
   data_columns: str
   add_bos: bool
   add_eos: bool
@@ -170,6 +190,7 @@ class Config:
   decode_sampling_temperature: float
   decode_sampling_top_k: int
   decode_sampling_nucleus_p: float
+  speculative_mtp_tokens: int
   stack_prefill_result_cache: bool
   quantize_kvcache: bool
   kv_quant_dtype: str
@@ -179,12 +200,14 @@ class Config:
   checkpoint_is_quantized: bool
   quantization_local_shard_count: int
   # sharding
+  ici_diloco_parallelism: int
   ici_data_parallelism: int
   ici_pipeline_parallelism: int
   ici_fsdp_parallelism: int
   ici_context_parallelism: int
   ici_tensor_parallelism: int
   ici_expert_parallelism: int
+  dcn_diloco_parallelism: int
   dcn_data_parallelism: int
   dcn_pipeline_parallelism: int
   dcn_fsdp_parallelism: int
@@ -193,6 +216,10 @@ class Config:
   num_pipeline_microbatches: int
   pipeline_parallel_layers: int
   shard_optimizer_over_data: bool
+  enable_diloco: bool
+  diloco_sync_period: int
+  diloco_outer_lr: float
+  diloco_outer_momentum: float
   context_parallel_strategy: str
   logical_axis_rules: tuple
   # multi-process
@@ -239,7 +266,8 @@ class Config:
 
   @property
   def normalization(self) -> str:
-    """The layers' and final norm: "layer_norm" (with a bias, GPT-2/3) or "rms_norm", as the family names it."""
+    """The layers' and final norm, as the family names it: "layer_norm" (with a bias, GPT-2/3), "rms_norm", or
+    "zero_centred_rms_norm" (times 1 + scale, Qwen3-Next)."""
     return self.family.norm
 
   @property

@@ -22,8 +22,9 @@ from maxbridge.core import families
 # `maxbridge.core.config.Config`, which runs these rules on every instance: so this module cannot import it.
 Config = Any
 
-# Each mesh axis's size, in the order of config.MESH_AXES (data, stage, fsdp, context, tensor, expert).
+# Each mesh axis's size, in the order of config.MESH_AXES (diloco, data, stage, fsdp, context, tensor, expert).
 ICI_PARALLELISM_KEYS = (
+    "ici_diloco_parallelism",
     "ici_data_parallelism",
     "ici_pipeline_parallelism",
     "ici_fsdp_parallelism",
@@ -78,7 +79,7 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ),
     *(
         (key, lambda v: v == -1 or v > 0, "a positive integer, or -1 for the remaining processes")
-        for key in ("dcn_data_parallelism", "dcn_fsdp_parallelism")
+        for key in ("dcn_diloco_parallelism", "dcn_data_parallelism", "dcn_fsdp_parallelism")
     ),
     ("dcn_pipeline_parallelism", _positive, "a positive integer (the pipeline stages count it: never -1)"),
     ("num_layers_per_pipeline_stage", _positive, "a positive integer"),
@@ -103,8 +104,15 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
             "qk_nope_head_dim",
             "qk_rope_head_dim",
             "v_head_dim",
+            "gdn_num_key_heads",
+            "gdn_num_value_heads",
+            "gdn_key_head_dim",
+            "gdn_value_head_dim",
+            "gdn_conv_kernel_dim",
+            "gdn_chunk_size",
         )
     ),
+    ("partial_rotary_factor", lambda v: 0 < v <= 1, "in (0, 1] (the fraction of each head's dims that RoPE turns)"),
     *(
         (key, lambda v: v >= 0, ">= 0 (0 disables it)")
         for key in ("sliding_window_size", "trainable_position_size", "q_lora_rank", "shared_experts")
@@ -118,6 +126,11 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         for key in ("n_routing_groups", "topk_routing_group")
     ),
     ("first_num_dense_layers", lambda v: v >= 0, ">= 0"),
+    ("chunk_attn_window_size", lambda v: v >= 0, ">= 0 (0 disables it)"),
+    ("nope_layer_interval", lambda v: v == -1 or v > 0, "a positive integer, or -1 for no NoPE layers"),
+    ("interleave_moe_layer_step", _positive, "a positive integer"),
+    ("temperature_tuning_scale", lambda v: 0 <= v < float("inf"), "a finite number >= 0"),
+    ("temperature_tuning_floor_scale", _positive, "> 0"),
     ("load_balance_loss_weight", lambda v: v >= 0, ">= 0 (0 disables the loss)"),
     ("routed_scaling_factor", _positive, "> 0"),
     ("rope_factor", lambda v: v >= 1, ">= 1 (how many times slower the longest wavelengths turn)"),
@@ -137,6 +150,7 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("mtp_num_layers", lambda v: v >= 0, "an integer >= 0 (0 disables multi-token prediction)"),
     ("mtp_loss_scaling_factor", lambda v: 0 <= v < float("inf"), "a finite number >= 0"),
     ("mtp_eval_target_module", lambda v: v >= 0, "an integer >= 0 (0: none)"),
+    ("speculative_mtp_tokens", lambda v: v >= 0, "an integer >= 0 (0: no speculative decoding)"),
     ("dpo_beta", _positive, "> 0"),
     ("dpo_label_smoothing", lambda v: 0 <= v <= 0.5, "in [0, 0.5] (0 is plain DPO)"),
     ("num_generations", lambda v: v >= 2, ">= 2 (GRPO's advantages compare the completions of one prompt)"),
@@ -150,6 +164,7 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ),
     ("eval_interval", lambda v: v >= 0, ">= 0 (0 disables evaluation)"),
     ("grain_worker_count", lambda v: v >= 0, ">= 0 (0 reads in the training process)"),
+    ("grain_shuffle_buffer_size", lambda v: v >= 0, ">= 0 (0 shuffles globally)"),
     ("lora_rank", lambda v: v >= 0, ">= 0 (0 disables LoRA)"),
     ("lora_alpha", _positive, "> 0 (adapters are scaled by lora_alpha / lora_rank)"),
     ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1) (the probability of dropping an adapter input feature)"),
@@ -160,6 +175,10 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("muon_beta", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("distill_alpha", lambda v: 0 <= v <= 1, "in [0, 1] (0: cross-entropy only, 1: the teacher's KL only)"),
     ("distill_temperature", _positive, "> 0"),
+    ("distill_beta", lambda v: v >= 0, ">= 0 (0: no feature loss)"),
+    ("diloco_sync_period", _positive, "a positive integer (inner steps between outer steps)"),
+    ("diloco_outer_lr", _positive, "> 0"),
+    ("diloco_outer_momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("muon_weight_decay", lambda v: v >= 0, ">= 0"),
     ("muon_consistent_rms", lambda v: v >= 0, ">= 0 (0: width scaling, MaxText's null)"),
     ("max_prefill_predict_length", _positive, "a positive integer"),
@@ -183,6 +202,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "quantization": QUANTIZATIONS,
     "lora_weight_qtype": ("", "int8", "nf4"),
     "opt_type": ("adamw", "muon"),
+    "distill_feature_loss_type": ("cosine", "l2"),
     "context_parallel_strategy": ("all_gather", "ring"),
 }
 
@@ -235,15 +255,24 @@ def validate(cfg: Config) -> None:
   _validate_quantization(cfg)
   _validate_lora(cfg)
   _validate_mtp(cfg)
+  _validate_diloco(cfg)
   if cfg.dataset_type == "text" and not cfg.dataset_path:
     raise ConfigError("dataset_type='text' needs dataset_path (a text file to train on)")
   if cfg.dataset_type == "grain" and not cfg.grain_train_files:
     raise ConfigError("dataset_type='grain' needs grain_train_files (a file, folder or glob of training files)")
-  if cfg.use_dpo and cfg.dataset_type not in ("embedded", "sft"):
+  if cfg.use_dpo and cfg.dataset_type not in ("embedded", "sft", "grain"):
     raise ConfigError(
         f"use_dpo=true reads preference pairs: dataset_type must be 'sft' (prompt/chosen/rejected .jsonl rows "
-        f"in dataset_path) or 'embedded' (the built-in set), got {cfg.dataset_type!r}"
+        f"in dataset_path), 'grain' (such rows in grain_train_files) or 'embedded' (the built-in set), "
+        f"got {cfg.dataset_type!r}"
     )
+  if cfg.use_sft and cfg.dataset_type != "grain":
+    raise ConfigError(
+        f"use_sft=true reads SFT rows through Grain: set dataset_type='grain' (or dataset_type='sft' without "
+        f"use_sft for the in-memory path), got dataset_type={cfg.dataset_type!r}"
+    )
+  if cfg.use_sft and cfg.use_dpo:
+    raise ConfigError("use_sft=true and use_dpo=true: rows are SFT examples or preference pairs; set one to false")
   if cfg.use_dpo and cfg.num_vocab_tiling > 1:
     raise ConfigError("use_dpo=true computes full logits for its log-probabilities; set num_vocab_tiling=1")
   _validate_grpo(cfg)
@@ -353,6 +382,11 @@ def _validate_lora(cfg: Config) -> None:
         f"distill_logits_path={cfg.distill_logits_path!r} holds the teacher's top-k logits of the training batches, "
         "read beside full student logits: set num_vocab_tiling=1 and eval_interval=0 (or distill in the step)"
     )
+  if cfg.distill_beta and (cfg.distill_logits_path or not cfg.teacher_overrides.strip()):
+    raise ConfigError(
+        f"distill_beta={cfg.distill_beta} adds a feature loss on the teacher's hidden states, which only a teacher "
+        "in the step has: set teacher_overrides (not distill_logits_path), or distill_beta=0"
+    )
   if (cfg.teacher_overrides.strip() or cfg.distill_logits_path) and (cfg.use_dpo or cfg.use_grpo):
     raise ConfigError(
         "teacher_overrides (distillation) with use_dpo or use_grpo: each is the run's loss; set teacher_overrides=''"
@@ -376,6 +410,11 @@ def _validate_lora(cfg: Config) -> None:
 
 def _validate_mtp(cfg: Config) -> None:
   """Multi-token prediction runs where its logits reach a cross-entropy loss, on a family of single layers."""
+  if cfg.speculative_mtp_tokens > cfg.mtp_num_layers:
+    raise ConfigError(
+        f"speculative_mtp_tokens={cfg.speculative_mtp_tokens} drafts one token per MTP module, and "
+        f"mtp_num_layers={cfg.mtp_num_layers}: set it to at most {cfg.mtp_num_layers}"
+    )
   if cfg.mtp_eval_target_module > cfg.mtp_num_layers:
     raise ConfigError(
         f"mtp_eval_target_module={cfg.mtp_eval_target_module} names no module: it must be in "
@@ -405,6 +444,36 @@ def _validate_mtp(cfg: Config) -> None:
       )
 
 
+def _validate_diloco(cfg: Config) -> None:
+  """DiLoCo (`maxbridge.training.diloco`) on the "diloco" mesh axis, with what it cannot combine with refused."""
+  replicas = (cfg.ici_diloco_parallelism, cfg.dcn_diloco_parallelism)
+  if not cfg.enable_diloco:
+    if replicas != (1, 1):
+      raise ConfigError(
+          f"ici_diloco_parallelism={replicas[0]}, dcn_diloco_parallelism={replicas[1]} split the devices into DiLoCo "
+          "replicas, which only DiLoCo trains (each on its own share of the batch): set enable_diloco=true, or "
+          "leave both at 1"
+      )
+    return
+  why = "each DiLoCo replica runs the plain train step on its own copy of the state"
+  refused = (
+      ("ici_pipeline_parallelism > 1", cfg.ici_pipeline_parallelism > 1 or cfg.dcn_pipeline_parallelism > 1, why),
+      ("shard_optimizer_over_data=true (ZeRO-1)", cfg.shard_optimizer_over_data, why),
+      ("use_dpo=true", cfg.use_dpo, "DPO's frozen reference is one model, not one per replica"),
+      ("use_grpo=true", cfg.use_grpo, "GRPO samples its batches from one policy, not one per replica"),
+      ("lora_rank > 0", cfg.lora_rank > 0, "the frozen base would be held once per replica"),
+      ("load_full_state_path", bool(cfg.load_full_state_path), "a plain run's state has no per-replica states"),
+  )
+  for what, on, reason in refused:
+    if on:
+      raise ConfigError(f"enable_diloco=true with {what}: {reason}; turn one of them off")
+  if -1 in replicas:
+    raise ConfigError(
+        f"enable_diloco=true: ici_diloco_parallelism={replicas[0]} and dcn_diloco_parallelism={replicas[1]} set the "
+        "replica count, so neither may be -1"
+    )
+
+
 def _validate_family(cfg: Config) -> None:
   """Cross-key rules of the model: those every family shares, then the family's own (its entry's `check`)."""
   if cfg.use_qk_clip and cfg.use_qk_norm:
@@ -418,9 +487,9 @@ def _validate_family(cfg: Config) -> None:
         "every attention logit below it, so QK-Clip's max-logit threshold measures the cap, not the weights; "
         "set use_qk_clip=false"
     )
-  if cfg.rope_high_freq_factor <= cfg.rope_low_freq_factor:
+  if cfg.rope_high_freq_factor < cfg.rope_low_freq_factor:
     raise ConfigError(
-        f"rope_high_freq_factor={cfg.rope_high_freq_factor} must exceed rope_low_freq_factor="
+        f"rope_high_freq_factor={cfg.rope_high_freq_factor} must be at least rope_low_freq_factor="
         f"{cfg.rope_low_freq_factor}: they bound the band of wavelengths that blends scaled and unscaled"
     )
   family = families.lookup(cfg.decoder_block)
@@ -430,6 +499,13 @@ def _validate_family(cfg: Config) -> None:
         f"{cfg.rope_linear_scaling_factor} give local and global layers their own RoPE (decoder_block='gemma3'); "
         f"decoder_block={cfg.decoder_block!r} rotates every layer alike: leave them at -1 and 1.0"
     )
+  for other in families.REGISTRY:
+    for key, unused in other.own_keys.items():
+      if key not in family.own_keys and getattr(cfg, key) != unused:
+        raise ConfigError(
+            f"{key}={getattr(cfg, key)!r} is read by decoder_block={other.decoder_blocks[0]!r} only; "
+            f"decoder_block={cfg.decoder_block!r} does not: leave it at {unused!r}"
+        )
   if cfg.num_experts_per_tok > cfg.num_experts:
     raise ConfigError(f"num_experts_per_tok={cfg.num_experts_per_tok} must be at most num_experts={cfg.num_experts}")
   problems = families.lookup(cfg.decoder_block).check(cfg)

@@ -31,10 +31,13 @@ class InitOptions:
 
   param_scan_axis: int
   query_kernel_carries_scale: bool
+  # The family's norms hold w of the multiplier 1 + w (`Family.norm` "zero_centred_rms_norm"): their scales start at 0.
+  zero_centred_norms: bool = False
 
   @classmethod
   def from_config(cls, config) -> "InitOptions":
-    return cls(config.param_scan_axis, query_kernel_carries_scale(config))
+    zero_centred = config.normalization == "zero_centred_rms_norm"
+    return cls(config.param_scan_axis, query_kernel_carries_scale(config), zero_centred)
 
 
 def placeholder(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype = jnp.float32) -> jax.Array:
@@ -102,7 +105,9 @@ def rules(options: InitOptions) -> tuple[tuple[str, Initializer], ...]:
   """The table: first match wins; patterns are fnmatch globs over unscanned canonical paths."""
   return (
       ("*/embedding", embedding()),
-      ("*/scale", ones()),
+      # Qwen3-Next's DeltaNet gated norm holds its multiplier itself, unlike the family's other (zero-centred) norms.
+      ("*/linear_attention/norm/scale", ones()),
+      ("*/scale", zeros() if options.zero_centred_norms else ones()),
       # Also MLA's query kernel (q_lora_rank=0), which never carries the scale.
       ("*/self_attention/query/kernel", query_kernel(options.query_kernel_carries_scale)),
       ("*/self_attention/out/kernel", kernel(in_ndim=2)),
@@ -124,6 +129,9 @@ def rules(options: InitOptions) -> tuple[tuple[str, Initializer], ...]:
       ("*/moe_block/wi_0", expert_kernel()),
       ("*/moe_block/wi_1", expert_kernel()),
       ("*/moe_block/wo", expert_kernel()),
+      # Qwen3-Next's gated DeltaNet: decay rate exp(A_log) = 1, and transformers' time-step bias of ones.
+      ("*/linear_attention/A_log", zeros()),
+      ("*/linear_attention/dt_bias", ones()),
   )
 
 

@@ -39,8 +39,9 @@ import numpy as np
 
 from maxbridge.core import canonical
 
-# Subtrees a loader may ignore: MaxText's NNX path saves its RNG state here.
-IGNORED = ("nnx_aux",)
+# Subtrees a loader may ignore: MaxText's NNX path saves its RNG state here; a DiLoCo run
+# (maxbridge.training.diloco) its replicas' states, beside the global model in "params".
+IGNORED = ("nnx_aux", "diloco")
 LINEN, NNX, CANONICAL = "linen", "nnx", "canonical"
 _PARAM_ROOTS = {"token_embedder", "decoder"}
 STEP_DTYPES = {LINEN: np.dtype(np.int32), NNX: np.dtype(np.uint32)}

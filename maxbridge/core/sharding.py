@@ -30,7 +30,12 @@ _WARNED: set[str] = set()
 
 
 # The mesh axes a multi-process (multi-slice) run may also split over processes: MaxText's dcn_* keys.
-_DCN_KEYS = {"data": "dcn_data_parallelism", "stage": "dcn_pipeline_parallelism", "fsdp": "dcn_fsdp_parallelism"}
+_DCN_KEYS = {
+    "diloco": "dcn_diloco_parallelism",
+    "data": "dcn_data_parallelism",
+    "stage": "dcn_pipeline_parallelism",
+    "fsdp": "dcn_fsdp_parallelism",
+}
 
 
 def _fill(sizes: dict[str, int], total: int, what: str) -> tuple[int, ...]:
@@ -75,7 +80,7 @@ def dcn_shape(config: Config, num_processes: int | None = None) -> tuple[int, ..
 
 
 def mesh_shape(config: Config, num_devices: int, num_processes: int | None = None) -> tuple[int, ...]:
-  """The sizes of MESH_AXES (data, stage, fsdp, context, tensor, expert) over `num_devices` devices.
+  """The sizes of MESH_AXES (diloco, data, stage, fsdp, context, tensor, expert) over `num_devices` devices.
 
   The ici_* keys (one may be -1: the remaining devices) split each process's
   devices, the dcn_* keys the processes (see `dcn_shape`); an axis's size is the product.

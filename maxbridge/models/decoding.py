@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from maxbridge.core import canonical
 from maxbridge.core.config import Config
+from maxbridge.core.families.base import RECURRENT_MIXER
 from maxbridge.ops import kv_cache, sampling
 
 Params = dict[str, Any]
@@ -29,20 +30,38 @@ def abstract_cache(config: Config, batch: int, length: int, *, ring: bool = True
   layer state), else one `<stack>_<i>` per layer: the same on both backends.
   """
   layer = kv_cache.abstract(config, batch, length, ring=ring)
-  # A block of sub-layers (Gemma 2's) has one attention per sub-layer.
+  # A block of sub-layers (Gemma 2's) has one attention per sub-layer; a recurrent sub-layer (Qwen3-Next's
+  # DeltaNet, `Stack.recurrent`) keeps its fixed-size state instead.
   stacks = {stack.name: stack for stack in config.family.stacks}
   flat = {}
   for stack, count in canonical.layer_stacks(config):
     own = stacks[stack]
-    subs = [canonical.sublayer_path(sub, "self_attention", own.suffixed) for sub in own.sublayers]
-    for attention in subs or ["self_attention"]:
-      for name, leaf in layer.items():
+    rings = own.rings(config)
+
+    def attention_cache(sub):
+      if sub in rings:
+        return kv_cache.abstract(config, batch, length, ring=ring, ring_length=rings[sub])
+      return layer
+
+    subs = [
+        (canonical.sublayer_path(sub, RECURRENT_MIXER, own.suffixed), kv_cache.recurrent_abstract(config, batch))
+        if sub in own.recurrent
+        else (canonical.sublayer_path(sub, "self_attention", own.suffixed), attention_cache(sub))
+        for sub in own.sublayers
+    ]
+    for attention, entries in subs or [("self_attention", layer)]:
+      for name, leaf in entries.items():
         if config.scan_layers:
           flat[f"decoder/{stack}/{attention}/{name}"] = jax.ShapeDtypeStruct((count, *leaf.shape), leaf.dtype)
         else:
           for i in range(count):
             flat[f"decoder/{stack}_{i}/{attention}/{name}"] = leaf
   return canonical.unflatten(flat)
+
+
+def has_ring(config: Config) -> bool:
+  """Whether any layer's decode cache is a ring: the sliding window's (`kv_cache.window`) or its own (`Stack.rings`)."""
+  return bool(kv_cache.window(config)) or any(stack.rings(config) for stack in config.family.stacks)
 
 
 def cache_logical_axes(config: Config) -> Params:

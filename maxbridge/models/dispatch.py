@@ -20,6 +20,7 @@ from flax.core import FrozenDict
 
 from linen_models import decoders as linen_decoders
 from linen_models import models as linen_models
+from linen_models import mtp as linen_mtp
 from maxbridge.core import bridge, canonical, initializers
 from maxbridge.core.config import Config
 from maxbridge.ops import quantization
@@ -27,6 +28,7 @@ from maxbridge.models import quantized
 from maxbridge.models.model import LinenModel, Model, NNXModel
 from nnx_models import decoders as nnx_decoders
 from nnx_models import models as nnx_models
+from nnx_models import mtp as nnx_mtp
 
 FLAGS = ("pure_nnx", "enable_nnx", "pure_nnx_decoder")
 # Named backends: every part in Linen, or every part in NNX.
@@ -96,6 +98,37 @@ def nnx_transformer(config: Config, rngs: nnx.Rngs) -> nnx.Module:
   if config.enable_nnx:
     return nnx_models.Transformer(config, functools.partial(nnx_decoder, config), rngs=rngs)
   return bridge.ToNNX(linen_transformer(config), rngs=rngs).lazy_init(*sample_inputs(config))
+
+
+def mtp_drafter(config: Config, k: int):
+  """Self-speculative decoding's draft step of MTP module k, on the decoder's backend, as a pure function.
+
+  (params, cache, hidden, embedded, positions, segment_ids, embedding) -> (logits, hidden, cache): `params` the
+  decoder's `mtp/mtp_layer_{k}`, `decoder_norm` and `logits_dense` at those names, `cache` module k's own
+  (`{"mtp_layer_{k}": {"layer": {"self_attention": ...}}}`), `embedding` the token table where the head is tied.
+  """
+  if config.pure_nnx_decoder:
+    layer = nnx_decoders.layer_classes(config)[config.family.mtp_stack(config).name]
+    abstract = nnx.eval_shape(lambda: nnx_mtp.MTPDrafter(config, layer, k, rngs=nnx.Rngs(params=0)))
+    graphdef, abstract_params, rest = nnx.split(abstract, nnx.Param, ...)
+
+    def nnx_apply(params, cache, *inputs):
+      state = jax.tree.map(lambda x: x, abstract_params)
+      nnx.replace_by_pure_dict(state, params)
+      module = nnx.merge(graphdef, state, rest, copy=True)
+      nnx.update(module, nnx.State(jax.tree.map(nnx.Cache, cache)))
+      logits, hidden = module(*inputs)
+      return logits, hidden, canonical.unflatten(canonical.flatten(nnx.to_pure_dict(nnx.state(module, nnx.Cache))))
+
+    return nnx_apply
+  layer = linen_decoders.layer_classes(config)[config.family.mtp_stack(config).name]
+  module = linen_mtp.MTPDrafter(config, layer, k)
+
+  def linen_apply(params, cache, *inputs):
+    (logits, hidden), state = module.apply({"params": params, "cache": cache}, *inputs, mutable=["cache"])
+    return logits, hidden, canonical.unflatten(canonical.flatten(nn.unbox(state["cache"])))
+
+  return linen_apply
 
 
 def create_model(config: Config, seed: int | None = None, *, params: Mapping[str, Any] | None = None) -> Model:

@@ -97,6 +97,11 @@ class Model(abc.ABC):
     for a jitted decode step; the model itself never holds a cache.
     """
 
+  @abc.abstractmethod
+  def cached_forward_hidden(self, params: Params, cache: Params, tokens, positions, segment_ids):
+    """(logits, the decoder's last hidden states [B, T, D] before its final norm, updated cache): `cached_forward`
+    with what multi-token prediction reads (self-speculative decoding, `maxbridge.serving.speculative`)."""
+
   def load_params(self, tree: Mapping[str, Any]) -> None:
     """Loads a canonical tree, scanned or unscanned; errors name any bad path."""
     self._set_params(canonical.conform(tree, self.abstract_params(), self.config.param_scan_axis))
@@ -263,6 +268,12 @@ class LinenModel(Model):
     logits, state = self.module.apply(variables, tokens, positions, segment_ids, mutable=["cache"])
     return logits, canonical.unflatten(canonical.flatten(nn.unbox(state["cache"])))
 
+  def cached_forward_hidden(self, params, cache, tokens, positions, segment_ids):
+    variables = {"params": params, "cache": cache}
+    logits, state = self.module.apply(variables, tokens, positions, segment_ids, mutable=["cache", "intermediates"])
+    hidden = flat_intermediates(state["intermediates"])["decoder/hidden_states"]
+    return logits, hidden, canonical.unflatten(canonical.flatten(nn.unbox(state["cache"])))
+
 
 class NNXModel(Model):
   """An NNX top-level module; it holds its own parameters."""
@@ -305,6 +316,16 @@ class NNXModel(Model):
     logits = module(tokens, positions, segment_ids)
     pure = nnx.to_pure_dict(nnx.state(module, nnx.Cache))
     return logits, canonical.unflatten(canonical.flatten(pure))
+
+  def cached_forward_hidden(self, params, cache, tokens, positions, segment_ids):
+    graphdef, state, rest = nnx.split(self.module, nnx.Param, ...)
+    nnx.replace_by_pure_dict(state, params)
+    module = nnx.merge(graphdef, state, rest, copy=True)
+    nnx.update(module, nnx.State(jax.tree.map(nnx.Cache, cache)))
+    logits = module(tokens, positions, segment_ids)
+    hidden = flat_intermediates(nnx.to_pure_dict(nnx.state(module, nnx.Intermediate)))["decoder/hidden_states"]
+    pure = nnx.to_pure_dict(nnx.state(module, nnx.Cache))
+    return logits, hidden, canonical.unflatten(canonical.flatten(pure))
 
 
 def linen_forward(module: nn.Module, variables: Mapping[str, Any], tokens, positions, segment_ids):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from maxbridge.core import sharding
+from maxbridge.ops import rotary
 from maxbridge.ops.soft_cap import soft_cap
 
 # A large finite negative, not -inf: a fully masked row then gives a uniform
@@ -22,12 +23,16 @@ def attention_mask(
     q_positions: jax.Array,
     kv_positions: jax.Array,
     sliding_window_size: int = 0,
+    chunk_size: int = 0,
 ) -> jax.Array:
   """Query [B, T] and key [B, S] segment ids and positions -> [B, 1, 1, T, S] boolean.
 
   Query i sees key j when both are in one segment and kv_pos[j] <= q_pos[i];
   with `sliding_window_size` W > 0, also q_pos[i] - kv_pos[j] < W (the last
-  W positions, itself included), as Mistral and Hugging Face define it.
+  W positions, itself included), as Mistral and Hugging Face define it; with
+  `chunk_size` C > 0 (Llama 4's chunked attention), also q_pos[i] // C ==
+  kv_pos[j] // C: positions are cut into chunks of C and no query sees past
+  its chunk's start, as Hugging Face's `create_chunked_causal_mask` does.
   """
   for name, q, kv in (("segment_ids", q_segment_ids, kv_segment_ids), ("positions", q_positions, kv_positions)):
     if q.ndim != 2 or kv.ndim != 2 or q.shape[0] != kv.shape[0]:
@@ -41,6 +46,8 @@ def attention_mask(
   visible = distance >= 0
   if sliding_window_size:
     visible &= distance < sliding_window_size
+  if chunk_size:
+    visible &= q_positions[:, :, None] // chunk_size == kv_positions[:, None, :] // chunk_size
   visible &= q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
   return visible[:, None, None]
 
@@ -55,6 +62,7 @@ def dot_product_attention(
     q_positions: jax.Array,
     kv_positions: jax.Array,
     sliding_window_size: int = 0,
+    chunk_size: int = 0,
     query_scale: float | None = None,
     return_max_logits: bool = False,
     logits_soft_cap: float = 0.0,
@@ -96,7 +104,7 @@ def dot_product_attention(
     key, value = jnp.moveaxis(key, 1, 2), jnp.moveaxis(value, 1, 2)
     scores = jnp.einsum("BKGTH,BKSH->BKGTS", query, key).astype(jnp.float32)
     scores = soft_cap(scores, logits_soft_cap)
-    mask = attention_mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions, sliding_window_size)
+    mask = attention_mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions, sliding_window_size, chunk_size)
     scores = jnp.where(mask, scores, MASK_VALUE)
     weights = softmax_with_sinks(scores, sinks).astype(value.dtype)
     out = jnp.einsum("BKGTS,BKSH->BKGTH", weights, value).transpose(0, 3, 1, 2, 4)
@@ -142,6 +150,7 @@ def self_attention(
     positions: jax.Array,
     *,
     sliding_window_size: int = 0,
+    chunk_size: int = 0,
     query_scale: float | None = None,
     with_max_logits: bool = False,
     logits_soft_cap: float = 0.0,
@@ -165,6 +174,7 @@ def self_attention(
       q_positions=positions,
       kv_positions=positions if kv_positions is None else kv_positions,
       sliding_window_size=sliding_window_size,
+      chunk_size=chunk_size,
       query_scale=query_scale,
       return_max_logits=with_max_logits,
       logits_soft_cap=logits_soft_cap,
@@ -174,3 +184,43 @@ def self_attention(
     out, max_logits = result
     return out, {"max_logits": max_logits}
   return result, {}
+
+
+def temperature_tuning(positions: jax.Array, scale: float, floor_scale: float) -> jax.Array:
+  """Llama 4's query temperature on its NoPE layers: positions [B, T] -> factors [B, T, 1, 1] (float32).
+
+  1 + scale * log(1 + floor((pos + 1) / floor_scale)), as Hugging Face's
+  Llama4TextAttention (attn_scale, floor_scale): queries far into a long
+  sequence are sharpened, which keeps attention without positions from
+  flattening as the number of keys grows.
+  """
+  steps = jnp.floor((positions.astype(jnp.float32) + 1.0) / floor_scale)
+  return (jnp.log1p(steps) * scale + 1.0)[:, :, None, None]
+
+
+def l2_norm(x: jax.Array, epsilon: float) -> jax.Array:
+  """x * rsqrt(mean(x^2) + eps) over the last axis, in float32, without a learned scale (Llama 4's QK-norm)."""
+  x32 = x.astype(jnp.float32)
+  return (x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + epsilon)).astype(x.dtype)
+
+
+def llama4_queries_keys(
+    config, rope: bool, query: jax.Array, key: jax.Array, positions: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """Llama 4's queries and keys [B, T, N|K, H] before attention.
+
+  A RoPE layer (`rope`) rotates them (interleaved pairs, as Hugging Face's
+  complex product; Llama 3.1's scaling) then, with use_qk_norm, L2-normalises
+  them; a NoPE layer leaves keys alone and, with temperature_tuning, scales its
+  queries by `temperature_tuning`.
+  """
+  if rope:
+    turn = dict(max_timescale=config.rope_max_timescale, interleave=True, scaling=rotary.scaling_from_config(config))
+    query, key = rotary.apply_rotary(query, positions, **turn), rotary.apply_rotary(key, positions, **turn)
+    if config.use_qk_norm:
+      query = l2_norm(query, config.normalization_layer_epsilon)
+      key = l2_norm(key, config.normalization_layer_epsilon)
+  elif config.temperature_tuning:
+    factor = temperature_tuning(positions, config.temperature_tuning_scale, config.temperature_tuning_floor_scale)
+    query = (query * factor).astype(query.dtype)
+  return query, key

@@ -29,6 +29,8 @@ import jax.numpy as jnp
 POSITIONS = "cache_positions"
 SEGMENT_IDS = "cache_segment_ids"
 INDEX = "cache_index"
+# A recurrent layer's decode state (Qwen3-Next's gated DeltaNet): its [heads, k, v] matrix and convolution window.
+RECURRENT_STATE, CONV_WINDOW = "recurrent_state", "conv_window"
 BOOKKEEPING = (POSITIONS, SEGMENT_IDS, INDEX)
 SCALE = "_scale"
 _FEATURE_AXES = ("cache_kv", "cache_kv_lora")
@@ -50,7 +52,12 @@ _ENTRY_AXES = {
     POSITIONS: ("cache_batch", "cache_sequence"),
     SEGMENT_IDS: ("cache_batch", "cache_sequence"),
     INDEX: ("cache_batch",),
+    # A recurrent layer's state (`Family.recurrent_state`): a fixed size per row, whatever the tokens seen.
+    RECURRENT_STATE: ("cache_batch", "cache_kv_heads", None, None),
+    CONV_WINDOW: ("cache_batch", None, None),
 }
+# Recurrent entries kept in float32 whatever the activation dtype: a recurrence accumulates its rounding.
+_FLOAT32_STATE = (RECURRENT_STATE,)
 
 
 def entries(config) -> dict[str, tuple[int, ...]]:
@@ -71,11 +78,17 @@ def window(config) -> int:
   return config.sliding_window_size if config.family.ring_cache else 0
 
 
-def abstract(config, batch: int, length: int, *, ring: bool = True) -> dict[str, jax.ShapeDtypeStruct]:
-  """One layer's empty cache for rows of `length` tokens, as shapes: `length` entries, or (`ring`) a window's."""
+def abstract(
+    config, batch: int, length: int, *, ring: bool = True, ring_length: int | None = None
+) -> dict[str, jax.ShapeDtypeStruct]:
+  """One layer's empty cache for rows of `length` tokens, as shapes: `length` entries, or (`ring`) a window's.
+
+  `ring_length` replaces the window for a layer that keeps its own ring (`Stack.rings`).
+  """
   dtype = jnp.dtype(config.dtype)
-  if ring and window(config):
-    length = min(length, window(config))
+  size = window(config) if ring_length is None else ring_length
+  if ring and size:
+    length = min(length, size)
   quantized = quantized_dtype(config)
   out = {}
   for name, shape in entries(config).items():
@@ -88,6 +101,14 @@ def abstract(config, batch: int, length: int, *, ring: bool = True) -> dict[str,
   out[POSITIONS] = out[SEGMENT_IDS] = jax.ShapeDtypeStruct((batch, length), jnp.int32)
   out[INDEX] = jax.ShapeDtypeStruct((batch,), jnp.int32)
   return out
+
+
+def recurrent_abstract(config, batch: int) -> dict[str, jax.ShapeDtypeStruct]:
+  """One recurrent layer's empty decode state (`Family.recurrent_state`), as shapes: never quantized."""
+  return {
+      name: jax.ShapeDtypeStruct((batch, *shape), jnp.float32 if name in _FLOAT32_STATE else jnp.dtype(config.dtype))
+      for name, shape in config.family.recurrent_state(config).items()
+  }
 
 
 def quantized_dtype(config):

@@ -39,6 +39,15 @@ def top_k_of_softmax(logits: jax.Array, k: int, *, normalize: bool) -> tuple[jax
   return weights, indices
 
 
+def top_k_sigmoid(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """Llama 4 routing: the top-k logits, each through a sigmoid on its own -> (weights, indices) [T, K].
+
+  Not renormalised: with its one expert (k=1), a token's routed branch is scaled by sigmoid(logit) < 1.
+  """
+  top, indices = jax.lax.top_k(logits, k)
+  return jax.nn.sigmoid(top.astype(jnp.float32)), indices
+
+
 def group_limited_sigmoid(
     logits: jax.Array,
     correction_bias: jax.Array | None,
@@ -95,6 +104,13 @@ def _expert_mlp(x, wi_0, wi_1, wo, matmul, dtype):
   return matmul(jax.nn.silu(gate) * up, wo)
 
 
+def block_losses(values: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
+  """A block of layers' per-layer values (`Stack.sublayers`): the mean of its MoE layers' load-balancing losses,
+  so that the decoder's mean over blocks is the mean over MoE layers (each block holds as many)."""
+  losses = [out["moe_lb_losses"] for out in values if "moe_lb_losses" in out]
+  return {"moe_lb_losses": jnp.mean(jnp.stack(losses))} if losses else {}
+
+
 def dropless_experts(
     x: jax.Array,
     weights: jax.Array,
@@ -105,8 +121,11 @@ def dropless_experts(
     *,
     dtype: jnp.dtype,
     ragged_dot: RaggedDot = jax.lax.ragged_dot,
+    weight_inputs: bool = False,
 ) -> jax.Array:
   """x [T, D] through each token's K experts (SwiGLU, wi_* [E, D, F], wo [E, F, D]) -> [T, D].
+
+  `weights` scale each expert's output, or with `weight_inputs` its input (Llama 4's).
 
   Dropless: every (token, expert) pair is computed, none dropped for capacity.
   Pairs are sorted by expert so that each expert's rows are contiguous, and
@@ -119,6 +138,10 @@ def dropless_experts(
     flat_experts = indices.reshape(-1)  # [T*K], pair p = token p // K
     order = jnp.argsort(flat_experts, stable=True)
     rows = jnp.take(x, order // k, axis=0)  # [T*K, D] grouped by expert
+    if weight_inputs:
+      pair_weights = jnp.take(weights.reshape(-1), order)[:, None].astype(jnp.float32)
+      rows = (rows.astype(jnp.float32) * pair_weights).astype(rows.dtype)
+      weights = jnp.ones_like(weights)
     group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
 
     def matmul(lhs, rhs):
@@ -140,21 +163,30 @@ def dense_experts(
     *,
     dtype: jnp.dtype,
     dot_general: DotGeneral = jax.lax.dot_general,
+    weight_inputs: bool = False,
 ) -> jax.Array:
-  """The reference path: every token through every expert, unchosen ones weighted 0 -> [T, D]."""
+  """The reference path: every token through every expert, unchosen ones weighted 0 -> [T, D].
+
+  With `weight_inputs` the weights scale each expert's input (Llama 4's), and an
+  unchosen expert's zero input gives it a zero output.
+  """
   num_experts = wi_0.shape[0]
   with jax.named_scope("dense_experts"):
 
     def matmul(lhs, rhs):
       if lhs.ndim == 2:  # TD,EDF->TEF
         return dot_general(lhs, rhs, (((1,), (1,)), ((), ())))
-      # TEF,EFD->TED: experts are a batch axis, which dot_general puts first.
+      # TEF,EFD->TED (and TED,EDF->TEF): experts are a batch axis, which dot_general puts first.
       return jnp.swapaxes(dot_general(lhs, rhs, (((2,), (1,)), ((1,), (0,)))), 0, 1)
 
-    out = _expert_mlp(x, wi_0, wi_1, wo, matmul, dtype)  # [T, E, D]
     combine = jnp.einsum(
         "TKE,TK->TE", jax.nn.one_hot(indices, num_experts, dtype=jnp.float32), weights.astype(jnp.float32)
     )
+    if weight_inputs:
+      inputs = (x.astype(jnp.float32)[:, None, :] * combine[:, :, None]).astype(x.dtype)  # [T, E, D]
+      out = _expert_mlp(inputs, wi_0, wi_1, wo, matmul, dtype)
+      return jnp.sum(out.astype(jnp.float32), axis=1).astype(dtype)
+    out = _expert_mlp(x, wi_0, wi_1, wo, matmul, dtype)  # [T, E, D]
     return jnp.einsum("TED,TE->TD", out.astype(jnp.float32), combine).astype(dtype)
 
 
@@ -182,7 +214,8 @@ def routed_moe(
 
   `score_func` "" routes Mixtral's way (softmax over the top-k logits),
   "softmax" Qwen3-MoE's (`top_k_of_softmax`, renormalised when
-  `norm_topk_prob`), "sigmoid" DeepSeek-V3's (`group_limited_sigmoid`). `sparse` picks the
+  `norm_topk_prob`), "sigmoid" DeepSeek-V3's (`group_limited_sigmoid`), "topk_sigmoid"
+  Llama 4's (`top_k_sigmoid`: each chosen expert's score scales its input). `sparse` picks the
   dropless grouped matmul, else the dense reference path; both compute the
   same function; the expert matmuls go through `ragged_dot` or `dot_general`
   respectively (the router's is the caller's). The load-balancing loss is
@@ -202,6 +235,8 @@ def routed_moe(
           top_groups=top_groups,
           scaling_factor=scaling_factor,
       )
+    elif score_func == "topk_sigmoid":
+      weights, indices = top_k_sigmoid(flat_logits, num_experts_per_tok)
     elif score_func in ("", "softmax"):
       if correction_bias is not None:
         raise ValueError("a router correction bias needs score_func='sigmoid'")
@@ -211,16 +246,21 @@ def routed_moe(
         weights, indices = top_k_softmax(flat_logits, num_experts_per_tok)
       weights = weights * scaling_factor if scaling_factor != 1.0 else weights
     else:
-      raise ValueError(f"unknown router score_func {score_func!r}; valid: '', 'softmax', 'sigmoid'")
+      raise ValueError(f"unknown router score_func {score_func!r}; valid: '', 'softmax', 'sigmoid', 'topk_sigmoid'")
+  weight_inputs = score_func == "topk_sigmoid"
   if sparse:
-    out = dropless_experts(flat_x, weights, indices, wi_0, wi_1, wo, dtype=dtype, ragged_dot=ragged_dot)
+    out = dropless_experts(
+        flat_x, weights, indices, wi_0, wi_1, wo, dtype=dtype, ragged_dot=ragged_dot, weight_inputs=weight_inputs
+    )
   else:
-    out = dense_experts(flat_x, weights, indices, wi_0, wi_1, wo, dtype=dtype, dot_general=dot_general)
+    out = dense_experts(
+        flat_x, weights, indices, wi_0, wi_1, wo, dtype=dtype, dot_general=dot_general, weight_inputs=weight_inputs
+    )
   out = out.reshape(batch, length, width)
   aux = None
   if load_balance_loss_weight > 0:
     scores = flat_logits.astype(jnp.float32)
-    if score_func == "sigmoid":
+    if score_func in ("sigmoid", "topk_sigmoid"):
       scores = jax.nn.sigmoid(scores)
       probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
     else:
@@ -231,9 +271,11 @@ def routed_moe(
 
 def moe_options(config) -> dict:
   """The config's routing settings, as `routed_moe` takes them."""
+  # As in MaxText's RoutedMoE, Llama 4's decoder block, not a config key, picks its sigmoid top-k routing.
+  score_func = "topk_sigmoid" if config.decoder_block == "llama4" else config.routed_score_func
   return dict(
       num_experts_per_tok=config.num_experts_per_tok,
-      score_func=config.routed_score_func,
+      score_func=score_func,
       n_groups=config.n_routing_groups,
       top_groups=config.topk_routing_group,
       scaling_factor=config.routed_scaling_factor,

@@ -3,8 +3,12 @@
 Module k (1-based) of `mtp_num_layers` reads, at position i, the previous
 module's hidden state at i and the embedding of token i + k, and predicts token
 i + k + 1: `targets` shifted left by k. Positions whose shifted index runs
-past the sequence are masked out of the loss; causal attention keeps them from
-reaching any position that is not.
+past the sequence are masked out of the loss. Their positions must keep them
+from every other row's attention, which masks by position: row i sits at
+position i + k (its own plus k), later than every earlier row of its sequence.
+Shifted as the tokens are (MaxText's roll), the rows past the end took
+position 0, which every query sees: each row attended to the last rows, whose
+hidden states had read its targets.
 """
 
 import jax
@@ -19,8 +23,8 @@ def shift_left(x: jax.Array, k: int) -> jax.Array:
 
 
 def module_inputs(embedded: jax.Array, positions: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-  """Module k's token embeddings and positions: those of token i + k at position i."""
-  return shift_left(embedded, k), shift_left(positions, k)
+  """Module k's token embeddings and positions: the embedding of token i + k, at position i's plus k (see above)."""
+  return shift_left(embedded, k), positions + k
 
 
 def module_targets(

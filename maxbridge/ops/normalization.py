@@ -5,15 +5,33 @@ import jax.numpy as jnp
 
 from maxbridge.core import sharding
 
+_ACTIVATION_AXES = ("activation_batch", "activation_length", "activation_embed")
+
+
+def _rms_normalized(x: jax.Array, epsilon: float) -> jax.Array:
+  # Statistics in float32 even for bfloat16 activations: the mean of squares
+  # loses most of its bits otherwise.
+  x32 = x.astype(jnp.float32)
+  mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+  return x32 * jax.lax.rsqrt(mean_square + epsilon)
+
 
 def rms_norm(x: jax.Array, scale: jax.Array, *, epsilon: float, dtype: jnp.dtype) -> jax.Array:
   with jax.named_scope("rms_norm"):
-    # Statistics in float32 even for bfloat16 activations: the mean of squares
-    # loses most of its bits otherwise.
-    x32 = x.astype(jnp.float32)
-    mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-    y = (x32 * jax.lax.rsqrt(mean_square + epsilon)).astype(dtype)
-    return sharding.constrain(y * scale.astype(dtype), ("activation_batch", "activation_length", "activation_embed"))
+    y = _rms_normalized(x, epsilon).astype(dtype)
+    return sharding.constrain(y * scale.astype(dtype), _ACTIVATION_AXES)
+
+
+def zero_centred_rms_norm(x: jax.Array, scale: jax.Array, *, epsilon: float, dtype: jnp.dtype) -> jax.Array:
+  """RMSNorm times (1 + scale): Qwen3-Next's, whose `scale` starts at zero so that weight decay pulls the
+  multiplier toward 1, not 0.
+
+  The multiplier is formed and applied in float32, as transformers' Qwen3NextRMSNorm does: in bfloat16,
+  1 + scale would round away a small scale's bits.
+  """
+  with jax.named_scope("zero_centred_rms_norm"):
+    y = _rms_normalized(x, epsilon) * (1.0 + scale.astype(jnp.float32))
+    return sharding.constrain(y.astype(dtype), _ACTIVATION_AXES)
 
 
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, *, epsilon: float, dtype: jnp.dtype) -> jax.Array:

@@ -60,4 +60,5 @@ def final_norm(
     return functools.partial(
         normalization.layer_norm, scale=params["scale"], bias=params["bias"], epsilon=epsilon, dtype=dtype
     )
-  return functools.partial(normalization.rms_norm, scale=params["scale"], epsilon=epsilon, dtype=dtype)
+  rms_norm = normalization.zero_centred_rms_norm if kind == "zero_centred_rms_norm" else normalization.rms_norm
+  return functools.partial(rms_norm, scale=params["scale"], epsilon=epsilon, dtype=dtype)

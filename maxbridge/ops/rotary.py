@@ -27,10 +27,12 @@ class Llama3Scaling:
     wavelength = 2 * math.pi * timescale
     frequency = 1.0 / timescale
     slow = frequency / self.factor
+    scaled = jnp.where(wavelength > self.original_max_position / self.low_freq_factor, slow, frequency)
+    if self.high_freq_factor == self.low_freq_factor:  # no band to blend (Llama 4 Scout sets both to 1)
+      return 1.0 / scaled
     blend = (self.original_max_position / wavelength - self.low_freq_factor) / (
         self.high_freq_factor - self.low_freq_factor
     )
-    scaled = jnp.where(wavelength > self.original_max_position / self.low_freq_factor, slow, frequency)
     band = (wavelength >= self.original_max_position / self.high_freq_factor) & (
         wavelength <= self.original_max_position / self.low_freq_factor
     )
@@ -180,3 +182,12 @@ def apply_rotary(
     if scaling is not None and scaling.attention_factor != 1.0:
       rotated = rotated * scaling.attention_factor
     return rotated.astype(x.dtype)
+
+
+def apply_partial_rotary(x: jax.Array, positions: jax.Array, *, rotary_dim: int, max_timescale: float) -> jax.Array:
+  """`apply_rotary` on the first `rotary_dim` dims of each head only; the rest pass through (Qwen3-Next's
+  partial_rotary_factor). Its pairs and timescales are those of a `rotary_dim`-wide head, as Hugging Face's."""
+  if rotary_dim == x.shape[-1]:
+    return apply_rotary(x, positions, max_timescale=max_timescale)
+  turned = apply_rotary(x[..., :rotary_dim], positions, max_timescale=max_timescale)
+  return jnp.concatenate([turned, x[..., rotary_dim:]], axis=-1)

@@ -53,6 +53,7 @@ from maxbridge.models import model as model_lib
 from maxbridge.models.model import Model
 from maxbridge.ops import kv_cache
 from maxbridge.ops import sampling as sampling_ops
+from maxbridge.serving import speculative
 
 Params = dict[str, Any]
 
@@ -359,6 +360,13 @@ class Engine:
     Together they must fit max_prefill_predict_length. Each prefix is the one
     a separate `prefill` gives, up to float rounding.
     """
+    recurrent = [stack.name for stack in self.config.family.stacks if stack.recurrent]
+    if recurrent:
+      raise ValueError(
+          f"prefill_concat with decoder_block={self.config.decoder_block!r}: its recurrent layers (stack "
+          f"{recurrent[0]!r}) keep one fixed-size state per row, the state after the row's last token, which a "
+          "packed prefill cannot split into each prompt's own; use prefill, or prefill_batch (a row per prompt)"
+      )
     prompts = [self._check_prompt(prompt) for prompt in prompts]
     lengths = [len(prompt) for prompt in prompts]
     if not prompts or sum(lengths) > self.config.max_prefill_predict_length:
@@ -387,7 +395,7 @@ class Engine:
     for i, rng in enumerate(jax.random.split(rng, len(offsets))):
       last = logits[0, offsets[i] + lengths[i] - 1]
       one = _split_packed(cache, offsets[i], lengths[i])
-      if kv_cache.window(self.config):
+      if decoding.has_ring(self.config):
         one = _to_ring(self.config, one, lengths[i])
       prefixes.append(Prefix(self._stacked(one), self._sample(last, rng), lengths[i], last))
     return prefixes
@@ -699,7 +707,8 @@ def generate_continuation(config: Config, model: Model, prompt, max_new_tokens: 
   of one slot gives. The engine is sized to the request: a prompt may pass
   max_prefill_predict_length, and prompt + continuation may pass
   max_target_length (warned, as `Model.generate` does: positions past it were
-  never trained), though not a learned position table.
+  never trained), though not a learned position table. With speculative_mtp_tokens > 0, greedy's same tokens come
+  from self-speculative decoding (`serving.speculative`): drafted by the MTP modules, verified a block per forward.
   """
   prompt = np.asarray(prompt, np.int32)
   if max_new_tokens == 0:
@@ -724,6 +733,8 @@ def generate_continuation(config: Config, model: Model, prompt, max_new_tokens: 
       max_prefill_predict_length=max(config.max_prefill_predict_length, len(prompt)),
       max_target_length=max(config.max_target_length, total),
   )
+  if config.speculative_mtp_tokens:  # greedy's tokens, drafted by the MTP modules and verified a block at a time
+    return speculative.generate(sized, model, prompt, max_new_tokens, config.speculative_mtp_tokens)[0]
   engine = Engine(sized, model=model)
   state = engine.insert(engine.prefill(prompt), engine.init_decode_state(), 0)
   first = np.asarray(state.tokens[:1])  # to host now: generate_steps donates the state it belongs to

@@ -17,7 +17,7 @@ from maxbridge.core.config import Config
 from maxbridge.training import distill, recipe
 
 # The groups of a train state's arrays, in the order the table lists them.
-GROUPS = ("parameters", "optimizer state", "step")
+GROUPS = ("parameters", "optimizer state", "step", "replicas")
 
 
 def abstract_mesh(config: Config, num_devices: int) -> AbstractMesh:
@@ -50,7 +50,12 @@ def sharding_rows(config: Config, mesh: Mesh | AbstractMesh | None = None) -> li
   trained = f"params/{trainer.trainable.collection}/"
   rows = []
   for path, leaf in layout.items():
-    group = "parameters" if path.startswith(trained) else "step" if path == "step" else "optimizer state"
+    if path.startswith(trained):
+      group = "parameters"
+    elif path.startswith("diloco/"):  # DiLoCo's replicas: their parameters and inner optimizer states
+      group = "replicas"
+    else:
+      group = "step" if path == "step" else "optimizer state"
     rows.append(
         {
             "path": path.removeprefix(trained),
@@ -93,6 +98,8 @@ def format_table(rows: list[dict], mesh: Mesh | AbstractMesh) -> str:
   # Left-aligned text, right-aligned bytes; no trailing spaces, so a golden file diffs cleanly.
   fmt = "  ".join([*(f"{{:<{w}}}" for w in widths[:-1]), f"{{:>{widths[-1]}}}"])
   totals = {group: sum(r["bytes_per_device"] for r in rows if r["group"] == group) for group in GROUPS}
+  if not totals["replicas"]:  # only a DiLoCo run has them
+    del totals["replicas"]
   everything = sum(totals.values())
   described = " x ".join(f"{name}={size}" for name, size in mesh.shape.items())
   return "\n".join(

@@ -20,6 +20,15 @@ forward pass the step's reference pass, under `stop_gradient`. With
 (`vocab_tiling.tiled_sums`): each tile computes both models' logits from their
 hidden states and heads, so neither model's [B, T, V] logits are ever held.
 
+With `distill_beta` > 0 the loss adds beta times a feature loss
+(`distill_feature_loss_type`, MaxText's keys): per token, the cosine distance
+(1 - cosine similarity, MaxText's 1e-6 norm floor) or the squared error
+averaged over the width between the two decoders' final hidden states (the
+last layer's output, before the final norm). MaxText compares its layers'
+outputs element by element, with no projection between widths; neither does
+this, so a teacher of another `emb_dim` is refused. (MaxText's
+`distill_layer_indices`, earlier layers' outputs, is not read.)
+
 Or offline: `write_logits` (`maxbridge distill-logits`) stores the teacher's
 top-k logits of the run's training batches, and a run with
 `distill_logits_path` reads them with its batches and runs no teacher; its KL
@@ -77,7 +86,7 @@ def load_teacher(config: Config) -> tuple[Config, dict | None, str]:
   overrides = teacher_overrides(config)
   model_name = overrides.pop("model_name", None)
   path = overrides.pop("load_parameters_path", None if model_name else config.load_parameters_path)
-  off = dict(teacher_overrides="", load_parameters_path="")
+  off = dict(teacher_overrides="", load_parameters_path="", distill_beta=0.0)  # the teacher distills nothing
   if path:
     kwargs = {**{key: getattr(config, key) for key in INHERITED}, **overrides, **off}
     try:
@@ -163,8 +172,17 @@ class Distillation(Loss):
     """`teacher` None: its top-k logits come with each batch (`distill_logits_path`, `OFFLINE_KEYS`)."""
     self.config = config
     self.teacher = teacher
-    self.alpha, self.temperature = config.distill_alpha, config.distill_temperature
+    self.alpha, self.temperature, self.beta = config.distill_alpha, config.distill_temperature, config.distill_beta
     self.batch_keys = CrossEntropy.batch_keys + (OFFLINE_KEYS if teacher is None else ())
+    if self.beta:
+      self.metric_keys = Distillation.metric_keys + ("distill_feature",)
+      if teacher is not None and teacher.config.emb_dim != config.emb_dim:
+        raise ConfigError(
+            f"distill_beta={self.beta}: the feature loss compares the teacher's hidden states "
+            f"({teacher.config.model_name}, emb_dim {teacher.config.emb_dim}) with the student's "
+            f"({config.model_name}, emb_dim {config.emb_dim}) element by element, as MaxText's does, with no "
+            "projection between widths: give a teacher of the student's width, or set distill_beta=0"
+        )
 
   def _per_token(self, student_logits, teacher_logits, targets):
     """(the loss, cross-entropy + z-loss, z-loss, KL) per position; `teacher_logits` [..., V] or offline
@@ -217,8 +235,27 @@ class Distillation(Loss):
           mask,
           num_tiles=tiles,
       )
+    extra = {}
+    if self.beta:
+      feature = feature_loss(
+          intermediates["decoder/hidden_states"],
+          teacher_intermediates["decoder/hidden_states"],
+          self.config.distill_feature_loss_type,
+      )
+      extra["distill_feature"] = jnp.sum(feature * mask)
+      total = total + self.beta * extra["distill_feature"]
     token_sum, aux = CrossEntropy.total(total, sums["z"], mask, intermediates)
-    return token_sum, {**aux, "distill_kl": sums["kl"], "distill_ce": sums["ce"]}
+    return token_sum, {**aux, "distill_kl": sums["kl"], "distill_ce": sums["ce"], **extra}
+
+
+def feature_loss(student: jax.Array, teacher: jax.Array, kind: str) -> jax.Array:
+  """Per position, [..., D] x [..., D] -> [...] in float32: "cosine", 1 - cosine similarity (each norm floored
+  at 1e-6, as MaxText's), or "l2", the squared error averaged over D. The teacher's side takes no gradient."""
+  student, teacher = student.astype(jnp.float32), jax.lax.stop_gradient(teacher.astype(jnp.float32))
+  if kind == "cosine":
+    norms = jnp.maximum(jnp.linalg.norm(student, axis=-1), 1e-6) * jnp.maximum(jnp.linalg.norm(teacher, axis=-1), 1e-6)
+    return 1.0 - jnp.sum(student * teacher, axis=-1) / norms
+  return jnp.mean(jnp.square(student - teacher), axis=-1)
 
 
 # --- Offline teacher logits (`maxbridge distill-logits`, read back with `distill_logits_path`) ---

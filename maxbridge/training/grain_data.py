@@ -1,64 +1,57 @@
-"""Pre-training data through Grain: corpora larger than memory, read lazily, shuffled, tokenized and packed.
+"""Training data through Grain: corpora larger than memory, read lazily, shuffled, tokenized and packed.
 
 `dataset_type: grain` (MaxText's name) reads `grain_train_files` (a file, folder or glob)
 of `grain_file_type` records: JSONL lines, plain text files (one document each), Parquet
 rows, ArrayRecord records (JSON objects, as `maxbridge data convert` writes them) or the
-Arrow files of a Hugging Face `datasets` folder saved with `save_to_disk`. The text is
-the `data_columns` field of each record.
+Arrow files of a Hugging Face `datasets` folder saved with `save_to_disk` (`grain_sources`).
+For pre-training the text is the `data_columns` field of each record; with `use_sft` each
+record is an SFT example (prompt/completion or messages), with `use_dpo` a preference pair
+(prompt/chosen/rejected), encoded as the in-memory path encodes them (`posttrain.sft`).
 
-The pipeline, per process (each reads only its share of the documents):
+The pipeline, per process (each reads only its share of the records):
 
-    documents [process_index::process_count] -> global shuffle (seed, a new order each
-    epoch) -> repeat -> tokenize (`tokenizer_path`'s tokenizer.json, else bytes;
-    add_bos/add_eos) -> [grain_worker_count worker processes] -> pack -> batch
+    records [process_index::process_count] -> global shuffle (seed, a new order each
+    epoch; or within windows of grain_shuffle_buffer_size) -> repeat -> tokenize
+    (`tokenizer_path`'s tokenizer.json, else bytes; add_bos/add_eos; SFT/DPO: its chat
+    template) -> [grain_worker_count worker processes] -> pack -> batch
 
-Packing is `data.pack`'s policy, done as a stream (`PackIterDataset`): documents follow
-one another, a document cut at a row's end continues in the next row as a new segment
-whose positions restart at 0, and only the last row of a finite stream is padded. Grain's
-own `ConcatThenSplitIterDataset` differs (a cut document's positions continue, and full
-documents may jump ahead of the buffer), so the batches would not match the in-memory
-path's; ours is small and keeps them equal. It runs after the worker processes, so the
-batches are the same for any grain_worker_count.
+Packing is the in-memory path's policy, done as a stream. Pre-training (`PackIterDataset`,
+as `data.pack`): documents follow one another, a document cut at a row's end continues in
+the next row as a new segment whose positions restart at 0, and only the last row of a
+finite stream is padded. Grain's own `ConcatThenSplitIterDataset` differs (a cut document's
+positions continue, and full documents may jump ahead of the buffer), so the batches would
+not match the in-memory path's; ours is small and keeps them equal. SFT and DPO
+(`PackExamplesIterDataset`, as `sft.pack_examples`/`dpo.pack_pairs`): whole examples, a row
+padded when the next does not fit. Packing runs after the worker processes, so the batches
+are the same for any grain_worker_count.
 
-The iterator's state (a few integers per worker) is saved with each checkpoint through
-Grain's orbax handler, so a resumed run reads exactly the batches an uninterrupted one
-would have; a resume whose data settings differ is refused, naming the key.
+The iterator's state (a few integers per worker, and the damaged records skipped) is saved
+with each checkpoint through Grain's orbax handler, so a resumed run reads exactly the
+batches an uninterrupted one would have; a resume whose data settings differ is refused,
+naming the key, unless `restart_data_on_resume` starts the new data from its beginning.
 """
 
 from __future__ import annotations
 
-import bisect
 import functools
-import glob
 import json
 import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
 
 import grain
 import numpy as np
-from absl import flags
+from absl import flags, logging
 
 from maxbridge.core.checkpointing import CheckpointError
 from maxbridge.core.config import Config
+from maxbridge.training.grain_sources import EVAL_EVERY, Corpus, Damaged, HeldOut, JsonlSource, TextSource, resolve_files
 
 # `maxbridge.interop.pretrained` (orbax, for its checks) is imported where it checks: Grain's worker processes
 # import this module to run its sources and `Tokenize`, and start sooner without it.
 
-FILE_TYPES = ("auto", "jsonl", "text", "parquet", "arrayrecord", "arrow")
-SUFFIXES = {
-    ".jsonl": "jsonl",
-    ".txt": "text",
-    ".parquet": "parquet",
-    ".arrayrecord": "arrayrecord",
-    ".array_record": "arrayrecord",
-    ".arrow": "arrow",
-}
 BATCH_KEYS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
-# Every EVAL_EVERY-th document is held out for eval when no grain_eval_files are given (as `data.EVAL_EVERY`).
-EVAL_EVERY = 20
 # The settings a saved iterator state belongs to: resuming with another value would read other batches.
 STATE_KEYS = (
     "dataset_type",
@@ -71,277 +64,13 @@ STATE_KEYS = (
     "add_eos",
     "max_target_length",
     "seed",
+    "use_sft",
+    "use_dpo",
+    "sft_train_on_completion_only",
+    "grain_shuffle_buffer_size",
     # The batches are the same for any worker count, but the saved state holds one entry per worker.
     "grain_worker_count",
 )
-_READ_CHUNK = 1 << 22  # bytes scanned at a time when indexing a JSONL file
-_PARQUET_GROUPS = 4  # row groups a Parquet source keeps decoded
-
-
-# --- files -------------------------------------------------------------------------
-
-
-def resolve_files(pattern: str, file_type: str = "auto", key: str = "grain_train_files") -> list[tuple[str, str]]:
-  """[(path, file type)] that `pattern` (a file, folder or glob) names, sorted; an error naming `key` if none."""
-  if file_type not in FILE_TYPES:
-    raise ValueError(f"grain_file_type={file_type!r} is not one of {', '.join(map(repr, FILE_TYPES))}")
-  if not pattern:
-    raise ValueError(f"{key} is empty: give a file, folder or glob of training files")
-  if os.path.isdir(pattern):
-    state = Path(pattern, "state.json")
-    if state.is_file():  # a Hugging Face `datasets` folder from save_to_disk: its Arrow files, in order
-      try:
-        names = [f["filename"] for f in json.loads(state.read_text())["_data_files"]]
-      except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{key}: {state} is not a `datasets` state.json ({type(e).__name__}: {e})") from e
-      return [(str(Path(pattern, n)), "arrow") for n in names]
-    paths = sorted(str(p) for p in Path(pattern).rglob("*") if p.is_file() and p.suffix in SUFFIXES)
-    what = f"{key}={pattern!r} is a folder with no {'/'.join(SUFFIXES)} files"
-  else:
-    paths = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
-    what = f"{key}={pattern!r} matches no files; give a file, a folder or a glob such as 'corpus/*.jsonl'"
-  if not paths:
-    raise ValueError(what)
-  found = []
-  for path in paths:
-    kind = file_type if file_type != "auto" else SUFFIXES.get(Path(path).suffix)
-    if kind is None:
-      raise ValueError(
-          f"{path}: grain_file_type='auto' cannot tell its format from its name; name it "
-          f"{', '.join(SUFFIXES)} or set grain_file_type to one of {', '.join(FILE_TYPES[1:])}"
-      )
-    found.append((path, kind))
-  return found
-
-
-def _text_of(record: Any, column: str, where: str) -> str:
-  if not isinstance(record, dict):
-    raise ValueError(f"{where}: expected a JSON object with a string {column!r} field, got {type(record).__name__}")
-  if column not in record:
-    raise ValueError(
-        f"{where}: has no column {column!r} (data_columns); it has {sorted(record)[:10]}: set data_columns to one"
-    )
-  text = record[column]
-  if not isinstance(text, str):
-    raise ValueError(f"{where}: column {column!r} holds {type(text).__name__}, not text")
-  return text
-
-
-def _decode(data: bytes, path: str, offset: int) -> str:
-  try:
-    return data.decode("utf-8")
-  except UnicodeDecodeError as e:
-    raise ValueError(
-        f"{path}: not UTF-8 text at byte offset {offset + e.start}; the corpus must be UTF-8 "
-        "(re-encode the file, e.g. with iconv -t UTF-8)"
-    ) from e
-
-
-class _JsonlSource:
-  """One JSONL file, one record per non-empty line, read by seeking: its index holds 12 bytes per line."""
-
-  def __init__(self, path: str, column: str):
-    self.path, self.column = path, column
-    starts, ends, done = [], [], 0
-    with open(path, "rb") as f:
-      carry = b""
-      while chunk := f.read(_READ_CHUNK):
-        buffer = carry + chunk
-        newlines = np.flatnonzero(np.frombuffer(buffer, np.uint8) == 10)
-        line_starts = np.concatenate([[0], newlines[:-1] + 1]) if newlines.size else np.zeros(0, np.int64)
-        starts.append(line_starts + done)
-        ends.append(newlines + done)
-        cut = int(newlines[-1]) + 1 if newlines.size else 0
-        carry, done = buffer[cut:], done + cut
-      if carry.strip():
-        starts.append(np.array([done])), ends.append(np.array([done + len(carry)]))
-    starts = np.concatenate(starts) if starts else np.zeros(0, np.int64)
-    lengths = np.concatenate(ends) - starts if ends else np.zeros(0, np.int64)
-    keep = lengths > 0  # an empty line holds no record (a blank one reads as an empty document)
-    self.starts, self.lengths = starts[keep].astype(np.int64), lengths[keep].astype(np.int32)
-    self._file = None
-
-  def __len__(self) -> int:
-    return self.starts.size
-
-  def __getstate__(self):
-    return {**self.__dict__, "_file": None}  # worker processes open their own
-
-  def line(self, index: int) -> tuple[str, int]:
-    """(the text of line `index`, its byte offset)."""
-    if self._file is None:
-      self._file = open(self.path, "rb")  # noqa: SIM115  (open while the source lives)
-    start = int(self.starts[index])
-    # A positional read: Grain's reader threads share the file.
-    return _decode(os.pread(self._file.fileno(), int(self.lengths[index]), start), self.path, start), start
-
-  def __getitem__(self, index: int) -> str:
-    line, start = self.line(index)
-    if not line.strip():
-      return ""
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{self.path}: byte offset {start}: not valid JSON ({e.msg})") from e
-    return _text_of(record, self.column, f"{self.path}: byte offset {start}")
-
-
-class _TextSource:
-  """Plain text files, each one document (as `dataset_type: text` reads them)."""
-
-  def __init__(self, paths: list[str]):
-    self.paths = paths
-
-  def __len__(self) -> int:
-    return len(self.paths)
-
-  def __getitem__(self, index: int) -> str:
-    return _decode(Path(self.paths[index]).read_bytes(), self.paths[index], 0)
-
-
-class _ArrayRecordSource:
-  """One ArrayRecord file of JSON objects (what `maxbridge data convert` writes)."""
-
-  def __init__(self, path: str, column: str):
-    self.path, self.column = path, column
-    self.records = grain.sources.ArrayRecordDataSource([path])
-
-  def __len__(self) -> int:
-    return len(self.records)
-
-  def __getitem__(self, index: int) -> str:
-    text = _decode(self.records[index], self.path, 0)
-    where = f"{self.path}: record {index}"
-    try:
-      record = json.loads(text)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{where}: not a JSON object ({e.msg}); write ArrayRecord with `maxbridge data convert`") from e
-    return _text_of(record, self.column, where)
-
-
-class _ParquetSource:
-  """One Parquet file's `column`, read a row group at a time (the last few kept).
-
-  A global shuffle visits row groups at random: a large file reads much more than it
-  uses. Convert it to ArrayRecord (`maxbridge data convert`) for large corpora.
-  """
-
-  def __init__(self, path: str, column: str):
-    import pyarrow.parquet as pq  # only Parquet corpora need it
-
-    self.path, self.column = path, column
-    meta = pq.ParquetFile(path).metadata
-    names = meta.schema.names
-    if column not in names:
-      raise ValueError(f"{path}: has no column {column!r} (data_columns); it has {names[:10]}: set data_columns to one")
-    self.offsets = np.cumsum([0] + [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
-    self._file, self._groups = None, {}
-
-  def __len__(self) -> int:
-    return int(self.offsets[-1])
-
-  def __getstate__(self):
-    return {**self.__dict__, "_file": None, "_groups": {}}
-
-  def _group(self, group: int) -> list:
-    if group not in self._groups:
-      import pyarrow.parquet as pq
-
-      if self._file is None:
-        self._file = pq.ParquetFile(self.path)
-      if len(self._groups) >= _PARQUET_GROUPS:
-        self._groups.pop(next(iter(self._groups)))  # the oldest
-      self._groups[group] = self._file.read_row_group(group, columns=[self.column]).column(0).to_pylist()
-    return self._groups[group]
-
-  def __getitem__(self, index: int) -> str:
-    group = int(np.searchsorted(self.offsets, index, side="right")) - 1
-    text = self._group(group)[index - self.offsets[group]]
-    if not isinstance(text, str):
-      raise ValueError(f"{self.path}: row {index}: column {self.column!r} holds {type(text).__name__}, not text")
-    return text
-
-
-class _ArrowSource:
-  """One Arrow IPC stream file of a `datasets` save_to_disk folder, memory-mapped."""
-
-  def __init__(self, path: str, column: str):
-    self.path, self.column = path, column
-    table = self._table()
-    if column not in table.column_names:
-      raise ValueError(
-          f"{path}: has no column {column!r} (data_columns); it has {table.column_names[:10]}: set data_columns to one"
-      )
-    self.length = table.num_rows
-    self._column = None
-
-  def _table(self):
-    import pyarrow as pa
-
-    return pa.ipc.open_stream(pa.memory_map(self.path)).read_all()
-
-  def __len__(self) -> int:
-    return self.length
-
-  def __getstate__(self):
-    return {**self.__dict__, "_column": None}
-
-  def __getitem__(self, index: int) -> str:
-    if self._column is None:
-      self._column = self._table().column(self.column)
-    text = self._column[index].as_py()
-    if not isinstance(text, str):
-      raise ValueError(f"{self.path}: row {index}: column {self.column!r} holds {type(text).__name__}, not text")
-    return text
-
-
-class Corpus:
-  """The records of several files as one random-access source of texts (a Grain data source)."""
-
-  def __init__(self, files: list[tuple[str, str]], column: str):
-    sources = []
-    texts = [path for path, kind in files if kind == "text"]
-    for path, kind in files:
-      if kind == "text":
-        if os.path.getsize(path) == 0:
-          raise ValueError(f"{path}: the file is empty; remove it or give it text")
-        continue
-      source = {"jsonl": _JsonlSource, "parquet": _ParquetSource, "arrayrecord": _ArrayRecordSource}.get(
-          kind, _ArrowSource
-      )(path, column)
-      if not len(source):
-        raise ValueError(f"{path}: the file is empty (no records); remove it or give it records")
-      if kind in ("jsonl", "arrayrecord"):
-        source[0]  # noqa: B018  (a wrong column is found now, not hours into the run)
-      sources.append(source)
-    if texts:
-      sources.append(_TextSource(texts))
-    self.sources = sources
-    self.offsets = list(np.cumsum([0] + [len(s) for s in sources]))
-
-  def __len__(self) -> int:
-    return int(self.offsets[-1])
-
-  def __getitem__(self, index: int) -> str:
-    k = bisect.bisect_right(self.offsets, index) - 1
-    return self.sources[k][index - self.offsets[k]]
-
-
-class HeldOut:
-  """The train or eval documents of a corpus: eval holds every EVAL_EVERY-th, train the rest (as `data`)."""
-
-  def __init__(self, corpus, split: str):
-    self.corpus, self.eval = corpus, split == "eval"
-    n = len(corpus)
-    held = -(-n // EVAL_EVERY)
-    self.length = held if self.eval else n - held
-
-  def __len__(self) -> int:
-    return self.length
-
-  def __getitem__(self, index: int) -> str:
-    # Train's j-th document skips the held-out ones before it: one in every EVAL_EVERY.
-    return self.corpus[index * EVAL_EVERY if self.eval else index + index // (EVAL_EVERY - 1) + 1]
 
 
 # --- tokens --------------------------------------------------------------------------
@@ -375,7 +104,9 @@ class Tokenize(grain.transforms.Map):
   def __getstate__(self):
     return {k: v for k, v in self.__dict__.items() if k != "tokenizer"}  # each worker loads its own
 
-  def map(self, text: str) -> np.ndarray:
+  def map(self, text: str) -> np.ndarray | Damaged:
+    if isinstance(text, Damaged):
+      return text
     if not self.tokenizer_path:
       return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
     ids = self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -384,7 +115,74 @@ class Tokenize(grain.transforms.Map):
     return np.asarray([self.bos] * (self.bos is not None) + ids + [self.eos] * (self.eos is not None), np.int32)
 
 
+class EncodeExamples(grain.transforms.Map):
+  """A row (record, where) -> its SFT example or DPO pair, fitted to `length`: a tuple of (tokens, completion mask)
+  per side, one for SFT and (chosen, rejected) for DPO, encoded as `data`'s in-memory path encodes them
+  (`posttrain.sft`, `posttrain.dpo`: `tokenizer_path`'s tokenizer and chat template, else bytes)."""
+
+  def __init__(self, kind: str, tokenizer_path: str, vocab_size: int, length: int):
+    self.kind, self.tokenizer_path, self.vocab_size, self.length = kind, tokenizer_path, vocab_size, length
+    self._warned = False
+
+  @functools.cached_property
+  def chat(self):
+    from maxbridge.training.posttrain import sft  # its tokenizer check imports orbax: not for pre-training's workers
+
+    return sft.HFChat(self.tokenizer_path, self.vocab_size) if self.tokenizer_path else None
+
+  def __getstate__(self):
+    return {k: v for k, v in self.__dict__.items() if k != "chat"}  # each worker loads its own
+
+  def map(self, row) -> tuple | Damaged:
+    if isinstance(row, Damaged):
+      return row
+    from maxbridge.training.posttrain import sft
+
+    record, where = row
+    if self.kind == "dpo":
+      from maxbridge.training.posttrain import dpo
+
+      sides = dpo.fit_pair(
+          dpo.record_pair(record, self.chat.encode if self.chat else sft.byte_encode, where), self.length, where
+      )
+    else:
+      sides = (sft.fit(sft.record_example(record, self.chat, where), self.length, where),)
+    if not self._warned and any(tokens.size > self.length for tokens, _ in sides):
+      # Warned once per process (the in-memory path counts them: a stream cannot, before it ends).
+      self._warned = True
+      logging.warning(
+          "%s: longer than max_target_length=%d tokens and cut to it (the first such %s of this process): "
+          "the end of its completion is not trained on",
+          where,
+          self.length,
+          "pair" if self.kind == "dpo" else "example",
+      )
+    return tuple((tokens[: self.length], completion[: self.length]) for tokens, completion in sides)
+
+
 # --- packing -------------------------------------------------------------------------
+
+
+class _Damage:
+  """Counts the damaged records an iterator skipped (kept in its state) and stops a stream of nothing else."""
+
+  def __init__(self, limit: int | None):
+    self.limit, self.count, self.run = limit, 0, 0
+
+  def skip(self, item) -> bool:
+    """True for a `Damaged` (counted, the first one logged); resets the run of them on anything else."""
+    if not isinstance(item, Damaged):
+      self.run = 0
+      return False
+    self.count, self.run = self.count + 1, self.run + 1
+    if self.count == 1:
+      logging.warning("skipping damaged records (grain_skip_damaged_records=true); the first: %s", item.message)
+    if self.limit and self.run >= self.limit:
+      raise ValueError(
+          f"{self.run} records in a row are damaged: every record of this process's share is; "
+          f"the last: {item.message}"
+      )
+    return True
 
 
 def pack_row(pieces: list[np.ndarray], length: int) -> dict[str, np.ndarray]:
@@ -437,6 +235,7 @@ class _PackIterator(grain.DatasetIterator):
     super().__init__(parent)
     self.length, self.empty_limit = length, empty_limit
     self._empty = 0  # empty documents read since the last token
+    self.damaged = _Damage(empty_limit)
     self._document = np.zeros(0, np.int32)
     self._offset = 0
     self._before = parent.get_state()  # the parent's state before `_document` was read
@@ -447,10 +246,13 @@ class _PackIterator(grain.DatasetIterator):
       if self._offset == self._document.size:
         before = self._parent.get_state()
         try:
-          # A copy: a worker's array lives in shared memory that Grain frees as the iterator moves on.
-          document = np.array(next(self._parent), copy=True)
+          item = next(self._parent)
         except StopIteration:
           break
+        if self.damaged.skip(item):
+          continue
+        # A copy: a worker's array lives in shared memory that Grain frees as the iterator moves on.
+        document = np.array(item, copy=True)
         if document.ndim != 1 or not np.issubdtype(document.dtype, np.integer):
           raise ValueError(f"documents must be 1-D integer token arrays, got shape {document.shape} {document.dtype}")
         self._document, self._offset, self._before = document, 0, before
@@ -471,16 +273,92 @@ class _PackIterator(grain.DatasetIterator):
 
   def get_state(self) -> dict:
     if self._offset == self._document.size:  # nothing left of the current document: start at the next one
-      return {"parent": self._parent.get_state(), "offset": 0}
-    return {"parent": self._before, "offset": self._offset}
+      return {"parent": self._parent.get_state(), "offset": 0, "damaged": self.damaged.count}
+    return {"parent": self._before, "offset": self._offset, "damaged": self.damaged.count}
 
   def set_state(self, state: dict) -> None:
+    self.damaged.count = state.get("damaged", 0)
     self._parent.set_state(state["parent"])
     self._before = state["parent"]
     self._document, self._offset = np.zeros(0, np.int32), 0
     if state["offset"]:
       self._document = np.array(next(self._parent), copy=True)
       self._offset = state["offset"]
+
+
+class PackExamplesIterDataset(grain.IterDataset):
+  """SFT examples or DPO pairs (`EncodeExamples`) packed whole into rows of `length` as `sft.pack_examples` and
+  `dpo.pack_pairs` pack them, as a stream: the next example goes in the row while every side fits beside the
+  examples there, else the row is padded and it starts the next one. DPO's rows are its keys per side, prefixed."""
+
+  def __init__(self, parent: grain.IterDataset, length: int, kind: str, completion_only: bool, limit: int | None = None):
+    super().__init__(parent)
+    self.length, self.kind, self.completion_only, self.limit = length, kind, completion_only, limit
+
+  def __iter__(self):
+    return _PackExamplesIterator(self._parent.__iter__(), self)
+
+  def __str__(self) -> str:
+    return f"PackExamplesIterDataset(length={self.length}, {self.kind})"
+
+
+class _PackExamplesIterator(grain.DatasetIterator):
+  """Its state is the parent's before the example the next row starts with (read already when the last row
+  was full): small and exact."""
+
+  def __init__(self, parent, spec: PackExamplesIterDataset):
+    super().__init__(parent)
+    self.spec = spec
+    self.damaged = _Damage(spec.limit)
+    self._pending = None  # the example that did not fit the last row
+    self._before = None  # the parent's state before `_pending` was read
+
+  def _read(self):
+    while True:
+      before = self._parent.get_state()
+      item = next(self._parent)
+      if not self.damaged.skip(item):
+        # Copies: a worker's arrays live in shared memory that Grain frees as the iterator moves on.
+        return before, tuple((np.array(t, copy=True), np.array(c, copy=True)) for t, c in item)
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    from maxbridge.training.posttrain import sft
+
+    row, used = [], None
+    while True:
+      if self._pending is None:
+        try:
+          self._before, self._pending = self._read()
+        except StopIteration:
+          break
+      sizes = [tokens.size for tokens, _ in self._pending]
+      if row and any(u + n > self.spec.length for u, n in zip(used, sizes)):
+        break
+      row.append(self._pending)
+      used = sizes if used is None else [u + n for u, n in zip(used, sizes)]
+      self._pending = None
+    if not row:
+      raise StopIteration
+    plan = [list(range(len(row)))]
+    if self.spec.kind != "dpo":
+      filled = sft.fill_rows(plan, [e[0] for e in row], self.spec.length, self.spec.completion_only)
+      return {key: value[0] for key, value in filled.items()}
+    out = {}
+    for i, side in enumerate(("chosen", "rejected")):  # dpo.SIDES (dpo imports jax: not in this module's workers)
+      filled = sft.fill_rows(plan, [e[i] for e in row], self.spec.length, completion_only=True)
+      out.update({f"{side}_{key}": value[0] for key, value in filled.items()})
+    return out
+
+  def get_state(self) -> dict:
+    parent = self._parent.get_state() if self._pending is None else self._before
+    return {"parent": parent, "pending": self._pending is not None, "damaged": self.damaged.count}
+
+  def set_state(self, state: dict) -> None:
+    self.damaged.count = state.get("damaged", 0)
+    self._parent.set_state(state["parent"])
+    self._pending = None
+    if state["pending"]:
+      self._before, self._pending = self._read()
 
 
 # --- the dataset -----------------------------------------------------------------------
@@ -517,7 +395,10 @@ class GrainDataset:
     self.length = config.max_target_length
     key = "grain_eval_files" if split == "eval" and config.grain_eval_files else "grain_train_files"
     files = getattr(config, key)
-    source = Corpus(resolve_files(files, config.grain_file_type, key), config.data_columns)
+    # SFT examples and DPO pairs are read from whole records (their fields), pre-training text from data_columns.
+    self.kind = "dpo" if config.use_dpo else "sft" if config.use_sft else "text"
+    column = config.data_columns if self.kind == "text" else None
+    source = Corpus(resolve_files(files, config.grain_file_type, key), column, config.grain_skip_damaged_records)
     if not config.grain_eval_files:
       source = HeldOut(source, split)
     if len(source) < process_count:
@@ -526,6 +407,22 @@ class GrainDataset:
           "each process needs at least one"
       )
     self.documents = source
+    self.name = f"grain {split} ({files})"
+    self._iterator = None
+    self._next = 0
+    self._origin = 0  # the step the data started at (`restart_at`)
+    if self.kind != "text":
+      from maxbridge.training.posttrain import sft
+
+      if config.tokenizer_path:  # its vocabulary and chat template are checked now, before any worker reads
+        sft.HFChat(config.tokenizer_path, config.vocab_size)
+      elif config.vocab_size < 256:
+        raise ValueError(
+            f"dataset_type='grain' with use_{self.kind}=true without tokenizer_path yields byte tokens (0..255) "
+            f"but vocab_size={config.vocab_size}; set vocab_size >= 256 or give tokenizer_path"
+        )
+      self.tokenize = EncodeExamples(self.kind, config.tokenizer_path, config.vocab_size, self.length)
+      return
     bos = eos = None
     if config.tokenizer_path:
       from maxbridge.interop import pretrained
@@ -546,9 +443,6 @@ class GrainDataset:
           f"{config.vocab_size}; set vocab_size >= 256 or give tokenizer_path"
       )
     self.tokenize = Tokenize(config.tokenizer_path, bos, eos)
-    self.name = f"grain {split} ({files})"
-    self._iterator = None
-    self._next = 0
 
   stateful = True  # its iterator's state is saved with each checkpoint (`snapshot`, `set_state`)
 
@@ -563,9 +457,13 @@ class GrainDataset:
     """The pipeline of this process's batches."""
     ds = grain.MapDataset.source(self.documents)[self.process_index :: self.process_count]
     share = len(ds)
-    if self.shuffle:
+    window = self.config.grain_shuffle_buffer_size
+    if self.shuffle and not window:
       ds = ds.shuffle(seed=self.config.seed)
-    ds = ds.repeat(self.num_epochs).map(self.tokenize)
+    ds = ds.repeat(self.num_epochs)
+    if self.shuffle and window:  # after repeat: each window, so each epoch, has its own order
+      ds = WindowShuffle(ds, window, self.config.seed)
+    ds = ds.map(self.tokenize)
     # A few threads read ahead of the step; the queue bounds memory (documents, not the corpus).
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=64))
     # Eval restarts at its step 0 every time: worker processes would start again each time too.
@@ -575,8 +473,11 @@ class GrainDataset:
       it = it.mp_prefetch(
           grain.MultiprocessingOptions(num_workers=self.config.grain_worker_count), worker_init_fn=_die_with_parent
       )
-    # An epoch of empty documents would never fill a row: an error, not a hang.
-    rows = PackIterDataset(it, self.length, empty_limit=share)
+    # An epoch of empty documents (or damaged records) would never fill a row: an error, not a hang.
+    if self.kind == "text":
+      rows = PackIterDataset(it, self.length, empty_limit=share)
+    else:
+      rows = PackExamplesIterDataset(it, self.length, self.kind, self.config.sft_train_on_completion_only, share)
     return rows.batch(self.batch_size // self.process_count, drop_remainder=self.num_epochs is None)
 
   def _restart(self) -> None:
@@ -590,8 +491,9 @@ class GrainDataset:
           f"{self.name} was built for process {self.process_index} of {self.process_count}, "
           f"asked for process {process_index} of {process_count}"
       )
-    if step < 0:
-      raise ValueError(f"{self.name}: step must be >= 0, got {step}")
+    if step < self._origin:
+      raise ValueError(f"{self.name}: step must be >= {self._origin} (the step its data started at), got {step}")
+    step -= self._origin
     if self._iterator is None or step < self._next:
       self._restart()
     while self._next < step:
@@ -605,7 +507,21 @@ class GrainDataset:
     """The iterator's state before the next step's batch, with the settings it belongs to (JSON)."""
     if self._iterator is None:
       self._restart()
-    return {"step": self._next, "settings": self.settings, "iterator": self._iterator.get_state()}
+    state = {"step": self._next, "settings": self.settings, "iterator": self._iterator.get_state()}
+    return {**state, "origin": self._origin} if self._origin else state
+
+  def restart_at(self, step: int) -> None:
+    """Reads from the data's beginning at `step` (a resume with `restart_data_on_resume`): `batch(step)` is
+    the first batch; saved states keep that step."""
+    self.close()
+    self._origin, self._next = step, 0
+
+  @property
+  def damaged(self) -> int:
+    """The damaged records skipped by this process (`grain_skip_damaged_records`), counted across resumes."""
+    if self._iterator is None:
+      return 0
+    return self._iterator.get_state()["damaged"]
 
   def snapshot(self) -> Snapshot:
     """The state now, frozen for a checkpoint (Grain's handler reads it from another thread, later)."""
@@ -628,7 +544,7 @@ class GrainDataset:
       )
     self._restart()
     self._iterator.set_state(state["iterator"])
-    self._next = state["step"]
+    self._next, self._origin = state["step"], state.get("origin", 0)
 
   def start_prefetch(self) -> None:
     """Grain's handler calls this after `set_state`; the next `batch` reads ahead by itself."""
@@ -641,6 +557,34 @@ class GrainDataset:
 
   def __repr__(self) -> str:
     return f"GrainDataset({self.name}, length={self.length}, batch_size={self.batch_size})"
+
+
+class WindowShuffle(grain.MapDataset):
+  """Its parent's records shuffled within consecutive windows of `size` (`grain_shuffle_buffer_size`), each
+  window by its own seed: reads stay near one another (a Parquet row group, a file) where a global shuffle
+  jumps anywhere. Grain's `WindowShuffleMapDataset` maps the last, partial window's indices past the end; this
+  one shuffles it within its own size."""
+
+  def __init__(self, parent: grain.MapDataset, size: int, seed: int):
+    super().__init__(parent)
+    self.size, self.seed_ = size, seed
+
+  def __len__(self) -> int:
+    return len(self._parent)
+
+  def __getitem__(self, index):
+    if isinstance(index, slice):
+      return self.slice(index)
+    window, within = divmod(index, self.size)
+    start = window * self.size
+    last = min(self.size, len(self._parent) - start) - 1
+    if last > 0:
+      seed = (self.seed_ + window) % 2**32  # index_shuffle takes a uint32 seed
+      within = grain.experimental.index_shuffle(within, max_index=last, seed=seed, rounds=4)
+    return self._parent[start + within]
+
+  def __str__(self) -> str:
+    return f"WindowShuffle(size={self.size})"
 
 
 def _die_with_parent(worker_index: int, worker_count: int) -> None:
@@ -682,21 +626,25 @@ def inspect(config: Config, batches: int = 2, rows: int = 3, width: int = 160) -
     sample = [dataset.batch(step) for step in range(batches)]
   finally:
     dataset.close()
-  segments = np.concatenate([b["inputs_segmentation"] for b in sample])
+  prefix = "chosen_" if dataset.kind == "dpo" else ""  # DPO: the chosen side's rows
+  segments = np.concatenate([b[f"{prefix}inputs_segmentation"] for b in sample])
   real = int((segments > 0).sum())
+  what = {"text": "documents", "sft": "SFT examples", "dpo": "preference pairs"}[dataset.kind]
   lines = [
-      f"{dataset.name}: {len(dataset.documents)} training documents"
+      f"{dataset.name}: {len(dataset.documents)} training {what}"
       + (f", {len(held)} held out for eval (every {EVAL_EVERY}th)" if held is not None else ""),
       f"tokenizer: {config.tokenizer_path or 'bytes'}; rows of {dataset.length} tokens",
       f"first {batches} batch(es): {segments.shape[0]} rows, {real} tokens, padding {1 - real / segments.size:.2%}",
   ]
-  inputs = np.concatenate([b["inputs"] for b in sample])
+  inputs = np.concatenate([b[f"{prefix}inputs"] for b in sample])
+  if config.tokenizer_path:
+    tokenizer = dataset.tokenize.tokenizer if dataset.kind == "text" else dataset.tokenize.chat.tokenizer
   for r in range(min(rows, inputs.shape[0])):
     pieces = []
     for segment in range(1, int(segments[r].max()) + 1):
       tokens = inputs[r][segments[r] == segment]
       if config.tokenizer_path:
-        pieces.append(dataset.tokenize.tokenizer.decode(tokens.tolist(), skip_special_tokens=False))
+        pieces.append(tokenizer.decode(tokens.tolist(), skip_special_tokens=False))
       else:
         pieces.append(tokens.astype(np.uint8).tobytes().decode("utf-8", errors="replace"))
     text = " | ".join(pieces)  # segments (documents or their pieces) apart
@@ -735,7 +683,7 @@ def convert(source: str, destination: str, progress: bool = True) -> list[str]:
       writer = ArrayRecordWriter(target, "group_size:1")
       try:
         if kind == "jsonl":
-          lines = _JsonlSource(path, column="")
+          lines = JsonlSource(path, column="")
           records = (_json_line(lines, i) for i in range(len(lines)))
           total = len(lines)
         elif kind == "parquet":
@@ -748,7 +696,7 @@ def convert(source: str, destination: str, progress: bool = True) -> list[str]:
           )
         else:
           total = 1
-          records = iter([json.dumps({"text": _TextSource([path])[0]}, ensure_ascii=False).encode()])
+          records = iter([json.dumps({"text": TextSource([path])[0]}, ensure_ascii=False).encode()])
         if not total:
           raise ValueError(f"{path}: the file is empty (no records); remove it or give it records")
         for record in tqdm(records, total=total, desc=Path(path).name, unit="rec", disable=not progress):
@@ -763,7 +711,7 @@ def convert(source: str, destination: str, progress: bool = True) -> list[str]:
   return written
 
 
-def _json_line(lines: _JsonlSource, index: int) -> bytes:
+def _json_line(lines: JsonlSource, index: int) -> bytes:
   text, start = lines.line(index)
   try:
     json.loads(text)

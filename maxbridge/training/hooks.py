@@ -43,6 +43,7 @@ class Data:
   def __init__(self, config: Config):
     # A Grain dataset reads only this process's share; the in-memory ones read all and slice each batch.
     where = (jax.process_index(), jax.process_count())
+    self.restart = config.restart_data_on_resume
     self.train = data.make_dataset(config, "train", global_batch_size(config), *where)
     self.eval = data.make_dataset(config, "eval", global_batch_size(config), *where) if config.eval_interval else None
     # Distillation from offline logits: the teacher's top-k of each training batch, joined to its rows.
@@ -54,7 +55,8 @@ class Data:
     rows = self.train.batch(step, jax.process_index(), jax.process_count())
     if self.logits is not None:
       rows = {**rows, **self.logits.batch(step, jax.process_index(), jax.process_count())}
-    return rows, {}
+    damaged = getattr(self.train, "damaged", 0)  # grain_skip_damaged_records: those skipped so far (this process)
+    return rows, ({"damaged_records": damaged} if damaged else {})
 
   def state(self):
     """What a checkpoint saves of the data (a Grain iterator's state), or None: in-memory batches are a
@@ -62,9 +64,21 @@ class Data:
     return self.train.snapshot() if self.train.stateful else None
 
   def resume(self, checkpointer: checkpointing.Checkpointer, step: int) -> None:
-    """Goes on from the data state saved with `step`; without one a Grain dataset replays up to it."""
-    if self.train.stateful:
-      checkpointer.restore_data(step, self.train)
+    """Goes on from the data state saved with `step`; without one a Grain dataset replays up to it.
+
+    With restart_data_on_resume, a Grain dataset whose saved state belongs to other data settings (or that has
+    none: the run read other data) starts from its beginning at `step`; in-memory datasets, a pure function of
+    the step, read the new data's batch of `step`."""
+    if not self.train.stateful:
+      return
+    try:
+      restored = checkpointer.restore_data(step, self.train)
+    except checkpointing.CheckpointError:  # saved with other data settings: refused unless restarting
+      if not self.restart:
+        raise
+      restored = False
+    if not restored and self.restart:
+      self.train.restart_at(step)
 
   def close(self) -> None:
     for dataset in (self.train, self.eval):

@@ -67,6 +67,10 @@ _TRAINER_FREE_KEYS = frozenset(
         "data_columns",
         "add_bos",
         "add_eos",
+        "use_sft",
+        "grain_shuffle_buffer_size",
+        "grain_skip_damaged_records",
+        "restart_data_on_resume",
         "load_parameters_path",
         "load_full_state_path",
     }
@@ -93,6 +97,9 @@ _FIXED_KEYS = (
     "teacher_overrides",
     "distill_alpha",
     "distill_temperature",
+    "distill_beta",
+    "distill_feature_loss_type",
+    "enable_diloco",
     "dataset_type",
     "dataset_path",
     "tokenizer_path",
@@ -102,7 +109,25 @@ _FIXED_KEYS = (
     "data_columns",
     "add_bos",
     "add_eos",
+    "use_sft",
+    "grain_shuffle_buffer_size",
     "reward_function",
+)
+# What the run reads, of `_FIXED_KEYS`: free on a resume with restart_data_on_resume (the new data from its start).
+_DATA_KEYS = frozenset(
+    {
+        "dataset_type",
+        "dataset_path",
+        "tokenizer_path",
+        "grain_train_files",
+        "grain_eval_files",
+        "grain_file_type",
+        "data_columns",
+        "add_bos",
+        "add_eos",
+        "use_sft",
+        "grain_shuffle_buffer_size",
+    }
 )
 
 
@@ -113,11 +138,12 @@ def _check_resume(config: Config, run_dir: Path) -> None:
   load_parameters_path is fixed too; the values it holds are checked by fingerprint
   (`hooks.FrozenReference`, as a LoRA run's base by `hooks.LoraBase`).
   """
-  saved_file = run_dir / "config.yml"
-  if not saved_file.is_file():
+  if not (run_dir / "config.yml").is_file():
     return
-  saved = yaml.safe_load(saved_file.read_text()) or {}
+  saved = latest_config(run_dir)  # a resume with restart_data_on_resume changed its data keys
   keys = _FIXED_KEYS + (("load_parameters_path",) if config.use_dpo or config.use_grpo else ())
+  if config.restart_data_on_resume:
+    keys = tuple(key for key in keys if key not in _DATA_KEYS)
   changed = [
       f"{key}: {saved[key]!r} -> {getattr(config, key)!r}"
       for key in keys
@@ -127,7 +153,7 @@ def _check_resume(config: Config, run_dir: Path) -> None:
     raise checkpointing.CheckpointError(
         f"{run_dir} cannot resume with other values of keys fixed when it started ({'; '.join(changed)}): its "
         "checkpoints would be read as another model's. Resume with the values in its config.yml, or choose a new "
-        "run_name"
+        "run_name (or, for its data keys, set restart_data_on_resume=true to start the new data from its beginning)"
     )
 
 

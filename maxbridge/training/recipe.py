@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 from maxbridge.core.config import Config
 from maxbridge.models import dispatch, lora
 from maxbridge.models.model import LinenModel
-from maxbridge.training import distill, hooks, qk_clip, vocab_tiling
+from maxbridge.training import diloco, distill, hooks, qk_clip, vocab_tiling
 from maxbridge.training.backends import LinenTrainer, NNXTrainer
 from maxbridge.training.loss import CrossEntropy, Loss
 from maxbridge.training.posttrain import dpo, grpo
@@ -44,14 +44,15 @@ def create_trainer(
     *,
     loss: Loss | None = None,
     after_update: AfterUpdate | None = None,
-) -> Trainer:
+) -> Trainer | diloco.DiLoCoTrainer:
   """The train state backend for `pure_nnx`, around the model the other two flags pick.
 
   `mesh` defaults to one built from the config over all devices, `loss` to
   `create_loss(config)`. `after_update` maps the canonical parameters after
   every optimizer update, the same on both backends (QK-Clip when
   `use_qk_clip`, else none). What trains: every parameter, or with
-  `lora_rank` > 0 LoRA's adapters on the frozen base.
+  `lora_rank` > 0 LoRA's adapters on the frozen base. With `enable_diloco`,
+  that trainer runs on each DiLoCo replica (`diloco.DiLoCoTrainer`).
   """
   if config.checkpoint_is_quantized:
     raise ValueError(
@@ -63,9 +64,11 @@ def create_trainer(
   trainable = LoraAdapters if lora.is_enabled(config) else AllParams
   options = dict(loss=create_loss(config) if loss is None else loss, trainable=trainable, after_update=after_update)
   if dispatch.nnx_train_state(config):
-    return NNXTrainer(config, functools.partial(dispatch.nnx_transformer, config), mesh, **options)
-  model = LinenModel(config, dispatch.linen_transformer(config), dispatch.sample_inputs(config))
-  return LinenTrainer(config, model, mesh, **options)
+    trainer = NNXTrainer(config, functools.partial(dispatch.nnx_transformer, config), mesh, **options)
+  else:
+    model = LinenModel(config, dispatch.linen_transformer(config), dispatch.sample_inputs(config))
+    trainer = LinenTrainer(config, model, mesh, **options)
+  return diloco.DiLoCoTrainer(trainer) if config.enable_diloco else trainer
 
 
 def create_hooks(config: Config, trainer: Trainer) -> tuple[hooks.Data | hooks.Sampled, list[hooks.Hook]]:

@@ -9,7 +9,7 @@ layer class. A new family is one module here and one line in `REGISTRY`.
 Pure Python (no jax), like the config that validates against it.
 """
 
-from maxbridge.core.families import deepseek, gemma, gemma3, gpt3, gpt_oss, llama, mixtral, olmo2, olmo3, qwen3_moe
+from maxbridge.core.families import deepseek, gemma, gemma3, gpt3, gpt_oss, llama, llama4, mixtral, olmo2, olmo3, qwen3_moe, qwen3_next
 from maxbridge.core.families.base import (
     ClipPiece,
     Family,
@@ -27,10 +27,12 @@ REGISTRY: tuple[Family, ...] = (
     olmo2.FAMILY,
     olmo3.FAMILY,
     qwen3_moe.FAMILY,
+    qwen3_next.FAMILY,
     gemma.GEMMA,
     gemma.GEMMA2,
     gemma3.FAMILY,
     gpt_oss.FAMILY,
+    llama4.FAMILY,
 )
 
 # Every `decoder_block` value, by MaxText's names: llama2 (also Mistral and Qwen3 through

@@ -13,6 +13,8 @@ from typing import Any, Callable, Mapping
 Config = Any
 # Cache entry name -> its per-token shape (`maxbridge.ops.kv_cache` adds the batch and sequence axes).
 CacheEntries = dict[str, tuple[int, ...]]
+# The module of a recurrent sub-layer (`Stack.recurrent`) that holds its decode state.
+RECURRENT_MIXER = "linear_attention"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +34,12 @@ class Stack:
   # (`local/self_attention`), or, as MaxText's Gemma2DecoderLayer does, suffixed
   # (`self_attention_local`), so that MaxText's checkpoints load as they are.
   suffixed: bool = False
+  # The sub-layers whose mixer is recurrent (Qwen3-Next's gated DeltaNet, `RECURRENT_MIXER`): while decoding
+  # they keep the family's `recurrent_state`, not a KV cache.
+  recurrent: tuple[str, ...] = ()
+  # Sub-layer -> the ring its decode cache keeps (`ops.kv_cache`), where it sees no further back than that: Llama
+  # 4's chunked layers, their chunk. Others cache every token, or the family's sliding window (`kv_cache.window`).
+  rings: Callable[[Config], Mapping[str, int]] = lambda config: {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +62,9 @@ class Family:
 
   decoder_blocks: tuple[str, ...]  # the config's `decoder_block` values it serves
   stacks: tuple[Stack, ...]  # in depth order
-  norm: str  # the layers' and the final norm: "rms_norm", or "layer_norm" (with a bias)
+  # The layers' and the final norm: "rms_norm", "layer_norm" (with a bias), or "zero_centred_rms_norm" (Qwen3-Next:
+  # `scale` holds w of the multiplier 1 + w and starts at zero, so weight decay pulls the multiplier toward 1).
+  norm: str
   # Whether the query kernel holds attention's 1/sqrt(head_dim) (see `query_kernel_carries_scale`).
   query_kernel_carries_scale: bool
   cache_entries: Callable[[Config], CacheEntries]  # what one attention layer caches while decoding
@@ -72,6 +82,11 @@ class Family:
   # MaxText keys whose value this family fixes (MaxText's model yml for it sets them,
   # maxbridge computes only that): they override `config_rules`' fixed values.
   maxtext_fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  # Config keys only this family reads -> the value every other family must leave them at (its base.yml default).
+  own_keys: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  # What one recurrent sub-layer (`Stack.recurrent`) keeps while decoding: entry name -> its per-row shape
+  # (`maxbridge.ops.kv_cache` adds the batch axis); None where no layer is recurrent.
+  recurrent_state: Callable[[Config], CacheEntries] | None = None
 
   def layer_stacks(self, config: Config) -> tuple[tuple[str, int], ...]:
     """(stack name, number of layers) of the non-empty stacks, in depth order."""

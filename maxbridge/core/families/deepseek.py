@@ -24,6 +24,7 @@ from maxbridge.core.families.hf_rules import (
     HFFamily,
     Linear,
     Rule,
+    SwappedHalves,
     get_bool,
     get_float,
     get_int,
@@ -57,8 +58,18 @@ RULES = (
         Rule("model.layers.{layer}.mlp.shared_experts.gate_proj.weight", f"{_MOE}/shared_experts/wi_0/kernel", Linear()),
         Rule("model.layers.{layer}.mlp.shared_experts.up_proj.weight", f"{_MOE}/shared_experts/wi_1/kernel", Linear()),
         Rule("model.layers.{layer}.mlp.shared_experts.down_proj.weight", f"{_MOE}/shared_experts/wo/kernel", Linear()),
+        # Multi-token prediction modules (mtp_num_layers), stored after the decoder layers.
+        Rule("model.layers.{layer}.enorm.weight", "{mtp}/embedding_norm/scale"),
+        Rule("model.layers.{layer}.hnorm.weight", "{mtp}/hidden_norm/scale"),
+        Rule("model.layers.{layer}.eh_proj.weight", "{mtp}/projection/kernel", SwappedHalves()),
     )
 )
+# An MTP layer's own copies of the shared embedding, final norm and head (ours share the decoder's).
+MTP_COPIES = {
+    "model.layers.{layer}.embed_tokens.weight": "token_embedder/embedding",
+    "model.layers.{layer}.shared_head.norm.weight": "decoder/decoder_norm/scale",
+    "model.layers.{layer}.shared_head.head.weight": "decoder/logits_dense/kernel",
+}
 
 
 # transformers' class defaults of what its model reads (tests compare them with transformers').
@@ -172,6 +183,7 @@ def _config_to_hf(cfg: Config) -> dict[str, Any]:
       "head_dim": cfg.qk_rope_head_dim,  # what transformers sizes its rotary tables by
       "v_head_dim": cfg.v_head_dim,
       "rope_interleave": True,
+      "num_nextn_predict_layers": cfg.mtp_num_layers,
       "hidden_act": "silu",
       "attention_bias": False,
       **rope_to_hf(cfg),
@@ -247,7 +259,14 @@ FAMILY = Family(
     qk_clip_targets=_qk_clip_targets,
     hf=(
         HFFamily(
-            "deepseek_v3", "DeepseekV3ForCausalLM", ("deepseek",), RULES, _config_from_hf, _config_to_hf, CONFIG_CLASS
+            "deepseek_v3",
+            "DeepseekV3ForCausalLM",
+            ("deepseek",),
+            RULES,
+            _config_from_hf,
+            _config_to_hf,
+            CONFIG_CLASS,
+            mtp_copies=MTP_COPIES,
         ),
     ),
     check=_check,

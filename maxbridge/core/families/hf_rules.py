@@ -86,6 +86,50 @@ class Linear:
     return x.reshape(math.prod(x.shape[: self.in_ndim]), -1).T
 
 
+@dataclasses.dataclass(frozen=True)
+class SwappedHalves:
+  """torch.nn.Linear weight [out, 2 * in] <-> our kernel [2 * in, out], the two input halves in the other order.
+
+  DeepSeek-V3's MTP `eh_proj` reads [enorm(embedding); hnorm(hidden)]; our
+  `projection` reads [hidden_norm(hidden); embedding_norm(embedding)], MaxText's order.
+  """
+
+  def to_ours(self, x, shape, cfg):
+    return x.T[(_swap(shape[0]),)].reshape(shape)
+
+  def to_hf(self, x, cfg):
+    return x[(_swap(x.shape[0]),)].T
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+  """Part `index` of `count` equal slices, along `axis`, of one Hugging Face tensor that several rules share.
+
+  Llama 4's experts.gate_up_proj [E, D, 2F] holds MaxText's wi_0 (gate) then
+  wi_1 (up): two rules name it, each with its `Part`. Import slices; export
+  joins the parts in index order (`mapping.to_hf_tensors`). The parts stay two
+  parameters so that tensor parallelism shards each without a reshard.
+  """
+
+  index: int
+  count: int
+  axis: int = -1
+
+  def to_ours(self, x, shape, cfg):
+    size = x.shape[self.axis] // self.count
+    where = [slice(None)] * x.ndim
+    where[self.axis] = slice(self.index * size, (self.index + 1) * size)
+    return x[tuple(where)].reshape(shape)
+
+  def to_hf(self, x, cfg):
+    return x
+
+
+def _swap(rows: int) -> list[int]:
+  half = rows // 2
+  return [*range(half, rows), *range(half)]
+
+
 def query_scale(cfg: Config) -> float | None:
   """`Linear`'s scale for a query kernel: 1/sqrt(head_dim) where the kernel carries it (`query_kernel_carries_scale`)."""
   # Where the kernel cannot carry the factor, attention applies it at run time instead.
@@ -151,6 +195,11 @@ class HFFamily:
   # The `normalize_embedding_logits` that computes this architecture's tied head: false for
   # every transformers model but Gemma's, whose canonical table holds sqrt(d) x its embedding.
   normalize_embedding_logits: bool = False
+  # Multi-token prediction (DeepSeek-V3): module k is Hugging Face layer num_hidden_layers + k - 1. Rules whose
+  # canonical path starts with "{mtp}/" map module k's own tensors (under decoder/mtp/mtp_layer_{k}); the
+  # family's "{layer}/" rules map its decoder layer. `mtp_copies`: Hugging Face tensors of each MTP layer that
+  # hold one of the model's own (canonical path): written on export, refused on import where they differ.
+  mtp_copies: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 def family_for_config(cfg: Config) -> HFFamily:

@@ -21,6 +21,7 @@ from maxbridge.interop.hf.mapping import (
     config_from_hf,
     config_to_hf,
     from_hf_tensors,
+    stored_mtp_layers,
     to_hf_tensors,
     untie_a_stored_head,
 )
@@ -83,6 +84,9 @@ def load_hf(path: str | os.PathLike, *overrides: str, **kwargs: Any) -> tuple[Co
   cfg = config_from_hf(read_hf_config(path), *overrides, **kwargs)  # a bad config.json is named before any tensor
   tensors = open_hf_tensors(path)
   cfg = untie_a_stored_head(cfg, tensors)
+  given = {text.partition("=")[0].strip() for text in overrides} | set(kwargs)
+  if "mtp_num_layers" not in given:  # the MTP layers a folder stores (DeepSeek-V3's), which transformers leaves out
+    cfg = cfg.replace(mtp_num_layers=stored_mtp_layers(cfg, tensors))
   params = from_hf_tensors(tensors, cfg, abstract_params(cfg), where=str(path))
   return cfg, params
 

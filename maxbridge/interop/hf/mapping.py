@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from maxbridge.core import canonical
 from maxbridge.core.config import BASE_CONFIG, Config, load_config
-from maxbridge.interop.hf.families import HFError, Rule, family_for_config, family_for_model_type
+from maxbridge.interop.hf.families import HFError, Part, Rule, family_for_config, family_for_model_type
 
 # --- configs -----------------------------------------------------------------------------
 
@@ -98,13 +98,49 @@ def untie_a_stored_head(cfg: Config, tensors: Mapping[str, Any]) -> Config:
 
 
 def _expansions(rule: Rule, cfg: Config) -> list[tuple[int | None, str]]:
-  """(Hugging Face layer index, canonical path) pairs a rule can produce."""
+  """(Hugging Face layer index, canonical path) pairs a rule can produce: MTP module k is layer
+  num_decoder_layers + k - 1, its decoder layer under `layer/` (see `HFFamily.mtp_copies`)."""
+  if rule.ours.startswith("{mtp}/"):
+    return _mtp_layers(cfg, rule.ours.removeprefix("{mtp}/"))
   if "{layer}" not in rule.ours:
     return [(None, rule.ours)]
   under = rule.ours.removeprefix("{layer}/")
   if "{layer}" in under:
     raise ValueError(f"rule {rule.hf} -> {rule.ours}: a canonical template must start with '{{layer}}/'")
-  return list(enumerate(canonical.layer_paths(cfg, under)))
+  return list(enumerate(canonical.layer_paths(cfg, under))) + _mtp_layers(cfg, f"layer/{under}")
+
+
+def _mtp_layers(cfg: Config, under: str) -> list[tuple[int, str]]:
+  first = cfg.num_decoder_layers
+  return [(first + k - 1, f"decoder/mtp/mtp_layer_{k}/{under}") for k in range(1, cfg.mtp_num_layers + 1)]
+
+
+def _mtp_names(cfg: Config, layer: int) -> list[str]:
+  """The Hugging Face names of one MTP layer's own tensors (not its decoder layer's) in `cfg`'s family."""
+  return [rule.hf.format(layer=layer) for rule in family_for_config(cfg).rules if rule.ours.startswith("{mtp}/")]
+
+
+def stored_mtp_layers(cfg: Config, tensors: Mapping[str, Any]) -> int:
+  """How many MTP modules a folder's tensors hold after `cfg`'s decoder layers (0 for a family that stores none)."""
+  family = family_for_config(cfg)
+  names = {family.normalize_name(name) for name in tensors}
+  count = 0
+  while (own := _mtp_names(cfg, cfg.num_decoder_layers + count)) and names.issuperset(own):
+    count += 1
+  return count
+
+
+def _mtp_copies(cfg: Config) -> dict[str, str]:
+  """{an MTP layer's copy: the model's own tensor it holds}, both Hugging Face names, for `cfg`'s MTP layers."""
+  family = family_for_config(cfg)
+  names = {rule.ours: rule.hf for rule in family.rules}
+  copies = {}
+  for k in range(1, cfg.mtp_num_layers + 1):
+    for copy, ours in family.mtp_copies.items():
+      if ours == _HEAD and cfg.logits_via_embedding:
+        ours = _EMBEDDING  # a tied head: the embedding projects
+      copies[copy.format(layer=cfg.num_decoder_layers + k - 1)] = names[ours]
+  return copies
 
 
 def to_hf_tensors(params: Mapping[str, Any], cfg: Config) -> dict[str, Any]:
@@ -112,7 +148,15 @@ def to_hf_tensors(params: Mapping[str, Any], cfg: Config) -> dict[str, Any]:
   flat = canonical.flatten(_unscanned(params, cfg))
   family = family_for_config(cfg)
   tensors: dict[str, Any] = {}
+  parts: dict[str, dict[int, tuple[Part, Any]]] = {}  # tensors that several rules' `Part`s make up
   used = set()
+
+  def put(name: str, transform, value) -> None:
+    if isinstance(transform, Part):
+      parts.setdefault(name, {})[transform.index] = (transform, transform.to_hf(value, cfg))
+    else:
+      tensors[name] = transform.to_hf(value, cfg)
+
   for rule in family.rules:
     for layer, path in _expansions(rule, cfg):
       if path not in flat:
@@ -121,12 +165,19 @@ def to_hf_tensors(params: Mapping[str, Any], cfg: Config) -> dict[str, Any]:
       value = flat[path]
       if "{expert}" in rule.hf:
         for expert in range(value.shape[0]):
-          tensors[rule.hf.format(layer=layer, expert=expert)] = rule.transform.to_hf(value[expert], cfg)
+          put(rule.hf.format(layer=layer, expert=expert), rule.transform, value[expert])
       else:
-        tensors[rule.hf.format(layer=layer)] = rule.transform.to_hf(value, cfg)
+        put(rule.hf.format(layer=layer), rule.transform, value)
   unmapped = sorted(set(flat) - used)
   if unmapped:
     raise HFError(f"no Hugging Face name for canonical parameters: {unmapped}")
+  for name, pieces in parts.items():
+    part = next(iter(pieces.values()))[0]
+    if sorted(pieces) != list(range(part.count)):
+      raise HFError(f"{name}: the canonical tree holds parts {sorted(pieces)} of its {part.count}")
+    tensors[name] = jnp.concatenate([pieces[i][1] for i in range(part.count)], axis=part.axis)
+  for copy, original in _mtp_copies(cfg).items():
+    tensors[copy] = tensors[original]
   return tensors
 
 
@@ -151,6 +202,8 @@ def from_hf_tensors(
       for name, tensor in tensors.items()
       if not any(re.fullmatch(pattern, name) for pattern in family.ignored)
   }
+  if family.mtp_copies:  # MTP layers past the config's are left out, as transformers leaves them all out
+    tensors = {name: tensor for name, tensor in tensors.items() if not _beyond_mtp_layers(cfg, name)}
   if _stored_head_differs(cfg, tensors):
     head, embedding = _tied_pair(cfg)
     raise HFError(
@@ -179,6 +232,12 @@ def from_hf_tensors(
   ]
   if misshaped:
     raise HFError(f"Hugging Face tensors in {where} have the wrong shapes:\n" + "\n".join(misshaped[:20]))
+  for copy, original in _mtp_copies(cfg).items():
+    if not bool(jnp.array_equal(_load(tensors[copy]), _load(tensors[original]))):
+      raise HFError(
+          f"{where}: {copy} differs from {original}, and maxbridge's MTP modules share the model's own "
+          "embedding, final norm and head; import with mtp_num_layers=0 to leave the MTP layers out"
+      )
 
   want_flat = canonical.flatten(_unscanned(abstract, cfg))
   flat = {}
@@ -198,6 +257,13 @@ def from_hf_tensors(
         value = rule.transform.to_ours(_load(tensors[rule.hf.format(layer=layer)]), want.shape, cfg)
       flat[path] = value.astype(want.dtype)
   return canonical.unflatten(flat)
+
+
+def _beyond_mtp_layers(cfg: Config, name: str) -> bool:
+  """Whether `name` is a tensor of a Hugging Face layer past the decoder's and the config's MTP layers."""
+  prefix = next(rule.hf for rule in family_for_config(cfg).rules if rule.ours.startswith("{mtp}/")).split("{layer}")[0]
+  match = re.match(re.escape(prefix) + r"(\d+)\.", name)
+  return match is not None and int(match.group(1)) >= cfg.num_decoder_layers + cfg.mtp_num_layers
 
 
 def _unscanned(tree: Mapping[str, Any], cfg: Config) -> dict[str, Any]:

@@ -53,15 +53,25 @@ def jsonl_pairs(path: Path, encode: sft.Encode = sft.byte_encode, length: int | 
   to it (`fit_pairs`) and named by their line on a refusal."""
   pairs, lines = [], []
   for number, record in sft.read_jsonl(path):
-    missing = [key for key in ("prompt", *SIDES) if not isinstance(record.get(key), str)]
-    if missing:
-      raise ValueError(
-          f'{path}:{number}: a preference row needs string "prompt", "chosen" and "rejected" fields; '
-          f"missing or not a string: {missing}"
-      )
-    pairs.append(pair(*(encode(record[key]) for key in ("prompt", *SIDES))))
+    pairs.append(record_pair(record, encode, f"{path}:{number}"))
     lines.append(number)
   return pairs if length is None else fit_pairs(pairs, length, str(path), lines)
+
+
+def record_pair(record: dict, encode: sft.Encode = sft.byte_encode, where: str = "row") -> Pair:
+  """The pair of one row (a JSON object with string `prompt`, `chosen` and `rejected`); refused naming `where`."""
+  missing = [key for key in ("prompt", *SIDES) if not isinstance(record.get(key), str)]
+  if missing:
+    raise ValueError(
+        f'{where}: a preference row needs string "prompt", "chosen" and "rejected" fields; '
+        f"missing or not a string: {missing}"
+    )
+  return pair(*(encode(record[key]) for key in ("prompt", *SIDES)))
+
+
+def fit_pair(sides: Pair, length: int, where: str) -> Pair:
+  """Each side fitted to `length` tokens (`sft.fit`, naming the side on a refusal)."""
+  return tuple(sft.fit(e, length, f"{where} ({side})") for e, side in zip(sides, SIDES))
 
 
 def fit_pairs(pairs: list[Pair], length: int, source: str, lines: list[int] | None = None) -> list[Pair]:
@@ -69,8 +79,7 @@ def fit_pairs(pairs: list[Pair], length: int, source: str, lines: list[int] | No
   refused); the pairs cut on either side are counted in a warning."""
   fitted = []
   for i, sides in enumerate(pairs):
-    where = f"{source}:{lines[i]}" if lines else f"{source}, pair {i}"
-    fitted.append(tuple(sft.fit(e, length, f"{where} ({side})") for e, side in zip(sides, SIDES)))
+    fitted.append(fit_pair(sides, length, f"{source}:{lines[i]}" if lines else f"{source}, pair {i}"))
   sft.warn_cut(source, sum(max(e[0].size for e in sides) > length for sides in pairs), len(pairs), length)
   return fitted
 

@@ -210,23 +210,25 @@ def read_jsonl(path: Path) -> list[tuple[int, dict]]:
 def jsonl_examples(path: Path, chat=None, length: int | None = None) -> list[Example]:
   """Examples from rows with string `prompt` and `completion`, or a chat `messages` list; with `length`
   (max_target_length), fitted to it (`fit_examples`) and named by their line on a refusal."""
-  encode = chat.encode if chat else byte_encode
   examples, lines = [], []
   for number, record in read_jsonl(path):
-    where = f"{path}:{number}"
-    if "messages" in record:
-      examples.append(
-          chat.render_chat(record["messages"], where) if chat else render_chat(record["messages"], encode, where)
-      )
-    elif isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
-      examples.append(example(encode(record["prompt"]), encode(record["completion"])))
-    else:
-      raise ValueError(
-          f'{where}: an SFT row needs string "prompt" and "completion" fields, or a "messages" list; '
-          f"it has {sorted(record)}"
-      )
+    examples.append(record_example(record, chat, f"{path}:{number}"))
     lines.append(number)
   return examples if length is None else fit_examples(examples, length, str(path), lines)
+
+
+def record_example(record: dict, chat=None, where: str = "row") -> Example:
+  """The example of one row (a JSON object): string `prompt` and `completion`, or a chat `messages` list,
+  encoded by `chat` (an `HFChat`) or as bytes; a row with neither is refused, naming `where`."""
+  encode = chat.encode if chat else byte_encode
+  if "messages" in record:
+    return chat.render_chat(record["messages"], where) if chat else render_chat(record["messages"], encode, where)
+  if isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
+    return example(encode(record["prompt"]), encode(record["completion"]))
+  raise ValueError(
+      f'{where}: an SFT row needs string "prompt" and "completion" fields, or a "messages" list; '
+      f"it has {sorted(record)}"
+  )
 
 
 def fit(example: Example, length: int, where: str) -> Example:
