@@ -77,6 +77,20 @@ _TRAINER_FREE_KEYS = frozenset(
 )
 
 
+# What the run reads, of `_FIXED_KEYS`: free on a resume with restart_data_on_resume (the new data from its start).
+_DATA_KEYS = (
+    "dataset_type",
+    "dataset_path",
+    "tokenizer_path",
+    "grain_train_files",
+    "grain_eval_files",
+    "grain_file_type",
+    "data_columns",
+    "add_bos",
+    "add_eos",
+    "use_sft",
+    "grain_shuffle_buffer_size",
+)
 # Keys fixed when a run starts that its checkpoints' shapes do not show: how the trees are laid out
 # (scan_layers), LoRA's adapters and their scale, quantization, what the run optimises (DPO, GRPO, distillation's
 # mix of KL and cross-entropy: its loss curve would change meaning mid-run) and what it learns from (its data, GRPO's
@@ -100,34 +114,8 @@ _FIXED_KEYS = (
     "distill_beta",
     "distill_feature_loss_type",
     "enable_diloco",
-    "dataset_type",
-    "dataset_path",
-    "tokenizer_path",
-    "grain_train_files",
-    "grain_eval_files",
-    "grain_file_type",
-    "data_columns",
-    "add_bos",
-    "add_eos",
-    "use_sft",
-    "grain_shuffle_buffer_size",
+    *_DATA_KEYS,
     "reward_function",
-)
-# What the run reads, of `_FIXED_KEYS`: free on a resume with restart_data_on_resume (the new data from its start).
-_DATA_KEYS = frozenset(
-    {
-        "dataset_type",
-        "dataset_path",
-        "tokenizer_path",
-        "grain_train_files",
-        "grain_eval_files",
-        "grain_file_type",
-        "data_columns",
-        "add_bos",
-        "add_eos",
-        "use_sft",
-        "grain_shuffle_buffer_size",
-    }
 )
 
 
