@@ -271,11 +271,9 @@ def routed_moe(
 
 def moe_options(config) -> dict:
   """The config's routing settings, as `routed_moe` takes them."""
-  # As in MaxText's RoutedMoE, Llama 4's decoder block, not a config key, picks its sigmoid top-k routing.
-  score_func = "topk_sigmoid" if config.decoder_block == "llama4" else config.routed_score_func
   return dict(
       num_experts_per_tok=config.num_experts_per_tok,
-      score_func=score_func,
+      score_func=config.family.routing or config.routed_score_func,  # Llama 4's is its family's, not a key's
       n_groups=config.n_routing_groups,
       top_groups=config.topk_routing_group,
       scaling_factor=config.routed_scaling_factor,

@@ -87,6 +87,9 @@ class Family:
   # What one recurrent sub-layer (`Stack.recurrent`) keeps while decoding: entry name -> its per-row shape
   # (`maxbridge.ops.kv_cache` adds the batch axis); None where no layer is recurrent.
   recurrent_state: Callable[[Config], CacheEntries] | None = None
+  # The experts' routing when the family fixes it (`ops.moe`'s score_func: Llama 4's "topk_sigmoid", which MaxText's
+  # RoutedMoE also picks by decoder block); None reads routed_score_func.
+  routing: str | None = None
 
   def layer_stacks(self, config: Config) -> tuple[tuple[str, int], ...]:
     """(stack name, number of layers) of the non-empty stacks, in depth order."""

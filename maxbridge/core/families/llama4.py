@@ -273,6 +273,7 @@ FAMILY = Family(
     hf=(HFFamily("llama4_text", "Llama4ForCausalLM", ("llama4",), RULES, _config_from_hf, _config_to_hf, CONFIG_CLASS),),
     check=_check,
     ring_cache=False,  # no sliding window: the chunked layers keep their own rings (`_chunk_rings`)
+    routing="topk_sigmoid",
     own_keys={
         "chunk_attn_window_size": 0,
         "nope_layer_interval": -1,
