@@ -22,8 +22,10 @@ run: $(STAMP)
 # the 8-device subprocess) are built once, not once per worker. (xdist_group marks would do
 # this per group, but xdist 3.8 loses them under pytest 9.2: it renames `item._nodeid`, which
 # pytest 9.2 no longer reads.)
+# --max-worker-restart=0: a worker that crashes fails the run at once; restarted under loadfile,
+# xdist 3.8 can wait forever for the crashed file's tests.
 test: $(STAMP)
-	$(PYTHON) -m pytest -q -n 2 --dist loadfile --durations=15 tests
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 --durations=15 tests
 
 format: $(STAMP)
 	$(VENV)/bin/pyink .

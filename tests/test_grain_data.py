@@ -1,6 +1,7 @@
 """Grain pipelines (`dataset_type: grain`): packing as `data.pack`, every file format, shards, tokenizers,
 exact resume through checkpoints (also after kill -9, with worker processes), and bad input named."""
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ import pytest
 from maxbridge import cli
 from maxbridge.core import checkpointing
 from maxbridge.core.config import load_config
-from maxbridge.training import data, grain_data, loop, recipe
+from maxbridge.training import data, grain_data, grain_sources, loop, recipe
 
 REPO = Path(__file__).resolve().parents[1]
 LENGTH = 32
@@ -130,6 +131,16 @@ def test_parquet_arrayrecord_and_datasets_folders_give_the_batches_of_their_json
     for step in range(6):
       for key in data.BATCH_KEYS:
         np.testing.assert_array_equal(dataset.batch(step)[key], want[step][key], err_msg=f"{files} step {step} {key}")
+
+
+def test_a_parquet_file_read_from_many_threads_at_once_gives_every_row(tmp_path):
+  # Grain's prefetch calls a source from a thread pool; one shared pyarrow reader crashed there.
+  texts = [f"doc {i} " + "w" * (i % 50) for i in range(2000)]
+  pq.write_table(pa.table({"text": texts}), tmp_path / "docs.parquet", row_group_size=10)
+  source = grain_sources._ParquetSource(str(tmp_path / "docs.parquet"), "text")
+  order = np.random.default_rng(0).permutation(len(texts)).tolist() * 2
+  with concurrent.futures.ThreadPoolExecutor(16) as pool:
+    assert list(pool.map(source.__getitem__, order)) == [texts[i] for i in order]
 
 
 def test_each_process_reads_only_its_share(corpus):

@@ -17,6 +17,7 @@ import bisect
 import glob
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -216,14 +217,24 @@ class _ParquetSource:
       raise ValueError(f"{path}: has no column {column!r} (data_columns); it has {names[:10]}: set data_columns to one")
     self.offsets = np.cumsum([0] + [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
     self._file, self._groups = None, {}
+    # Grain's prefetch reads records from a thread pool; one pyarrow ParquetFile read from
+    # two threads at once crashes the process (seen as a segfault in read_row_group).
+    self._lock = threading.Lock()
 
   def __len__(self) -> int:
     return int(self.offsets[-1])
 
   def __getstate__(self):
-    return {**self.__dict__, "_file": None, "_groups": {}}
+    return {**self.__dict__, "_file": None, "_groups": {}, "_lock": None}
+
+  def __setstate__(self, state):
+    self.__dict__.update(state, _lock=threading.Lock())
 
   def _group(self, group: int) -> list:
+    with self._lock:
+      return self._read_group(group)
+
+  def _read_group(self, group: int) -> list:
     if group not in self._groups:
       import pyarrow.parquet as pq
 
