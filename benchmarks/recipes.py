@@ -1,7 +1,7 @@
 """Training recipes side by side in one process: each one's train-step time vs its baseline, and its loss after N steps.
 
     .venv/bin/python benchmarks/recipes.py [--preset llama-small] [--steps 20] [--batch 4] [--length 128]
-                                           [--rows muon distill] [--backend nnx|linen]
+                                           [--rows muon distill distill-offline] [--backend nnx|linen]
 
 Every row trains the same model from the same seed on the same batches (batch
 i at step i), its steps interleaved with its baseline's in rounds of a fresh
@@ -14,7 +14,9 @@ Rows (add a recipe as one more entry of `ROWS`: its config overrides and its bas
 - muon: opt_type=muon (optax.contrib.muon on the weight matrices, AdamW on the rest); muon-rms0.2 with
   muon_consistent_rms=0.2 (its updates at AdamW's RMS, so the same learning rate suits both).
 - distill: an in-step teacher of the same model from another seed, alpha 0.5, T 2; vs plain training.
-  Offline teacher logits (`maxbridge distill-logits`) are not built yet: no row.
+- distill-offline: the same teacher offline: its top-64 logits of the row's batches written first (`distill.write_logits`,
+  what `maxbridge distill-logits` runs; not timed), then read with each batch (`distill_logits_path`), no teacher in
+  the step; vs plain training.
 - diloco: enable_diloco with H=10 on this process's devices as one replica (the step's own cost: the vmapped inner
   step and the outer step every H); its communication over "diloco" is printed below the table, computed from the
   parameter tree: one all-reduce of the parameters' size per outer step, against data parallelism's all-reduce of
@@ -25,12 +27,14 @@ Rows (add a recipe as one more entry of `ROWS`: its config overrides and its bas
 
 import argparse
 import statistics
+import tempfile
+from pathlib import Path
 
 import jax
 
 from maxbridge.core.config import load_config
 from maxbridge.models import dispatch
-from maxbridge.training import bench, data, recipe
+from maxbridge.training import bench, data, distill, recipe
 from maxbridge.training.hooks import global_batch_size
 
 # name -> (config overrides, the row it is compared with)
@@ -39,6 +43,11 @@ ROWS = {
     "muon": ({"opt_type": "muon"}, "adamw"),
     "muon-rms0.2": ({"opt_type": "muon", "muon_consistent_rms": 0.2}, "adamw"),
     "distill": ({"teacher_overrides": "{seed: 1}", "distill_alpha": 0.5, "distill_temperature": 2.0}, "adamw"),
+    # teacher_overrides here names the teacher whose logits main() writes; the row trains on them alone.
+    "distill-offline": (
+        {"teacher_overrides": "{seed: 1}", "distill_alpha": 0.5, "distill_temperature": 2.0, "eval_interval": 0},
+        "adamw",
+    ),
     "diloco": ({"enable_diloco": True, "diloco_sync_period": 10}, "adamw"),
     "mtp": ({"mtp_num_layers": 1}, "adamw"),
 }
@@ -50,12 +59,15 @@ class Run:
   def __init__(self, config):
     self.config = config
     self.dataset = data.make_dataset(config, "train", global_batch_size(config))
+    self.logits = distill.OfflineLogits(config, global_batch_size(config)) if config.distill_logits_path else None
     self.step_index = 0
     self.trainer, self.state, self.first_call = bench.start(config, self._next_batch())
     self.loss = None
 
   def _next_batch(self):
     batch = self.dataset.batch(self.step_index)
+    if self.logits is not None:  # the teacher's top-k logits of this batch
+      batch = {**batch, **self.logits.batch(self.step_index)}
     self.step_index += 1
     return batch
 
@@ -68,7 +80,9 @@ class Run:
     """The held-out cross-entropy of the main prediction."""
     # The main cross-entropy alone: a distilling row's loss mixes in its teacher's KL, an MTP row's its MTP loss.
     plain = self.config.replace(
-        teacher_overrides="", **({"mtp_loss_scaling_factor": 0.0} if self.config.mtp_num_layers else {})
+        teacher_overrides="",
+        distill_logits_path="",
+        **({"mtp_loss_scaling_factor": 0.0} if self.config.mtp_num_layers else {}),
     )
     trainer, state = self.trainer, self.state
     if plain != self.config:  # the same parameters in a plain trainer's state
@@ -97,7 +111,11 @@ def main() -> None:
       steps=total,
       **dispatch.backend_flags(args.backend),
   )
-  runs = {name: Run(load_config(args.preset, **common, **ROWS[name][0])) for name in rows}
+  folder = tempfile.TemporaryDirectory(prefix="recipes-")
+  configs = {name: load_config(args.preset, **common, **ROWS[name][0]) for name in rows}
+  if "distill-offline" in configs:
+    configs["distill-offline"] = offline(configs["distill-offline"], Path(folder.name) / "teacher-logits")
+  runs = {name: Run(config) for name, config in configs.items()}
   times = bench.interleaved(runs, args.steps, args.warmup)
   held_out = data.make_dataset(runs["adamw"].config, "eval", global_batch_size(runs["adamw"].config))
   batches = [held_out.batch(i) for i in range(2)]
@@ -114,6 +132,12 @@ def main() -> None:
     print(f"| {name} | {run.first_call:.1f} | {step_ms:.1f} | {ratio} | {run.eval_loss(batches):.4f} |")
   if "diloco" in runs:
     print(diloco_communication(runs["diloco"].config, runs["diloco"].trainer.abstract_params))
+
+
+def offline(config, destination: Path, top_k: int = 64):
+  """`config` reading its teacher's top-k logits of every step's batch, written to `destination` first."""
+  distill.write_logits(config, destination, top_k=top_k, steps=config.steps, rows=global_batch_size(config))
+  return config.replace(teacher_overrides="", distill_logits_path=str(destination))
 
 
 def diloco_communication(config, abstract_params) -> str:

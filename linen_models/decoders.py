@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from linen_models.deepseek import DeepSeekDenseLayer, DeepSeekMoELayer
 from linen_models.embeddings import Embed
 from linen_models.gemma import Gemma2Block, Gemma3Block, Gemma3LocalLayer, GemmaDecoderLayer
+from linen_models.gemma4 import Gemma4Block, Gemma4Carry, Gemma4KVSharedBlock
 from linen_models.gpt3 import Gpt3DecoderLayer
 from linen_models.gpt_oss import GptOssBlock
 from linen_models.linears import dense
@@ -49,7 +50,11 @@ LAYER_CLASSES = {
     "qwen3_moe": Qwen3MoeDecoderLayer,
     "qwen3_next": Qwen3NextBlock,
     "llama4": Llama4Block,
+    "gemma4": Gemma4Block,
+    "gemma4_kv_shared": Gemma4KVSharedBlock,
 }
+# Family.layer_carry -> the module that builds what the layers pass on besides the hidden states.
+LAYER_CARRIES = {"gemma4": Gemma4Carry}
 
 
 def layer_classes(config: Config) -> dict[str, type[nn.Module]]:
@@ -68,8 +73,10 @@ class Decoder(nn.Module):
       positions: jax.Array,
       segment_ids: jax.Array,
       embedding: jax.Array | None = None,
+      tokens: jax.Array | None = None,
   ) -> jax.Array:
-    """Embedded tokens [B, T, D] -> float32 logits [B, T, V]; `embedding` ties the head."""
+    """Embedded tokens [B, T, D] -> float32 logits [B, T, V]; `embedding` ties the head; `tokens` [B, T] (the ones
+    embedded) for a family whose layers read them (Gemma 4's per-layer inputs)."""
     cfg = self.config
     dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype))
     embedded = x  # multi-token prediction embeds later tokens like this, without positions
@@ -77,6 +84,8 @@ class Decoder(nn.Module):
       x = x + Embed(cfg.trainable_position_size, cfg.emb_dim, name="position_embedder", **dtypes)(positions)
     classes = layer_classes(cfg)
     plan = families.pipeline_plan(cfg)
+    if cfg.family.layer_carry:
+      x = LAYER_CARRIES[cfg.family.layer_carry](cfg, name="per_layer_inputs")(x, tokens)
     per_stack = []
     for name, count in canonical.layer_stacks(cfg):
       layer = classes[name]
@@ -109,6 +118,8 @@ class Decoder(nn.Module):
           layer_outputs.append(out)
         outputs = canonical.stack_layer_values(layer_outputs)
       per_stack.append(outputs)
+    if cfg.family.layer_carry:
+      x = x["x"]
     per_layer = canonical.concat_layer_stacks(per_stack)
     for key, value in per_layer.items():
       self.sow("intermediates", key, value)
@@ -122,10 +133,10 @@ class Decoder(nn.Module):
       project = dense(cfg, (cfg.emb_dim,), (cfg.vocab_size,), ("embed", "vocab"), name="logits_dense")
     final_norm = norm(cfg, name="decoder_norm")
 
-    def head(h):
+    def head(h, norm=final_norm):
       return output_head.output_logits(
           h,
-          norm=final_norm,
+          norm=norm,
           project=project,
           embedding=embedding,
           dtype=jnp.dtype(cfg.dtype),
@@ -140,5 +151,6 @@ class Decoder(nn.Module):
     if cfg.mtp_num_layers and not jax.tree.leaves(self.variables.get("cache", {})):
       layer = classes[cfg.family.mtp_stack(cfg).name]
       hidden = MTPBlock(cfg, layer, name="mtp")(x, embedded, positions, segment_ids)
-      self.sow("intermediates", "mtp_logits", jnp.stack([head(h) for h in hidden]))  # [K, B, T, V]
+      # Each module's hidden states come normed by its own head_norm (DeepSeek-V3's shared_head.norm).
+      self.sow("intermediates", "mtp_logits", jnp.stack([head(h, norm=lambda h: h) for h in hidden]))  # [K, B, T, V]
     return logits

@@ -30,4 +30,4 @@ class Transformer(nn.Module):
     )
     x = embedder(tokens)
     table = embedder.embedding if cfg.logits_via_embedding else None
-    return self.decoder(x, positions, segment_ids, table)
+    return self.decoder(x, positions, segment_ids, table, tokens)

@@ -21,6 +21,7 @@ from maxbridge.ops import remat
 from nnx_models.deepseek import DeepSeekDenseLayer, DeepSeekMoELayer
 from nnx_models.embeddings import Embed
 from nnx_models.gemma import Gemma2Block, Gemma3Block, Gemma3LocalLayer, GemmaDecoderLayer
+from nnx_models.gemma4 import Gemma4Block, Gemma4Carry, Gemma4KVSharedBlock
 from nnx_models.gpt3 import Gpt3DecoderLayer
 from nnx_models.gpt_oss import GptOssBlock
 from nnx_models.linears import dense
@@ -50,7 +51,11 @@ LAYER_CLASSES = {
     "qwen3_moe": Qwen3MoeDecoderLayer,
     "qwen3_next": Qwen3NextBlock,
     "llama4": Llama4Block,
+    "gemma4": Gemma4Block,
+    "gemma4_kv_shared": Gemma4KVSharedBlock,
 }
+# Family.layer_carry -> the module that builds what the layers pass on besides the hidden states.
+LAYER_CARRIES = {"gemma4": Gemma4Carry}
 
 
 def layer_classes(config: Config) -> dict[str, type[nnx.Module]]:
@@ -67,6 +72,8 @@ class Decoder(nnx.Module):
     if cfg.trainable_position_size:
       self.position_embedder = Embed(cfg.trainable_position_size, cfg.emb_dim, **dtypes)
     classes = layer_classes(cfg)
+    if cfg.family.layer_carry:
+      self.per_layer_inputs = LAYER_CARRIES[cfg.family.layer_carry](cfg, rngs=rngs)
     for name, count in canonical.layer_stacks(cfg):
       if cfg.scan_layers:
         setattr(self, name, _stacked_layers(classes[name], cfg, count, rngs, canonical.layer_axis(cfg, name)))
@@ -85,13 +92,17 @@ class Decoder(nnx.Module):
       positions: jax.Array,
       segment_ids: jax.Array,
       embedding: jax.Array | None = None,
+      tokens: jax.Array | None = None,
   ) -> jax.Array:
-    """Embedded tokens [B, T, D] -> float32 logits [B, T, V]; `embedding` ties the head."""
+    """Embedded tokens [B, T, D] -> float32 logits [B, T, V]; `embedding` ties the head; `tokens` [B, T] (the ones
+    embedded) for a family whose layers read them (Gemma 4's per-layer inputs)."""
     cfg = self.config
     embedded = x  # multi-token prediction embeds later tokens like this, without positions
     if cfg.trainable_position_size:
       x = x + self.position_embedder(positions)
     plan = families.pipeline_plan(cfg)
+    if cfg.family.layer_carry:
+      x = self.per_layer_inputs(x, tokens)
     per_stack = []
     for name, count in canonical.layer_stacks(cfg):
       pipelined = plan is not None and name == plan.stack
@@ -108,6 +119,8 @@ class Decoder(nnx.Module):
           layer_outputs.append(out)
         outputs = canonical.stack_layer_values(layer_outputs)
       per_stack.append(outputs)
+    if cfg.family.layer_carry:
+      x = x["x"]
     per_layer = canonical.concat_layer_stacks(per_stack)
     for key, value in per_layer.items():
       self.sow(nnx.Intermediate, key, value)
@@ -117,10 +130,10 @@ class Decoder(nnx.Module):
     # tiling runs that head itself, tile by tile.
     self.sow(nnx.Intermediate, "hidden_states", x)
 
-    def head(h):
+    def head(h, norm=self.decoder_norm):
       return output_head.output_logits(
           h,
-          norm=self.decoder_norm,
+          norm=norm,
           project=None if cfg.logits_via_embedding else self.logits_dense,
           embedding=embedding,
           dtype=jnp.dtype(cfg.dtype),
@@ -133,7 +146,8 @@ class Decoder(nnx.Module):
     # Training only: decoding (a cache) predicts the next token alone.
     if cfg.mtp_num_layers and not _has_cache(self):
       hidden = self.mtp(x, embedded, positions, segment_ids)
-      self.sow(nnx.Intermediate, "mtp_logits", jnp.stack([head(h) for h in hidden]))  # [K, B, T, V]
+      # Each module's hidden states come normed by its own head_norm (DeepSeek-V3's shared_head.norm).
+      self.sow(nnx.Intermediate, "mtp_logits", jnp.stack([head(h, norm=lambda h: h) for h in hidden]))  # [K, B, T, V]
     return logits
 
 

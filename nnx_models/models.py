@@ -31,4 +31,4 @@ class Transformer(nnx.Module):
   def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
     x = self.token_embedder(tokens)
     table = self.token_embedder.embedding[...] if self.config.logits_via_embedding else None
-    return self.decoder(x, positions, segment_ids, table)
+    return self.decoder(x, positions, segment_ids, table, tokens)

@@ -31,6 +31,8 @@ MESHES = {
     "gemma2-tiny": (1, 4, 2, 1),
     "gemma3-tiny": (1, 4, 2, 1),
     "llama4-tiny": (1, 2, 2, 2),
+    # Its 8 experts over expert=2; tensor=2 splits the DeltaNet's 2 key / 4 value heads and the attention's heads.
+    "qwen3-next-tiny": (1, 2, 2, 2),
 }
 # gemma-tiny has one KV head (multi-query, as gemma-2b): two, so that tensor=2 can split them.
 OVERRIDES = {"gemma-tiny": dict(base_num_kv_heads=2)}

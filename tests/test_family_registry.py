@@ -34,10 +34,10 @@ def test_looking_up_an_unknown_block_names_the_valid_ones():
   # Registry order; the families issue 28 adds follow the first six.
   assert listed.startswith("'llama2', 'mistral', 'qwen3', 'gpt3', 'mixtral', 'deepseek', ")
   assert "'gemma', 'gemma2'" in listed
-  with pytest.raises(families.UnknownFamily, match=f"decoder_block='gemma4' has no family entry; valid values: {listed}"):
-    families.lookup("gemma4")
-  with pytest.raises(mb.ConfigError, match=f"'decoder_block' = 'gemma4' is invalid; valid values: {listed}"):
-    mb.load_config("llama-tiny", decoder_block="gemma4")
+  with pytest.raises(families.UnknownFamily, match=f"decoder_block='gemma5' has no family entry; valid values: {listed}"):
+    families.lookup("gemma5")
+  with pytest.raises(mb.ConfigError, match=f"'decoder_block' = 'gemma5' is invalid; valid values: {listed}"):
+    mb.load_config("llama-tiny", decoder_block="gemma5")
 
 
 def _family_name_comparisons(tree: ast.AST) -> list[int]:

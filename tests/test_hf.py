@@ -119,6 +119,10 @@ BUILDERS = {
 }
 
 
+# Gemma 4's per-layer output scalar and its router's input and per-expert scales.
+_MULTIPLIERS = ("layer_scalar", "router.scale", "router.per_expert_scale")
+
+
 def randomize(model) -> None:
   """Random values for every parameter and persistent buffer, constants included."""
   generator = torch.Generator().manual_seed(0)
@@ -129,6 +133,8 @@ def randomize(model) -> None:
       noise = torch.randn(tensor.shape, generator=generator)
       if tensor.ndim == 1 and ("norm" in name or ".ln_" in name) and name.endswith("weight"):
         tensor.copy_(1.0 + 0.2 * noise)  # norm scales
+      elif name.endswith(_MULTIPLIERS):
+        tensor.copy_(1.0 + 0.2 * noise)  # multipliers that start at 1: near 0 they would vanish the signal
       elif tensor.ndim == 1:
         tensor.copy_(0.2 * noise)  # biases, router correction biases
       else:

@@ -112,6 +112,20 @@ FAMILIES = {
             },
         },
     ),
+    # One block of five windowed layers and a full one, wider, with k = v and proportional RoPE; per-layer inputs.
+    "gemma4_text": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        {
+            **DIMS,
+            "num_hidden_layers": 6,
+            "head_dim": 16,
+            "sliding_window": 3,
+            "final_logit_softcapping": 3.0,
+            "vocab_size_per_layer_input": 64,
+            "hidden_size_per_layer_input": 4,
+        },
+    ),
     # Blocks of a windowed then a full layer; GptOssConfig's default RoPE is YaRN.
     "gpt_oss": (
         "GptOssConfig",
@@ -546,8 +560,59 @@ HONOURED = [
     ),
 ]
 
+_GEMMA4_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 20000.0},
+}
+HONOURED += [
+    # Two blocks, the second sharing the first's keys/values; every size its own.
+    Case(
+        "gemma4_text",
+        (
+            *_SIZES,
+            "head_dim",
+            "max_position_embeddings",
+            "tie_word_embeddings",
+            "rope_parameters",
+            "sliding_window",
+            "layer_types",
+            "final_logit_softcapping",
+            "vocab_size_per_layer_input",
+            "hidden_size_per_layer_input",
+            "attention_k_eq_v",
+            "num_kv_shared_layers",
+        ),
+        build={
+            "num_hidden_layers": 12,
+            "num_kv_shared_layers": 6,
+            "attention_k_eq_v": True,
+            "global_head_dim": 24,
+            "num_global_key_value_heads": 1,
+            "rope_parameters": _GEMMA4_ROPE,
+            "max_position_embeddings": 6,
+            "tie_word_embeddings": False,
+        },
+        expect={"global_head_dim": 24, "global_num_kv_heads": 1, "global_rope_proportion": 0.5},
+    ),
+    Case(
+        "gemma4_text",
+        ("enable_moe_block", "num_experts", "top_k_experts", "moe_intermediate_size"),
+        build={"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 8},
+        expect={"num_experts": 4, "num_experts_per_tok": 2, "moe_mlp_dim": 8},
+    ),
+]
+
 # (family, field, config.json edit, what the message must say); "all" rows are tried on llama.
 REFUSED = [
+    ("gemma4_text", "hidden_activation", {"hidden_activation": "silu"}, "hidden_activation='silu'"),
+    ("gemma4_text", "attention_bias", {"attention_bias": True}, "attention_bias=True"),
+    (
+        "gemma4_text",
+        "use_bidirectional_attention",
+        {"use_bidirectional_attention": "all"},
+        "use_bidirectional_attention='all'",
+    ),
+    ("gemma4_text", "use_double_wide_mlp", {"use_double_wide_mlp": True}, "use_double_wide_mlp=True"),
     ("all", "partial_rotary_factor", {"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0\.5"),
     ("all", "quantization_config", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config is set"),
     ("all", "per_layer_config", {"per_layer_config": {"0": {"intermediate_size": 8}}}, "per_layer_config is set"),

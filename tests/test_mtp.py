@@ -1,12 +1,14 @@
 """Multi-token prediction (mtp_num_layers): DeepSeek-V3's modules on both backends, against a hand computation."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import maxbridge as mb
-from maxbridge.core import canonical
+from maxbridge.core import canonical, checkpointing
 from maxbridge.core.config import ConfigError
 from maxbridge.models import decoding
 from maxbridge.training import data, recipe
@@ -99,8 +101,9 @@ def llama_batch(config):
   return {**batch, "inputs_segmentation": segments, "targets_segmentation": segments}
 
 
-def mean_loss(model, loss, batch):
-  forward = Forward(lambda p, _, *inputs: model.apply_with_intermediates(p, *inputs), model.params(), None)
+def mean_loss(model, loss, batch, params=None):
+  params = model.params() if params is None else params
+  forward = Forward(lambda p, _, *inputs: model.apply_with_intermediates(p, *inputs), params, None)
   value, aux = jax.jit(lambda batch: loss(forward, batch))(batch)
   return value / aux["tokens"], aux
 
@@ -135,7 +138,11 @@ def test_mtp_rows_never_see_later_tokens(llama):
 def test_llama_mtp_loss_equals_a_hand_computation_over_the_canonical_params(llama):
   config, model, batch = llama
   params = model.params()
-  value, aux = mean_loss(model, CrossEntropy(mtp_loss_scaling_factor=0.5), batch)
+  # Each module's own final norm (DeepSeek-V3's shared_head.norm), drawn apart from the decoder's and each other's.
+  for k, key in ((1, 1), (2, 2)):
+    head_norm = params["decoder"]["mtp"][f"mtp_layer_{k}"]["head_norm"]
+    head_norm["scale"] = jax.random.uniform(jax.random.key(key), head_norm["scale"].shape, minval=0.5, maxval=1.5)
+  value, aux = mean_loss(model, CrossEntropy(mtp_loss_scaling_factor=0.5), batch, params)
   logits, intermediates = model.apply_with_intermediates(
       params, batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"]
   )
@@ -159,7 +166,8 @@ def test_llama_mtp_loss_equals_a_hand_computation_over_the_canonical_params(llam
     )
     x = both @ mtp["projection"]["kernel"]
     hidden, _ = DecoderLayer(config).apply({"params": mtp["layer"]}, x, later_positions, segments)
-    mtp_logits = _rms_norm(hidden, decoder["decoder_norm"]["scale"], eps) @ decoder["logits_dense"]["kernel"]
+    # The module's own final norm, then the shared head; the next module reads the un-normed hidden states.
+    mtp_logits = _rms_norm(hidden, mtp["head_norm"]["scale"], eps) @ decoder["logits_dense"]["kernel"]
     log_probs = np.asarray(jax.nn.log_softmax(mtp_logits, -1))
     for row in range(2):
       for i in range(length - k):
@@ -221,7 +229,8 @@ def test_a_family_of_blocks_is_refused():
 
 def test_deepseek_mtp_layers_round_trip_through_a_hugging_face_folder(tmp_path):
   """Export writes DeepSeek-V3's layout (module k as model.layers.{num_hidden_layers + k - 1}: enorm, hnorm,
-  eh_proj, a decoder layer, copies of the embedding and shared head); import reads it back exactly."""
+  eh_proj, a decoder layer, its own shared_head.norm, copies of the embedding and head); import reads it back
+  exactly."""
   import json
 
   from safetensors.numpy import load_file, save_file
@@ -247,7 +256,10 @@ def test_deepseek_mtp_layers_round_trip_through_a_hugging_face_folder(tmp_path):
       rtol=1e-5,
       atol=1e-6,
   )
-  np.testing.assert_array_equal(tensors[f"model.layers.{first}.shared_head.norm.weight"], tensors["model.norm.weight"])
+  np.testing.assert_array_equal(
+      tensors[f"model.layers.{first}.shared_head.norm.weight"], flat["decoder/mtp/mtp_layer_1/head_norm/scale"]
+  )
+  np.testing.assert_array_equal(tensors[f"model.layers.{first}.shared_head.head.weight"], tensors["lm_head.weight"])
 
   loaded_config, loaded = load_hf(folder)
   assert loaded_config.mtp_num_layers == 2  # read off the stored layers
@@ -260,8 +272,54 @@ def test_deepseek_mtp_layers_round_trip_through_a_hugging_face_folder(tmp_path):
   main_config, main = load_hf(folder, "mtp_num_layers=0")
   assert main_config.mtp_num_layers == 0 and not any("mtp" in path for path in canonical.flatten(main))
 
-  # A shared head norm of its own (DeepSeek-V3's checkpoints have one) is refused by name.
-  tensors[f"model.layers.{first}.shared_head.norm.weight"] = tensors[f"model.layers.{first}.shared_head.norm.weight"] + 1
+  # DeepSeek-V3's checkpoints hold a shared_head.norm of other values than model.norm: the module's own final
+  # norm, read in and written back.
+  own_norm = np.random.default_rng(1).uniform(0.5, 1.5, config.emb_dim).astype(np.float32)
+  tensors[f"model.layers.{first}.shared_head.norm.weight"] = own_norm
   save_file(tensors, folder / "model.safetensors")
-  with pytest.raises(HFError, match=rf"model\.layers\.{first}\.shared_head\.norm\.weight differs.*mtp_num_layers=0"):
+  _, loaded = load_hf(folder)
+  np.testing.assert_array_equal(canonical.flatten(loaded)["decoder/mtp/mtp_layer_1/head_norm/scale"], own_norm)
+  again = load_file(save_hf(loaded, loaded_config, tmp_path / "again") / "model.safetensors")
+  assert sorted(again) == sorted(tensors)
+  for name, want in tensors.items():
+    np.testing.assert_array_equal(again[name], want, err_msg=name)
+
+  # Its shared_head.head is the model's lm_head (README_WEIGHTS: shared with the main model): one of other values
+  # is refused by name.
+  tensors[f"model.layers.{first}.shared_head.head.weight"] = tensors["lm_head.weight"] + 1
+  save_file(tensors, folder / "model.safetensors")
+  with pytest.raises(HFError, match=rf"model\.layers\.{first}\.shared_head\.head\.weight differs.*mtp_num_layers=0"):
     load_hf(folder)
+
+
+def _without_head_norms(tree):
+  if isinstance(tree, dict):
+    return {key: _without_head_norms(value) for key, value in tree.items() if key != "head_norm"}
+  if hasattr(tree, "_fields"):  # an optax state
+    return type(tree)(*map(_without_head_norms, tree))
+  if isinstance(tree, (tuple, list)):
+    return type(tree)(map(_without_head_norms, tree))
+  return tree
+
+
+def test_a_checkpoint_saved_before_each_module_had_its_own_norm_restores_decoder_norm_in_its_place(llama, tmp_path):
+  config = llama[0]
+  target = recipe.create_trainer(config).checkpoint_target()
+  rng = np.random.default_rng(0)
+  state = jax.tree.map(lambda leaf: rng.standard_normal(leaf.shape).astype(leaf.dtype), target)
+  old = checkpointing.Checkpointer(tmp_path / "old")  # the tree an MTP run saved before head_norm existed
+  old.save(2, _without_head_norms(state))
+  old.wait()
+  restored = checkpointing._paths(old.restore(2, target))
+  saved = checkpointing._paths(state)
+  copied = [path for path in saved if "/head_norm/" in path]
+  assert len(copied) == 3 * config.mtp_num_layers  # each module's norm, in the parameters and in Adam's mu and nu
+  for path in saved:
+    source = re.sub(r"mtp/mtp_layer_\d+/head_norm", "decoder_norm", path)
+    np.testing.assert_array_equal(restored[path], saved[source], err_msg=path)
+  model = llama[1]  # parameters alone (load_parameters_path, generate) load the same way
+  loaded = canonical.flatten(canonical.conform(_without_head_norms(model.params()), model.abstract_params(), 1))
+  for k in range(1, config.mtp_num_layers + 1):
+    np.testing.assert_array_equal(
+        loaded[f"decoder/mtp/mtp_layer_{k}/head_norm/scale"], loaded["decoder/decoder_norm/scale"]
+    )

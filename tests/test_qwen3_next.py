@@ -21,19 +21,20 @@ import linen_models.normalizations as linen_norms
 import maxbridge as mb
 import nnx_models.normalizations as nnx_norms
 from maxbridge.core import canonical, initializers
-from maxbridge.models import dispatch
+from maxbridge.models import dispatch, lora
 from maxbridge.ops import gated_deltanet as gdn
 from maxbridge.ops import output_head
-from maxbridge.training import optimizers
+from maxbridge.training import data, optimizers, recipe
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 
 from hf_family import BACKENDS, TINY, TOKENS, Saved, assert_matches_transformers, export_and_reimport  # noqa: E402
-from hf_family import assert_same_tree, family_config  # noqa: E402
+from hf_family import assert_same_tree, family_config, int8_logits  # noqa: E402
 from hf_family import highest_precision  # noqa: E402,F401 (an autouse fixture)
 from test_hf import LOGITS_TOL, max_diff  # noqa: E402
+from test_vocab_tiling import _batch, _grads  # noqa: E402
 
 B, T, KEY_HEADS, VALUE_HEADS, K, V, CHUNK = 2, 37, 2, 4, 8, 6, 16
 
@@ -394,3 +395,69 @@ def test_config_rules_name_what_qwen3_next_needs():
     mb.load_config("qwen3-next-tiny", gdn_num_value_heads=3)
   with pytest.raises(ConfigError, match=r"partial_rotary_factor=0.1 x head_dim=16 = 1 dims"):
     mb.load_config("qwen3-next-tiny", partial_rotary_factor=0.1)
+
+
+# --- features on both backends ---------------------------------------------------------------
+
+PRESET = "qwen3-next-tiny"
+# Rows of 16 tokens (one DeltaNet chunk each), packed and segmented as the embedded data comes.
+FEATURES = dict(per_device_batch_size=2, max_target_length=16)
+
+
+def test_vocab_tiling_on_nnx_gives_untiled_linens_loss_and_gradients():
+  """One row for tiling and the backends together (two compiles of the model's gradients, not four): the tiled
+  head applies the zero-centred final norm outside the modules, so a tiled loss that forgot its 1 + w differs."""
+  untiled = family_config(PRESET, BACKENDS["linen"], z_loss_multiplier=1e-3, **FEATURES)
+  batch = _batch(untiled, rows=2)
+  want_loss, want = _grads(untiled, batch)
+  loss, grads = _grads(
+      family_config(PRESET, BACKENDS["nnx"], num_vocab_tiling=4, z_loss_multiplier=1e-3, **FEATURES), batch
+  )
+  want, grads = canonical.flatten(want), canonical.flatten(grads)
+  assert sorted(grads) == sorted(want)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  for path in want:
+    # Tiles sum in another order: float32 noise relative to the leaf's largest gradient (near 10 in the
+    # first DeltaNet layer, through its L2-normalised queries and keys).
+    atol = 1e-6 * max(1.0, float(np.max(np.abs(want[path]))))
+    np.testing.assert_allclose(grads[path], want[path], rtol=1e-4, atol=atol, err_msg=path)
+
+
+# LoRA's default lora_module_path adapts the attention layers' projections; this one adds the DeltaNet's input
+# projections. (Its out_proj [heads, head_dim, embed] is left out: lora.in_ndim reads one input axis there.)
+LORA_TARGETS = (
+    "decoder/layers/(full/self_attention|linear_[0-9]/linear_attention)/(query|key|value|out|in_proj_[a-z]+)/kernel"
+)
+
+
+def test_lora_adapts_the_deltanet_and_attention_projections_and_trains_alike_on_both_backends():
+  """Three steps on one batch (the first at warm-up's learning rate 0): the last loss is lower, on both backends
+  alike."""
+  losses = {}
+  for backend, flags in BACKENDS.items():
+    config = family_config(
+        PRESET, flags, lora_rank=4, lora_alpha=8.0, learning_rate=1e-2, lora_module_path=LORA_TARGETS, **FEATURES
+    )
+    trainer = recipe.create_trainer(config)
+    state = trainer.init_state(0)
+    batch = trainer.shard_batch(data.make_dataset(config, "train", config.per_device_batch_size).batch(0, 0, 1))
+    losses[backend] = []
+    for _ in range(3):
+      state, metrics = trainer.train_step(state, batch)
+      losses[backend].append(float(metrics["loss"]))
+  targets = lora.targets(config, dispatch.abstract_model(config).abstract_params())
+  assert {path.split("/", 3)[-1] for path in targets} == {
+      *(f"self_attention/{name}/kernel" for name in ("query", "key", "value", "out")),
+      *(f"linear_attention/{name}/kernel" for name in ("in_proj_qkvz", "in_proj_ba")),
+  }
+  assert len(targets) == 4 + 3 * 2, targets
+  assert np.all(np.isfinite(losses["linen"])) and losses["linen"][-1] < losses["linen"][0] - 1e-2, losses
+  np.testing.assert_allclose(losses["nnx"], losses["linen"], rtol=0, atol=1e-5)
+
+
+def test_aqt_int8_quantizes_alike_on_both_backends():
+  """AQT quantizes the dense projections of both layer kinds; the delta rule has no weights and stays float32."""
+  float_logits, linen, nnx = int8_logits(PRESET)
+  assert np.all(np.isfinite(linen))
+  assert np.abs(linen - float_logits).max() > 1e-3  # int8 rounding moves the logits past float noise
+  np.testing.assert_allclose(nnx, linen, atol=1e-6, rtol=0)

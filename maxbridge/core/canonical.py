@@ -219,6 +219,25 @@ def check(tree: Mapping[str, Any], abstract: Mapping[str, Any], axis: int) -> No
   )
 
 
+# Trees saved before each MTP module had its own final norm: the module applied decoder_norm.
+_MTP_HEAD_NORM = re.compile(r"(.*)mtp/mtp_layer_\d+/head_norm/scale$")
+
+
+def older_mtp_norms(missing: Sequence[str], present: Sequence[str] | Mapping[str, Any]) -> dict[str, str]:
+  """{missing path: the path to copy it from} when every missing path is an MTP module's `head_norm`, which a
+  tree saved before those norms existed lacks (it started as, and was, `decoder_norm`); else {}.
+
+  Copying decoder_norm (and, in a train state, its optimizer state) keeps what the module computed.
+  """
+  sources = {}
+  for path in missing:
+    match = _MTP_HEAD_NORM.match(path)
+    if match is None or f"{match.group(1)}decoder_norm/scale" not in present:
+      return {}
+    sources[path] = f"{match.group(1)}decoder_norm/scale"
+  return sources
+
+
 def _checked(tree: Mapping[str, Any], abstract: Mapping[str, Any], axis: int) -> tuple[dict, dict]:
   if not isinstance(tree, Mapping):
     raise TypeError(f"parameters must be a nested dict of arrays, got {type(tree).__name__}")
@@ -228,6 +247,8 @@ def _checked(tree: Mapping[str, Any], abstract: Mapping[str, Any], axis: int) ->
   elif have_scanned and not want_scanned:
     tree = unstack_layers(tree, axis)
   got, want = flatten(tree), flatten(abstract)
+  missing = sorted(set(want) - set(got))
+  got.update({path: got[source] for path, source in older_mtp_norms(missing, got).items()})
   missing = sorted(set(want) - set(got))
   extra = sorted(set(got) - set(want))
   if missing or extra:

@@ -356,6 +356,8 @@ class Checkpointer:
     wanted = _paths(target)
     where = f"checkpoint {os.path.join(self.directory, str(step))}"
     missing = sorted(set(wanted) - set(stored), key=_params_first)
+    copies = canonical.older_mtp_norms(missing, stored) if layout is None else {}
+    missing = [path for path in missing if path not in copies]
     unknown = sorted(
         (p for p in set(stored) - set(wanted) if p.split("/")[0] not in IGNORED_SUBTREES),
         key=_params_first,
@@ -365,9 +367,9 @@ class Checkpointer:
       lines += [f"  unexpected: {p}" for p in unknown[:20]]
       raise CheckpointError(f"{where} does not match the model:\n" + "\n".join(lines))
     misshaped = [
-        f"  {path} has shape {tuple(stored[path].shape)}, the model expects {tuple(want.shape)}"
+        f"  {path} has shape {tuple(stored[copies.get(path, path)].shape)}, the model expects {tuple(want.shape)}"
         for path, want in sorted(wanted.items(), key=_params_first)
-        if tuple(stored[path].shape) != tuple(want.shape)
+        if tuple(stored[copies.get(path, path)].shape) != tuple(want.shape)
     ]
     if misshaped:
       more = f"\n  ... and {len(misshaped) - 20} more" if len(misshaped) > 20 else ""
@@ -379,6 +381,10 @@ class Checkpointer:
     )
     # A checkpoint in another layout is read in its own structure, then renamed.
     on_disk = layouts.stored_like(stored_tree, layout, target) if layout else target
+    if copies:  # not on disk: filled in below
+      on_disk = jax.tree_util.tree_map_with_path(
+          lambda key, x: ocp.PLACEHOLDER if layouts.keypath_str(key) in copies else x, on_disk
+      )
     try:
       restored = self.manager.restore(
           step,
@@ -399,8 +405,17 @@ class Checkpointer:
       if culprit is not None:
         what = f"the data of {culprit.array} cannot be read ({type(e).__name__}: {reason})"
       raise CheckpointError(f"{self.step_dir(step)} is damaged: {what}; {self._fallback(step)}") from e
-    self._check_digests(step, restored["items"], stored_tree)
-    return layouts.normalize(restored["items"], layout) if layout else restored["items"]
+    items = restored["items"]
+    if copies:
+      print(f"{where} predates the MTP modules' own final norms: each starts as decoder_norm", file=sys.stderr)
+      flat = _paths(items)  # copies: a train step donates its buffers, each once
+      items = jax.tree_util.tree_map_with_path(
+          lambda key, x: flat[copies[layouts.keypath_str(key)]].copy() if layouts.keypath_str(key) in copies else x,
+          items,
+          is_leaf=lambda x: x is ocp.PLACEHOLDER,
+      )
+    self._check_digests(step, items, stored_tree)
+    return layouts.normalize(items, layout) if layout else items
 
   def _check_digests(self, step: int, restored: Any, stored_tree: Any) -> None:
     """Raises a one-line `CheckpointError` for the first restored array unlike the one saved (see `digest`)."""

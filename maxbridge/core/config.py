@@ -102,6 +102,12 @@ class Config:
   temperature_tuning: bool
   temperature_tuning_scale: float
   temperature_tuning_floor_scale: float
+  global_head_dim: int
+  global_num_kv_heads: int
+  global_rope_proportion: float
+  share_kv_projections: bool
+  hidden_size_per_layer_input: int
+  num_kv_shared_layers: int
   q_lora_rank: int
   kv_lora_rank: int
   qk_nope_head_dim: int

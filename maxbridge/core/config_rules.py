@@ -131,6 +131,11 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("interleave_moe_layer_step", _positive, "a positive integer"),
     ("temperature_tuning_scale", lambda v: 0 <= v < float("inf"), "a finite number >= 0"),
     ("temperature_tuning_floor_scale", _positive, "> 0"),
+    *(
+        (key, lambda v: v >= 0, ">= 0 (0: as the sliding-window layers, or off)")
+        for key in ("global_head_dim", "global_num_kv_heads", "hidden_size_per_layer_input", "num_kv_shared_layers")
+    ),
+    ("global_rope_proportion", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("load_balance_loss_weight", lambda v: v >= 0, ">= 0 (0 disables the loss)"),
     ("routed_scaling_factor", _positive, "> 0"),
     ("rope_factor", lambda v: v >= 1, ">= 1 (how many times slower the longest wavelengths turn)"),

@@ -108,6 +108,8 @@ def rules(options: InitOptions) -> tuple[tuple[str, Initializer], ...]:
       # Qwen3-Next's DeltaNet gated norm holds its multiplier itself, unlike the family's other (zero-centred) norms.
       ("*/linear_attention/norm/scale", ones()),
       ("*/scale", zeros() if options.zero_centred_norms else ones()),
+      ("*/layer_scalar", ones()),  # Gemma 4's per-layer output scalar
+      ("*/gate/per_expert_scale", ones()),  # Gemma 4's router
       # Also MLA's query kernel (q_lora_rank=0), which never carries the scale.
       ("*/self_attention/query/kernel", query_kernel(options.query_kernel_carries_scale)),
       ("*/self_attention/out/kernel", kernel(in_ndim=2)),

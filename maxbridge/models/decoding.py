@@ -36,11 +36,15 @@ def abstract_cache(config: Config, batch: int, length: int, *, ring: bool = True
   flat = {}
   for stack, count in canonical.layer_stacks(config):
     own = stacks[stack]
-    rings = own.rings(config)
+    if not own.cached:
+      continue
+    rings, caches = own.rings(config), own.caches(config)
 
     def attention_cache(sub):
       if sub in rings:
         return kv_cache.abstract(config, batch, length, ring=ring, ring_length=rings[sub])
+      if sub in caches:
+        return kv_cache.abstract(config, batch, length, ring=ring, own_entries=caches[sub])
       return layer
 
     subs = [

@@ -58,8 +58,8 @@ def sample_inputs(config: Config) -> tuple[jax.Array, jax.Array, jax.Array]:
 def _decoder_sample_inputs(config: Config) -> tuple:
   x = jnp.zeros((1, 1, config.emb_dim), jnp.dtype(config.dtype))
   table = jnp.zeros((config.vocab_size, config.emb_dim), jnp.dtype(config.weight_dtype))
-  _, positions, segment_ids = sample_inputs(config)
-  return x, positions, segment_ids, table if config.logits_via_embedding else None
+  tokens, positions, segment_ids = sample_inputs(config)
+  return x, positions, segment_ids, table if config.logits_via_embedding else None, tokens
 
 
 # Qwix (`quantized.quantize_linen` / `quantize_nnx`) intercepts the
@@ -104,7 +104,7 @@ def mtp_drafter(config: Config, k: int):
   """Self-speculative decoding's draft step of MTP module k, on the decoder's backend, as a pure function.
 
   (params, cache, hidden, embedded, positions, segment_ids, embedding) -> (logits, hidden, cache): `params` the
-  decoder's `mtp/mtp_layer_{k}`, `decoder_norm` and `logits_dense` at those names, `cache` module k's own
+  decoder's `mtp/mtp_layer_{k}` (its own final norm included) and `logits_dense` at those names, `cache` module k's own
   (`{"mtp_layer_{k}": {"layer": {"self_attention": ...}}}`), `embedding` the token table where the head is tied.
   """
   if config.pure_nnx_decoder:

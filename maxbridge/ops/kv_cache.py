@@ -79,11 +79,18 @@ def window(config) -> int:
 
 
 def abstract(
-    config, batch: int, length: int, *, ring: bool = True, ring_length: int | None = None
+    config,
+    batch: int,
+    length: int,
+    *,
+    ring: bool = True,
+    ring_length: int | None = None,
+    own_entries: dict[str, tuple[int, ...]] | None = None,
 ) -> dict[str, jax.ShapeDtypeStruct]:
   """One layer's empty cache for rows of `length` tokens, as shapes: `length` entries, or (`ring`) a window's.
 
-  `ring_length` replaces the window for a layer that keeps its own ring (`Stack.rings`).
+  `ring_length` replaces the window for a layer that keeps its own ring (`Stack.rings`); `own_entries` the
+  family's entries for a layer that caches its own (`Stack.caches`).
   """
   dtype = jnp.dtype(config.dtype)
   size = window(config) if ring_length is None else ring_length
@@ -91,7 +98,7 @@ def abstract(
     length = min(length, size)
   quantized = quantized_dtype(config)
   out = {}
-  for name, shape in entries(config).items():
+  for name, shape in (entries(config) if own_entries is None else own_entries).items():
     stored = [batch, *shape]
     stored.insert(sequence_axis(name), length)
     out[name] = jax.ShapeDtypeStruct(tuple(stored), quantized or dtype)

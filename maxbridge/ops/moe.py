@@ -97,11 +97,11 @@ def mean_layer_losses(losses: list[jax.Array]) -> jax.Array:
   return jnp.mean(jnp.concatenate([jnp.reshape(loss, (-1,)) for loss in losses]))
 
 
-def _expert_mlp(x, wi_0, wi_1, wo, matmul, dtype):
+def _expert_mlp(x, wi_0, wi_1, wo, matmul, dtype, activation=jax.nn.silu):
   x, wi_0, wi_1, wo = promote_dtype((x, wi_0, wi_1, wo), dtype=dtype)
   gate = matmul(x, wi_0)
   up = matmul(x, wi_1)
-  return matmul(jax.nn.silu(gate) * up, wo)
+  return matmul(activation(gate) * up, wo)
 
 
 def block_losses(values: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
@@ -122,8 +122,11 @@ def dropless_experts(
     dtype: jnp.dtype,
     ragged_dot: RaggedDot = jax.lax.ragged_dot,
     weight_inputs: bool = False,
+    activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
 ) -> jax.Array:
   """x [T, D] through each token's K experts (SwiGLU, wi_* [E, D, F], wo [E, F, D]) -> [T, D].
+
+  `activation` replaces SwiGLU's silu on the gate (Gemma 4's experts: GELU's tanh approximation).
 
   `weights` scale each expert's output, or with `weight_inputs` its input (Llama 4's).
 
@@ -147,7 +150,7 @@ def dropless_experts(
     def matmul(lhs, rhs):
       return ragged_dot(lhs, rhs, group_sizes)
 
-    out = _expert_mlp(rows, wi_0, wi_1, wo, matmul, dtype)  # [T*K, D]
+    out = _expert_mlp(rows, wi_0, wi_1, wo, matmul, dtype, activation)  # [T*K, D]
     out = jnp.take(out, jnp.argsort(order), axis=0).reshape(tokens, k, -1)  # back to pair order
     combined = jnp.einsum("TKD,TK->TD", out.astype(jnp.float32), weights.astype(jnp.float32))
     return combined.astype(dtype)
@@ -164,6 +167,7 @@ def dense_experts(
     dtype: jnp.dtype,
     dot_general: DotGeneral = jax.lax.dot_general,
     weight_inputs: bool = False,
+    activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
 ) -> jax.Array:
   """The reference path: every token through every expert, unchosen ones weighted 0 -> [T, D].
 
@@ -184,9 +188,9 @@ def dense_experts(
     )
     if weight_inputs:
       inputs = (x.astype(jnp.float32)[:, None, :] * combine[:, :, None]).astype(x.dtype)  # [T, E, D]
-      out = _expert_mlp(inputs, wi_0, wi_1, wo, matmul, dtype)
+      out = _expert_mlp(inputs, wi_0, wi_1, wo, matmul, dtype, activation)
       return jnp.sum(out.astype(jnp.float32), axis=1).astype(dtype)
-    out = _expert_mlp(x, wi_0, wi_1, wo, matmul, dtype)  # [T, E, D]
+    out = _expert_mlp(x, wi_0, wi_1, wo, matmul, dtype, activation)  # [T, E, D]
     return jnp.einsum("TED,TE->TD", out.astype(jnp.float32), combine).astype(dtype)
 
 

@@ -174,7 +174,7 @@ class Speculator:
   def _draft(self, params, k, cache, hidden, tokens, positions, segment_ids):
     """Module k over rows given by their hidden states [B, R, D] and tokens i + k [B, R]: (logits, hidden, cache)."""
     decoder = params["decoder"]
-    own = {f"mtp_layer_{k}": decoder["mtp"][f"mtp_layer_{k}"], "decoder_norm": decoder["decoder_norm"]}
+    own = {f"mtp_layer_{k}": decoder["mtp"][f"mtp_layer_{k}"]}
     if "logits_dense" in decoder:
       own["logits_dense"] = decoder["logits_dense"]
     table = params["token_embedder"]["embedding"] if self.config.logits_via_embedding else None

@@ -24,10 +24,13 @@ With `distill_beta` > 0 the loss adds beta times a feature loss
 (`distill_feature_loss_type`, MaxText's keys): per token, the cosine distance
 (1 - cosine similarity, MaxText's 1e-6 norm floor) or the squared error
 averaged over the width between the two decoders' final hidden states (the
-last layer's output, before the final norm). MaxText compares its layers'
-outputs element by element, with no projection between widths; neither does
-this, so a teacher of another `emb_dim` is refused. (MaxText's
-`distill_layer_indices`, earlier layers' outputs, is not read.)
+last layer's output, before the final norm). MaxText compares activations
+element by element, with no projection between widths; neither does this, so
+a teacher of another `emb_dim` is refused. (MaxText's own feature loss reads
+other activations: each decoder layer's self-attention output projection,
+sown as `out_projection_activations` [layers, B, T, D], the layers chosen by
+`distill_layer_indices` (None: all), the same indices in both models. That
+key is not read here: our layers do not return those activations.)
 
 Or offline: `write_logits` (`maxbridge distill-logits`) stores the teacher's
 top-k logits of the run's training batches, and a run with

@@ -9,7 +9,7 @@ layer class. A new family is one module here and one line in `REGISTRY`.
 Pure Python (no jax), like the config that validates against it.
 """
 
-from maxbridge.core.families import deepseek, gemma, gemma3, gpt3, gpt_oss, llama, llama4, mixtral, olmo2, olmo3, qwen3_moe, qwen3_next
+from maxbridge.core.families import deepseek, gemma, gemma3, gemma4, gpt3, gpt_oss, llama, llama4, mixtral, olmo2, olmo3, qwen3_moe, qwen3_next
 from maxbridge.core.families.base import (
     ClipPiece,
     Family,
@@ -31,6 +31,7 @@ REGISTRY: tuple[Family, ...] = (
     gemma.GEMMA,
     gemma.GEMMA2,
     gemma3.FAMILY,
+    gemma4.FAMILY,
     gpt_oss.FAMILY,
     llama4.FAMILY,
 )

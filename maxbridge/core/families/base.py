@@ -40,6 +40,11 @@ class Stack:
   # Sub-layer -> the ring its decode cache keeps (`ops.kv_cache`), where it sees no further back than that: Llama
   # 4's chunked layers, their chunk. Others cache every token, or the family's sliding window (`kv_cache.window`).
   rings: Callable[[Config], Mapping[str, int]] = lambda config: {}
+  # Sub-layer -> what its decode cache holds where it differs from the family's `cache_entries` (Gemma 4's global
+  # layers, with their own head width and key/value heads).
+  caches: Callable[[Config], Mapping[str, CacheEntries]] = lambda config: {}
+  # Whether its layers keep a decode cache: Gemma 4's KV-shared layers keep none, they read an earlier layer's.
+  cached: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +95,9 @@ class Family:
   # The experts' routing when the family fixes it (`ops.moe`'s score_func: Llama 4's "topk_sigmoid", which MaxText's
   # RoutedMoE also picks by decoder block); None reads routed_score_func.
   routing: str | None = None
+  # The kind of carry the layers pass on where it is more than the hidden states (Gemma 4's per-layer inputs and
+  # shared keys/values): each backend's decoder builds it (`LAYER_CARRIES` in decoders.py) and its layers read it.
+  layer_carry: str | None = None
 
   def layer_stacks(self, config: Config) -> tuple[tuple[str, int], ...]:
     """(stack name, number of layers) of the non-empty stacks, in depth order."""

@@ -62,12 +62,15 @@ RULES = (
         Rule("model.layers.{layer}.enorm.weight", "{mtp}/embedding_norm/scale"),
         Rule("model.layers.{layer}.hnorm.weight", "{mtp}/hidden_norm/scale"),
         Rule("model.layers.{layer}.eh_proj.weight", "{mtp}/projection/kernel", SwappedHalves()),
+        # The module's own final norm before the shared head (DeepSeek-V3's checkpoints hold one of other values
+        # than model.norm).
+        Rule("model.layers.{layer}.shared_head.norm.weight", "{mtp}/head_norm/scale"),
     )
 )
-# An MTP layer's own copies of the shared embedding, final norm and head (ours share the decoder's).
+# An MTP layer's own copies of the shared embedding and output head (ours share the model's; DeepSeek-V3's
+# README_WEIGHTS says both are shared with the main model, and import checks they are equal).
 MTP_COPIES = {
     "model.layers.{layer}.embed_tokens.weight": "token_embedder/embedding",
-    "model.layers.{layer}.shared_head.norm.weight": "decoder/decoder_norm/scale",
     "model.layers.{layer}.shared_head.head.weight": "decoder/logits_dense/kernel",
 }
 

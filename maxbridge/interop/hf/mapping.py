@@ -236,7 +236,7 @@ def from_hf_tensors(
     if not bool(jnp.array_equal(_load(tensors[copy]), _load(tensors[original]))):
       raise HFError(
           f"{where}: {copy} differs from {original}, and maxbridge's MTP modules share the model's own "
-          "embedding, final norm and head; import with mtp_num_layers=0 to leave the MTP layers out"
+          "embedding and output head; import with mtp_num_layers=0 to leave the MTP layers out"
       )
 
   want_flat = canonical.flatten(_unscanned(abstract, cfg))
