@@ -444,6 +444,7 @@ def test_query_kernel_carries_the_scale_only_where_attention_does_not_apply_it()
       "gpt-oss-tiny": False,  # the query bias would need it too: scaled at run time
       "qwen3-next-tiny": False,  # query/key norms would undo it
       "llama4-tiny": False,  # the RoPE layers' QK-norm would undo it
+      "gemma4-tiny": False,  # its QK-norm would undo it (and attention scales by 1)
   }
 
   def initial_std(preset, **overrides):
