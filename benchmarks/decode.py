@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/decode.py [--preset llama-small] [--batch 1 8] [--prompt 128] [--new 128]
                                           [--skip-recompute] [--skip-hf] [--rounds 5] [--per-step]
-                                          [--speculative K [--train-steps N]]
+                                          [--speculative K [--train-steps N]] [--context L ...]
 
 One process, one set of weights (`--preset`, random init; any family `export-hf` writes). The engine
 prefills the prompts side by side in one batched call (`prefill_batch`), as
@@ -19,11 +19,14 @@ The engine's prefill runs five times a round
 (`PREFILL_REPEATS`, their median counts), the decode once.
 The recompute loop (the pre-engine `Model.generate`) is timed once, after.
 Targets: NNX/Linen >= 0.98; engine >= 2x Hugging Face.
+`--context L ...` instead times decode per token against the context length (`context_length`).
 """
 
 import argparse
+import contextlib
 import functools
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -37,6 +40,7 @@ from maxbridge.training import bench
 from maxbridge.serving import engine
 from maxbridge.interop import hf
 from maxbridge.models import model as model_lib
+from maxbridge.ops import kv_cache
 
 BACKENDS = {"linen": (False, False, False), "nnx": (True, True, True)}
 PREFILL_REPEATS = 5
@@ -73,7 +77,38 @@ MAXENGINE_BATCH1_TOK_S = (171, 181)
 MAXENGINE_DIMS = ("llama-small", 1, 128, 128)  # preset, batch, prompt, new tokens
 
 
-def per_step(preset: str, batches: list[int], prompt: int, new: int, rounds: int) -> None:
+@contextlib.contextmanager
+def _write_first():
+  """Attention layers traced inside write their cache before attention reads it (`kv_cache.update`, as
+  Gemma 4's still do), the order before `kv_cache.read_first`: --write-first's baseline. XLA merges the
+  two `update`s this makes of each layer's cache (the same instructions), so the program is the old one."""
+  read_first, write = kv_cache.read_first, kv_cache.write
+
+  def update_read(cache, new, positions, segment_ids, *, ring=False):
+    _, values, keywords = kv_cache.update(cache, new, positions, segment_ids, ring=ring)
+    return tuple((value,) for value in values), keywords
+
+  def update_write(cache, new, positions, segment_ids, *, ring=False, after):
+    return kv_cache.update(cache, new, positions, segment_ids, ring=ring)[0]
+
+  kv_cache.read_first, kv_cache.write = update_read, update_write
+  try:
+    yield
+  finally:
+    kv_cache.read_first, kv_cache.write = read_first, write
+
+
+def _cache_copies(eng: engine.Engine) -> int:
+  """Whole copies of a layer's cached entry (the size of one) in the compiled decode step (copy or transpose)."""
+  state = eng.init_decode_state()
+  leaves = jax.tree_util.tree_leaves_with_path(state.cache)
+  sizes = {leaf.size for path, leaf in leaves if "cached_" in jax.tree_util.keystr(path)}
+  text = eng._generate.lower(eng._params(None), state, jax.random.key(0)).compile().as_text()
+  found = re.findall(r"= \w+\[([\d,]+)\]\S* (?:transpose|copy)\(", text)
+  return sum(int(np.prod([int(d) for d in dims.split(",")])) in sizes for dims in found)
+
+
+def per_step(preset: str, batches: list[int], prompt: int, new: int, rounds: int, write_first: bool = False) -> None:
   """--per-step: `generate` called once per token, as a server calls it, against the compiled loop.
 
   Three ways per batch, interleaved: "per-step" (one `generate` call a token,
@@ -86,6 +121,11 @@ def per_step(preset: str, batches: list[int], prompt: int, new: int, rounds: int
   CPU, a few percent of a llama-small step. Beside batch 1 at MaxEngine's dims:
   MaxEngine's figures and the ratio of ours to them (taken on another day:
   rerun on an idle machine before reading much into it).
+
+  `write_first` adds "write first": per-step on a second engine whose layers
+  write their cache before attention reads it (`_write_first`), the order
+  that made XLA copy every layer's cache on every step at batch 1, and each
+  engine's count of such copies in its compiled step.
   """
   threads = len(os.sched_getaffinity(0))
   print(
@@ -101,27 +141,28 @@ def per_step(preset: str, batches: list[int], prompt: int, new: int, rounds: int
     eng = engine.Engine(config, mb.create_model(config, seed=0).params())
     prompts = np.asarray(jax.random.randint(jax.random.key(batch), (batch, prompt), 0, config.vocab_size), np.int32)
 
-    def filled():
+    def filled(eng):
       state = eng.init_decode_state()
       for slot, prefix in enumerate(eng.prefill_batch(prompts)):
         state = eng.insert(prefix, state, slot)
       return jax.block_until_ready(state)
 
-    def timed(decode):
+    def timed(decode, eng=eng, order=contextlib.nullcontext):
       def timer():
-        state = filled()
-        start = time.perf_counter()
-        decode(state)
-        return time.perf_counter() - start
+        with order():  # where the first round traces
+          state = filled(eng)
+          start = time.perf_counter()
+          decode(eng, state)
+          return time.perf_counter() - start
 
       return timer
 
-    def steps(state):
+    def steps(eng, state):
       for _ in range(new):
         state, tokens = eng.generate(state)
       np.asarray(tokens)
 
-    def steps_read(state):
+    def steps_read(eng, state):
       last = None
       for _ in range(new):
         state, tokens = eng.generate(state)
@@ -131,19 +172,78 @@ def per_step(preset: str, batches: list[int], prompt: int, new: int, rounds: int
         last = tokens
       np.asarray(last)
 
-    def loop(state):
+    def loop(eng, state):
       np.asarray(eng.generate_steps(state, new)[1])
 
     ways = {"per-step": steps, "per-step, read": steps_read, "loop": loop}
-    times = bench.interleaved({name: timed(way) for name, way in ways.items()}, rounds, warmup=1)
+    timers = {name: timed(way) for name, way in ways.items()}
+    if write_first:
+      old = engine.Engine(config, eng.model.params())
+      with _write_first():
+        copies = _cache_copies(old)
+      print(f"{batch:>5} whole-cache copies in the compiled step: {copies} write first, {_cache_copies(eng)} now")
+      ways["write first"] = steps
+      timers["write first"] = timed(steps, old, _write_first)
+    times = bench.interleaved(timers, rounds, warmup=1)
     compared = (preset, batch, prompt, new) == MAXENGINE_DIMS
     for name in ways:
       rate = batch * new / statistics.median(times[name])
       maxengine = f"{low}-{high} tok/s: ours {rate / high:.2f}-{rate / low:.2f}x" if compared else ""
       ratio = bench.median_ratio(times["loop"], times[name])
       print(f"{batch:>5} {name:>16} {rate:8.1f}  {ratio:6.3f}x  {maxengine}".rstrip())
+    if write_first:
+      ratio = bench.median_ratio(times["per-step"], times["write first"])
+      print(f"{batch:>5} per-step time now / write first: {ratio:.3f} (median of per-round ratios)")
   if not any((preset, batch, prompt, new) == MAXENGINE_DIMS for batch in batches):
     print(f"MaxEngine 0.2.5 (issue 32): {low}-{high} tok/s per-step, at (preset, batch, prompt, new) = {MAXENGINE_DIMS}")
+
+
+def context_length(preset: str, contexts: list[int], batch: int, new: int, rounds: int) -> None:
+  """--context: decode time per token with each slot's cache filled to L tokens, for each L, Linen and NNX.
+
+  Each L gets engines whose cache holds L + `new` tokens (a decode step reads a slot's whole cache, so the
+  cache's length is what a step's attention costs), prefilled once with L-token prompts. A timed call
+  inserts the prefixes into fresh slots (untimed) and runs `new` steps in one `generate_steps`. Every
+  (L, backend) runs once a round, in a fresh random order. A layer with a fixed-size state (DeltaNet's
+  recurrence, a sliding window's or an attention chunk's ring) costs the same at every L; a global
+  attention layer's cost grows linearly with L. "vs shortest": each row's Linen time over the first row's.
+  """
+  threads = len(os.sched_getaffinity(0))
+  print(
+      f"decode time per token vs context, {preset}, batch {batch}, {new} steps a call, {jax.device_count()} "
+      f"{jax.default_backend()} device(s), {threads} cores, load {os.getloadavg()[0]:.1f}; "
+      f"median of {rounds} interleaved rounds"
+  )
+  timers = {}
+  for context in contexts:
+    base = mb.load_config(
+        preset, max_prefill_predict_length=context, max_target_length=context + new, per_device_batch_size=batch
+    )
+    params = mb.create_model(base, seed=0).params()
+    prompts = np.asarray(jax.random.randint(jax.random.key(context), (batch, context), 0, base.vocab_size), np.int32)
+    for name, flags in BACKENDS.items():
+      eng = engine.Engine(base.replace(**dict(zip(("pure_nnx", "enable_nnx", "pure_nnx_decoder"), flags))), params)
+      prefixes = eng.prefill_batch(prompts)
+
+      def timer(eng=eng, prefixes=prefixes):
+        state = eng.init_decode_state()
+        for slot, prefix in enumerate(prefixes):
+          state = eng.insert(prefix, state, slot)
+        jax.block_until_ready(state)
+        start = time.perf_counter()
+        np.asarray(eng.generate_steps(state, new)[1])
+        return time.perf_counter() - start
+
+      timers[context, name] = timer
+  times = bench.interleaved(timers, rounds, warmup=1)
+  print(f"{'context':>8} {'Linen ms/token':>15} {'NNX ms/token':>13} {'NNX/Linen speed':>16} {'vs shortest':>12}")
+  shortest = statistics.median(times[contexts[0], "linen"])
+  for context in contexts:
+    linen, nnx = times[context, "linen"], times[context, "nnx"]
+    print(
+        f"{context:>8} {statistics.median(linen) / new * 1e3:>15.3f} {statistics.median(nnx) / new * 1e3:>13.3f}"
+        f" {bench.median_ratio(linen, nnx):>16.3f} {statistics.median(linen) / shortest:>11.2f}x"
+    )
 
 
 def speculative_decode(preset: str, prompt: int, new: int, rounds: int, num_draft: int, train_steps: int) -> None:
@@ -218,14 +318,23 @@ def main() -> None:
   parser.add_argument("--skip-hf", action="store_true")
   parser.add_argument("--rounds", type=int, default=5, help="interleaved timed rounds; medians count")
   parser.add_argument("--per-step", action="store_true", help="only per-step `generate` against the compiled loop")
+  parser.add_argument("--write-first", action="store_true", help="--per-step: also the cache written before it is read")
   parser.add_argument("--speculative", type=int, default=0, metavar="K", help="only MTP self-speculative decoding")
   parser.add_argument("--train-steps", type=int, default=0, help="--speculative: train the MTP model first")
+  parser.add_argument(
+      "--context", type=int, nargs="+", metavar="L", help="only decode time per token at these context lengths"
+  )
   args = parser.parse_args()
+  if args.context:
+    if min(args.context) < 1 or len(args.batch) != 1:
+      parser.error(f"--context lengths must be >= 1 and --batch one size, got {args.context} and {args.batch}")
+    context_length(args.preset, sorted(args.context), args.batch[0], args.new, args.rounds)
+    return
   if args.speculative:
     speculative_decode(args.preset, args.prompt, args.new, args.rounds, args.speculative, args.train_steps)
     return
   if args.per_step:
-    per_step(args.preset, args.batch, args.prompt, args.new, args.rounds)
+    per_step(args.preset, args.batch, args.prompt, args.new, args.rounds, args.write_first)
     return
 
   threads = len(os.sched_getaffinity(0))  # XLA's CPU client runs one intra-op thread per core it may use

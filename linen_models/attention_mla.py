@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from linen_models.attention import update_cache
+from linen_models.attention import read_cache
 from linen_models.linears import dense
 from linen_models.normalizations import RMSNorm
 from maxbridge.core import initializers
@@ -47,16 +47,20 @@ class MLA(nn.Module):
     latent, key_rope = jnp.split(latent, [cfg.kv_lora_rank], axis=-1)
     latent = RMSNorm(cfg.kv_lora_rank, name="kv_norm", **norm)(latent)
     key_rope = mla.rope_key(key_rope, positions, max_timescale=cfg.rope_max_timescale)
-    (latent, key_rope), kv = update_cache(
+    (latent, key_rope), kv, write_cache = read_cache(
         self, {"cached_latent": latent, "cached_key_rope": key_rope}, positions, segment_ids
     )
     key_value_dim = cfg.qk_nope_head_dim + cfg.v_head_dim
-    key_value = dense(
-        cfg, (cfg.kv_lora_rank,), (heads, key_value_dim), ("kv_lora", "kv_heads", "kv_head_dim"), name="wkv_b"
-    )(latent)
-    key, value = mla.latent_key_value(key_value, key_rope, nope_dim=cfg.qk_nope_head_dim)
+    wkv_b = dense(cfg, (cfg.kv_lora_rank,), (heads, key_value_dim), ("kv_lora", "kv_heads", "kv_head_dim"), name="wkv_b")
+    # Each block (a decode cache's, the new tokens') expanded where it lies.
+    blocks = [
+        mla.latent_key_value(wkv_b(part), rope, nope_dim=cfg.qk_nope_head_dim) for part, rope in zip(latent, key_rope)
+    ]
+    key, value = zip(*blocks)
     scale = None if initializers.query_kernel_carries_scale(cfg) else qk_head_dim**-0.5
     out, per_layer = attention.self_attention(
         query, key, value, segment_ids, positions, query_scale=scale, with_max_logits=cfg.use_qk_clip, **kv
     )
-    return dense(cfg, (heads, cfg.v_head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out")(out), per_layer
+    write_cache(out)
+    out = dense(cfg, (heads, cfg.v_head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out")(out)
+    return attention.with_out_projection(cfg, out, per_layer)

@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from linen_models.attention import update_cache
+from linen_models.attention import read_cache
 from linen_models.linears import dense
 from linen_models.normalizations import RMSNorm, norm
 from maxbridge.core import initializers
@@ -79,7 +79,7 @@ class GemmaAttention(nn.Module):
     rope = rotary.layer_rope(cfg, local=self.local)
     query = rotary.apply_rotary(query, positions, **rope)
     key = rotary.apply_rotary(key, positions, **rope)
-    (key, value), kv = update_cache(
+    (key, value), kv, write_cache = read_cache(
         self, {"cached_key": key, "cached_value": value}, positions, segment_ids, ring=bool(kv_cache.window(cfg))
     )
     out, per_layer = attention.self_attention(
@@ -94,7 +94,9 @@ class GemmaAttention(nn.Module):
         logits_soft_cap=cfg.attn_logits_soft_cap,
         **kv,
     )
-    return dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out")(out), per_layer
+    write_cache(out)
+    out = dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out")(out)
+    return attention.with_out_projection(cfg, out, per_layer)
 
 
 def _gemma2_sublayer(

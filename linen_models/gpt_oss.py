@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from linen_models.attention import update_cache
+from linen_models.attention import read_cache
 from linen_models.linears import dense
 from linen_models.mixtral import moe_per_layer
 from linen_models.normalizations import norm
@@ -47,7 +47,7 @@ class GptOssAttention(nn.Module):
     rope = dict(max_timescale=cfg.rope_max_timescale, scaling=rotary.scaling_from_config(cfg))
     query = rotary.apply_rotary(query, positions, **rope)
     key = rotary.apply_rotary(key, positions, **rope)
-    (key, value), kv = update_cache(
+    (key, value), kv, write_cache = read_cache(
         self, {"cached_key": key, "cached_value": value}, positions, segment_ids, ring=bool(kv_cache.window(cfg))
     )
     out, per_layer = attention.self_attention(
@@ -62,6 +62,7 @@ class GptOssAttention(nn.Module):
         sinks=sinks,
         **kv,
     )
+    write_cache(out)
     out = dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out", **biased)(out)
     return out, per_layer
 

@@ -10,7 +10,7 @@ stacks blocks of four layers (`Llama4Block`).
 import flax.linen as nn
 import jax
 
-from linen_models.attention import update_cache
+from linen_models.attention import read_cache
 from linen_models.linears import dense
 from linen_models.mixtral import moe_per_layer
 from linen_models.mlp import MlpBlock
@@ -40,7 +40,7 @@ class Llama4Attention(nn.Module):
     query, key = attention.llama4_queries_keys(cfg, self.rope, query, key, positions)
     # A chunked layer's cache is a ring of one chunk (`llama4._chunk_rings`).
     new = {"cached_key": key, "cached_value": value}
-    (key, value), kv = update_cache(self, new, positions, segment_ids, ring=self.rope)
+    (key, value), kv, write_cache = read_cache(self, new, positions, segment_ids, ring=self.rope)
     out, per_layer = attention.self_attention(
         query,
         key,
@@ -51,6 +51,7 @@ class Llama4Attention(nn.Module):
         query_scale=head_dim**-0.5,
         **kv,
     )
+    write_cache(out)
     return dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out")(out), per_layer
 
 

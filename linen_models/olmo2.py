@@ -11,7 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from linen_models.attention import update_cache
+from linen_models.attention import read_cache
 from linen_models.linears import dense
 from linen_models.mlp import MlpBlock
 from linen_models.normalizations import norm
@@ -58,7 +58,7 @@ class Olmo2Attention(nn.Module):
     scaling = rotary.scaling_from_config(cfg)
     query = rotary.apply_rotary(query, positions, max_timescale=cfg.rope_max_timescale, scaling=scaling)
     key = rotary.apply_rotary(key, positions, max_timescale=cfg.rope_max_timescale, scaling=scaling)
-    (key, value), kv = update_cache(
+    (key, value), kv, write_cache = read_cache(
         self, {"cached_key": key, "cached_value": value}, positions, segment_ids, ring=bool(kv_cache.window(cfg))
     )
     out, per_layer = attention.self_attention(
@@ -72,7 +72,9 @@ class Olmo2Attention(nn.Module):
         with_max_logits=cfg.use_qk_clip,
         **kv,
     )
-    return dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out")(out), per_layer
+    write_cache(out)
+    out = dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out")(out)
+    return attention.with_out_projection(cfg, out, per_layer)
 
 
 class Olmo2DecoderLayer(nn.Module):

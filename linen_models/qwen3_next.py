@@ -5,7 +5,7 @@ layers then one gated full-attention layer; each layer ends in routed experts
 plus a sigmoid-gated shared expert.
 
 Decoding: given a "cache" collection (`maxbridge.models.decoding`), the
-attention layer appends to its KV cache (`update_cache`) and a DeltaNet layer
+attention layer appends to its KV cache (`read_cache`) and a DeltaNet layer
 continues its `recurrent_state` and `conv_window`; training passes none.
 """
 
@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from linen_models.attention import update_cache
+from linen_models.attention import read_cache
 from linen_models.linears import dense
 from linen_models.mixtral import moe_per_layer
 from linen_models.mlp import MlpBlock
@@ -112,8 +112,9 @@ class GatedAttention(nn.Module):
     rope = dict(rotary_dim=qwen3_next.rotary_dim(cfg), max_timescale=cfg.rope_max_timescale)
     query = rotary.apply_partial_rotary(query, positions, **rope)
     key = rotary.apply_partial_rotary(key, positions, **rope)
-    (key, value), kv = update_cache(self, {"cached_key": key, "cached_value": value}, positions, segment_ids)
+    (key, value), kv, write_cache = read_cache(self, {"cached_key": key, "cached_value": value}, positions, segment_ids)
     out, _ = attention.self_attention(query, key, value, segment_ids, positions, query_scale=head_dim**-0.5, **kv)
+    write_cache(out)
     out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
     return dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out")(out)
 

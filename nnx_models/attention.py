@@ -5,9 +5,11 @@ RMSNorm `query_norm`/`key_norm` before RoPE; the query kernel then cannot
 carry 1/sqrt(head_dim), which the norm would undo, so it is applied at run time).
 
 Decoding: given `nnx.Cache` variables (`maxbridge.models.decoding` adds them to a
-copy of the model), attention appends its keys and values to them and reads
-all of it (`update_cache`); a model built for training never has any.
+copy of the model), attention reads them and its new keys and values, then
+appends those (`read_cache`); a model built for training never has any.
 """
+
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +54,7 @@ class Attention(nnx.Module):
         key, positions, max_timescale=cfg.rope_max_timescale, scaling=rotary.scaling_from_config(cfg)
     )
     scale = None if initializers.query_kernel_carries_scale(cfg) else cfg.head_dim**-0.5
-    (key, value), kv = update_cache(
+    (key, value), kv, write_cache = read_cache(
         self, {"cached_key": key, "cached_value": value}, positions, segment_ids, ring=bool(kv_cache.window(cfg))
     )
     out, per_layer = attention.self_attention(
@@ -66,7 +68,8 @@ class Attention(nnx.Module):
         with_max_logits=cfg.use_qk_clip,
         **kv,
     )
-    return self.out(out), per_layer
+    write_cache(out)
+    return attention.with_out_projection(cfg, self.out(out), per_layer)
 
 
 def update_cache(
@@ -76,7 +79,10 @@ def update_cache(
 
   While decoding, appends `new` ({name: [B, T, ...]}) to `module`'s cache and
   reads all of it (`ops.kv_cache.update`; `ring` for a windowed layer's ring);
-  else `new`'s own values and no keywords.
+  else `new`'s own values and no keywords. Layers use `read_cache`, which
+  reads before it writes; only Gemma 4's keep this order, since its KV-shared
+  layers attend over an earlier layer's keys and values, and a write deferred
+  past those reads would have to follow every one of them.
   """
   if not hasattr(module, kv_cache.INDEX):
     return tuple(new.values()), {}
@@ -87,3 +93,30 @@ def update_cache(
   for name, value in cache.items():
     getattr(module, name)[...] = value
   return values, keywords
+
+
+def read_cache(
+    module: nnx.Module, new: dict[str, jax.Array], positions: jax.Array, segment_ids: jax.Array, *, ring: bool = False
+) -> tuple[tuple[tuple[jax.Array, ...], ...], dict[str, jax.Array], Callable[[jax.Array], None]]:
+  """`update_cache`'s reads, its write deferred: (values, keywords, `write`), `write(out)` called with
+  attention's output once it is computed.
+
+  Each value is a tuple of blocks that attention reads as one sequence
+  (`ops.attention.dot_product_attention`). While decoding, two: the cache's
+  as it lies and `new`'s (`ops.kv_cache.read_first`); `write` then stores
+  `new` after the read (`ops.kv_cache.write`), so XLA never copies a layer's
+  cache to keep the read from the write. Else one, `new`'s own, no keywords,
+  and a `write` that does nothing. Not for a cache that another layer reads
+  too (Gemma 4's KV sharing): that read would follow the write.
+  """
+  if not hasattr(module, kv_cache.INDEX):
+    return tuple((values,) for values in new.values()), {}, lambda out: None
+  names = kv_cache.stored_names(new, lambda name: hasattr(module, name))
+  cache = {name: getattr(module, name)[...] for name in names}
+  values, keywords = kv_cache.read_first(cache, new, positions, segment_ids, ring=ring)
+
+  def write(out: jax.Array) -> None:
+    for name, value in kv_cache.write(cache, new, positions, segment_ids, ring=ring, after=out).items():
+      getattr(module, name)[...] = value
+
+  return values, keywords, write

@@ -17,7 +17,7 @@ from flax import nnx
 from maxbridge.core import initializers
 from maxbridge.core.config import Config
 from maxbridge.ops import attention, mla
-from nnx_models.attention import update_cache
+from nnx_models.attention import read_cache
 from nnx_models.linears import dense
 from nnx_models.normalizations import RMSNorm
 
@@ -58,13 +58,19 @@ class MLA(nnx.Module):
     latent, key_rope = jnp.split(self.wkv_a(x), [cfg.kv_lora_rank], axis=-1)
     latent = self.kv_norm(latent)
     key_rope = mla.rope_key(key_rope, positions, max_timescale=cfg.rope_max_timescale)
-    (latent, key_rope), kv = update_cache(
+    (latent, key_rope), kv, write_cache = read_cache(
         self, {"cached_latent": latent, "cached_key_rope": key_rope}, positions, segment_ids
     )
-    key, value = mla.latent_key_value(self.wkv_b(latent), key_rope, nope_dim=cfg.qk_nope_head_dim)
+    # Each block (a decode cache's, the new tokens') expanded where it lies.
+    blocks = [
+        mla.latent_key_value(self.wkv_b(part), rope, nope_dim=cfg.qk_nope_head_dim)
+        for part, rope in zip(latent, key_rope)
+    ]
+    key, value = zip(*blocks)
     qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     scale = None if initializers.query_kernel_carries_scale(cfg) else qk_head_dim**-0.5
     out, per_layer = attention.self_attention(
         query, key, value, segment_ids, positions, query_scale=scale, with_max_logits=cfg.use_qk_clip, **kv
     )
-    return self.out(out), per_layer
+    write_cache(out)
+    return attention.with_out_projection(cfg, self.out(out), per_layer)

@@ -20,7 +20,7 @@ from maxbridge.core.config import Config
 from maxbridge.core.families import gemma, gemma3
 from maxbridge.core.families.gemma import query_pre_attn_scalar
 from maxbridge.ops import attention, kv_cache, mlp, rotary
-from nnx_models.attention import update_cache
+from nnx_models.attention import read_cache
 from nnx_models.linears import dense
 from nnx_models.normalizations import RMSNorm, norm
 
@@ -84,7 +84,7 @@ class GemmaAttention(nnx.Module):
     rope = rotary.layer_rope(cfg, local=self.local)
     query = rotary.apply_rotary(query, positions, **rope)
     key = rotary.apply_rotary(key, positions, **rope)
-    (key, value), kv = update_cache(
+    (key, value), kv, write_cache = read_cache(
         self,
         {"cached_key": key, "cached_value": self.value(x)},
         positions,
@@ -103,7 +103,8 @@ class GemmaAttention(nnx.Module):
         logits_soft_cap=cfg.attn_logits_soft_cap,
         **kv,
     )
-    return self.out(out), per_layer
+    write_cache(out)
+    return attention.with_out_projection(cfg, self.out(out), per_layer)
 
 
 _MODULES = (

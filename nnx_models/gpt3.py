@@ -13,7 +13,7 @@ from flax import nnx
 from maxbridge.core import initializers
 from maxbridge.core.config import Config
 from maxbridge.ops import attention, mlp
-from nnx_models.attention import update_cache
+from nnx_models.attention import read_cache
 from nnx_models.linears import dense
 from nnx_models.normalizations import norm
 
@@ -37,11 +37,12 @@ class Gpt3Attention(nnx.Module):
     qkv = self.qkv_proj(x)
     query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     scale = None if initializers.query_kernel_carries_scale(cfg) else cfg.head_dim**-0.5
-    (key, value), kv = update_cache(self, {"cached_key": key, "cached_value": value}, positions, segment_ids)
+    (key, value), kv, write_cache = read_cache(self, {"cached_key": key, "cached_value": value}, positions, segment_ids)
     out, per_layer = attention.self_attention(
         query, key, value, segment_ids, positions, query_scale=scale, with_max_logits=cfg.use_qk_clip, **kv
     )
-    return self.out(out), per_layer
+    write_cache(out)
+    return attention.with_out_projection(cfg, self.out(out), per_layer)
 
 
 class Gpt3Mlp(nnx.Module):

@@ -18,7 +18,7 @@ from maxbridge.core.config import Config
 from maxbridge.core.families import gpt_oss
 from maxbridge.ops import attention, kv_cache, mlp, rotary
 from maxbridge.ops import moe as moe_ops
-from nnx_models.attention import update_cache
+from nnx_models.attention import read_cache
 from nnx_models.linears import dense
 from nnx_models.mixtral import moe_per_layer
 from nnx_models.normalizations import norm
@@ -48,7 +48,7 @@ class GptOssAttention(nnx.Module):
     rope = dict(max_timescale=cfg.rope_max_timescale, scaling=rotary.scaling_from_config(cfg))
     query = rotary.apply_rotary(self.query(x), positions, **rope)
     key = rotary.apply_rotary(self.key(x), positions, **rope)
-    (key, value), kv = update_cache(
+    (key, value), kv, write_cache = read_cache(
         self, {"cached_key": key, "cached_value": self.value(x)}, positions, segment_ids, ring=bool(kv_cache.window(cfg))
     )
     out, per_layer = attention.self_attention(
@@ -63,6 +63,7 @@ class GptOssAttention(nnx.Module):
         sinks=self.sinks[...],
         **kv,
     )
+    write_cache(out)
     return self.out(out), per_layer
 
 

@@ -14,7 +14,7 @@ from maxbridge.core.config import Config
 from maxbridge.core.families import llama4
 from maxbridge.ops import attention
 from maxbridge.ops import moe as moe_ops
-from nnx_models.attention import update_cache
+from nnx_models.attention import read_cache
 from nnx_models.linears import dense
 from nnx_models.mixtral import moe_per_layer
 from nnx_models.mlp import MlpBlock
@@ -41,7 +41,7 @@ class Llama4Attention(nnx.Module):
     query, key = attention.llama4_queries_keys(cfg, self.rope, self.query(x), self.key(x), positions)
     # A chunked layer's cache is a ring of one chunk (`llama4._chunk_rings`).
     new = {"cached_key": key, "cached_value": self.value(x)}
-    (key, value), kv = update_cache(self, new, positions, segment_ids, ring=self.rope)
+    (key, value), kv, write_cache = read_cache(self, new, positions, segment_ids, ring=self.rope)
     out, per_layer = attention.self_attention(
         query,
         key,
@@ -52,6 +52,7 @@ class Llama4Attention(nnx.Module):
         query_scale=cfg.head_dim**-0.5,
         **kv,
     )
+    write_cache(out)
     return self.out(out), per_layer
 
 

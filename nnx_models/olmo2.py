@@ -15,7 +15,7 @@ from maxbridge.core import initializers
 from maxbridge.core.config import Config
 from maxbridge.core.families import olmo3
 from maxbridge.ops import attention, kv_cache, normalization, rotary
-from nnx_models.attention import update_cache
+from nnx_models.attention import read_cache
 from nnx_models.linears import dense
 from nnx_models.mlp import MlpBlock
 from nnx_models.normalizations import norm
@@ -68,7 +68,7 @@ class Olmo2Attention(nnx.Module):
     scaling = rotary.scaling_from_config(cfg)
     query = rotary.apply_rotary(query, positions, max_timescale=cfg.rope_max_timescale, scaling=scaling)
     key = rotary.apply_rotary(key, positions, max_timescale=cfg.rope_max_timescale, scaling=scaling)
-    (key, value), kv = update_cache(
+    (key, value), kv, write_cache = read_cache(
         self, {"cached_key": key, "cached_value": value}, positions, segment_ids, ring=bool(kv_cache.window(cfg))
     )
     out, per_layer = attention.self_attention(
@@ -82,7 +82,8 @@ class Olmo2Attention(nnx.Module):
         with_max_logits=cfg.use_qk_clip,
         **kv,
     )
-    return self.out(out), per_layer
+    write_cache(out)
+    return attention.with_out_projection(cfg, self.out(out), per_layer)
 
 
 class Olmo2DecoderLayer(nnx.Module):

@@ -5,7 +5,7 @@ layers then one gated full-attention layer; each layer ends in routed experts
 plus a sigmoid-gated shared expert.
 
 Decoding: given `nnx.Cache` variables (`maxbridge.models.decoding`), the
-attention layer appends to its KV cache (`update_cache`) and a DeltaNet layer
+attention layer appends to its KV cache (`read_cache`) and a DeltaNet layer
 continues its `recurrent_state` and `conv_window`; a model built for training
 has none.
 """
@@ -18,7 +18,7 @@ from maxbridge.core import initializers
 from maxbridge.core.config import Config
 from maxbridge.core.families import qwen3_next
 from maxbridge.ops import attention, gated_deltanet, kv_cache, rotary
-from nnx_models.attention import update_cache
+from nnx_models.attention import read_cache
 from nnx_models.linears import dense
 from nnx_models.mixtral import moe_per_layer
 from nnx_models.mlp import MlpBlock
@@ -113,8 +113,11 @@ class GatedAttention(nnx.Module):
     rope = dict(rotary_dim=qwen3_next.rotary_dim(cfg), max_timescale=cfg.rope_max_timescale)
     query = rotary.apply_partial_rotary(query, positions, **rope)
     key = rotary.apply_partial_rotary(key, positions, **rope)
-    (key, value), kv = update_cache(self, {"cached_key": key, "cached_value": self.value(x)}, positions, segment_ids)
+    (key, value), kv, write_cache = read_cache(
+        self, {"cached_key": key, "cached_value": self.value(x)}, positions, segment_ids
+    )
     out, _ = attention.self_attention(query, key, value, segment_ids, positions, query_scale=cfg.head_dim**-0.5, **kv)
+    write_cache(out)
     out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
     return self.out(out)
 

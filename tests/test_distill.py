@@ -7,12 +7,14 @@ import numpy as np
 import pytest
 
 import maxbridge as mb
-from maxbridge.core import canonical
+from maxbridge.core import canonical, families
 from maxbridge.core.checkpointing import CheckpointError
 from maxbridge.core.config import ConfigError
 from maxbridge.training import aot, data, distill, hooks, recipe
+from maxbridge.models import dispatch
+from maxbridge.ops import attention
 from maxbridge.training.loss import Forward
-from conftest import LINEN, tiny_config
+from conftest import LINEN, LINEN_FLAGS, tiny_config
 
 NNX = (True, True, True)
 # The saved teacher (see `teacher_dir`), as the student's backend runs it, and as scanned Linen.
@@ -138,6 +140,156 @@ def test_distill_beta_adds_beta_times_the_feature_loss_and_beta_0_is_todays_dist
 def test_a_feature_loss_against_the_students_own_weights_is_zero_with_zero_gradient(steps):
   metrics = steps["self-beta"]["metrics"]
   assert abs(metrics["distill_feature"]) < 1e-6 and abs(metrics["loss"]) < 1e-6 and metrics["grad_norm"] < 1e-6
+
+
+# name -> (the student's flags, config overrides): the feature loss against the saved teacher, its value and
+# gradient taken directly (`_feature_step`), on each backend, a bridged mix, and unscanned.
+FEATURE_RUNS = {
+    "nnx": (NNX, dict()),
+    "linen": (LINEN, dict()),
+    "bridged": ((True, False, True), dict()),
+    "nnx-unscanned": (NNX, dict(scan_layers=False)),
+    "layer-1": (NNX, dict(distill_layer_indices=[1])),
+    # The student's own weights as teacher, alpha 1: KL and feature loss are both zero, and so is the gradient.
+    "self": (NNX, dict(teacher_overrides="{}", distill_alpha=1.0)),
+}
+
+
+def _feature_step(config):
+  """(loss, aux, canonical gradient) of the distillation loss with its teacher, for `config`'s student at seed 0."""
+  loss = recipe.create_loss(config)
+  reference = Forward(loss.teacher.apply, loss.teacher.take_params(), None)
+  model = mb.create_model(config, seed=0)
+  batch = data.make_dataset(config, "train", 4).batch(0)
+
+  def total(params):
+    student = Forward(lambda p, _, *inputs: model.apply_with_intermediates(p, *inputs), params, None, lambda p: p)
+    return loss(student, batch, reference)
+
+  (value, aux), grads = jax.jit(jax.value_and_grad(total, has_aux=True))(model.params())
+  unscanned = dispatch.abstract_model(config.replace(scan_layers=False)).abstract_params()
+  return dict(
+      config=config,
+      batch=batch,
+      loss=np.asarray(value),
+      aux=jax.tree.map(np.asarray, aux),
+      grads=jax.tree.map(np.asarray, canonical.conform(grads, unscanned, config.param_scan_axis)),
+  )
+
+
+@pytest.fixture(scope="module")
+def features(teacher_dir):
+  out = {}
+  for name, (flags, overrides) in FEATURE_RUNS.items():
+    options = dict(teacher_overrides=SAVED_TEACHER.replace("TEACHER_DIR", str(teacher_dir)), distill_beta=0.5)
+    options = dict(warmup_steps_fraction=0.0, eval_interval=0, distill_temperature=2.0, **{**options, **overrides})
+    out[name] = _feature_step(tiny_config(flags, **options))
+  return out
+
+
+def _assert_same_feature_step(got, want, atol):
+  for key in ("distill_feature", "distill_kl", "distill_ce"):
+    np.testing.assert_allclose(got["aux"][key], want["aux"][key], rtol=atol, atol=atol, err_msg=key)
+  np.testing.assert_allclose(got["loss"], want["loss"], rtol=atol, atol=atol)
+  want_flat = canonical.flatten(want["grads"])
+  for path, value in canonical.flatten(got["grads"]).items():
+    np.testing.assert_allclose(value, want_flat[path], atol=atol, rtol=0, err_msg=path)
+
+
+@pytest.mark.parametrize("name", ["linen", "bridged", "nnx-unscanned"])
+def test_the_feature_loss_and_its_gradient_are_the_same_on_linen_nnx_bridged_and_unscanned(features, name):
+  assert features["nnx"]["aux"]["distill_feature"] > 1e-3  # the teacher's activations differ
+  _assert_same_feature_step(features[name], features["nnx"], 1e-6)
+
+
+def test_the_feature_loss_of_the_students_own_weights_is_zero_with_zero_gradient(features):
+  got = features["self"]
+  assert got["config"].distill_feature_loss_type == "cosine"  # "self-beta" above checks l2 in a train step
+  tokens = got["aux"]["tokens"]  # per token, as the run logs them (float32 rounding: ~1e-8 a token)
+  assert abs(got["aux"]["distill_feature"]) / tokens < 1e-6 and abs(got["loss"]) / tokens < 1e-6
+  assert max(np.abs(g).max() for g in jax.tree.leaves(got["grads"])) / tokens < 1e-6
+
+
+def _captured_out_projections(config, params, batch):
+  """Each layer's attention output after its out projection, [L, B, T, D], as Flax's capture_intermediates
+  records the `out` Dense of the Linen unscanned model: a path that shares nothing with the per-layer values
+  the loss reads."""
+  config = config.replace(**LINEN_FLAGS, scan_layers=False, distill_beta=0.0, distill_layer_indices=None)
+  model = dispatch.abstract_model(config)
+  params = canonical.conform(params, model.abstract_params(), config.param_scan_axis)
+  inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+  _, state = model.module.apply(
+      {"params": params}, *inputs, capture_intermediates=lambda module, _: module.name == "out", mutable=True
+  )
+  decoder = state["intermediates"]["decoder"]
+  layers = range(config.num_decoder_layers)
+  return np.stack([decoder[f"layers_{i}"]["self_attention"]["out"]["__call__"][0] for i in layers])
+
+
+def test_the_feature_loss_compares_the_chosen_layers_out_projection_outputs_averaged_over_layers(features):
+  got = features["layer-1"]
+  config, batch = got["config"], got["batch"]
+  teacher_config, teacher_params, _ = distill.load_teacher(config)
+  student = _captured_out_projections(config, mb.create_model(config, seed=0).params(), batch)
+  teacher = _captured_out_projections(teacher_config, teacher_params, batch)
+  assert student.shape == (config.num_decoder_layers, 4, config.max_target_length, config.emb_dim)
+  cosine = np.sum(student * teacher, -1) / (np.linalg.norm(student, axis=-1) * np.linalg.norm(teacher, axis=-1))
+  mask = np.asarray(batch["targets_segmentation"]) != 0
+  per_layer = [np.sum((1 - cosine[i]) * mask) for i in range(config.num_decoder_layers)]  # token sums, as logged
+  assert abs(per_layer[0] - per_layer[1]) > 0.05 * per_layer[1]  # the wrong layer would fail below
+  np.testing.assert_allclose(got["aux"]["distill_feature"], per_layer[1], rtol=1e-5)
+  np.testing.assert_allclose(features["nnx"]["aux"]["distill_feature"], np.mean(per_layer), rtol=1e-5)  # null: all
+  # The loss (a sum over tokens, as the feature term) adds beta times it to the same logit distillation.
+  beta, nnx = config.distill_beta, features["nnx"]
+  want = nnx["loss"] - beta * nnx["aux"]["distill_feature"] + beta * per_layer[1]
+  np.testing.assert_allclose(got["loss"], want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "deepseek3-tiny", "gpt3-tiny", "gemma-tiny", "olmo2-tiny"])
+def test_only_a_feature_loss_makes_each_attention_return_its_out_projection_output(preset):
+  # Each attention class (Llama's, MLA across DeepSeek's two stacks, GPT-3's, Gemma's, OLMo 2's), on both backends.
+  key = f"decoder/{attention.OUT_PROJECTION}"
+  for flags in (NNX, LINEN):
+    for beta in (0.0, 0.5):
+      config = mb.load_config(preset, **dict(zip(LINEN_FLAGS, flags)), distill_beta=beta)
+      model = dispatch.abstract_model(config)
+      _, intermediates = jax.eval_shape(model.apply_with_intermediates, model.abstract_params(), np.zeros((2, 8), int))
+      assert (key in intermediates) == bool(beta), (flags, beta)
+      if beta:  # [layers, B, T, emb_dim]
+        assert intermediates[key].shape == (config.num_decoder_layers, 2, 8, config.emb_dim), flags
+
+
+def test_an_nnx_step_with_a_feature_loss_keeps_its_states_tree(steps):
+  # NNX: the activations are values the layers return, never state the step writes back (MaxText pops its sown
+  # intermediates for this), so a second step gets the same tree and graph.
+  trainer, config = steps["half-beta"]["trainer"], steps["half-beta"]["config"]
+  batch = data.make_dataset(config, "train", 4).batch(0)
+  state = trainer.init_state(0)
+  after, _ = trainer.train_step(state, batch)
+  assert jax.tree.structure(after) == jax.tree.structure(state)
+
+
+def test_feature_distillation_refuses_layers_and_models_it_cannot_compare_naming_the_key():
+  with pytest.raises(ConfigError, match=r"distill_layer_indices=\[2\]: \[2\] outside the model's layers.*in 0\.\.1"):
+    distill_config(teacher_overrides="{}", distill_beta=0.5, distill_layer_indices=[2])
+  with pytest.raises(ConfigError, match=r"distill_layer_indices=\[-1\]: \[-1\] outside"):
+    distill_config(teacher_overrides="{}", distill_beta=0.5, distill_layer_indices="[-1]")
+  with pytest.raises(ConfigError, match=r"distill_layer_indices=\[0\] picks the layers .* distill_beta=0 turns off"):
+    distill_config(teacher_overrides="{}", distill_layer_indices=[0])
+  with pytest.raises(ConfigError, match="'distill_layer_indices' expects a list of integers"):
+    distill_config(distill_layer_indices="first")
+  shallow = "{base_num_decoder_layers: 1}"
+  with pytest.raises(ConfigError, match=r"distill_layer_indices=\[1\]: \[1\] past the teacher's layers .* in 0\.\.0"):
+    recipe.create_loss(distill_config(teacher_overrides=shallow, distill_beta=0.5, distill_layer_indices=[1]))
+  with pytest.raises(ConfigError, match="distill_layer_indices=null compares every layer.*has 1 layers.*student.* 2"):
+    recipe.create_loss(distill_config(teacher_overrides=shallow, distill_beta=0.5))
+  assert families.lookup("gemma2").stacks[0].sublayers
+  with pytest.raises(ConfigError, match="decoder_block='gemma2'.*blocks of 2 layers"):
+    mb.load_config("gemma2-tiny", distill_beta=0.5, teacher_overrides="{}")
+  with pytest.raises(ConfigError, match="distill_beta=0.5 adds a feature loss against a teacher, and this run has none"):
+    recipe.create_loss(distill_config(distill_beta=0.5))
+  with pytest.raises(ConfigError, match="distill_beta=0.5 with pipeline parallelism"):
+    distill_config(teacher_overrides="{}", distill_beta=0.5, ici_pipeline_parallelism=2)
 
 
 def test_feature_losses_match_their_formulas():

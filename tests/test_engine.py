@@ -34,6 +34,7 @@ FAMILIES = (
     "gpt-oss-tiny",
     "llama4-tiny",
     "qwen3-next-tiny",  # DeltaNet layers: a recurrent state per slot beside the attention layer's KV cache
+    "gemma4-tiny",  # KV-shared layers: no cache of their own, they read the last earlier layer's of their kind
 )
 LINEN, NNX, MIX = (False, False, False), (True, True, True), (True, True, False)  # MIX: NNX model, bridged Linen decoder
 # Of different lengths, so the slots decode at different positions; mistral-tiny's
@@ -139,10 +140,12 @@ def test_linen_and_nnx_compile_one_and_the_same_prefill_and_decode_step():
     assert linen_ops == nnx_ops, f"{name}: Linen and NNX compile to different programs"
 
 
-def test_a_decode_step_reads_keys_and_values_where_they_lie_in_the_cache():
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_decode_step_reads_keys_and_values_where_they_lie_in_the_cache(batch):
   # Stored in the layout the attention products read (`ops.kv_cache`), no layer's cached keys or values are
-  # transposed or copied by a decode step; stored token-major, every layer's were, on every step.
-  eng = decode("llama-tiny", LINEN)["engine"]
+  # transposed or copied by a decode step; stored token-major, every layer's were, on every step. At batch 1,
+  # with the write before the read (`kv_cache.read_first`), XLA copied every layer's keys and values.
+  eng = decode("llama-tiny", LINEN)["engine"] if batch == 2 else make_engine("llama-tiny", LINEN, per_device_batch_size=1)
   state = eng.init_decode_state()
   flat = canonical.flatten(state.cache)
   sizes = {leaf.size for path, leaf in flat.items() if path.endswith(("/cached_key", "/cached_value"))}
@@ -271,8 +274,10 @@ def test_multisampling_at_temperature_0_repeats_the_greedy_token_and_is_reproduc
     greedy.bulk_insert(prefix, greedy.init_decode_state(), [0, 1])
 
 
-def test_prefill_concat_splits_into_the_prefixes_of_separate_prefills():
-  result = decode("mistral-tiny", LINEN)
+@pytest.mark.parametrize("preset, flags", [("mistral-tiny", LINEN), ("gemma4-tiny", NNX)], ids=["ring", "kv-shared"])
+def test_prefill_concat_splits_into_the_prefixes_of_separate_prefills(preset, flags):
+  # gemma4-tiny: its KV-shared layers attend over an earlier layer's packed cache, each prompt its own segment.
+  result = decode(preset, flags)
   packed = result["engine"].prefill_concat(PROMPTS)
   assert len(packed) == 2
   for got, want in zip(packed, result["prefixes"]):

@@ -1,4 +1,4 @@
-"""The newer families (Qwen3-MoE/-Next, OLMo 2/3, Gemma 1-3, gpt-oss, Llama 4): 8-device training matches one device.
+"""The newer families (Qwen3-MoE/-Next, OLMo 2/3, Gemma 1-4, gpt-oss, Llama 4): 8-device training matches one device.
 
 One subprocess (tests/families_multidevice.py) for all of them, as the device
 count is fixed before JAX is imported.
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-MOE = ("qwen3-moe-tiny", "gpt-oss-tiny", "llama4-tiny", "qwen3-next-tiny")
+MOE = ("qwen3-moe-tiny", "gpt-oss-tiny", "llama4-tiny", "qwen3-next-tiny", "gemma4-moe-tiny")
 DENSE = ("olmo2-tiny", "olmo3-tiny", "gemma-tiny", "gemma2-tiny", "gemma3-tiny")
 
 

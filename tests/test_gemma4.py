@@ -22,10 +22,13 @@ import maxbridge as mb  # noqa: E402
 from maxbridge.core import canonical  # noqa: E402
 from maxbridge.core.config import ConfigError  # noqa: E402
 from maxbridge.interop import hf  # noqa: E402
-from maxbridge.models import decoding, dispatch  # noqa: E402
-from hf_family import PROMPT, TOKENS, Saved, assert_matches_transformers, export_and_reimport  # noqa: E402
+from maxbridge.models import decoding, dispatch, lora  # noqa: E402
+from maxbridge.training import data, recipe  # noqa: E402
+from hf_family import BACKENDS, PROMPT, TOKENS, Saved, assert_matches_transformers, export_and_reimport  # noqa: E402
+from hf_family import family_config, int8_logits  # noqa: E402
 from hf_family import highest_precision  # noqa: E402,F401 (an autouse fixture)
 from test_hf import LOGITS_TOL, max_diff  # noqa: E402
+from test_vocab_tiling import _batch, _grads  # noqa: E402
 
 HIDDEN = 64
 ROPE = {
@@ -258,3 +261,69 @@ def test_export_loads_in_transformers_and_reimports_the_same_tree(reference, moe
   # The tables' sqrt(width) are undone and redone: equal up to float32 rounding.
   for path in first:
     np.testing.assert_allclose(again[path], first[path], rtol=1e-6, atol=1e-7, err_msg=path)
+
+
+# --- features on both backends (gemma4-tiny: per-layer inputs, KV-shared layers, a window shorter than the rows) ---
+
+PRESET = "gemma4-tiny"
+FEATURES = dict(per_device_batch_size=2, max_target_length=16)
+# LoRA acts on the canonical tree, whatever the layers: its training row runs one block (half the compile; the
+# path check reads both stacks, and the recipes' rows train the KV-shared block).
+ONE_BLOCK = dict(base_num_decoder_layers=6, num_kv_shared_layers=0, **FEATURES)
+
+
+def test_vocab_tiling_on_nnx_gives_untiled_linens_loss_and_gradients():
+  """One row for tiling and the backends together (two compiles of the model's gradients, not four): the tiled
+  head soft-caps and scales the tied table's logits as the untiled one does."""
+  untiled = family_config(PRESET, BACKENDS["linen"], z_loss_multiplier=1e-3, **FEATURES)
+  batch = _batch(untiled, rows=2)
+  want_loss, want = _grads(untiled, batch)
+  loss, grads = _grads(
+      family_config(PRESET, BACKENDS["nnx"], num_vocab_tiling=4, z_loss_multiplier=1e-3, **FEATURES), batch
+  )
+  want, grads = canonical.flatten(want), canonical.flatten(grads)
+  assert sorted(grads) == sorted(want)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  for path in want:
+    # Tiles sum in another order: float32 noise relative to the leaf's largest gradient.
+    atol = 1e-6 * max(1.0, float(np.max(np.abs(want[path]))))
+    np.testing.assert_allclose(grads[path], want[path], rtol=1e-4, atol=atol, err_msg=path)
+
+
+def test_lora_default_path_adapts_every_projection_and_trains_alike_on_both_backends():
+  """The default lora_module_path reaches the attention and MLP projections of both stacks (the KV-shared
+  layers have queries and outputs only). Three steps on one batch (the first at warm-up's learning rate 0): the
+  last loss is lower, on both backends alike."""
+  lora_flags = dict(lora_rank=4, lora_alpha=8.0, learning_rate=1e-2)
+  losses = {}
+  for backend, flags in BACKENDS.items():
+    config = family_config(PRESET, flags, **lora_flags, **ONE_BLOCK)
+    trainer = recipe.create_trainer(config)
+    state = trainer.init_state(0)
+    batch = trainer.shard_batch(data.make_dataset(config, "train", config.per_device_batch_size).batch(0, 0, 1))
+    losses[backend] = []
+    for _ in range(3):
+      state, metrics = trainer.train_step(state, batch)
+      losses[backend].append(float(metrics["loss"]))
+  whole = family_config(PRESET, BACKENDS["nnx"], **lora_flags)  # both stacks
+  targets = lora.targets(whole, dispatch.abstract_model(whole).abstract_params())
+  mlp = [f"mlp/{name}/kernel" for name in ("wi_0", "wi_1", "wo")]
+  attention = [f"self_attention/{name}/kernel" for name in ("query", "key", "value", "out")]
+  local = [f"local_{i}/{name}" for i in range(5) for name in attention + mlp]
+  own = {f"decoder/layers/{name}" for name in local} | {
+      f"decoder/layers/global/{name}" for name in attention + mlp if "value" not in name  # values: the keys'
+  }
+  shared = {f"decoder/kv_shared_layers/{name}" for name in local + [f"global/{n}" for n in attention + mlp]}
+  shared = {path for path in shared if "/key/" not in path and "/value/" not in path}
+  assert set(targets) == own | shared, sorted(set(targets) ^ (own | shared))
+  assert np.all(np.isfinite(losses["linen"])) and losses["linen"][-1] < losses["linen"][0] - 1e-2, losses
+  np.testing.assert_allclose(losses["nnx"], losses["linen"], rtol=0, atol=1e-5)
+
+
+def test_aqt_int8_quantizes_alike_on_both_backends():
+  """AQT quantizes every dense projection, the per-layer inputs' too (the routed experts of gemma4-moe-tiny stay
+  float, as every family's: README's Gemma 4 paragraph)."""
+  float_logits, linen, nnx = int8_logits(PRESET)
+  assert np.all(np.isfinite(linen))
+  assert np.abs(linen - float_logits).max() > 1e-3  # int8 rounding moves the logits past float noise
+  np.testing.assert_allclose(nnx, linen, atol=1e-6, rtol=0)

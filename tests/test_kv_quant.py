@@ -1,9 +1,12 @@
 """The int8 KV cache (`quantize_kvcache`): greedy decoding agrees with the float cache, in half the bytes."""
 
+import logging
+
 import jax
 import numpy as np
 import pytest
 
+import maxbridge as mb
 from conftest import LINEN, tiny_config
 from maxbridge.models import decoding, dispatch
 from maxbridge.ops import kv_cache
@@ -62,3 +65,15 @@ def test_quantize_round_trips_within_half_a_step():
 def test_an_unknown_kv_quant_dtype_is_refused():
   with pytest.raises(ValueError, match="kv_quant_dtype"):
     tiny_config(quantize_kvcache=True, kv_quant_dtype="int4")
+
+
+def test_qwen3_next_quantizes_its_attention_cache_and_says_its_deltanet_state_stays_float32(caplog):
+  config = mb.load_config("qwen3-next-tiny", quantize_kvcache=True, per_device_batch_size=1, max_prefill_predict_length=8)
+  with caplog.at_level(logging.INFO, logger="absl"):
+    eng = engine.Engine(config)
+  dtypes = {}
+  for name, leaf in canonical_leaves(eng.init_decode_state().cache):
+    dtypes.setdefault(name, set()).add(leaf.dtype)
+  assert dtypes["cached_key"] == dtypes["cached_value"] == {np.dtype(np.int8)}, dtypes
+  assert dtypes[kv_cache.RECURRENT_STATE] == dtypes[kv_cache.CONV_WINDOW] == {np.dtype(np.float32)}, dtypes
+  assert "states stay float: conv_window float32, recurrent_state float32" in caplog.text

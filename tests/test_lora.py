@@ -63,6 +63,21 @@ def test_a_rank_above_what_a_kernel_can_have_is_refused_naming_the_kernel():
   assert recipe.create_trainer(tiny_config(lora_rank=32, **key)).trainable.abstract_trained
 
 
+@pytest.mark.parametrize(
+    "axes, inputs",
+    [
+        (("heads", "kv", "embed"), 2),  # attention's out, and linear attention's out_proj: heads x head_dim in
+        (("mlp", "embed"), 1),
+        (("embed", "q_heads", "kv"), 1),
+        (("embed", "kv_heads", None), 1),  # Qwen3-Next's in_proj_qkvz
+        (("kv_lora", "kv_heads", "kv_head_dim"), 1),  # MLA's up-projection reads the latent
+        (("embed", "vocab"), 1),
+    ],
+)
+def test_a_kernels_inputs_are_read_from_its_logical_axes(axes, inputs):
+  assert lora.in_ndim(axes) == inputs
+
+
 def test_adapters_have_canonical_names_and_shapes():
   trainer = recipe.create_trainer(tiny_config(NNX, **LORA, lora_module_path=r"decoder/layers/self_attention/.*"))
   flat = {p: x.shape for p, x in canonical.flatten(trainer.trainable.abstract_trained).items()}
@@ -244,7 +259,8 @@ def test_qlora_runs_on_the_dequantized_base(qtype, qlora_runs, full_model_params
 
 def test_lora_dropout_draws_one_mask_per_step_adapter_and_layer_the_same_scanned_or_not():
   config = tiny_config(NNX, **RUN, lora_dropout=0.25)
-  abstract = lora.abstract_adapters(config, mb.create_model(config, seed=0).params())
+  model = mb.create_model(config, seed=0)
+  abstract = lora.abstract_adapters(config, model.params(), model.logical_axes())
   ones = jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype), abstract)
   key = lora.dropout_key(config, 3)
   dropped = canonical.flatten(lora.drop_adapter_inputs(config, ones, key))

@@ -423,21 +423,13 @@ def test_vocab_tiling_on_nnx_gives_untiled_linens_loss_and_gradients():
     np.testing.assert_allclose(grads[path], want[path], rtol=1e-4, atol=atol, err_msg=path)
 
 
-# LoRA's default lora_module_path adapts the attention layers' projections; this one adds the DeltaNet's input
-# projections. (Its out_proj [heads, head_dim, embed] is left out: lora.in_ndim reads one input axis there.)
-LORA_TARGETS = (
-    "decoder/layers/(full/self_attention|linear_[0-9]/linear_attention)/(query|key|value|out|in_proj_[a-z]+)/kernel"
-)
-
-
 def test_lora_adapts_the_deltanet_and_attention_projections_and_trains_alike_on_both_backends():
-  """Three steps on one batch (the first at warm-up's learning rate 0): the last loss is lower, on both backends
-  alike."""
+  """The default lora_module_path reaches every projection of both layer kinds and the shared experts; the
+  DeltaNet's out_proj [heads, head_dim, embed] reads two input axes (its logical axes say so). Three steps on one
+  batch (the first at warm-up's learning rate 0): the last loss is lower, on both backends alike."""
   losses = {}
   for backend, flags in BACKENDS.items():
-    config = family_config(
-        PRESET, flags, lora_rank=4, lora_alpha=8.0, learning_rate=1e-2, lora_module_path=LORA_TARGETS, **FEATURES
-    )
+    config = family_config(PRESET, flags, lora_rank=4, lora_alpha=8.0, learning_rate=1e-2, **FEATURES)
     trainer = recipe.create_trainer(config)
     state = trainer.init_state(0)
     batch = trainer.shard_batch(data.make_dataset(config, "train", config.per_device_batch_size).batch(0, 0, 1))
@@ -445,12 +437,18 @@ def test_lora_adapts_the_deltanet_and_attention_projections_and_trains_alike_on_
     for _ in range(3):
       state, metrics = trainer.train_step(state, batch)
       losses[backend].append(float(metrics["loss"]))
-  targets = lora.targets(config, dispatch.abstract_model(config).abstract_params())
+  model = dispatch.abstract_model(config)
+  targets = lora.targets(config, model.abstract_params())
   assert {path.split("/", 3)[-1] for path in targets} == {
       *(f"self_attention/{name}/kernel" for name in ("query", "key", "value", "out")),
-      *(f"linear_attention/{name}/kernel" for name in ("in_proj_qkvz", "in_proj_ba")),
+      *(f"linear_attention/{name}/kernel" for name in ("in_proj_qkvz", "in_proj_ba", "out_proj")),
+      *(f"shared_expert/{name}/kernel" for name in ("wi_0", "wi_1", "wo")),
   }
-  assert len(targets) == 4 + 3 * 2, targets
+  assert len(targets) == 4 + 3 * 3 + 4 * 3, targets
+  adapters = canonical.flatten(lora.abstract_adapters(config, model.abstract_params(), model.logical_axes()))
+  # [heads, layers, head_dim, rank] and [rank, layers, embed]: heads x head_dim in, the width out.
+  out_proj = "decoder/layers/linear_0/linear_attention/out_proj/kernel"
+  assert (adapters[out_proj + "_lora_a"].shape, adapters[out_proj + "_lora_b"].shape) == ((4, 1, 16, 4), (4, 1, 64))
   assert np.all(np.isfinite(losses["linen"])) and losses["linen"][-1] < losses["linen"][0] - 1e-2, losses
   np.testing.assert_allclose(losses["nnx"], losses["linen"], rtol=0, atol=1e-5)
 

@@ -153,6 +153,7 @@ class Config:
   distill_logits_path: str
   distill_beta: float
   distill_feature_loss_type: str
+  distill_layer_indices: tuple[int, ...]
   dataset_type: str
   dataset_path: str
   sft_train_on_completion_only: bool
@@ -337,6 +338,8 @@ def _coerce(key: str, value: Any, kind: type) -> Any:
         pass
   elif kind is tuple:
     return _axis_rules(key, value)
+  elif kind == tuple[int, ...]:
+    return _int_list(key, value)
   elif kind is str:
     if isinstance(value, str):
       return value
@@ -366,6 +369,20 @@ def _axis_rules(key: str, value: Any) -> tuple[tuple[str, Any], ...]:
       raise ConfigError(f"config key {key!r}: {name!r} maps to unknown mesh axes {unknown}; valid: {list(MESH_AXES)}")
     rules.append((name, axes or None))
   return tuple(rules)
+
+
+def _int_list(key: str, value: Any) -> tuple[int, ...]:
+  """[0, 3] (a list, or its YAML text) -> (0, 3); null, "None" (MaxText's spelling), "" or [] -> ()."""
+  if isinstance(value, str):
+    try:
+      value = None if value.strip() in ("", "None") else yaml.safe_load(value)
+    except yaml.YAMLError as e:
+      raise ConfigError(f"config key {key!r} is not valid YAML: {e}") from e
+  if value is None:
+    return ()
+  if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    return tuple(value)
+  raise ConfigError(f"config key {key!r} expects a list of integers such as [0, 3] (or null), got {value!r}")
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

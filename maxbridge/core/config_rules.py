@@ -261,6 +261,7 @@ def validate(cfg: Config) -> None:
   _validate_lora(cfg)
   _validate_mtp(cfg)
   _validate_diloco(cfg)
+  _validate_feature_distillation(cfg)
   if cfg.dataset_type == "text" and not cfg.dataset_path:
     raise ConfigError("dataset_type='text' needs dataset_path (a text file to train on)")
   if cfg.dataset_type == "grain" and not cfg.grain_train_files:
@@ -387,11 +388,6 @@ def _validate_lora(cfg: Config) -> None:
         f"distill_logits_path={cfg.distill_logits_path!r} holds the teacher's top-k logits of the training batches, "
         "read beside full student logits: set num_vocab_tiling=1 and eval_interval=0 (or distill in the step)"
     )
-  if cfg.distill_beta and (cfg.distill_logits_path or not cfg.teacher_overrides.strip()):
-    raise ConfigError(
-        f"distill_beta={cfg.distill_beta} adds a feature loss on the teacher's hidden states, which only a teacher "
-        "in the step has: set teacher_overrides (not distill_logits_path), or distill_beta=0"
-    )
   if (cfg.teacher_overrides.strip() or cfg.distill_logits_path) and (cfg.use_dpo or cfg.use_grpo):
     raise ConfigError(
         "teacher_overrides (distillation) with use_dpo or use_grpo: each is the run's loss; set teacher_overrides=''"
@@ -447,6 +443,48 @@ def _validate_mtp(cfg: Config) -> None:
       raise ConfigError(
           f"mtp_num_layers={cfg.mtp_num_layers} with {what}: {why}; set mtp_num_layers=0 or turn the other off"
       )
+
+
+def _validate_feature_distillation(cfg: Config) -> None:
+  """distill_beta > 0 makes each attention layer return its out-projection output (`ops.attention.OUT_PROJECTION`),
+  MaxText's switch: where that cannot exist or be read, and layer indices outside the model, are refused.
+
+  A run's teacher takes its student's distill_beta (`training.distill.load_teacher`), so it captures too; whether
+  the teacher has the chosen layers is checked there, against its own depth.
+  """
+  if cfg.distill_layer_indices and not cfg.distill_beta:
+    raise ConfigError(
+        f"distill_layer_indices={list(cfg.distill_layer_indices)} picks the layers of the feature loss, which "
+        "distill_beta=0 turns off: set distill_beta > 0, or distill_layer_indices=null"
+    )
+  if not cfg.distill_beta:
+    return
+  if cfg.distill_logits_path:
+    raise ConfigError(
+        f"distill_beta={cfg.distill_beta} compares the teacher's attention out-projection outputs with the "
+        "student's, which only a teacher in the step has, never offline logits: set teacher_overrides (not "
+        "distill_logits_path), or distill_beta=0"
+    )
+  blocks = [stack for stack in families.lookup(cfg.decoder_block).stacks if stack.sublayers]
+  if blocks:
+    raise ConfigError(
+        f"distill_beta={cfg.distill_beta} with decoder_block={cfg.decoder_block!r}: the feature loss compares "
+        "each decoder layer's attention out-projection output, and this family stacks blocks of "
+        f"{len(blocks[0].sublayers)} layers ({', '.join(blocks[0].sublayers)}), which return none per layer "
+        "(MaxText reads them from a stack of single layers too); set distill_beta=0"
+    )
+  if cfg.ici_pipeline_parallelism > 1 or cfg.dcn_pipeline_parallelism > 1:
+    raise ConfigError(
+        f"distill_beta={cfg.distill_beta} with pipeline parallelism: the pipeline combines per-layer values over "
+        "its micro-batches (maxima, means), and the out-projection outputs are per token; set distill_beta=0 or "
+        "ici_pipeline_parallelism=dcn_pipeline_parallelism=1"
+    )
+  bad = [i for i in cfg.distill_layer_indices if not 0 <= i < cfg.num_decoder_layers]
+  if bad:
+    raise ConfigError(
+        f"distill_layer_indices={list(cfg.distill_layer_indices)}: {bad} outside the model's layers; each must be "
+        f"in 0..{cfg.num_decoder_layers - 1} (num_decoder_layers={cfg.num_decoder_layers}), or null for all"
+    )
 
 
 def _validate_diloco(cfg: Config) -> None:

@@ -221,7 +221,8 @@ def base_and_adapters(base: str | os.PathLike | None, adapters: str | os.PathLik
   params = layouts.cast_floating(jax.device_get(params), np.dtype(run_config.weight_dtype))
   if run_config.lora_weight_qtype:
     quantized = run_config.replace(param_scan_axis=base_config.param_scan_axis)
-    params = jax.device_get(dequantize_base(quantized, quantize_base(quantized, params)))
+    axes = dispatch.abstract_model(quantized).logical_axes()
+    params = jax.device_get(dequantize_base(quantized, quantize_base(quantized, params, axes)))
   if reference is not None:
     found = canonical.fingerprint(params, base_config.param_scan_axis)
     if found != reference["fingerprint"]:

@@ -6,7 +6,8 @@ The adapter math (this module) is the model's; the policy that trains them is
 A kernel `W` at canonical path `.../query/kernel` gets two adapters beside it,
 `.../query/kernel_lora_a` (W's input axes + [r]) and `.../query/kernel_lora_b`
 ([r] + W's output axes), both with the layer axis where W has it when the
-layers are scanned. The model runs on `W + lora_alpha / lora_rank * A @ B`.
+layers are scanned. Which axes are W's inputs its logical axes say (`in_ndim`),
+for every family alike. The model runs on `W + lora_alpha / lora_rank * A @ B`.
 `lora_b` starts at zero, so step 0 is the base model exactly.
 
 Why not Qwix's `LoraProvider`: it finds a matmul's weights by the module that
@@ -51,7 +52,7 @@ import functools
 import zlib
 import math
 import re
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -73,10 +74,35 @@ def scale(config: Config) -> float:
   return config.lora_alpha / config.lora_rank
 
 
-def in_ndim(path: str) -> int:
-  """Input axes of a kernel (canonical, unscanned): attention's output projection reads heads and head_dim."""
-  # `self_attention_<sub>`: a suffixed sub-layer's (Gemma 2's `self_attention_local`).
-  return 2 if re.search(r"/self_attention(_[a-z0-9]+)?/out/kernel$", path) else 1
+def in_ndim(axes: Sequence[str | None]) -> int:
+  """How many leading axes a kernel contracts, from its logical axes (one layer's: without the stack's axis).
+
+  A kernel that writes the model's width (its last axis `embed`: attention's and
+  linear attention's `out` [heads, head_dim, embed], an MLP's `wo` [mlp, embed])
+  reads all its other axes; every other kernel reads its first axis (the width,
+  or MLA's low-rank latent) and writes the rest ([heads, head_dim], [mlp] ...).
+  """
+  return len(axes) - 1 if len(axes) > 1 and axes[-1] == "embed" else 1
+
+
+def _layer_axis(config: Config, path: str) -> int | None:
+  return config.param_scan_axis if canonical.is_stacked(path) else None
+
+
+def _input_axes(config: Config, kernel_axes: Mapping[str, Any]) -> dict[str, int]:
+  """{a kernel's name (as stacked: `canonical.layer_of`): its `in_ndim`}, from a tree of logical axes scanned or
+  not, so that it reads the kernels of a tree in either layout."""
+  found = {}
+  for path, axes in canonical.flatten(kernel_axes).items():
+    axes = list(axes)
+    if _layer_axis(config, path) is not None:
+      del axes[_layer_axis(config, path)]
+    found[_name(path)] = in_ndim(axes)
+  return found
+
+
+def _name(path: str) -> str:
+  return (canonical.layer_of(path) or (path,))[0]
 
 
 def targets(config: Config, abstract_params: Mapping[str, Any]) -> list[str]:
@@ -104,14 +130,14 @@ def targets(config: Config, abstract_params: Mapping[str, Any]) -> list[str]:
   return found
 
 
-def _split(config: Config, path: str, shape: tuple[int, ...]) -> tuple[tuple, tuple, int | None]:
-  """(input axes, output axes, layer axis or None) of a kernel's shape."""
-  layer_axis = config.param_scan_axis if canonical.is_stacked(path) else None
+def _split(config: Config, path: str, shape: tuple, inputs: int) -> tuple[tuple, tuple, int | None]:
+  """(input axes, output axes, layer axis or None) of a kernel's shape (or axis names), its first `inputs`
+  per-layer axes being its input."""
+  layer_axis = _layer_axis(config, path)
   per_layer = list(shape)
   if layer_axis is not None:
     del per_layer[layer_axis]
-  n = in_ndim((canonical.layer_of(path) or (path,))[0])
-  return tuple(per_layer[:n]), tuple(per_layer[n:]), layer_axis
+  return tuple(per_layer[:inputs]), tuple(per_layer[inputs:]), layer_axis
 
 
 def _with_layer(shape: tuple, layer_axis: int | None, value: Any) -> tuple:
@@ -122,13 +148,15 @@ def _with_layer(shape: tuple, layer_axis: int | None, value: Any) -> tuple:
   return tuple(shape)
 
 
-def abstract_adapters(config: Config, abstract_params: Mapping[str, Any]) -> dict:
-  """The adapter tree (ShapeDtypeStructs) for the kernels `targets` selects."""
+def abstract_adapters(config: Config, abstract_params: Mapping[str, Any], kernel_axes: Mapping[str, Any]) -> dict:
+  """The adapter tree (ShapeDtypeStructs) for the kernels `targets` selects; `kernel_axes` are the logical axes
+  of `abstract_params`, which say each kernel's inputs."""
   flat_params = canonical.flatten(abstract_params)
+  inputs = _input_axes(config, kernel_axes)
   flat = {}
   for path in targets(config, abstract_params):
     kernel = flat_params[path]
-    ins, outs, layer_axis = _split(config, path, kernel.shape)
+    ins, outs, layer_axis = _split(config, path, kernel.shape, inputs[_name(path)])
     layers = kernel.shape[layer_axis] if layer_axis is not None else None
     smaller = min(math.prod(ins), math.prod(outs))
     if config.lora_rank > smaller:  # A @ B would hold more values than the kernel, and reach no higher rank
@@ -145,10 +173,11 @@ def abstract_adapters(config: Config, abstract_params: Mapping[str, Any]) -> dic
 def adapter_axes(config: Config, abstract_params: Mapping[str, Any], kernel_axes: Mapping[str, Any]) -> dict:
   """Logical axes of each adapter, from its kernel's: the rank axis is never sharded."""
   flat_axes = canonical.flatten(kernel_axes)
+  inputs = _input_axes(config, kernel_axes)
   flat = {}
   for path in targets(config, abstract_params):
     axes = tuple(flat_axes[path])
-    ins, outs, layer_axis = _split(config, path, axes)
+    ins, outs, layer_axis = _split(config, path, axes, inputs[_name(path)])
     layer_name = axes[layer_axis] if layer_axis is not None else None
     flat[path + "_lora_a"] = _with_layer(ins + (None,), layer_axis, layer_name)
     flat[path + "_lora_b"] = _with_layer((None,) + outs, layer_axis, layer_name)
@@ -188,11 +217,11 @@ def merge(config: Config, params: Mapping[str, Any], adapters: Mapping[str, Any]
   return canonical.unflatten(flat)
 
 
-def _contracted(config: Config, path: str, ndim: int) -> tuple[int, ...]:
+def _contracted(config: Config, path: str, ndim: int, inputs: int) -> tuple[int, ...]:
   """The input axes of a kernel of `ndim` axes (stacked on param_scan_axis when its path is)."""
-  layer_axis = config.param_scan_axis if canonical.is_stacked(path) else None
+  layer_axis = _layer_axis(config, path)
   axes = [axis for axis in range(ndim) if axis != layer_axis]
-  return tuple(axes[: in_ndim((canonical.layer_of(path) or (path,))[0])])
+  return tuple(axes[:inputs])
 
 
 def _is_quantized(path: str, leaf: Any) -> bool:
@@ -200,14 +229,18 @@ def _is_quantized(path: str, leaf: Any) -> bool:
   return path.endswith("/kernel") and canonical.stack_name(path) is not None and len(leaf.shape) >= 2
 
 
-def quantize_base(config: Config, params: Mapping[str, Any]) -> dict:
-  """The base as a QLoRA state holds it: each layer kernel as `kernel_qvalue` + `kernel_scale`; as is without QLoRA."""
+def quantize_base(config: Config, params: Mapping[str, Any], kernel_axes: Mapping[str, Any]) -> dict:
+  """The base as a QLoRA state holds it: each layer kernel as `kernel_qvalue` + `kernel_scale`; as is without QLoRA.
+
+  `kernel_axes`: the model's logical axes (scanned or not), which say each kernel's inputs.
+  """
   if not config.lora_weight_qtype:
     return params
+  inputs = _input_axes(config, kernel_axes)
   flat = {}
   for path, leaf in canonical.flatten(params).items():
     if _is_quantized(path, leaf):
-      contracted = _contracted(config, path, len(leaf.shape))
+      contracted = _contracted(config, path, len(leaf.shape), inputs[_name(path)])
       flat[path + "_qvalue"], flat[path + "_scale"] = quantization.quantize_weight(
           leaf, config.lora_weight_qtype, contracted
       )
@@ -235,11 +268,12 @@ def dequantize_base(config: Config, stored: Mapping[str, Any]) -> dict:
 def stored_axes(config: Config, abstract_params: Mapping[str, Any], kernel_axes: Mapping[str, Any]) -> dict:
   """Logical axes of the stored base: a qvalue keeps its kernel's; a scale's input axes are never sharded."""
   flat_axes = canonical.flatten(kernel_axes)
+  inputs = _input_axes(config, kernel_axes)
   flat = {}
   for path, leaf in canonical.flatten(abstract_params).items():
     axes = tuple(flat_axes[path])
     if config.lora_weight_qtype and _is_quantized(path, leaf):
-      contracted = _contracted(config, path, len(leaf.shape))
+      contracted = _contracted(config, path, len(leaf.shape), inputs[_name(path)])
       flat[path + "_qvalue"] = axes
       flat[path + "_scale"] = tuple(None if i in contracted else name for i, name in enumerate(axes))
     else:

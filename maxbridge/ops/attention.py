@@ -6,6 +6,7 @@ may differ in length and offset (a query block against a cache of keys).
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from maxbridge.core import sharding
@@ -54,8 +55,8 @@ def attention_mask(
 
 def dot_product_attention(
     query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
+    key: jax.Array | tuple[jax.Array, ...],
+    value: jax.Array | tuple[jax.Array, ...],
     *,
     q_segment_ids: jax.Array,
     kv_segment_ids: jax.Array,
@@ -86,14 +87,23 @@ def dot_product_attention(
   `sinks` [N] (gpt-oss's attention sinks): one more logit per query head that
   joins each row's softmax but reads no value, so a row may give less than
   all of its weight to the keys.
+
+  `key` and `value` may each be a tuple of blocks [B, S_i, K, H] of one
+  sequence (a decode cache and the new tokens, `ops.kv_cache.read_first`),
+  masked by the segment ids and positions of all S = sum(S_i): each block is
+  read where it lies, one product per block, and no [B, S, ...] copy is made.
   """
+  if not isinstance(key, tuple):
+    key, value = (key,), (value,)
   batch, length, num_heads, head_dim = query.shape
-  num_kv_heads = key.shape[2]
+  num_kv_heads = key[0].shape[2]
   if num_heads % num_kv_heads:
     raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} kv heads")
   with jax.named_scope("dot_product_attention"):
     if sharding.axis_size("context") > 1 and length % sharding.axis_size("context") == 0:  # not a decode step's query
+      key, value = jnp.concatenate(key, axis=1), jnp.concatenate(value, axis=1)
       query, key, value, kv_segment_ids, kv_positions = _gather_context(query, key, value, kv_segment_ids, kv_positions)
+      key, value = (key,), (value,)
     if query_scale is not None:
       query = query * jnp.asarray(query_scale, query.dtype)
     query = query.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -101,14 +111,17 @@ def dot_product_attention(
     # and values [B, K, S, H]), as a decode cache stores them (`ops.kv_cache`,
     # keys transposed): it is then read where it lies, not copied.
     query = query.transpose(0, 2, 3, 1, 4)
-    key, value = jnp.moveaxis(key, 1, 2), jnp.moveaxis(value, 1, 2)
-    scores = jnp.einsum("BKGTH,BKSH->BKGTS", query, key).astype(jnp.float32)
+    key, value = [jnp.moveaxis(k, 1, 2) for k in key], [jnp.moveaxis(v, 1, 2) for v in value]
+    scores = [jnp.einsum("BKGTH,BKSH->BKGTS", query, k).astype(jnp.float32) for k in key]
+    scores = jnp.concatenate(scores, axis=-1)
     scores = soft_cap(scores, logits_soft_cap)
     mask = attention_mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions, sliding_window_size, chunk_size)
     scores = jnp.where(mask, scores, MASK_VALUE)
-    weights = softmax_with_sinks(scores, sinks).astype(value.dtype)
-    out = jnp.einsum("BKGTS,BKSH->BKGTH", weights, value).transpose(0, 3, 1, 2, 4)
-    out = out.reshape(batch, length, num_heads, value.shape[-1])
+    weights = softmax_with_sinks(scores, sinks).astype(value[0].dtype)
+    starts = np.cumsum([v.shape[2] for v in value])[:-1]
+    out = [jnp.einsum("BKGTS,BKSH->BKGTH", w, v) for w, v in zip(jnp.split(weights, starts, axis=-1), value)]
+    out = sum(out[1:], out[0])
+    out = out.transpose(0, 3, 1, 2, 4).reshape(batch, length, num_heads, value[0].shape[-1])
     out = sharding.constrain(out, ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
     if not return_max_logits:
       return out
@@ -144,8 +157,8 @@ def softmax_with_sinks(scores: jax.Array, sinks: jax.Array | None) -> jax.Array:
 
 def self_attention(
     query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
+    key: jax.Array | tuple[jax.Array, ...],
+    value: jax.Array | tuple[jax.Array, ...],
     segment_ids: jax.Array,
     positions: jax.Array,
     *,
@@ -160,8 +173,8 @@ def self_attention(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Attention of a sequence over itself: (output, the per-layer values a decoder layer returns).
 
-  While decoding, keys and values are a cache's and carry their own
-  `kv_segment_ids` and `kv_positions` [B, S] (`ops.kv_cache`); by default
+  While decoding, keys and values are a cache's (and the new tokens', as blocks)
+  and carry their own `kv_segment_ids` and `kv_positions` [B, S] (`ops.kv_cache`); by default
   they are the queries'. The values hold the per-head max logits
   (`decoder/max_logits`) when QK-Clip asks for them.
   """
@@ -184,6 +197,22 @@ def self_attention(
     out, max_logits = result
     return out, {"max_logits": max_logits}
   return result, {}
+
+
+# The per-layer value holding an attention layer's output after its out projection [B, T, emb_dim]: what
+# MaxText's feature distillation compares (its attention sows it under this name when distill_beta > 0).
+OUT_PROJECTION = "out_projection_activations"
+
+
+def with_out_projection(config, projected: jax.Array, values: dict[str, jax.Array]):
+  """(projected, `values` plus `OUT_PROJECTION` when distill_beta > 0): what every attention layer returns.
+
+  The one place that decides this capture, as MaxText's switch does: only a
+  run whose loss reads the activations pays for stacking them over the layers.
+  """
+  if config.distill_beta > 0:
+    return projected, {**values, OUT_PROJECTION: projected}
+  return projected, values
 
 
 def temperature_tuning(positions: jax.Array, scale: float, floor_scale: float) -> jax.Array:

@@ -235,7 +235,8 @@ def update(
   Without `ring`, `append` then `read`. With `ring` (a windowed layer's cache),
   one token per row is written at index mod length and the ring is read; a
   chunk writes only its last real tokens (`ring_append`) and reads the cache as
-  it was, followed by the chunk itself.
+  it was, followed by the chunk as the cache stores it (`read_first`). Layers
+  read first and write after (`read_first`, `write`); Gemma 4's keep this order.
   """
   if not ring:
     out = append(cache, new, positions, segment_ids)
@@ -243,13 +244,70 @@ def update(
   out = ring_append(cache, new, positions, segment_ids)
   if positions.shape[1] == 1:
     return (out, *read(out, new))
-  old = {name: load(cache, name) for name in new}
-  values = tuple(jnp.concatenate([old[name], new[name].astype(old[name].dtype)], axis=1) for name in new)
+  blocks, keywords = read_first(cache, new, positions, segment_ids, ring=True)
+  return out, tuple(jnp.concatenate(parts, axis=1) for parts in blocks), keywords
+
+
+# The segment id of the entries a write is about to replace, in a read made before it: no query has it.
+REPLACED = -1
+
+
+def read_first(
+    cache: Mapping[str, jax.Array],
+    new: Mapping[str, jax.Array],
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    ring: bool = False,
+) -> tuple[tuple[tuple[jax.Array, jax.Array], ...], dict[str, jax.Array]]:
+  """What `update` lets attention read, without writing: (for each of `new`'s entries, the blocks (the cache's,
+  `new`'s as the cache stores them), which attention reads as one sequence; the keywords masking them).
+
+  `write(..., after=attention's output)` then stores `new`. Attention then
+  reads the cache as it lies, before the write: with the write first, at
+  batch 1 XLA copied every layer's whole keys and values on every decode step
+  (llama-small: 64 copies of 256 KB, ~1.4 ms of a ~6 ms step; see
+  benchmarks/decode.py --per-step). The entries the write replaces get segment
+  `REPLACED`, so each query sees the same keys as after the write (a rewound
+  index, as speculative decoding's, leaves real entries there); a ring's chunk
+  keeps them, as `update` reads it.
+  """
+  length, steps = cache[SEGMENT_IDS].shape[1], positions.shape[1]
+  kept = cache[SEGMENT_IDS]
+  if not ring or steps == 1:
+    index = cache[INDEX] % length if ring else jnp.minimum(cache[INDEX], length - steps)  # as the write clamps
+    offset = jnp.arange(length, dtype=jnp.int32)[None] - index[:, None]
+    kept = jnp.where((offset >= 0) & (offset < steps), REPLACED, kept)
+  encoded = _encode(cache, new, positions, segment_ids)
+  values = tuple((load(cache, name), load(encoded, name)) for name in new)
   keywords = dict(
-      kv_segment_ids=jnp.concatenate([cache[SEGMENT_IDS], segment_ids], axis=1),
+      kv_segment_ids=jnp.concatenate([kept, segment_ids], axis=1),
       kv_positions=jnp.concatenate([cache[POSITIONS], positions], axis=1),
   )
-  return out, values, keywords
+  return values, keywords
+
+
+def write(
+    cache: Mapping[str, jax.Array],
+    new: Mapping[str, jax.Array],
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    ring: bool = False,
+    after: jax.Array,
+) -> dict[str, jax.Array]:
+  """The cache updated as `update` leaves it, the write made only once `after` ([B, ...], attention's output
+  over `read_first`'s blocks) is computed.
+
+  XLA orders a buffer's in-place write after its reads only where data flows
+  from the reads to the write (its copy insertion; an optimization barrier is
+  removed before it on CPU), else it copies the buffer. So the write index
+  takes a zero from `after`: x > x is false for every float, NaN included,
+  and XLA does not fold it for floats.
+  """
+  probe = after.reshape(after.shape[0], -1)[:, 0]
+  cache = {**cache, INDEX: cache[INDEX] + (probe > probe).astype(cache[INDEX].dtype)}
+  return ring_append(cache, new, positions, segment_ids) if ring else append(cache, new, positions, segment_ids)
 
 
 def ring_append(

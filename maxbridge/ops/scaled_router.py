@@ -22,7 +22,7 @@ def scaled_router(
     epsilon: float,
     dot_general: linear.DotGeneral = jax.lax.dot_general,
 ) -> tuple[jax.Array, jax.Array]:
-  """x [T, D], scale [D], kernel [D, E], per_expert_scale [E] -> (weights [T, K] float32, expert indices [T, K])."""
+  """x [..., D], scale [D], kernel [D, E], per_expert_scale [E] -> (weights [..., K] float32, expert indices [..., K])."""
   width = x.shape[-1]
   with jax.named_scope("scaled_router"):
     normed = normalization.rms_norm(x, jnp.ones((width,), x.dtype), epsilon=epsilon, dtype=x.dtype)
@@ -54,9 +54,11 @@ def scaled_router_moe(
   Gemma 4 routes by the layer's input and sends the experts a differently normed copy of it.
   """
   batch, length, width = x.shape
+  # Routed at [B, T, D]: the norm constrains its output as a [batch, length, embed] activation under a mesh.
   weights, indices = scaled_router(
-      router_input.reshape(-1, width), scale, kernel, per_expert_scale, k=k, epsilon=epsilon, dot_general=dot_general
+      router_input, scale, kernel, per_expert_scale, k=k, epsilon=epsilon, dot_general=dot_general
   )
+  weights, indices = weights.reshape(-1, k), indices.reshape(-1, k)
   gelu = lambda h: jax.nn.gelu(h, approximate=True)  # noqa: E731
   flat = x.reshape(-1, width)
   if sparse:

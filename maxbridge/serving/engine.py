@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from absl import logging
 from jax.sharding import Mesh, PartitionSpec
 
 from maxbridge.core import canonical, sharding
@@ -128,6 +129,7 @@ class Engine:
         model.load_params(params)
       model = model_lib.decode_model(model)
     self.config = decoding.decode_config(config)
+    _log_unquantized_states(self.config)
     self.model = model
     # Parameters and decode slots are sharded by their logical axes (the cache's
     # `cache_*` rules in logical_axis_rules): slots split over data and fsdp.
@@ -208,7 +210,7 @@ class Engine:
 
     if not lora.is_enabled(self.config):
       raise ValueError("adapters= needs the LoRA run's lora_rank and lora_alpha in the engine's config (lora_rank > 0)")
-    abstract = lora.abstract_adapters(self.config, self._abstract_params)
+    abstract = lora.abstract_adapters(self.config, self._abstract_params, self.model.logical_axes())
     try:
       adapters = canonical.conform(adapters, abstract, self.config.param_scan_axis)
     except ValueError as e:
@@ -665,6 +667,28 @@ class _HostPositions:
 def _advanced(next_pos: np.ndarray, steps: int) -> np.ndarray:
   """`next_pos` after `steps` decode steps: busy slots move on, idle ones (0) stay."""
   return np.where(next_pos > 0, next_pos + steps, 0).astype(np.int32)
+
+
+def _log_unquantized_states(config: Config) -> None:
+  """Says where `quantize_kvcache` leaves a cache float: a recurrent layer's state (Qwen3-Next's DeltaNet).
+
+  The int8 cache quantizes what attention appends, a token at a time, with one scale per token and
+  head; a recurrent state is rewritten whole by every token, so its error would compound step by step.
+  """
+  if not config.quantize_kvcache:
+    return
+  cache = canonical.flatten(decoding.abstract_cache(config, 1, config.max_target_length))
+  states = {
+      name: leaf.dtype
+      for name, leaf in ((path.rsplit("/", 1)[-1], leaf) for path, leaf in cache.items())
+      if name in (kv_cache.RECURRENT_STATE, kv_cache.CONV_WINDOW)
+  }
+  if states:
+    logging.info(
+        "quantize_kvcache=true stores the attention layers' keys and values int8; the recurrent layers' "
+        "states stay float: %s",
+        ", ".join(f"{name} {dtype}" for name, dtype in sorted(states.items())),
+    )
 
 
 def position_limit(config: Config) -> int | None:

@@ -20,17 +20,19 @@ forward pass the step's reference pass, under `stop_gradient`. With
 (`vocab_tiling.tiled_sums`): each tile computes both models' logits from their
 hidden states and heads, so neither model's [B, T, V] logits are ever held.
 
-With `distill_beta` > 0 the loss adds beta times a feature loss
-(`distill_feature_loss_type`, MaxText's keys): per token, the cosine distance
-(1 - cosine similarity, MaxText's 1e-6 norm floor) or the squared error
-averaged over the width between the two decoders' final hidden states (the
-last layer's output, before the final norm). MaxText compares activations
-element by element, with no projection between widths; neither does this, so
-a teacher of another `emb_dim` is refused. (MaxText's own feature loss reads
-other activations: each decoder layer's self-attention output projection,
-sown as `out_projection_activations` [layers, B, T, D], the layers chosen by
-`distill_layer_indices` (None: all), the same indices in both models. That
-key is not read here: our layers do not return those activations.)
+With `distill_beta` > 0 the loss adds beta times MaxText's feature loss
+(`distill_beta`, `distill_feature_loss_type`, `distill_layer_indices`): each
+attention layer's output after its out projection [B, T, emb_dim]
+(`ops.attention.OUT_PROJECTION`, MaxText's `out_projection_activations`),
+stacked over the decoder's layers [L, B, T, D] by both models, the layers at
+`distill_layer_indices` taken from both (the same indices; null: all, which
+needs as many layers in each), then per layer and token the cosine distance
+(`optax.cosine_distance`, epsilon 1e-6, as MaxText's) or the squared error
+averaged over the width, averaged over the chosen layers and the loss's
+tokens. The teacher takes the student's distill_beta, so its layers return
+the same activations. MaxText compares them element by element, with no
+projection between widths; neither does this, so a teacher of another
+`emb_dim` is refused.
 
 Or offline: `write_logits` (`maxbridge distill-logits`) stores the teacher's
 top-k logits of the run's training batches, and a run with
@@ -50,6 +52,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import yaml
 
 from maxbridge.core import canonical, files
@@ -57,7 +60,7 @@ from maxbridge.core.config import Config, ConfigError, load_config
 from maxbridge.interop import pretrained
 from maxbridge.interop.hf.families import HFError
 from maxbridge.models import dispatch
-from maxbridge.ops import losses
+from maxbridge.ops import attention, losses
 from maxbridge.training import data, vocab_tiling
 from maxbridge.training.loss import CrossEntropy, Forward, Loss
 
@@ -89,7 +92,9 @@ def load_teacher(config: Config) -> tuple[Config, dict | None, str]:
   overrides = teacher_overrides(config)
   model_name = overrides.pop("model_name", None)
   path = overrides.pop("load_parameters_path", None if model_name else config.load_parameters_path)
-  off = dict(teacher_overrides="", load_parameters_path="", distill_beta=0.0)  # the teacher distills nothing
+  # The teacher distills nothing, but takes distill_beta: its layers then return the activations the feature
+  # loss compares (MaxText's teacher shares the student's yml, and so its distill_beta, likewise).
+  off = dict(teacher_overrides="", load_parameters_path="", distill_beta=config.distill_beta, distill_layer_indices=())
   if path:
     kwargs = {**{key: getattr(config, key) for key in INHERITED}, **overrides, **off}
     try:
@@ -98,9 +103,9 @@ def load_teacher(config: Config) -> tuple[Config, dict | None, str]:
       raise ConfigError(f"teacher_overrides: the teacher at {path} cannot be read: {e} (give its model_name)") from e
   else:  # initial weights from the seed: the student's own (model_name unset) or another model's
     if model_name:
-      teacher_config = load_config(model_name, **{key: getattr(config, key) for key in INHERITED}, **overrides, **off)
+      teacher_config = load_config(model_name, **{**{key: getattr(config, key) for key in INHERITED}, **overrides, **off})
     else:
-      teacher_config = config.replace(**overrides, **off)
+      teacher_config = config.replace(**{**overrides, **off})
     params = None
   if teacher_config.vocab_size != config.vocab_size:
     raise ConfigError(
@@ -177,15 +182,11 @@ class Distillation(Loss):
     self.teacher = teacher
     self.alpha, self.temperature, self.beta = config.distill_alpha, config.distill_temperature, config.distill_beta
     self.batch_keys = CrossEntropy.batch_keys + (OFFLINE_KEYS if teacher is None else ())
+    self.layers = config.distill_layer_indices
     if self.beta:
       self.metric_keys = Distillation.metric_keys + ("distill_feature",)
-      if teacher is not None and teacher.config.emb_dim != config.emb_dim:
-        raise ConfigError(
-            f"distill_beta={self.beta}: the feature loss compares the teacher's hidden states "
-            f"({teacher.config.model_name}, emb_dim {teacher.config.emb_dim}) with the student's "
-            f"({config.model_name}, emb_dim {config.emb_dim}) element by element, as MaxText's does, with no "
-            "projection between widths: give a teacher of the student's width, or set distill_beta=0"
-        )
+      if teacher is not None:
+        _check_feature_teacher(config, teacher.config)
 
   def _per_token(self, student_logits, teacher_logits, targets):
     """(the loss, cross-entropy + z-loss, z-loss, KL) per position; `teacher_logits` [..., V] or offline
@@ -240,11 +241,13 @@ class Distillation(Loss):
       )
     extra = {}
     if self.beta:
-      feature = feature_loss(
-          intermediates["decoder/hidden_states"],
-          teacher_intermediates["decoder/hidden_states"],
-          self.config.distill_feature_loss_type,
-      )
+      key = f"decoder/{attention.OUT_PROJECTION}"
+      student_features, teacher_features = intermediates[key], teacher_intermediates[key]  # [L, B, T, D]
+      if self.layers:
+        layers = np.asarray(self.layers, np.int32)
+        student_features, teacher_features = (jnp.take(f, layers, axis=0) for f in (student_features, teacher_features))
+      # The mean over the chosen layers, then (CrossEntropy.total) over the loss's tokens: MaxText's reduction.
+      feature = jnp.mean(feature_loss(student_features, teacher_features, self.config.distill_feature_loss_type), 0)
       extra["distill_feature"] = jnp.sum(feature * mask)
       total = total + self.beta * extra["distill_feature"]
     token_sum, aux = CrossEntropy.total(total, sums["z"], mask, intermediates)
@@ -252,13 +255,39 @@ class Distillation(Loss):
 
 
 def feature_loss(student: jax.Array, teacher: jax.Array, kind: str) -> jax.Array:
-  """Per position, [..., D] x [..., D] -> [...] in float32: "cosine", 1 - cosine similarity (each norm floored
-  at 1e-6, as MaxText's), or "l2", the squared error averaged over D. The teacher's side takes no gradient."""
+  """Per vector, [..., D] x [..., D] -> [...] in float32, as MaxText's feature losses: "cosine",
+  `optax.cosine_distance` with epsilon 1e-6, or "l2", the squared error averaged over D. The teacher's side
+  takes no gradient."""
   student, teacher = student.astype(jnp.float32), jax.lax.stop_gradient(teacher.astype(jnp.float32))
   if kind == "cosine":
-    norms = jnp.maximum(jnp.linalg.norm(student, axis=-1), 1e-6) * jnp.maximum(jnp.linalg.norm(teacher, axis=-1), 1e-6)
-    return 1.0 - jnp.sum(student * teacher, axis=-1) / norms
+    return optax.cosine_distance(student, teacher, epsilon=1e-6)
   return jnp.mean(jnp.square(student - teacher), axis=-1)
+
+
+def _check_feature_teacher(config: Config, teacher: Config) -> None:
+  """The teacher has the student's width and the layers distill_layer_indices picks (all: as many as the
+  student's), or a ConfigError naming the key at fault."""
+  if teacher.emb_dim != config.emb_dim:
+    raise ConfigError(
+        f"distill_beta={config.distill_beta}: the feature loss compares the teacher's attention out-projection "
+        f"outputs ({teacher.model_name}, emb_dim {teacher.emb_dim}) with the student's ({config.model_name}, "
+        f"emb_dim {config.emb_dim}) element by element, as MaxText's does, with no projection between widths: "
+        "give a teacher of the student's width, or set distill_beta=0"
+    )
+  layers = (teacher.num_decoder_layers, config.num_decoder_layers)
+  if not config.distill_layer_indices and layers[0] != layers[1]:
+    raise ConfigError(
+        f"distill_layer_indices=null compares every layer, and the teacher ({teacher.model_name}) has {layers[0]} "
+        f"layers, the student ({config.model_name}) {layers[1]}: list the layers to compare, each in "
+        f"0..{min(layers) - 1}"
+    )
+  bad = [i for i in config.distill_layer_indices if i >= layers[0]]
+  if bad:
+    raise ConfigError(
+        f"distill_layer_indices={list(config.distill_layer_indices)}: {bad} past the teacher's layers "
+        f"({teacher.model_name}, num_decoder_layers={layers[0]}); each index picks the same layer in both "
+        f"models, so it must be in 0..{min(layers) - 1}"
+    )
 
 
 # --- Offline teacher logits (`maxbridge distill-logits`, read back with `distill_logits_path`) ---

@@ -41,42 +41,6 @@ def run_directory(config: Config) -> Path:
   return Path(config.base_output_directory) / (config.run_name or config.model_name)
 
 
-# Keys the trainer (its compiled step) never reads: where and how often a run writes, and what the run's source
-# and hooks give the step (its batches, DPO's and GRPO's reference, GRPO's reward). Configs that differ only in
-# these can share a trainer; most of them still change what a run computes, and the data's and the reference's
-# are fixed on resume (`_FIXED_KEYS`).
-_TRAINER_FREE_KEYS = frozenset(
-    {
-        "run_name",
-        "base_output_directory",
-        "enable_checkpointing",
-        "checkpoint_period",
-        "max_to_keep",
-        "eval_interval",
-        "eval_steps",
-        "log_period",
-        "dataset_type",
-        "dataset_path",
-        "reward_function",
-        "sft_train_on_completion_only",
-        "tokenizer_path",
-        "grain_train_files",
-        "grain_eval_files",
-        "grain_file_type",
-        "grain_worker_count",
-        "data_columns",
-        "add_bos",
-        "add_eos",
-        "use_sft",
-        "grain_shuffle_buffer_size",
-        "grain_skip_damaged_records",
-        "restart_data_on_resume",
-        "load_parameters_path",
-        "load_full_state_path",
-    }
-)
-
-
 # What the run reads, of `_FIXED_KEYS`: free on a resume with restart_data_on_resume (the new data from its start).
 _DATA_KEYS = (
     "dataset_type",
@@ -91,6 +55,33 @@ _DATA_KEYS = (
     "use_sft",
     "grain_shuffle_buffer_size",
 )
+
+# Keys the trainer (its compiled step) never reads: where and how often a run writes, and what the run's source
+# and hooks give the step (its batches, DPO's and GRPO's reference, GRPO's reward). Configs that differ only in
+# these can share a trainer; most of them still change what a run computes, and the data's and the reference's
+# are fixed on resume (`_FIXED_KEYS`).
+_TRAINER_FREE_KEYS = frozenset(
+    {
+        *_DATA_KEYS,
+        "run_name",
+        "base_output_directory",
+        "enable_checkpointing",
+        "checkpoint_period",
+        "max_to_keep",
+        "eval_interval",
+        "eval_steps",
+        "log_period",
+        "reward_function",
+        "sft_train_on_completion_only",
+        "grain_worker_count",
+        "grain_skip_damaged_records",
+        "restart_data_on_resume",
+        "load_parameters_path",
+        "load_full_state_path",
+    }
+)
+
+
 # Keys fixed when a run starts that its checkpoints' shapes do not show: how the trees are laid out
 # (scan_layers), LoRA's adapters and their scale, quantization, what the run optimises (DPO, GRPO, distillation's
 # mix of KL and cross-entropy: its loss curve would change meaning mid-run) and what it learns from (its data, GRPO's
@@ -113,6 +104,7 @@ _FIXED_KEYS = (
     "distill_temperature",
     "distill_beta",
     "distill_feature_loss_type",
+    "distill_layer_indices",
     "enable_diloco",
     *_DATA_KEYS,
     "reward_function",
@@ -132,10 +124,9 @@ def _check_resume(config: Config, run_dir: Path) -> None:
   keys = _FIXED_KEYS + (("load_parameters_path",) if config.use_dpo or config.use_grpo else ())
   if config.restart_data_on_resume:
     keys = tuple(key for key in keys if key not in _DATA_KEYS)
+  now = json.loads(json.dumps(config.to_dict()))  # as config.yml reads back: tuples are lists
   changed = [
-      f"{key}: {saved[key]!r} -> {getattr(config, key)!r}"
-      for key in keys
-      if key in saved and saved[key] != getattr(config, key)
+      f"{key}: {saved[key]!r} -> {getattr(config, key)!r}" for key in keys if key in saved and saved[key] != now[key]
   ]
   if changed:
     raise checkpointing.CheckpointError(

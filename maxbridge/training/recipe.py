@@ -8,7 +8,7 @@ import functools
 
 from jax.sharding import Mesh
 
-from maxbridge.core.config import Config
+from maxbridge.core.config import Config, ConfigError
 from maxbridge.models import dispatch, lora
 from maxbridge.models.model import LinenModel
 from maxbridge.training import diloco, distill, hooks, qk_clip, vocab_tiling
@@ -22,6 +22,13 @@ from maxbridge.training.trainer import AfterUpdate, Trainer
 def create_loss(config: Config) -> Loss:
   """The training objective for `config`: DPO, GRPO, distillation from a teacher, tiled or plain cross-entropy (SFT
   is cross-entropy on SFT rows)."""
+  if config.distill_beta and not distill.is_enabled(config):
+    # Checked here, not in config_rules: a teacher's own config carries its student's distill_beta (so that its
+    # layers return what the feature loss compares), and it has no teacher.
+    raise ConfigError(
+        f"distill_beta={config.distill_beta} adds a feature loss against a teacher, and this run has none: set "
+        "teacher_overrides (the teacher's config), or distill_beta=0"
+    )
   if config.use_dpo:
     return dpo.DPO(config.dpo_beta, config.dpo_label_smoothing)
   if config.use_grpo:

@@ -99,10 +99,13 @@ class LoraAdapters(Trainable):
   copies_reference = False  # the reference is the base: the adapters off
 
   def __init__(self, config: Config, abstract_params: Params, kernel_axes: Params):
-    adapters = lora.abstract_adapters(config, abstract_params)
+    adapters = lora.abstract_adapters(config, abstract_params, kernel_axes)
     super().__init__(config, adapters, lora.adapter_axes(config, abstract_params, kernel_axes))
     # The base as the state holds it (QLoRA: quantized kernels; otherwise the canonical tree itself).
-    self.abstract_stored = jax.eval_shape(functools.partial(lora.quantize_base, config), abstract_params)
+    self.kernel_axes = kernel_axes  # which say each kernel's inputs (`lora.in_ndim`)
+    self.abstract_stored = jax.eval_shape(
+        functools.partial(lora.quantize_base, config, kernel_axes=kernel_axes), abstract_params
+    )
     self.stored_axes = lora.stored_axes(config, abstract_params, kernel_axes)
     if config.lora_weight_qtype:
       self.stored_outside_model = (
@@ -110,7 +113,8 @@ class LoraAdapters(Trainable):
       )
 
   def initial(self, params, seed):
-    return lora.init_adapters(self.abstract_trained, seed, self.config), lora.quantize_base(self.config, params)
+    adapters = lora.init_adapters(self.abstract_trained, seed, self.config)
+    return adapters, lora.quantize_base(self.config, params, self.kernel_axes)
 
   def view(self, trained, stored, step=None):
     # Also what losses that read the model directly (vocabulary tiling's head) see: the adapted weights.
@@ -122,7 +126,7 @@ class LoraAdapters(Trainable):
     return lora.dequantize_base(self.config, stored)  # QLoRA: the base's dequantized values
 
   def with_params(self, params):
-    return {"stored": lora.quantize_base(self.config, params)}
+    return {"stored": lora.quantize_base(self.config, params, self.kernel_axes)}
 
   def reference(self, trained, reference):
     # So the reference needs no copy of the base (a float one, under QLoRA): zeros give a zero update.
