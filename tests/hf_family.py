@@ -126,6 +126,22 @@ def assert_tiling_matches_untiled_linen(preset: str) -> None:
     _assert_grads_close(grads, want, rtol=1e-5)
 
 
+def assert_tiled_nnx_matches_untiled_linen(preset: str, **overrides) -> None:
+  """num_vocab_tiling=4 on pure NNX gives untiled pure Linen's loss and gradients: tiling and the backends in one
+  row (two compiles of the model's gradients, not four), for a model whose compile dominates its tests."""
+  untiled = family_config(preset, LINEN, z_loss_multiplier=1e-3, **overrides)
+  batch = _batch(untiled, rows=2)
+  want_loss, want = _grads(untiled, batch)
+  loss, grads = _grads(family_config(preset, NNX, num_vocab_tiling=4, z_loss_multiplier=1e-3, **overrides), batch)
+  want, grads = canonical.flatten(want), canonical.flatten(grads)
+  assert sorted(grads) == sorted(want)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  for path in want:
+    # Tiles sum in another order: float32 noise relative to the leaf's largest gradient.
+    atol = 1e-6 * max(1.0, float(np.max(np.abs(want[path]))))
+    np.testing.assert_allclose(grads[path], want[path], rtol=1e-4, atol=atol, err_msg=path)
+
+
 def train_steps(config: mb.Config, steps: int = 3):
   """(losses, params before, params after, trained params) of `steps` steps on the embedded data."""
   trainer = recipe.create_trainer(config)

@@ -25,10 +25,9 @@ from maxbridge.interop import hf  # noqa: E402
 from maxbridge.models import decoding, dispatch, lora  # noqa: E402
 from maxbridge.training import data, recipe  # noqa: E402
 from hf_family import BACKENDS, PROMPT, TOKENS, Saved, assert_matches_transformers, export_and_reimport  # noqa: E402
-from hf_family import family_config, int8_logits  # noqa: E402
+from hf_family import assert_tiled_nnx_matches_untiled_linen, family_config, int8_logits  # noqa: E402
 from hf_family import highest_precision  # noqa: E402,F401 (an autouse fixture)
 from test_hf import LOGITS_TOL, max_diff  # noqa: E402
-from test_vocab_tiling import _batch, _grads  # noqa: E402
 
 HIDDEN = 64
 ROPE = {
@@ -273,21 +272,8 @@ ONE_BLOCK = dict(base_num_decoder_layers=6, num_kv_shared_layers=0, **FEATURES)
 
 
 def test_vocab_tiling_on_nnx_gives_untiled_linens_loss_and_gradients():
-  """One row for tiling and the backends together (two compiles of the model's gradients, not four): the tiled
-  head soft-caps and scales the tied table's logits as the untiled one does."""
-  untiled = family_config(PRESET, BACKENDS["linen"], z_loss_multiplier=1e-3, **FEATURES)
-  batch = _batch(untiled, rows=2)
-  want_loss, want = _grads(untiled, batch)
-  loss, grads = _grads(
-      family_config(PRESET, BACKENDS["nnx"], num_vocab_tiling=4, z_loss_multiplier=1e-3, **FEATURES), batch
-  )
-  want, grads = canonical.flatten(want), canonical.flatten(grads)
-  assert sorted(grads) == sorted(want)
-  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-  for path in want:
-    # Tiles sum in another order: float32 noise relative to the leaf's largest gradient.
-    atol = 1e-6 * max(1.0, float(np.max(np.abs(want[path]))))
-    np.testing.assert_allclose(grads[path], want[path], rtol=1e-4, atol=atol, err_msg=path)
+  """The tiled head soft-caps and scales the tied table's logits as the untiled one does."""
+  assert_tiled_nnx_matches_untiled_linen(PRESET, **FEATURES)
 
 
 def test_lora_default_path_adapts_every_projection_and_trains_alike_on_both_backends():

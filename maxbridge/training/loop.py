@@ -124,7 +124,7 @@ def _check_resume(config: Config, run_dir: Path) -> None:
   keys = _FIXED_KEYS + (("load_parameters_path",) if config.use_dpo or config.use_grpo else ())
   if config.restart_data_on_resume:
     keys = tuple(key for key in keys if key not in _DATA_KEYS)
-  now = json.loads(json.dumps(config.to_dict()))  # as config.yml reads back: tuples are lists
+  now = _as_recorded(config)
   changed = [
       f"{key}: {saved[key]!r} -> {getattr(config, key)!r}" for key in keys if key in saved and saved[key] != now[key]
   ]
@@ -458,6 +458,11 @@ def _open_run(
 CONFIG_HISTORY = "config_history.jsonl"
 
 
+def _as_recorded(config: Config) -> dict:
+  """`config`'s keys as config.yml and config_history.jsonl read back (tuples are lists), to compare with them."""
+  return json.loads(json.dumps(config.to_dict()))
+
+
 def _record_config(config: Config, run_dir: Path, start: int) -> None:
   """Writes config.yml as the run starts. A resume leaves it as it is and appends the keys it changes (those
   `_FIXED_KEYS` leaves free: learning rate, steps, logging...) to config_history.jsonl, with its step."""
@@ -466,7 +471,7 @@ def _record_config(config: Config, run_dir: Path, start: int) -> None:
     config.to_yaml(path)
     return
   last = latest_config(run_dir)
-  now = json.loads(json.dumps(config.to_dict()))  # as config.yml reads back: tuples are lists
+  now = _as_recorded(config)
   for key in ("base_output_directory", "run_name"):  # where the folder is, not what runs in it (it may move)
     now.pop(key), last.pop(key, None)
   changed = {
