@@ -1,5 +1,6 @@
 """Shared fixtures. Models are tiny (llama-tiny) so the whole matrix stays fast."""
 
+import gc
 import itertools
 import os
 import shutil
@@ -55,3 +56,16 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def tokens():
   return jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_functions():
+  """Each test file's compiled functions are freed when the file ends.
+
+  An xdist worker runs many files in one process, and JAX keeps every executable it has
+  compiled; over the whole suite a worker grew large enough to be killed. The persistent
+  compilation cache above keeps what a later file compiles again cheap.
+  """
+  yield
+  jax.clear_caches()
+  gc.collect()
