@@ -174,3 +174,24 @@ def test_a_fresh_and_a_resumed_state_run_one_compiled_train_step(backend, lora):
     return jax.tree.map(lambda x: (x.dtype, x.shape, jax.typeof(x).weak_type), state)
 
   assert types(fresh) == types(resumed)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_nnx_state_between_steps_holds_arrays_not_variables(lora):
+  """`jax.jit` flattens the state on every call and builds its output again: a Variable per leaf is host time
+  each step (NNXTrainer's docstring has the figures), so the state a step takes and returns is pure."""
+  trainer = recipe.create_trainer(tiny_config((True, True, True), **({"lora_rank": 4} if lora else {})))
+  fresh = trainer.init_state(0)
+  stepped, _ = trainer.train_step(trainer.init_state(0), first_batch(trainer.config))
+  resumed = trainer.with_checkpoint(fresh, trainer.to_checkpoint(fresh))
+  for name, state in {
+      "abstract": trainer.abstract_state(),
+      "fresh": fresh,
+      "stepped": stepped,
+      "resumed": resumed,
+  }.items():
+    variables = [
+        x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)) if isinstance(x, nnx.Variable)
+    ]
+    assert not variables, f"{name} state holds {len(variables)} nnx.Variable(s), e.g. {type(variables[0]).__name__}"
+    assert len(jax.tree.leaves(state)) == len(jax.tree.leaves(trainer.abstract_state())), name

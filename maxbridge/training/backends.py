@@ -133,6 +133,13 @@ class NNXTrainer(Trainer):
 
   `nnx.jit` would re-traverse the object graph on every call, which costs
   several times the step itself on small models; a static GraphDef does not.
+  The state between steps is pure (`nnx.as_pure`: arrays, no `nnx.Variable`s):
+  `jax.jit` flattens its input and builds its output on every call, and a
+  Variable per leaf is Python work each time. On qwen3-next-tiny (213 leaves,
+  one 16-token row, idle 2-core CPU) the call's host time was 4.0 ms with
+  Variables, 2.1 ms pure and 1.8 ms for Linen's state; the step 1.10x Linen's
+  time, then 1.02x. The step merges it with the GraphDef, which restores the
+  Variables' types.
   """
 
   def __init__(self, config: Config, build_model: Callable[[nnx.Rngs], nnx.Module], mesh: Mesh | None = None, **hooks):
@@ -147,9 +154,10 @@ class NNXTrainer(Trainer):
           f"holds {sorted(nnx.to_pure_dict(rest))}"
       )
     # From the abstract trees, as Linen's `abstract_state`: tracing the initializers would cost most of the build.
-    self.graphdef, self._abstract_state = nnx.split(
+    self.graphdef, self._abstract_variables = nnx.split(
         nnx.eval_shape(self._module, self.trainable.abstract_trained, self.trainable.abstract_stored)
     )
+    self._abstract_state = nnx.as_pure(self._abstract_variables)
     self._layout = {**self.disk_layout, "stored": self.trainable.abstract_stored}
 
   def _model(self, params: Params) -> nnx.Module:
@@ -169,7 +177,7 @@ class NNXTrainer(Trainer):
     return TrainStateNNX(model, nnx.Optimizer(adapters, self.tx, wrt=nnx.LoRAParam), adapters)
 
   def _new_state(self, trained, stored):
-    return nnx.state(self._module(trained, stored))
+    return nnx.as_pure(nnx.state(self._module(trained, stored)))
 
   def abstract_state(self):
     return self._abstract_state
@@ -177,11 +185,13 @@ class NNXTrainer(Trainer):
   def logical_specs(self):
     # nnx.Optimizer copies each parameter's metadata onto its mu and nu. A Variable holding no array (optax's
     # MaskedNode: a partitioned optimizer such as Muon keeps no state of that kind for the leaf) takes no spec.
-    return jax.tree.map(
-        lambda spec, variable: variable if not jax.tree.leaves(variable) else spec,
-        nnx.get_partition_spec(self._abstract_state),
-        self._abstract_state,
-        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    return nnx.as_pure(
+        jax.tree.map(
+            lambda spec, variable: variable if not jax.tree.leaves(variable) else spec,
+            nnx.get_partition_spec(self._abstract_variables),
+            self._abstract_variables,
+            is_leaf=lambda x: isinstance(x, nnx.Variable),
+        )
     )
 
   def _bind(self, state) -> Bound:
@@ -210,7 +220,7 @@ class NNXTrainer(Trainer):
     opened.optimizer.update(opened.model if self.trainable.trains_model else opened.adapters, grads_state)
     # Sown intermediates would make the output tree differ from the input
     # (and break donation); they are never state.
-    return nnx.state(opened, nnx.Not(nnx.Intermediate))
+    return nnx.as_pure(nnx.state(opened, nnx.Not(nnx.Intermediate)))
 
   def _state_path(self, path: str) -> str:
     """A path of `_tree`'s tree -> the same leaf's path in the state's pure dict (`layouts.layout_path`'s mapping,
