@@ -19,6 +19,7 @@ from maxbridge.core.families.base import (
     routes_to_experts,
 )
 from maxbridge.core.families.hf_rules import (
+    common_to_hf,
     ConfigClass,
     HFError,
     HFFamily,
@@ -162,16 +163,9 @@ def _config_to_hf(cfg: Config) -> dict[str, Any]:
         "and routed_bias=true are needed for an export"
     )
   return {
-      "hidden_size": cfg.emb_dim,
-      "num_attention_heads": cfg.num_query_heads,
-      "num_key_value_heads": cfg.num_kv_heads,
-      "intermediate_size": cfg.mlp_dim,
+      **common_to_hf(cfg),
       "moe_intermediate_size": cfg.moe_mlp_dim,
-      "num_hidden_layers": cfg.num_decoder_layers,
       "first_k_dense_replace": cfg.first_num_dense_layers,
-      "vocab_size": cfg.vocab_size,
-      "rms_norm_eps": cfg.normalization_layer_epsilon,
-      "tie_word_embeddings": cfg.logits_via_embedding,
       "n_routed_experts": cfg.num_experts,
       "num_experts_per_tok": cfg.num_experts_per_tok,
       "n_shared_experts": cfg.shared_experts,

@@ -32,6 +32,7 @@ from maxbridge.core.families.base import (
     query_kernel_clip,
 )
 from maxbridge.core.families.hf_rules import (
+    common_to_hf,
     CONFIG_FILE,
     ConfigClass,
     HFError,
@@ -223,17 +224,9 @@ def _gemma2_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
   }
 
 
-def common_to_hf(cfg: Config, layers: int) -> dict[str, Any]:
+def gemma_common_to_hf(cfg: Config, layers: int) -> dict[str, Any]:
   return {
-      "hidden_size": cfg.emb_dim,
-      "num_attention_heads": cfg.num_query_heads,
-      "num_key_value_heads": cfg.num_kv_heads,
-      "head_dim": cfg.head_dim,
-      "intermediate_size": cfg.mlp_dim,
-      "num_hidden_layers": layers,
-      "vocab_size": cfg.vocab_size,
-      "rms_norm_eps": cfg.normalization_layer_epsilon,
-      "tie_word_embeddings": cfg.logits_via_embedding,
+      **common_to_hf(cfg, layers),
       "attention_bias": False,
       "use_bidirectional_attention": None,
       **rope_to_hf(cfg),
@@ -241,13 +234,13 @@ def common_to_hf(cfg: Config, layers: int) -> dict[str, Any]:
 
 
 def _gemma_to_hf(cfg: Config) -> dict[str, Any]:
-  return {**common_to_hf(cfg, cfg.num_decoder_layers), "hidden_act": "gelu_pytorch_tanh"}
+  return {**gemma_common_to_hf(cfg, cfg.num_decoder_layers), "hidden_act": "gelu_pytorch_tanh"}
 
 
 def _gemma2_to_hf(cfg: Config) -> dict[str, Any]:
   layers = 2 * cfg.num_decoder_layers
   return {
-      **common_to_hf(cfg, layers),
+      **gemma_common_to_hf(cfg, layers),
       "hidden_activation": "gelu_pytorch_tanh",
       "sliding_window": cfg.sliding_window_size,
       "layer_types": ["sliding_attention", "full_attention"] * cfg.num_decoder_layers,

@@ -33,7 +33,7 @@ from maxbridge.core.families.gemma import (
     GEMMA2_RULES,
     MAXTEXT_GEMMA2,
     PlusOne,
-    common_to_hf,
+    gemma_common_to_hf,
     read_common,
     soft_cap,
     query_pre_attn_scalar,
@@ -175,7 +175,7 @@ def _config_to_hf(cfg: Config) -> dict[str, Any]:
     global_rope.update(rope_type="linear", factor=cfg.rope_linear_scaling_factor)
   local_theta = cfg.local_rope_max_timescale if cfg.local_rope_max_timescale > 0 else cfg.rope_max_timescale
   values = {
-      **common_to_hf(cfg, cfg.num_decoder_layers),
+      **gemma_common_to_hf(cfg, cfg.num_decoder_layers),
       "hidden_activation": "gelu_pytorch_tanh",
       "sliding_window": cfg.sliding_window_size,
       "layer_types": layer_kinds(cfg.num_decoder_layers),

@@ -37,6 +37,7 @@ from typing import Any, Mapping
 from maxbridge.core.families.base import Config, Family, Stack, broken, key_value_cache, query_kernel_clip
 from maxbridge.core.families.gemma import MAXTEXT_GEMMA2, Scaled, embedding_scale, read_common, soft_cap
 from maxbridge.core.families.hf_rules import (
+    common_to_hf,
     CONFIG_FILE,
     Copy,
     ConfigClass,
@@ -280,15 +281,7 @@ def _config_to_hf(cfg: Config) -> dict[str, Any]:
     full = {**full, "rope_type": "proportional", "partial_rotary_factor": cfg.global_rope_proportion}
   local_theta = cfg.local_rope_max_timescale if cfg.local_rope_max_timescale > 0 else cfg.rope_max_timescale
   values = {
-      "hidden_size": cfg.emb_dim,
-      "num_attention_heads": cfg.num_query_heads,
-      "num_key_value_heads": cfg.num_kv_heads,
-      "head_dim": cfg.head_dim,
-      "intermediate_size": cfg.mlp_dim,
-      "num_hidden_layers": cfg.num_decoder_layers,
-      "vocab_size": cfg.vocab_size,
-      "rms_norm_eps": cfg.normalization_layer_epsilon,
-      "tie_word_embeddings": cfg.logits_via_embedding,
+      **common_to_hf(cfg),
       "attention_bias": False,
       "use_bidirectional_attention": None,
       "hidden_activation": "gelu_pytorch_tanh",

@@ -29,6 +29,7 @@ from maxbridge.core.families.base import (
     routes_to_experts,
 )
 from maxbridge.core.families.hf_rules import (
+    common_to_hf,
     CONFIG_FILE,
     ConfigClass,
     HFError,
@@ -224,16 +225,8 @@ def _config_to_hf(cfg: Config) -> dict[str, Any]:
   if not cfg.mlp_activations_limit:
     raise HFError("mlp_activations_limit=0 (no clamp) has no Hugging Face gpt_oss equivalent: set swiglu's limit > 0")
   hf = {
-      "hidden_size": cfg.emb_dim,
-      "num_attention_heads": cfg.num_query_heads,
-      "num_key_value_heads": cfg.num_kv_heads,
-      "head_dim": cfg.head_dim,
-      "intermediate_size": cfg.mlp_dim,
-      "num_hidden_layers": cfg.num_decoder_layers,
-      "vocab_size": cfg.vocab_size,
-      "rms_norm_eps": cfg.normalization_layer_epsilon,
+      **common_to_hf(cfg),
       "hidden_act": "silu",
-      "tie_word_embeddings": cfg.logits_via_embedding,
       "attention_bias": True,
       "sliding_window": cfg.sliding_window_size,
       "layer_types": _KINDS * (cfg.num_decoder_layers // 2),

@@ -333,6 +333,21 @@ def rope_from_hf(hf: Mapping[str, Any], *, llama3: bool, default_theta: float) -
   return values
 
 
+def common_to_hf(cfg: Config, layers: int | None = None) -> dict[str, Any]:
+  """The config.json fields every decoder family spells alike (`layers` where a family counts its own)."""
+  return {
+      "hidden_size": cfg.emb_dim,
+      "num_attention_heads": cfg.num_query_heads,
+      "num_key_value_heads": cfg.num_kv_heads,
+      "head_dim": cfg.head_dim,
+      "intermediate_size": cfg.mlp_dim,
+      "num_hidden_layers": cfg.num_decoder_layers if layers is None else layers,
+      "vocab_size": cfg.vocab_size,
+      "rms_norm_eps": cfg.normalization_layer_epsilon,
+      "tie_word_embeddings": cfg.logits_via_embedding,
+  }
+
+
 def rope_to_hf(cfg: Config) -> dict[str, Any]:
   theta = float(cfg.rope_max_timescale)
   parameters: dict[str, Any] = {"rope_theta": theta, "rope_type": "default"}

@@ -10,6 +10,7 @@ from typing import Any, Callable, Mapping
 
 from maxbridge.core.families.base import Config, Family, Stack, key_value_cache, query_kernel_clip
 from maxbridge.core.families.hf_rules import (
+    common_to_hf,
     CONFIG_FILE,
     HFError,
     HFFamily,
@@ -182,16 +183,8 @@ def config_to_hf(
     if cfg.sliding_window_size and not window:
       raise HFError(f"sliding_window_size={cfg.sliding_window_size} needs decoder_block='mistral'")
     hf = {
-        "hidden_size": cfg.emb_dim,
-        "num_attention_heads": cfg.num_query_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.mlp_dim,
-        "num_hidden_layers": cfg.num_decoder_layers,
-        "vocab_size": cfg.vocab_size,
-        "rms_norm_eps": cfg.normalization_layer_epsilon,
+        **common_to_hf(cfg),
         "hidden_act": "silu",
-        "tie_word_embeddings": cfg.logits_via_embedding,
         **rope_to_hf(cfg),
         **(fixed or {}),
     }

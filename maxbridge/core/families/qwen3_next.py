@@ -49,6 +49,7 @@ from maxbridge.core.families.base import (
     routes_to_experts,
 )
 from maxbridge.core.families.hf_rules import (
+    common_to_hf,
     CONFIG_FILE,
     ConfigClass,
     HFError,
@@ -274,17 +275,9 @@ def _config_to_hf(cfg: Config) -> dict[str, Any]:
   rope = rope_to_hf(cfg)
   rope["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
   hf = {
-      "hidden_size": cfg.emb_dim,
-      "num_attention_heads": cfg.num_query_heads,
-      "num_key_value_heads": cfg.num_kv_heads,
-      "head_dim": cfg.head_dim,
-      "intermediate_size": cfg.mlp_dim,
-      "num_hidden_layers": cfg.num_decoder_layers,
+      **common_to_hf(cfg),
       "layer_types": layer_kinds(cfg.num_decoder_layers),
-      "vocab_size": cfg.vocab_size,
-      "rms_norm_eps": cfg.normalization_layer_epsilon,
       "hidden_act": "silu",
-      "tie_word_embeddings": cfg.logits_via_embedding,
       **rope,
       "attention_bias": False,
       "num_experts": cfg.num_experts,
