@@ -32,18 +32,15 @@ from maxbridge.core.families.hf_rules import (
     get_int,
 )
 
-_MOE = "{layer}/moe_block"
-# Hugging Face keeps one tensor per expert on disk; ours stacks them on axis 0.
-RULES = (
-    llama.COMMON_RULES
-    + llama.ATTENTION_RULES
-    + (
-        Rule("model.layers.{layer}.mlp.gate.weight", f"{_MOE}/gate/kernel", Linear()),
-        Rule("model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight", f"{_MOE}/wi_0", Linear()),
-        Rule("model.layers.{layer}.mlp.experts.{expert}.up_proj.weight", f"{_MOE}/wi_1", Linear()),
-        Rule("model.layers.{layer}.mlp.experts.{expert}.down_proj.weight", f"{_MOE}/wo", Linear()),
-    )
+# Qwen3-Next's MoE routes as this one does, and reads its router and experts by the same names.
+EXPERT_RULES = (
+    # Hugging Face keeps one tensor per expert on disk; ours stacks them on axis 0.
+    Rule("model.layers.{layer}.mlp.gate.weight", "{layer}/moe_block/gate/kernel", Linear()),
+    Rule("model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight", "{layer}/moe_block/wi_0", Linear()),
+    Rule("model.layers.{layer}.mlp.experts.{expert}.up_proj.weight", "{layer}/moe_block/wi_1", Linear()),
+    Rule("model.layers.{layer}.mlp.experts.{expert}.down_proj.weight", "{layer}/moe_block/wo", Linear()),
 )
+RULES = llama.COMMON_RULES + llama.ATTENTION_RULES + EXPERT_RULES
 
 # transformers' class defaults of what its model reads (tests compare them with transformers').
 CONFIG_CLASS = ConfigClass(
@@ -95,26 +92,35 @@ def _experts(raw: Mapping[str, Any], hf: Mapping[str, Any]) -> int:
   return get_int(hf, "num_experts")
 
 
-def _every_layer_routes(hf: Mapping[str, Any]) -> None:
+def every_layer_routes(hf: Mapping[str, Any], decoder_block: str) -> None:
   # transformers gives a layer the dense MLP when it is listed in mlp_only_layers or (index + 1) is not a
-  # multiple of decoder_sparse_step; maxbridge's qwen3_moe stacks MoE layers only.
+  # multiple of decoder_sparse_step; maxbridge's qwen3_moe and qwen3_next stack MoE layers only.
   step = get_int(hf, "decoder_sparse_step")
   if step != 1:
     raise HFError(
-        f"{CONFIG_FILE}: decoder_sparse_step={step} gives some layers a dense MLP; maxbridge's qwen3_moe routes "
-        "every layer to experts (decoder_sparse_step=1)"
+        f"{CONFIG_FILE}: decoder_sparse_step={step} gives some layers a dense MLP; maxbridge's {decoder_block} "
+        "routes every layer to experts (decoder_sparse_step=1)"
     )
   dense = hf["mlp_only_layers"]
   if dense:
     raise HFError(
-        f"{CONFIG_FILE}: mlp_only_layers={dense!r} gives those layers a dense MLP; maxbridge's qwen3_moe routes "
-        "every layer to experts (mlp_only_layers=[])"
+        f"{CONFIG_FILE}: mlp_only_layers={dense!r} gives those layers a dense MLP; maxbridge's {decoder_block} "
+        "routes every layer to experts (mlp_only_layers=[])"
+    )
+
+
+def check_unscaled_softmax(cfg: Config, model: str) -> None:
+  """Refuses an export that routes otherwise than Hugging Face's Qwen3 MoEs (`model` names the architecture)."""
+  if cfg.routed_bias or cfg.routed_scaling_factor != 1.0:
+    raise HFError(
+        f"{model} routes by a softmax over the experts, unscaled: routed_bias=false and routed_scaling_factor=1 "
+        "are needed for an export"
     )
 
 
 def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
   hf = CONFIG_CLASS.read(raw)
-  _every_layer_routes(hf)
+  every_layer_routes(hf, "qwen3_moe")
   # transformers adds the router's auxiliary loss only where output_router_logits asks for router logits.
   aux = get_float(hf, "router_aux_loss_coef") if get_bool(hf, "output_router_logits") else 0.0
   return {
@@ -130,11 +136,7 @@ def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
 
 def _config_to_hf(cfg: Config) -> dict[str, Any]:
   hf = _llama_config_to_hf(cfg)
-  if cfg.routed_bias or cfg.routed_scaling_factor != 1.0:
-    raise HFError(
-        "Qwen3-MoE routes by a softmax over the experts, unscaled: routed_bias=false and routed_scaling_factor=1 "
-        "are needed for an export"
-    )
+  check_unscaled_softmax(cfg, "Qwen3-MoE")
   hf.update(
       num_local_experts=cfg.num_experts,
       num_experts_per_tok=cfg.num_experts_per_tok,

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from maxbridge.core.families import qwen3_moe
 from maxbridge.core.families.base import (
     RECURRENT_MIXER,
     Config,
@@ -137,10 +138,7 @@ RULES = (
     Rule(f"{_ATTENTION}.o_proj.weight", "{layer}/self_attention/out/kernel", Linear(in_ndim=2)),
     Rule(f"{_ATTENTION}.q_norm.weight", "{layer}/self_attention/query_norm/scale"),
     Rule(f"{_ATTENTION}.k_norm.weight", "{layer}/self_attention/key_norm/scale"),
-    Rule(f"{_MOE}.gate.weight", "{layer}/moe_block/gate/kernel", Linear()),
-    Rule(f"{_MOE}.experts.{{expert}}.gate_proj.weight", "{layer}/moe_block/wi_0", Linear()),
-    Rule(f"{_MOE}.experts.{{expert}}.up_proj.weight", "{layer}/moe_block/wi_1", Linear()),
-    Rule(f"{_MOE}.experts.{{expert}}.down_proj.weight", "{layer}/moe_block/wo", Linear()),
+    *qwen3_moe.EXPERT_RULES,
     Rule(f"{_MOE}.shared_expert.gate_proj.weight", "{layer}/shared_expert/wi_0/kernel", Linear()),
     Rule(f"{_MOE}.shared_expert.up_proj.weight", "{layer}/shared_expert/wi_1/kernel", Linear()),
     Rule(f"{_MOE}.shared_expert.down_proj.weight", "{layer}/shared_expert/wo/kernel", Linear()),
@@ -202,25 +200,11 @@ def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
   }
 
 
-def _every_layer_routes(hf: Mapping[str, Any]) -> None:
-  step = get_int(hf, "decoder_sparse_step")
-  if step != 1:
-    raise HFError(
-        f"{CONFIG_FILE}: decoder_sparse_step={step} gives some layers a dense MLP; maxbridge's qwen3_next routes "
-        "every layer to experts (decoder_sparse_step=1)"
-    )
-  if hf["mlp_only_layers"]:
-    raise HFError(
-        f"{CONFIG_FILE}: mlp_only_layers={hf['mlp_only_layers']!r} gives those layers a dense MLP; maxbridge's "
-        "qwen3_next routes every layer to experts (mlp_only_layers=[])"
-    )
-
-
 def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
   hf = CONFIG_CLASS.read(raw)
   require_one_of(hf, "hidden_act", ("silu", "swish"))
   require(hf, "attention_bias", False, False)
-  _every_layer_routes(hf)
+  qwen3_moe.every_layer_routes(hf, "qwen3_next")
   layers = get_int(hf, "num_hidden_layers")
   kinds = hf["layer_types"] or layer_kinds(layers)  # Qwen3NextConfig's default: full_attention_interval 4
   if list(kinds) != layer_kinds(layers):
@@ -267,11 +251,7 @@ def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _config_to_hf(cfg: Config) -> dict[str, Any]:
-  if cfg.routed_bias or cfg.routed_scaling_factor != 1.0:
-    raise HFError(
-        "Qwen3-Next routes by a softmax over the experts, unscaled: routed_bias=false and routed_scaling_factor=1 "
-        "are needed for an export"
-    )
+  qwen3_moe.check_unscaled_softmax(cfg, "Qwen3-Next")
   rope = rope_to_hf(cfg)
   rope["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
   hf = {
