@@ -44,11 +44,17 @@ def _losses_and_params(trainer, steps=3):
   return losses, {path: np.asarray(x) for path, x in canonical.flatten(trainer.params(state)).items()}
 
 
-def test_h1_with_outer_sgd_lr_1_no_momentum_equals_plain_training_across_backends():
-  """One replica on one device; tests/diloco_multidevice.py checks two replicas against data parallelism."""
-  plain_losses, plain_params = _losses_and_params(recipe.create_trainer(tiny_config(LINEN)))
+@pytest.mark.parametrize(
+    "inner",
+    [{}, dict(gradient_accumulation_steps=2), dict(opt_type="muon"), dict(mtp_num_layers=1)],
+    ids=["adamw", "accumulated", "muon", "mtp"],
+)
+def test_h1_with_outer_sgd_lr_1_no_momentum_equals_plain_training_across_backends(inner):
+  """One replica on one device, whatever the inner step does (micro-batches, Muon, MTP's extra loss);
+  tests/diloco_multidevice.py checks two replicas against data parallelism."""
+  plain_losses, plain_params = _losses_and_params(recipe.create_trainer(tiny_config(LINEN, **inner)))
   one = dict(enable_diloco=True, diloco_sync_period=1, diloco_outer_lr=1.0, diloco_outer_momentum=0.0)
-  losses, params = _losses_and_params(recipe.create_trainer(tiny_config(NNX, **one)))
+  losses, params = _losses_and_params(recipe.create_trainer(tiny_config(NNX, **one, **inner)))
   assert plain_losses[-2] < plain_losses[0]
   np.testing.assert_allclose(losses, plain_losses, rtol=1e-6)  # the train steps' losses, then an eval step's
   assert sorted(params) == sorted(plain_params)
