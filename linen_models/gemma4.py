@@ -22,7 +22,7 @@ from linen_models.normalizations import RMSNorm, norm
 from maxbridge.core import initializers
 from maxbridge.core.config import Config
 from maxbridge.core.families import gemma4
-from maxbridge.ops import attention, kv_cache, mlp, normalization, proportional_rope, rotary, scaled_router
+from maxbridge.ops import attention, mlp, normalization, proportional_rope, rotary, scaled_router
 
 Carry = dict
 # Keys, values and the keywords that mask them (`update_cache`): what a KV-shared layer attends over.
@@ -74,7 +74,7 @@ class Gemma4Attention(nn.Module):
       # The value norm has no scale.
       value = normalization.rms_norm(value, jnp.ones((head_dim,)), epsilon=eps, dtype=jnp.dtype(cfg.dtype))
       (key, value), kv = update_cache(
-          self, {"cached_key": key, "cached_value": value}, positions, segment_ids, ring=bool(kv_cache.window(cfg))
+          self, {"cached_key": key, "cached_value": value}, positions, segment_ids, ring=self.local
       )
     out, _ = attention.self_attention(
         query,

@@ -17,7 +17,7 @@ from flax import nnx
 from maxbridge.core import initializers
 from maxbridge.core.config import Config
 from maxbridge.core.families import gemma4
-from maxbridge.ops import attention, kv_cache, mlp, normalization, proportional_rope, rotary, scaled_router
+from maxbridge.ops import attention, mlp, normalization, proportional_rope, rotary, scaled_router
 from nnx_models.attention import update_cache
 from nnx_models.embeddings import Embed
 from nnx_models.gemma import GeGluBlock
@@ -78,7 +78,7 @@ class Gemma4Attention(nnx.Module):
       eps, dtype = cfg.normalization_layer_epsilon, jnp.dtype(cfg.dtype)
       value = normalization.rms_norm(value, jnp.ones((self.head_dim,)), epsilon=eps, dtype=dtype)
       (key, value), kv = update_cache(
-          self, {"cached_key": key, "cached_value": value}, positions, segment_ids, ring=bool(kv_cache.window(cfg))
+          self, {"cached_key": key, "cached_value": value}, positions, segment_ids, ring=self.local
       )
     out, _ = attention.self_attention(
         query,

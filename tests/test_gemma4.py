@@ -89,15 +89,18 @@ def test_imported_logits_and_a_24_token_greedy_continuation_match_transformers(r
 
 def test_cached_decode_equals_recompute_and_shared_layers_keep_no_cache(reference):
   """A prefill then one cached step gives the logits of the whole sequence recomputed; the KV-shared layers
-  read the cache of the last earlier layer of their kind and hold none themselves. (Both backends decode
+  read the cache of the last earlier layer of their kind (a ring, for the sliding-window ones) and hold none. (Both backends decode
   through the engine in the test above; the cache tree is one canonical tree.)"""
   model = mb.from_pretrained(reference.folder, backend="nnx", scan_layers=False)  # as decoding runs it
   cache = decoding.init_cache(model.config, 2, 16)
   paths = canonical.flatten(cache)
   assert not [path for path in paths if path.startswith("decoder/kv_shared_layers")]
-  # Keys are stored [batch, kv heads, head_dim, tokens] (`ops.kv_cache`): global layers' wider, with fewer heads.
+  # Keys are stored [batch, kv heads, head_dim, tokens] (`ops.kv_cache`): global layers' wider, with fewer heads,
+  # and every token; sliding-window layers a ring of their window (DIMS' sliding_window=4), which the prompt
+  # below overruns.
   assert paths["decoder/layers_0/global/self_attention/cached_key"].shape == (2, 1, 32, 16)
-  assert paths["decoder/layers_0/local_4/self_attention/cached_key"].shape == (2, 2, 16, 16)
+  assert paths["decoder/layers_0/local_4/self_attention/cached_key"].shape == (2, 2, 16, 4)
+  assert len(PROMPT[0]) > model.config.sliding_window_size == 4
   prompt = jnp.asarray(PROMPT, jnp.int32)
   batch, length = prompt.shape
   positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), prompt.shape)

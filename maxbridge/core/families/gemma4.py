@@ -356,6 +356,12 @@ def _check(config: Config) -> list[str]:
   return broken(pattern, shared_layers, norm, window, rope, heads, others)
 
 
+def _window_rings(config: Config) -> dict[str, int]:
+  """A sliding-window layer's decode cache: a ring of its window, which holds every key its queries may see (the
+  KV-shared layers read it as it is). The global layers cache every token."""
+  return {name: config.sliding_window_size for name in SUBLAYERS if name != GLOBAL}
+
+
 FAMILY = Family(
     decoder_blocks=("gemma4",),
     stacks=(
@@ -364,6 +370,7 @@ FAMILY = Family(
             "gemma4",
             depth=lambda config: (config.num_decoder_layers - config.num_kv_shared_layers) // PATTERN,
             sublayers=SUBLAYERS,
+            rings=_window_rings,
             caches=lambda config: {GLOBAL: _global_cache(config)},
         ),
         Stack(
@@ -391,7 +398,7 @@ FAMILY = Family(
         ),
     ),
     check=_check,
-    ring_cache=False,
+    ring_cache=False,  # global layers are not windowed: the windowed ones keep their own rings (`_window_rings`)
     layer_rope=True,
     maxtext_fixed=MAXTEXT_GEMMA2,
     own_keys={
