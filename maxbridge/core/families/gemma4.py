@@ -24,8 +24,10 @@ sliding-window ones, then a global one) and scans them. Gemma 4 adds:
 Norm scales hold Hugging Face's weights as they are (Gemma 4's RMSNorm multiplies
 by w, not 1 + w); the token tables hold sqrt(width) x Hugging Face's, as Gemma's.
 While decoding, the global layers cache their own wider keys/values
-(`Stack.caches`), and the KV-shared layers keep no cache: they read what the
-last earlier layer of their kind read, its whole cache (layers decode unrolled).
+(`Stack.caches`) for every token, the sliding-window layers a ring of their
+window (`Stack.rings`), and the KV-shared layers keep no cache: they read what
+the last earlier layer of their kind read, its whole cache or ring (layers
+decode unrolled).
 """
 
 from __future__ import annotations
