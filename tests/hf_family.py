@@ -142,15 +142,16 @@ def assert_tiled_nnx_matches_untiled_linen(preset: str, **overrides) -> None:
     np.testing.assert_allclose(grads[path], want[path], rtol=1e-4, atol=atol, err_msg=path)
 
 
-def train_steps(config: mb.Config, steps: int = 3):
-  """(losses, params before, params after, trained params) of `steps` steps on the embedded data."""
+def train_steps(config: mb.Config, steps: int = 3, *, one_batch: bool = False):
+  """(losses, params before, params after, trained params) of `steps` steps on the embedded data: a batch a
+  step, or with `one_batch` the first batch every step."""
   trainer = recipe.create_trainer(config)
   state = trainer.init_state(0)
   dataset = data.make_dataset(config, "train", config.per_device_batch_size)
   before = jax.device_get(trainer.params(state))
   losses = []
   for step in range(steps):
-    state, metrics = trainer.train_step(state, trainer.shard_batch(dataset.batch(step, 0, 1)))
+    state, metrics = trainer.train_step(state, trainer.shard_batch(dataset.batch(0 if one_batch else step, 0, 1)))
     losses.append(float(metrics["loss"]))
   return losses, before, jax.device_get(trainer.params(state)), jax.device_get(trainer.trained_params(state))
 

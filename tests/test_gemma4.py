@@ -23,10 +23,9 @@ from maxbridge.core import canonical  # noqa: E402
 from maxbridge.core.config import ConfigError  # noqa: E402
 from maxbridge.interop import hf  # noqa: E402
 from maxbridge.models import decoding, dispatch, lora  # noqa: E402
-from maxbridge.training import data, recipe  # noqa: E402
 from hf_family import BACKENDS, PROMPT, TOKENS, Saved, assert_matches_transformers, export_and_reimport  # noqa: E402
 from hf_family import assert_tiled_nnx_matches_untiled_linen, family_config, int8_logits  # noqa: E402
-from hf_family import highest_precision  # noqa: E402,F401 (an autouse fixture)
+from hf_family import highest_precision, train_steps  # noqa: E402,F401 (highest_precision: an autouse fixture)
 from test_hf import LOGITS_TOL, max_diff  # noqa: E402
 
 HIDDEN = 64
@@ -286,14 +285,7 @@ def test_lora_default_path_adapts_every_projection_and_trains_alike_on_both_back
   lora_flags = dict(lora_rank=4, lora_alpha=8.0, learning_rate=1e-2)
   losses = {}
   for backend, flags in BACKENDS.items():
-    config = family_config(PRESET, flags, **lora_flags, **ONE_BLOCK)
-    trainer = recipe.create_trainer(config)
-    state = trainer.init_state(0)
-    batch = trainer.shard_batch(data.make_dataset(config, "train", config.per_device_batch_size).batch(0, 0, 1))
-    losses[backend] = []
-    for _ in range(3):
-      state, metrics = trainer.train_step(state, batch)
-      losses[backend].append(float(metrics["loss"]))
+    losses[backend] = train_steps(family_config(PRESET, flags, **lora_flags, **ONE_BLOCK), one_batch=True)[0]
   whole = family_config(PRESET, BACKENDS["nnx"], **lora_flags)  # both stacks
   targets = lora.targets(whole, dispatch.abstract_model(whole).abstract_params())
   mlp = [f"mlp/{name}/kernel" for name in ("wi_0", "wi_1", "wo")]

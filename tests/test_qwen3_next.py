@@ -24,7 +24,7 @@ from maxbridge.core import canonical, initializers
 from maxbridge.models import dispatch, lora
 from maxbridge.ops import gated_deltanet as gdn
 from maxbridge.ops import output_head
-from maxbridge.training import data, optimizers, recipe
+from maxbridge.training import optimizers
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -32,7 +32,7 @@ qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_
 
 from hf_family import BACKENDS, TINY, TOKENS, Saved, assert_matches_transformers, export_and_reimport  # noqa: E402
 from hf_family import assert_same_tree, assert_tiled_nnx_matches_untiled_linen, family_config, int8_logits  # noqa: E402
-from hf_family import highest_precision  # noqa: E402,F401 (an autouse fixture)
+from hf_family import highest_precision, train_steps  # noqa: E402,F401 (highest_precision: an autouse fixture)
 from test_hf import LOGITS_TOL, max_diff  # noqa: E402
 
 B, T, KEY_HEADS, VALUE_HEADS, K, V, CHUNK = 2, 37, 2, 4, 8, 6, 16
@@ -417,13 +417,7 @@ def test_lora_adapts_the_deltanet_and_attention_projections_and_trains_alike_on_
   losses = {}
   for backend, flags in BACKENDS.items():
     config = family_config(PRESET, flags, lora_rank=4, lora_alpha=8.0, learning_rate=1e-2, **FEATURES)
-    trainer = recipe.create_trainer(config)
-    state = trainer.init_state(0)
-    batch = trainer.shard_batch(data.make_dataset(config, "train", config.per_device_batch_size).batch(0, 0, 1))
-    losses[backend] = []
-    for _ in range(3):
-      state, metrics = trainer.train_step(state, batch)
-      losses[backend].append(float(metrics["loss"]))
+    losses[backend] = train_steps(config, one_batch=True)[0]
   model = dispatch.abstract_model(config)
   targets = lora.targets(config, model.abstract_params())
   assert {path.split("/", 3)[-1] for path in targets} == {
