@@ -22,7 +22,7 @@ from linen_models.normalizations import RMSNorm, norm
 from maxbridge.core import initializers
 from maxbridge.core.config import Config
 from maxbridge.core.families import gemma4
-from maxbridge.ops import attention, mlp, normalization, proportional_rope, rotary, scaled_router
+from maxbridge.ops import attention, mlp, normalization, proportional_rope, quantization, rotary, scaled_router
 
 Carry = dict
 # Keys, values and the keywords that mask them (`update_cache`): what a KV-shared layer attends over.
@@ -178,6 +178,8 @@ class Gemma4MoE(nn.Module):
         epsilon=cfg.normalization_layer_epsilon,
         sparse=cfg.sparse_matmul,
         dtype=jnp.dtype(cfg.dtype),
+        dot_general=quantization.linen_dot_general(cfg),
+        ragged_dot=quantization.ragged_dot(cfg),
     )
 
 

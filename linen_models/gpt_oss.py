@@ -22,6 +22,7 @@ from maxbridge.core.config import Config
 from maxbridge.core.families import gpt_oss
 from maxbridge.ops import attention, kv_cache, mlp, rotary
 from maxbridge.ops import moe as moe_ops
+from maxbridge.ops import quantization
 
 
 class GptOssAttention(nn.Module):
@@ -71,15 +72,17 @@ class GptOssMoE(nn.Module):
   """Routed experts: a biased router `gate`, then wo(clamped_swiglu(x wi + wi_bias)) + wo_bias per expert."""
 
   config: Config
-  dot_general: moe_ops.DotGeneral = jax.lax.dot_general
-  ragged_dot: moe_ops.RaggedDot = jax.lax.ragged_dot
+  dot_general: moe_ops.DotGeneral | None = None  # None: the config's (`quantization`)
+  ragged_dot: moe_ops.RaggedDot | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
     cfg = self.config
     experts, width, hidden = cfg.num_experts, cfg.emb_dim, cfg.mlp_dim
-    # The router stays in float, as Mixtral's: a quantized one would flip which experts a token reaches.
-    router = dict(dot_general=jax.lax.dot_general, frozen=None)
+    dot_general = self.dot_general or quantization.linen_dot_general(cfg)
+    # The router multiplies by the config's matmul, as every family's (and MaxText's) does, and keeps a
+    # float kernel in serve checkpoints, as the other families' gates do.
+    router = dict(dot_general=dot_general, frozen=None)
     logits = dense(cfg, (width,), (experts,), ("embed", None), use_bias=True, name="gate", **router)(x)
 
     def expert_param(name, shape, axes):
@@ -98,8 +101,8 @@ class GptOssMoE(nn.Module):
         sparse=cfg.sparse_matmul,
         load_balance_loss_weight=cfg.load_balance_loss_weight,
         dtype=jnp.dtype(cfg.dtype),
-        dot_general=self.dot_general,
-        ragged_dot=self.ragged_dot,
+        dot_general=dot_general,
+        ragged_dot=self.ragged_dot or quantization.ragged_dot(cfg),
     )
 
 

@@ -4,7 +4,8 @@ Routed experts keep bare [experts, in, out] parameters `wi_0`, `wi_1`, `wo`
 beside a `gate` router; all routing and expert math is `maxbridge.ops.moe`.
 A block returns (output, load-balancing loss or None). The router and the
 experts take injectable matmuls (`dot_general`, and `ragged_dot` for the
-dropless experts), as `DenseGeneral` does.
+dropless experts), by default the config's quantized ones, as `DenseGeneral`
+does.
 """
 
 import flax.linen as nn
@@ -16,6 +17,7 @@ from maxbridge.core import initializers
 from maxbridge.core.config import Config
 from maxbridge.ops import linear
 from maxbridge.ops import moe as moe_ops
+from maxbridge.ops import quantization
 
 
 class GateLogit(nn.Module):
@@ -49,15 +51,16 @@ class GateLogit(nn.Module):
 class RoutedMoE(nn.Module):
   config: Config
   intermediate_dim: int
-  dot_general: linear.DotGeneral = jax.lax.dot_general
-  ragged_dot: moe_ops.RaggedDot = jax.lax.ragged_dot
+  dot_general: linear.DotGeneral | None = None  # None: the config's (`quantization`)
+  ragged_dot: moe_ops.RaggedDot | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
     cfg = self.config
     experts, width, hidden = cfg.num_experts, cfg.emb_dim, self.intermediate_dim
     weight_dtype = jnp.dtype(cfg.weight_dtype)
-    logits, correction_bias = GateLogit(cfg, self.dot_general, name="gate")(x)
+    dot_general = self.dot_general or quantization.linen_dot_general(cfg)
+    logits, correction_bias = GateLogit(cfg, dot_general, name="gate")(x)
 
     def expert_param(name, shape, axes):
       return self.param(name, nn.with_logical_partitioning(initializers.placeholder, axes), shape, weight_dtype)
@@ -72,8 +75,8 @@ class RoutedMoE(nn.Module):
         wi_0,
         wi_1,
         wo,
-        dot_general=self.dot_general,
-        ragged_dot=self.ragged_dot,
+        dot_general=dot_general,
+        ragged_dot=self.ragged_dot or quantization.ragged_dot(cfg),
         **moe_ops.moe_options(cfg),
     )
 

@@ -17,7 +17,7 @@ from flax import nnx
 from maxbridge.core import initializers
 from maxbridge.core.config import Config
 from maxbridge.core.families import gemma4
-from maxbridge.ops import attention, mlp, normalization, proportional_rope, rotary, scaled_router
+from maxbridge.ops import attention, mlp, normalization, proportional_rope, quantization, rotary, scaled_router
 from nnx_models.attention import update_cache
 from nnx_models.embeddings import Embed
 from nnx_models.gemma import GeGluBlock
@@ -182,6 +182,8 @@ class Gemma4MoE(nnx.Module):
         epsilon=cfg.normalization_layer_epsilon,
         sparse=cfg.sparse_matmul,
         dtype=jnp.dtype(cfg.dtype),
+        dot_general=quantization.nnx_dot_general(cfg),
+        ragged_dot=quantization.ragged_dot(cfg),
     )
 
 

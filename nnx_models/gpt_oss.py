@@ -18,6 +18,7 @@ from maxbridge.core.config import Config
 from maxbridge.core.families import gpt_oss
 from maxbridge.ops import attention, kv_cache, mlp, rotary
 from maxbridge.ops import moe as moe_ops
+from maxbridge.ops import quantization
 from nnx_models.attention import read_cache
 from nnx_models.linears import dense
 from nnx_models.mixtral import moe_per_layer
@@ -73,15 +74,17 @@ class GptOssMoE(nnx.Module):
   def __init__(
       self,
       config: Config,
-      dot_general: moe_ops.DotGeneral = jax.lax.dot_general,
-      ragged_dot: moe_ops.RaggedDot = jax.lax.ragged_dot,
+      dot_general: moe_ops.DotGeneral | None = None,  # None: the config's (`quantization`)
+      ragged_dot: moe_ops.RaggedDot | None = None,
       *,
       rngs: nnx.Rngs,
   ):
     cfg = self.config = config
     experts, width, hidden = cfg.num_experts, cfg.emb_dim, cfg.mlp_dim
-    # The router stays in float, as Mixtral's: a quantized one would flip which experts a token reaches.
-    router = dict(dot_general=jax.lax.dot_general, frozen=None)
+    dot_general = dot_general or quantization.nnx_dot_general(cfg)
+    # The router multiplies by the config's matmul, as every family's (and MaxText's) does, and keeps a
+    # float kernel in serve checkpoints, as the other families' gates do.
+    router = dict(dot_general=dot_general, frozen=None)
     self.gate = dense(cfg, (width,), (experts,), ("embed", None), use_bias=True, rngs=rngs, **router)
 
     def expert_param(shape, axes):
@@ -92,7 +95,7 @@ class GptOssMoE(nnx.Module):
     self.wo = expert_param((experts, hidden, width), ("exp", "mlp", "embed_no_exp"))
     self.wo_bias = expert_param((experts, width), ("exp", "embed_no_exp"))
     self.dot_general = dot_general
-    self.ragged_dot = ragged_dot
+    self.ragged_dot = ragged_dot or quantization.ragged_dot(cfg)
 
   def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
     cfg = self.config

@@ -4,7 +4,8 @@ Routed experts keep bare [experts, in, out] parameters `wi_0`, `wi_1`, `wo`
 beside a `gate` router; all routing and expert math is `maxbridge.ops.moe`.
 A block returns (output, load-balancing loss or None). The router and the
 experts take injectable matmuls (`dot_general`, and `ragged_dot` for the
-dropless experts), as `DenseGeneral` does.
+dropless experts), by default the config's quantized ones, as `DenseGeneral`
+does.
 """
 
 import jax
@@ -15,6 +16,7 @@ from maxbridge.core import initializers
 from maxbridge.core.config import Config
 from maxbridge.ops import linear
 from maxbridge.ops import moe as moe_ops
+from maxbridge.ops import quantization
 from nnx_models.mlp import MlpBlock
 
 
@@ -49,12 +51,13 @@ class RoutedMoE(nnx.Module):
       self,
       config: Config,
       intermediate_dim: int,
-      dot_general: linear.DotGeneral = jax.lax.dot_general,
-      ragged_dot: moe_ops.RaggedDot = jax.lax.ragged_dot,
+      dot_general: linear.DotGeneral | None = None,  # None: the config's (`quantization`)
+      ragged_dot: moe_ops.RaggedDot | None = None,
       *,
       rngs: nnx.Rngs,
   ):
     cfg = self.config = config
+    dot_general = dot_general or quantization.nnx_dot_general(cfg)
     experts, width, hidden = cfg.num_experts, cfg.emb_dim, intermediate_dim
     weight_dtype = jnp.dtype(cfg.weight_dtype)
     self.gate = GateLogit(cfg, dot_general, rngs=rngs)
@@ -66,7 +69,7 @@ class RoutedMoE(nnx.Module):
     self.wi_1 = expert_param((experts, width, hidden), ("exp", "embed_no_exp", "mlp"))
     self.wo = expert_param((experts, hidden, width), ("exp", "mlp", "embed_no_exp"))
     self.dot_general = dot_general
-    self.ragged_dot = ragged_dot
+    self.ragged_dot = ragged_dot or quantization.ragged_dot(cfg)
 
   def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
     logits, correction_bias = self.gate(x)

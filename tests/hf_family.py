@@ -156,10 +156,11 @@ def train_steps(config: mb.Config, steps: int = 3, *, one_batch: bool = False):
   return losses, before, jax.device_get(trainer.params(state)), jax.device_get(trainer.trained_params(state))
 
 
-def int8_logits(preset: str):
+def int8_logits(preset: str, **overrides):
   """(float Linen logits, AQT int8 Linen logits, AQT int8 NNX logits) of the seed-0 model on TOKENS."""
 
-  def logits(flags, **overrides):
-    return np.asarray(mb.create_model(family_config(preset, flags, **overrides), seed=0).logits(TOKENS))
+  def logits(flags, **quantization):
+    config = family_config(preset, flags, **overrides, **quantization)
+    return np.asarray(mb.create_model(config, seed=0).logits(TOKENS))
 
   return logits(LINEN), logits(LINEN, quantization="int8"), logits(NNX, quantization="int8")

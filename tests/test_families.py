@@ -415,10 +415,10 @@ def inject_matmuls(model: mb.Model, matmuls: CountingMatmuls):
 
   def interceptor(next_fun, args, kwargs, context):
     module = context.module
-    swap = {
+    swap = {  # a None seam is the config's matmul, which the counting one replaces too
         seam: getattr(matmuls, seam)
         for seam in seams
-        if getattr(module, seam, None) not in (None, getattr(matmuls, seam))
+        if hasattr(module, seam) and getattr(module, seam) != getattr(matmuls, seam)
     }
     if context.method_name != "__call__" or not swap:
       return next_fun(*args, **kwargs)
@@ -441,8 +441,9 @@ def inject_matmuls(model: mb.Model, matmuls: CountingMatmuls):
         ("deepseek3-tiny", {"q_lora_rank": 0}),
         ("olmo3-tiny", {}),  # OLMo 2's layers, in blocks
         ("qwen3-moe-tiny", {}),
+        ("gpt-oss-tiny", {}),  # biased router and experts
     ],
-    ids=["llama", "gpt3", "mixtral", "mixtral-dense", "deepseek", "deepseek-no-q-lora", "olmo3", "qwen3-moe"],
+    ids=["llama", "gpt3", "mixtral", "mixtral-dense", "deepseek", "deepseek-no-q-lora", "olmo3", "qwen3-moe", "gpt-oss"],
 )
 def test_every_weight_matmul_goes_through_the_injected_dot_general(preset, overrides, backend):
   flags = (True, True, True) if backend == "nnx" else (False, False, False)
@@ -452,7 +453,7 @@ def test_every_weight_matmul_goes_through_the_injected_dot_general(preset, overr
   with inject_matmuls(model, matmuls):
     got = jax.jit(lambda params: model.apply(params, TOKENS))(model.params())  # counted once, while tracing
   np.testing.assert_array_equal(got, want)
-  # One matmul per weight matrix: every parameter but biases, norm scales and
+  # One matmul per weight matrix: every parameter but biases, norm scales, attention sinks and
   # lookup tables (the token embedding is a weight matrix too when it is the head).
   lookups = ("decoder/position_embedder/embedding",)
   if not model.config.logits_via_embedding:
@@ -460,7 +461,7 @@ def test_every_weight_matmul_goes_through_the_injected_dot_general(preset, overr
   weights = [
       tuple(leaf.shape)
       for path, leaf in canonical.flatten(model.params()).items()
-      if path.rsplit("/", 1)[-1] not in ("bias", "scale") and path not in lookups
+      if not path.endswith("bias") and path.rsplit("/", 1)[-1] not in ("scale", "sinks") and path not in lookups
   ]
   assert sorted(matmuls.weights) == sorted(weights)
 

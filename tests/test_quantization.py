@@ -497,3 +497,80 @@ def test_qwix_int4_serve_checkpoint_reloads_on_both_backends(served, tokens, qwi
   for backend in ("linen", "nnx"):
     model = mb.from_pretrained(served / "int4", backend=backend)
     np.testing.assert_array_equal(np.asarray(model.logits(tokens)), qwix_qat_logits["int4"], err_msg=backend)
+
+
+# --- Routed experts: every MoE family's routers and experts quantize, under either library ----------------
+
+MOE_PRESETS = ["mixtral-tiny", "deepseek3-tiny", "qwen3-moe-tiny", "gpt-oss-tiny", "llama4-tiny", "gemma4-moe-tiny"]
+MOE_PRESETS += ["qwen3-next-tiny"]
+
+
+def _weight_matmuls(jaxpr, found: list) -> list:
+  """(lhs dtype, rhs dtype, rhs shape) of every dot_general and ragged_dot in `jaxpr`, nested ones too."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("dot_general", "ragged_dot_general"):
+      lhs, rhs = (v.aval for v in eqn.invars[:2])
+      found.append((str(lhs.dtype), str(rhs.dtype), tuple(rhs.shape)))
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else [param]:
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          _weight_matmuls(sub.jaxpr, found)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          _weight_matmuls(sub, found)
+  return found
+
+
+@pytest.mark.parametrize("sparse_matmul", [True, False], ids=["dropless", "dense"])
+@pytest.mark.parametrize("qwix", [False, True], ids=["aqt", "qwix"])
+@pytest.mark.parametrize("preset", MOE_PRESETS)
+def test_every_moe_familys_router_and_experts_multiply_in_int8(preset, qwix, sparse_matmul):
+  """Routers ([D, E] kernels) and experts ([E, in, out]) run int8 matmuls on both backends, as the dense
+  layers do: AQT through the blocks' matmuls, Qwix by intercepting `jax.lax.dot_general` and `ragged_dot`."""
+  tokens = jnp.zeros((2, 8), jnp.int32)
+  for flags in (LINEN, NNX):
+    config = mb.load_config(
+        preset,
+        **dict(zip(("pure_nnx", "enable_nnx", "pure_nnx_decoder"), flags)),
+        quantization="int8",
+        use_qwix_quantization=qwix,
+        sparse_matmul=sparse_matmul,
+        scan_layers=False,
+    )
+    model = mb.create_model(config, seed=0)
+    moe_weights = {
+        tuple(leaf.shape)
+        for path, leaf in canonical.flatten(model.abstract_params()).items()
+        if leaf.ndim == 3
+        and path.rsplit("/", 1)[-1] in ("wi_0", "wi_1", "wi", "wo")  # [E, in, out]
+        or path.endswith("gate/kernel")
+    }
+    assert len(moe_weights) >= 2, moe_weights  # a router and experts
+    jaxpr = jax.make_jaxpr(lambda params: model.apply(params, tokens))(model.params())  # noqa: B023
+    matmuls = _weight_matmuls(jaxpr.jaxpr, [])
+    float_ones = {shape for lhs, rhs, shape in matmuls if shape in moe_weights and (lhs, rhs) != ("int8", "int8")}
+    assert not float_ones, f"{flag_id(flags)}: float matmuls by {sorted(float_ones)}"
+    assert moe_weights <= {shape for _, _, shape in matmuls}, flag_id(flags)
+
+
+def test_aqts_ragged_dot_rounds_its_forward_pass_and_passes_float_gradients_straight_through():
+  lhs, rhs = jax.random.normal(jax.random.key(0), (12, 16)), jax.random.normal(jax.random.key(1), (4, 16, 8))
+  group_sizes = jnp.array([3, 0, 5, 4], jnp.int32)
+  ragged_dot = quantization_module.ragged_dot(tiny_config(quantization="int8"))
+  float_out = jax.lax.ragged_dot(lhs, rhs, group_sizes)
+  out = ragged_dot(lhs, rhs, group_sizes)
+
+  # AQT's int8: a scale of |max| / 127.5, values rounded and clipped to +-127; a scale per token's row,
+  # and per output channel shared by every expert.
+  def fake_quantized(x, axes):
+    scale = jnp.abs(x).max(axis=axes, keepdims=True) / 127.5
+    return jnp.clip(jnp.round(x / scale), -127, 127) * scale
+
+  fake = jax.lax.ragged_dot(fake_quantized(lhs, 1), fake_quantized(rhs, (0, 1)), group_sizes, precision="highest")
+  np.testing.assert_allclose(out, fake, rtol=0, atol=1e-5)
+  assert 1e-3 < float(jnp.abs(out - float_out).max()) < 0.05 * float(jnp.abs(float_out).max())
+  cotangent = jax.random.normal(jax.random.key(2), out.shape)
+  grads = jax.vjp(lambda a, b: ragged_dot(a, b, group_sizes), lhs, rhs)[1](cotangent)
+  want = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, group_sizes), lhs, rhs)[1](cotangent)
+  for got, expected in zip(grads, want):
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+  assert quantization_module.ragged_dot(tiny_config()) is quantization_module.moe.lax_ragged_dot

@@ -15,6 +15,12 @@ from maxbridge.ops.linear import DotGeneral
 RaggedDot = Callable[..., jax.Array]
 
 
+def lax_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, **kwargs) -> jax.Array:
+  """`jax.lax.ragged_dot`, looked up when called: Qwix quantizes by swapping that attribute while the model
+  runs, which a default argument bound at import would never see."""
+  return jax.lax.ragged_dot(lhs, rhs, group_sizes, **kwargs)
+
+
 def top_k_softmax(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """Mixtral routing: the top-k logits, softmaxed among themselves -> (weights, indices) [T, K].
 
@@ -120,7 +126,7 @@ def dropless_experts(
     wo: jax.Array,
     *,
     dtype: jnp.dtype,
-    ragged_dot: RaggedDot = jax.lax.ragged_dot,
+    ragged_dot: RaggedDot = lax_ragged_dot,
     weight_inputs: bool = False,
     activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
 ) -> jax.Array:
@@ -212,7 +218,7 @@ def routed_moe(
     load_balance_loss_weight: float = 0.0,
     dtype: jnp.dtype = jnp.float32,
     dot_general: DotGeneral = jax.lax.dot_general,
-    ragged_dot: RaggedDot = jax.lax.ragged_dot,
+    ragged_dot: RaggedDot = lax_ragged_dot,
 ) -> tuple[jax.Array, jax.Array | None]:
   """x [B, T, D], router logits [B, T, E] -> (routed experts' output [B, T, D], weighted aux loss or None).
 
@@ -301,7 +307,7 @@ def biased_experts(
     dtype: jnp.dtype,
     sparse: bool = True,
     dot_general: DotGeneral = jax.lax.dot_general,
-    ragged_dot: RaggedDot = jax.lax.ragged_dot,
+    ragged_dot: RaggedDot = lax_ragged_dot,
 ) -> jax.Array:
   """x [T, D] through each token's K experts with biases -> [T, D] (gpt-oss).
 
@@ -348,7 +354,7 @@ def biased_routed_moe(
     load_balance_loss_weight: float = 0.0,
     dtype: jnp.dtype = jnp.float32,
     dot_general: DotGeneral = jax.lax.dot_general,
-    ragged_dot: RaggedDot = jax.lax.ragged_dot,
+    ragged_dot: RaggedDot = lax_ragged_dot,
 ) -> tuple[jax.Array, jax.Array | None]:
   """x [B, T, D], router logits [B, T, E] (bias included) -> (output [B, T, D], weighted aux loss or None).
 

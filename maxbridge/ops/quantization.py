@@ -1,8 +1,9 @@
 """Quantization: the config's `quantization` keys turned into what each backend's layers take.
 
 Every weight matmul of the models goes through the `dot_general` of a
-`DenseGeneral` built by one constructor per backend (`linears.dense`); this
-module decides that `dot_general`, so no layer holds a quantization branch.
+`DenseGeneral` built by one constructor per backend (`linears.dense`), or of
+an MoE block (its router and experts; dropless experts take `ragged_dot`);
+this module decides those matmuls, so no layer holds a quantization branch.
 
 AQT (`use_qwix_quantization=false`, `quantization=int8`), train mode: the
 kernel stays float and is quantized on the fly in every matmul (forward and
@@ -40,7 +41,7 @@ from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
-from aqt.jax.v2 import aqt_dot_general, aqt_tensor
+from aqt.jax.v2 import aqt_dot_general, aqt_ragged_dot, aqt_tensor
 from aqt.jax.v2 import config as aqt_config
 from aqt.jax.v2.flax import aqt_flax
 import qwix
@@ -50,6 +51,7 @@ from qwix._src.core import qarray as qwix_qarray
 from maxbridge.core import canonical
 from maxbridge.core.config import Config
 from maxbridge.ops import linear
+from maxbridge.ops import moe
 
 
 def is_quantized(config: Config) -> bool:
@@ -193,6 +195,37 @@ def nnx_dot_general(config: Config) -> linear.DotGeneral:
   return functools.partial(_nnx_aqt, config.quantization_local_shard_count)
 
 
+def ragged_dot(config: Config) -> moe.RaggedDot:
+  """The `ragged_dot` of dropless routed experts for `config`: AQT's int8 one when AQT quantizes, else
+  `jax.lax.ragged_dot` looked up when called (where Qwix intercepts it)."""
+  if not uses_aqt(config):
+    return moe.lax_ragged_dot
+  aqt_dot_general_config(config)  # checks the quantization
+  return _aqt_ragged_dot
+
+
+@jax.custom_vjp
+def _aqt_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  # AQT's ragged_dot: int8 operands, int32 accumulation, one scale per output channel shared by all experts.
+  # It writes its matmul into the config it is given, so each call takes its own copy.
+  return aqt_ragged_dot.ragged_dot(lhs, rhs, group_sizes, cfg=copy.deepcopy(_aqt_int8(1, False)))
+
+
+def _aqt_ragged_dot_fwd(lhs, rhs, group_sizes):
+  return _aqt_ragged_dot(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+
+
+def _aqt_ragged_dot_bwd(residuals, grad):
+  # AQT 0.9 quantizes ragged_dot's forward pass only: its backward would contract over the experts as a
+  # dense matmul does. So the gradients are float ragged_dot's, straight through the rounding.
+  lhs, rhs, group_sizes = residuals
+  _, vjp = jax.vjp(lambda lhs, rhs: jax.lax.ragged_dot(lhs, rhs, group_sizes), lhs, rhs)
+  return (*vjp(grad), None)
+
+
+_aqt_ragged_dot.defvjp(_aqt_ragged_dot_fwd, _aqt_ragged_dot_bwd)
+
+
 # --- Qwix (use_qwix_quantization=true): interception, no hook in the layers -------
 
 
@@ -207,11 +240,11 @@ def qwix_rules(config: Config, decoder_path: str = "decoder") -> list:
   Linen top-level model, "" where the decoder is Qwix's root (an NNX decoder,
   or a Linen one behind a ToNNX). Either way the rules match the modules
   below it, and never the decoder itself (the tied head stays float).
-  Only `dot_general` ops are rules' targets: the attention einsums multiply
-  activations by activations, which MaxText's Qwix recipes leave in float.
+  Only `dot_general` and `ragged_dot` (dropless experts) ops are rules' targets: the attention einsums
+  multiply activations by activations, which MaxText's Qwix recipes leave in float.
   """
   q = config.quantization
-  common = dict(module_path=f"{decoder_path}/.+" if decoder_path else ".+", op_names=("dot_general",))
+  common = dict(module_path=f"{decoder_path}/.+" if decoder_path else ".+", op_names=("dot_general", "ragged_dot"))
   if q == "int8":  # weights and activations, gradients too
     return [qwix.QtRule(weight_qtype=jnp.int8, act_qtype=jnp.int8, bwd_qtype=jnp.int8, **common)]
   if q == "int4":  # weight-only

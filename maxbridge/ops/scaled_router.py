@@ -47,7 +47,7 @@ def scaled_router_moe(
     sparse: bool,
     dtype: jnp.dtype,
     dot_general: linear.DotGeneral = jax.lax.dot_general,
-    ragged_dot: moe.RaggedDot = jax.lax.ragged_dot,
+    ragged_dot: moe.RaggedDot = moe.lax_ragged_dot,
 ) -> jax.Array:
   """x [B, T, D] through the experts `router_input` [B, T, D] routes it to -> [B, T, D].
 
