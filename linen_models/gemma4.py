@@ -18,6 +18,7 @@ from linen_models.attention import update_cache
 from linen_models.embeddings import Embed
 from linen_models.gemma import GeGluBlock
 from linen_models.linears import dense
+from linen_models.moe import expert_weight
 from linen_models.normalizations import RMSNorm, norm
 from maxbridge.core import initializers
 from maxbridge.core.config import Config
@@ -156,14 +157,9 @@ class Gemma4MoE(nn.Module):
   def __call__(self, x: jax.Array, router_input: jax.Array) -> jax.Array:
     cfg = self.config
     experts, width, hidden = cfg.num_experts, cfg.emb_dim, cfg.moe_mlp_dim
-    dtype = jnp.dtype(cfg.weight_dtype)
-
-    def param(name, shape, axes):
-      return self.param(name, nn.with_logical_partitioning(initializers.placeholder, axes), shape, dtype)
-
-    wi_0 = param("wi_0", (experts, width, hidden), ("exp", "embed_no_exp", "mlp"))
-    wi_1 = param("wi_1", (experts, width, hidden), ("exp", "embed_no_exp", "mlp"))
-    wo = param("wo", (experts, hidden, width), ("exp", "mlp", "embed_no_exp"))
+    wi_0 = expert_weight(self, cfg, "wi_0", (experts, width, hidden), ("exp", "embed_no_exp", "mlp"))
+    wi_1 = expert_weight(self, cfg, "wi_1", (experts, width, hidden), ("exp", "embed_no_exp", "mlp"))
+    wo = expert_weight(self, cfg, "wo", (experts, hidden, width), ("exp", "mlp", "embed_no_exp"))
     scale, kernel, per_expert_scale = Gemma4Router(cfg, name="gate")()
     return scaled_router.scaled_router_moe(
         x,
@@ -178,7 +174,7 @@ class Gemma4MoE(nn.Module):
         epsilon=cfg.normalization_layer_epsilon,
         sparse=cfg.sparse_matmul,
         dtype=jnp.dtype(cfg.dtype),
-        dot_general=quantization.linen_dot_general(cfg),
+        dot_general=quantization.expert_dot_general(cfg, quantization.linen_dot_general(cfg)),
         ragged_dot=quantization.ragged_dot(cfg),
     )
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from linen_models.attention import read_cache
 from linen_models.linears import dense
 from linen_models.mixtral import moe_per_layer
+from linen_models.moe import expert_weight
 from linen_models.normalizations import norm
 from maxbridge.core import initializers
 from maxbridge.core.config import Config
@@ -79,23 +80,23 @@ class GptOssMoE(nn.Module):
   def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
     cfg = self.config
     experts, width, hidden = cfg.num_experts, cfg.emb_dim, cfg.mlp_dim
-    dot_general = self.dot_general or quantization.linen_dot_general(cfg)
+    dot_general = quantization.expert_dot_general(cfg, self.dot_general or quantization.linen_dot_general(cfg))
     # The router multiplies by the config's matmul, as every family's (and MaxText's) does, and keeps a
     # float kernel in serve checkpoints, as the other families' gates do.
     router = dict(dot_general=dot_general, frozen=None)
     logits = dense(cfg, (width,), (experts,), ("embed", None), use_bias=True, name="gate", **router)(x)
 
-    def expert_param(name, shape, axes):
+    def bias(name, shape, axes):
       partitioned = nn.with_logical_partitioning(initializers.placeholder, axes)
       return self.param(name, partitioned, shape, jnp.dtype(cfg.weight_dtype))
 
     return moe_ops.biased_routed_moe(
         x,
         logits,
-        expert_param("wi", (experts, width, 2 * hidden), ("exp", "embed_no_exp", "mlp")),
-        expert_param("wi_bias", (experts, 2 * hidden), ("exp", "mlp")),
-        expert_param("wo", (experts, hidden, width), ("exp", "mlp", "embed_no_exp")),
-        expert_param("wo_bias", (experts, width), ("exp", "embed_no_exp")),
+        expert_weight(self, cfg, "wi", (experts, width, 2 * hidden), ("exp", "embed_no_exp", "mlp")),
+        bias("wi_bias", (experts, 2 * hidden), ("exp", "mlp")),
+        expert_weight(self, cfg, "wo", (experts, hidden, width), ("exp", "mlp", "embed_no_exp")),
+        bias("wo_bias", (experts, width), ("exp", "embed_no_exp")),
         activation=activation(cfg),
         num_experts_per_tok=cfg.num_experts_per_tok,
         sparse=cfg.sparse_matmul,

@@ -20,6 +20,26 @@ from maxbridge.ops import moe as moe_ops
 from maxbridge.ops import quantization
 
 
+def expert_weight(module: nn.Module, config: Config, name: str, shape: tuple[int, ...], axes: tuple[str, ...]):
+  """A routed-expert [E, in, out] weight of `module`: the float parameter, or serving (`checkpoint_is_quantized`),
+  its frozen `{name}_qvalue` and `{name}_scale` (`quantization.FrozenExperts`)."""
+
+  def param(name, shape, axes, dtype):
+    return module.param(name, nn.with_logical_partitioning(initializers.placeholder, axes), shape, jnp.dtype(dtype))
+
+  if not quantization.serves_quantized(config):
+    return param(name, shape, axes, config.weight_dtype)
+  return quantization.FrozenExperts(
+      param(name + quantization.QVALUE_SUFFIX, shape, axes, quantization.qvalue_dtype(config)),
+      param(
+          name + quantization.SCALE_SUFFIX,
+          quantization.expert_scale_shape(config, shape),
+          quantization.expert_scale_axes(config, axes),
+          config.dtype,
+      ),
+  )
+
+
 class GateLogit(nn.Module):
   """Router logits x @ kernel [D, E]; with `routed_bias`, DeepSeek's score-correction `bias` [E]."""
 
@@ -58,16 +78,11 @@ class RoutedMoE(nn.Module):
   def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
     cfg = self.config
     experts, width, hidden = cfg.num_experts, cfg.emb_dim, self.intermediate_dim
-    weight_dtype = jnp.dtype(cfg.weight_dtype)
-    dot_general = self.dot_general or quantization.linen_dot_general(cfg)
+    dot_general = quantization.expert_dot_general(cfg, self.dot_general or quantization.linen_dot_general(cfg))
     logits, correction_bias = GateLogit(cfg, dot_general, name="gate")(x)
-
-    def expert_param(name, shape, axes):
-      return self.param(name, nn.with_logical_partitioning(initializers.placeholder, axes), shape, weight_dtype)
-
-    wi_0 = expert_param("wi_0", (experts, width, hidden), ("exp", "embed_no_exp", "mlp"))
-    wi_1 = expert_param("wi_1", (experts, width, hidden), ("exp", "embed_no_exp", "mlp"))
-    wo = expert_param("wo", (experts, hidden, width), ("exp", "mlp", "embed_no_exp"))
+    wi_0 = expert_weight(self, cfg, "wi_0", (experts, width, hidden), ("exp", "embed_no_exp", "mlp"))
+    wi_1 = expert_weight(self, cfg, "wi_1", (experts, width, hidden), ("exp", "embed_no_exp", "mlp"))
+    wo = expert_weight(self, cfg, "wo", (experts, hidden, width), ("exp", "mlp", "embed_no_exp"))
     return moe_ops.routed_moe(
         x,
         logits,

@@ -22,6 +22,7 @@ from nnx_models.attention import update_cache
 from nnx_models.embeddings import Embed
 from nnx_models.gemma import GeGluBlock
 from nnx_models.linears import dense
+from nnx_models.moe import add_expert_weight, expert_weight
 from nnx_models.normalizations import RMSNorm, norm
 
 Carry = dict
@@ -162,9 +163,9 @@ class Gemma4MoE(nnx.Module):
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
     cfg = self.config = config
     experts, width, hidden = cfg.num_experts, cfg.emb_dim, cfg.moe_mlp_dim
-    self.wi_0 = _param((experts, width, hidden), ("exp", "embed_no_exp", "mlp"), cfg, rngs)
-    self.wi_1 = _param((experts, width, hidden), ("exp", "embed_no_exp", "mlp"), cfg, rngs)
-    self.wo = _param((experts, hidden, width), ("exp", "mlp", "embed_no_exp"), cfg, rngs)
+    add_expert_weight(self, cfg, "wi_0", (experts, width, hidden), ("exp", "embed_no_exp", "mlp"), rngs)
+    add_expert_weight(self, cfg, "wi_1", (experts, width, hidden), ("exp", "embed_no_exp", "mlp"), rngs)
+    add_expert_weight(self, cfg, "wo", (experts, hidden, width), ("exp", "mlp", "embed_no_exp"), rngs)
     self.gate = Gemma4Router(cfg, rngs=rngs)
 
   def __call__(self, x: jax.Array, router_input: jax.Array) -> jax.Array:
@@ -175,14 +176,12 @@ class Gemma4MoE(nnx.Module):
         gate.scale[...],
         gate.kernel[...],
         gate.per_expert_scale[...],
-        self.wi_0[...],
-        self.wi_1[...],
-        self.wo[...],
+        *(expert_weight(self, cfg, name) for name in ("wi_0", "wi_1", "wo")),
         k=cfg.num_experts_per_tok,
         epsilon=cfg.normalization_layer_epsilon,
         sparse=cfg.sparse_matmul,
         dtype=jnp.dtype(cfg.dtype),
-        dot_general=quantization.nnx_dot_general(cfg),
+        dot_general=quantization.expert_dot_general(cfg, quantization.nnx_dot_general(cfg)),
         ragged_dot=quantization.ragged_dot(cfg),
     )
 

@@ -22,6 +22,7 @@ from maxbridge.ops import quantization
 from nnx_models.attention import read_cache
 from nnx_models.linears import dense
 from nnx_models.mixtral import moe_per_layer
+from nnx_models.moe import add_expert_weight, expert_weight
 from nnx_models.normalizations import norm
 
 
@@ -81,7 +82,7 @@ class GptOssMoE(nnx.Module):
   ):
     cfg = self.config = config
     experts, width, hidden = cfg.num_experts, cfg.emb_dim, cfg.mlp_dim
-    dot_general = dot_general or quantization.nnx_dot_general(cfg)
+    dot_general = quantization.expert_dot_general(cfg, dot_general or quantization.nnx_dot_general(cfg))
     # The router multiplies by the config's matmul, as every family's (and MaxText's) does, and keeps a
     # float kernel in serve checkpoints, as the other families' gates do.
     router = dict(dot_general=dot_general, frozen=None)
@@ -90,9 +91,9 @@ class GptOssMoE(nnx.Module):
     def expert_param(shape, axes):
       return nnx.Param(initializers.placeholder(rngs.params(), shape, jnp.dtype(cfg.weight_dtype)), out_sharding=axes)
 
-    self.wi = expert_param((experts, width, 2 * hidden), ("exp", "embed_no_exp", "mlp"))
+    add_expert_weight(self, cfg, "wi", (experts, width, 2 * hidden), ("exp", "embed_no_exp", "mlp"), rngs)
     self.wi_bias = expert_param((experts, 2 * hidden), ("exp", "mlp"))
-    self.wo = expert_param((experts, hidden, width), ("exp", "mlp", "embed_no_exp"))
+    add_expert_weight(self, cfg, "wo", (experts, hidden, width), ("exp", "mlp", "embed_no_exp"), rngs)
     self.wo_bias = expert_param((experts, width), ("exp", "embed_no_exp"))
     self.dot_general = dot_general
     self.ragged_dot = ragged_dot or quantization.ragged_dot(cfg)
@@ -102,9 +103,9 @@ class GptOssMoE(nnx.Module):
     return moe_ops.biased_routed_moe(
         x,
         self.gate(x),
-        self.wi[...],
+        expert_weight(self, cfg, "wi"),
         self.wi_bias[...],
-        self.wo[...],
+        expert_weight(self, cfg, "wo"),
         self.wo_bias[...],
         activation=activation(cfg),
         num_experts_per_tok=cfg.num_experts_per_tok,

@@ -20,6 +20,33 @@ from maxbridge.ops import quantization
 from nnx_models.mlp import MlpBlock
 
 
+def add_expert_weight(
+    module: nnx.Module, config: Config, name: str, shape: tuple[int, ...], axes: tuple[str, ...], rngs: nnx.Rngs
+) -> None:
+  """A routed-expert [E, in, out] weight on `module`: the float parameter `name`, or serving
+  (`checkpoint_is_quantized`), its frozen `{name}_qvalue` and `{name}_scale`. `expert_weight` reads it."""
+
+  def param(shape, axes, dtype):
+    return nnx.Param(initializers.placeholder(rngs.params(), shape, jnp.dtype(dtype)), out_sharding=axes)
+
+  if not quantization.serves_quantized(config):
+    setattr(module, name, param(shape, axes, config.weight_dtype))
+    return
+  setattr(module, name + quantization.QVALUE_SUFFIX, param(shape, axes, quantization.qvalue_dtype(config)))
+  scale = param(
+      quantization.expert_scale_shape(config, shape), quantization.expert_scale_axes(config, axes), config.dtype
+  )
+  setattr(module, name + quantization.SCALE_SUFFIX, scale)
+
+
+def expert_weight(module: nnx.Module, config: Config, name: str):
+  """What `add_expert_weight` added: the float array, or the `quantization.FrozenExperts` pair."""
+  if not quantization.serves_quantized(config):
+    return getattr(module, name)[...]
+  qvalue, scale = (getattr(module, name + suffix)[...] for suffix in quantization.SUFFIXES)
+  return quantization.FrozenExperts(qvalue, scale)
+
+
 class GateLogit(nnx.Module):
   """Router logits x @ kernel [D, E]; with `routed_bias`, DeepSeek's score-correction `bias` [E]."""
 
@@ -57,17 +84,12 @@ class RoutedMoE(nnx.Module):
       rngs: nnx.Rngs,
   ):
     cfg = self.config = config
-    dot_general = dot_general or quantization.nnx_dot_general(cfg)
+    dot_general = quantization.expert_dot_general(cfg, dot_general or quantization.nnx_dot_general(cfg))
     experts, width, hidden = cfg.num_experts, cfg.emb_dim, intermediate_dim
-    weight_dtype = jnp.dtype(cfg.weight_dtype)
     self.gate = GateLogit(cfg, dot_general, rngs=rngs)
-
-    def expert_param(shape, axes):
-      return nnx.Param(initializers.placeholder(rngs.params(), shape, weight_dtype), out_sharding=axes)
-
-    self.wi_0 = expert_param((experts, width, hidden), ("exp", "embed_no_exp", "mlp"))
-    self.wi_1 = expert_param((experts, width, hidden), ("exp", "embed_no_exp", "mlp"))
-    self.wo = expert_param((experts, hidden, width), ("exp", "mlp", "embed_no_exp"))
+    add_expert_weight(self, cfg, "wi_0", (experts, width, hidden), ("exp", "embed_no_exp", "mlp"), rngs)
+    add_expert_weight(self, cfg, "wi_1", (experts, width, hidden), ("exp", "embed_no_exp", "mlp"), rngs)
+    add_expert_weight(self, cfg, "wo", (experts, hidden, width), ("exp", "mlp", "embed_no_exp"), rngs)
     self.dot_general = dot_general
     self.ragged_dot = ragged_dot or quantization.ragged_dot(cfg)
 
@@ -77,9 +99,7 @@ class RoutedMoE(nnx.Module):
         x,
         logits,
         correction_bias,
-        self.wi_0[...],
-        self.wi_1[...],
-        self.wo[...],
+        *(expert_weight(self, self.config, name) for name in ("wi_0", "wi_1", "wo")),
         dot_general=self.dot_general,
         ragged_dot=self.ragged_dot,
         **moe_ops.moe_options(self.config),

@@ -574,3 +574,36 @@ def test_aqts_ragged_dot_rounds_its_forward_pass_and_passes_float_gradients_stra
   for got, expected in zip(grads, want):
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
   assert quantization_module.ragged_dot(tiny_config()) is quantization_module.moe.lax_ragged_dot
+
+
+@pytest.mark.parametrize(
+    "preset, qwix, sparse_matmul",
+    [
+        ("mixtral-tiny", False, True),
+        ("qwen3-moe-tiny", True, True),
+        ("gpt-oss-tiny", True, False),  # fused, biased experts
+        ("llama4-tiny", False, False),  # input-weighted experts beside a shared one
+    ],
+    ids=["mixtral-aqt", "qwen3-moe-qwix", "gpt-oss-qwix-dense", "llama4-aqt-dense"],
+)
+def test_moe_serve_checkpoints_hold_int8_experts_and_serve_the_qat_logits(preset, qwix, sparse_matmul, tmp_path):
+  """`maxbridge quantize` stores routed experts as int8 values and per-channel scales (shared by the experts
+  for the dropless matmul, as training's), and both backends serve what quantization-aware training computes."""
+  tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, 256)
+  qat = dict(quantization="int8", use_qwix_quantization=qwix, sparse_matmul=sparse_matmul)
+  float_config = mb.load_config(preset, sparse_matmul=sparse_matmul)
+  save_float_checkpoint(tmp_path / "float", float_config, mb.create_model(float_config, seed=0).params())
+  overrides = [f"{key}={str(value).lower()}" for key, value in qat.items()]
+  assert cli.main(["quantize", str(tmp_path / "float"), str(tmp_path / "int8"), *overrides]) == 0
+  want = np.asarray(mb.create_model(mb.load_config(preset, **qat), seed=0).logits(tokens))
+  for backend in ("linen", "nnx"):
+    served = mb.from_pretrained(tmp_path / "int8", backend=backend)
+    flat = canonical.flatten(served.params())
+    experts = {path: leaf for path, leaf in flat.items() if path.endswith("_qvalue") and "kernel" not in path}
+    assert len(experts) >= 2, sorted(flat)
+    for path, qvalue in experts.items():
+      assert qvalue.dtype == jnp.int8 and path.removesuffix("_qvalue") not in flat, path
+      scale = flat[path.removesuffix("_qvalue") + "_scale"]
+      experts_axis = 0  # [E, (layers,) in, out]
+      assert scale.shape[experts_axis] == (1 if sparse_matmul else qvalue.shape[experts_axis]), (path, scale.shape)
+    np.testing.assert_allclose(np.asarray(served.logits(tokens)), want, rtol=0, atol=1e-6, err_msg=backend)

@@ -103,8 +103,15 @@ def mean_layer_losses(losses: list[jax.Array]) -> jax.Array:
   return jnp.mean(jnp.concatenate([jnp.reshape(loss, (-1,)) for loss in losses]))
 
 
+def _promote(values: tuple, dtype: jnp.dtype) -> list:
+  """flax's `promote_dtype` of the arrays; a served expert weight (quantized, frozen: not an array) passes on
+  to its matmul as it is."""
+  promoted = iter(promote_dtype([v for v in values if isinstance(v, jax.Array)], dtype=dtype))
+  return [next(promoted) if isinstance(v, jax.Array) else v for v in values]
+
+
 def _expert_mlp(x, wi_0, wi_1, wo, matmul, dtype, activation=jax.nn.silu):
-  x, wi_0, wi_1, wo = promote_dtype((x, wi_0, wi_1, wo), dtype=dtype)
+  x, wi_0, wi_1, wo = _promote((x, wi_0, wi_1, wo), dtype)
   gate = matmul(x, wi_0)
   up = matmul(x, wi_1)
   return matmul(activation(gate) * up, wo)
@@ -318,7 +325,7 @@ def biased_experts(
   """
   tokens, k = indices.shape
   num_experts = wi.shape[0]
-  x, wi, wi_bias, wo, wo_bias = promote_dtype((x, wi, wi_bias, wo, wo_bias), dtype=dtype)
+  x, wi, wi_bias, wo, wo_bias = _promote((x, wi, wi_bias, wo, wo_bias), dtype)
   if sparse:
     with jax.named_scope("dropless_experts"):
       flat_experts = indices.reshape(-1)

@@ -26,14 +26,17 @@ below any ToNNX/ToLinen boundary, never across one, and every combination
 gives pure Linen's numbers.
 
 Serving (`checkpoint_is_quantized=true`, either library, any flags): dense
-layers hold frozen `kernel_qvalue` + `kernel_scale` instead of `kernel`
+layers hold frozen `kernel_qvalue` + `kernel_scale` instead of `kernel`, and
+MoE blocks `wi_0_qvalue` + `wi_0_scale` (and so on) instead of their experts
 (see the section below); `maxbridge quantize` / `dispatch.quantize_params`
-make them from float weights (AQT convert mode, or Qwix PTQ).
+make them from float weights (AQT convert mode, or Qwix PTQ). Routers keep
+float kernels, quantized on the fly as in training.
 """
 
 import contextlib
 import contextvars
 import copy
+import dataclasses
 import functools
 import math
 import zlib
@@ -47,6 +50,7 @@ from aqt.jax.v2.flax import aqt_flax
 import qwix
 from qwix._src.core import dot_general as qwix_dot_general
 from qwix._src.core import qarray as qwix_qarray
+from qwix._src.core import ragged_dot as qwix_ragged_dot
 
 from maxbridge.core import canonical
 from maxbridge.core.config import Config
@@ -197,7 +201,9 @@ def nnx_dot_general(config: Config) -> linear.DotGeneral:
 
 def ragged_dot(config: Config) -> moe.RaggedDot:
   """The `ragged_dot` of dropless routed experts for `config`: AQT's int8 one when AQT quantizes, else
-  `jax.lax.ragged_dot` looked up when called (where Qwix intercepts it)."""
+  `jax.lax.ragged_dot` looked up when called (where Qwix intercepts it); serving, frozen experts' one."""
+  if serves_quantized(config):
+    return functools.partial(_frozen_ragged_dot, config)
   if not uses_aqt(config):
     return moe.lax_ragged_dot
   aqt_dot_general_config(config)  # checks the quantization
@@ -302,9 +308,13 @@ def dequantize_weight(qvalue: jax.Array, scale: jax.Array, qtype: str) -> jax.Ar
 # embeddings and biases stay float. `convert` computes the pair from a float
 # tree with the quantizer train mode runs (AQT's, or Qwix's), and serving
 # feeds it to the same matmul, so serve logits are the convert-mode (QAT
-# forward) logits bit for bit.
+# forward) logits, bit for bit where the matmuls are the same ops.
 
 QVALUE, SCALE = "kernel_qvalue", "kernel_scale"
+# Routed experts' [E, in, out] weights (`wi_0`, `wo`, ...) serve as `wi_0_qvalue` + `wi_0_scale`: a scale per
+# output channel, shared by all experts where the dropless matmul (AQT's and Qwix's `ragged_dot`) shares
+# one, else per expert as a dense layer's (`expert_scale_shape`).
+QVALUE_SUFFIX, SCALE_SUFFIX = SUFFIXES = ("_qvalue", "_scale")
 
 
 def serves_quantized(config: Config) -> bool:
@@ -402,6 +412,68 @@ def qwix_serve_dot_general(config: Config, qvalue: jax.Array, scale: jax.Array) 
   return dot_general
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FrozenExperts:
+  """A serve model's routed-expert weight: what the MoE ops take in place of the float [E, in, out] array
+  and hand, untouched, to their matmul (`ragged_dot`, `expert_dot_general`)."""
+
+  qvalue: jax.Array
+  scale: jax.Array
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.qvalue.shape
+
+  @property
+  def ndim(self) -> int:
+    return self.qvalue.ndim
+
+
+def expert_scale_shape(config: Config, shape: tuple[int, ...]) -> tuple[int, ...]:
+  """The scale of a served [E, in, out] expert weight: [1, 1, out] for the dropless matmul, else [E, 1, out]."""
+  experts, _, out = shape
+  return (1, 1, out) if config.sparse_matmul else (experts, 1, out)
+
+
+def expert_scale_axes(config: Config, logical_axes: tuple[str, ...]) -> tuple[str | None, ...]:
+  experts, _, out = logical_axes
+  return (None, None, out) if config.sparse_matmul else (experts, None, out)
+
+
+def _frozen_ragged_dot(config: Config, lhs: jax.Array, rhs: FrozenExperts, group_sizes: jax.Array) -> jax.Array:
+  """A served dropless matmul: the activations quantized on the fly as in training, the experts frozen."""
+  if uses_qwix(config):
+    rule = qwix_rules(config)[0]
+    if rule.act_qtype is not None:  # as Qwix's ragged_dot_qt: one scale per row
+      lhs = qwix_qarray.quantize(lhs, qwix_qarray.HowToQuantize(qtype=rule.act_qtype, channelwise_axes=[0]))
+    weight = qwix_qarray.QArray(qvalue=rhs.qvalue, scale=rhs.scale, qtype=rule.weight_qtype)
+    return qwix_ragged_dot.ragged_dot(lhs, weight, group_sizes)
+  cfg = copy.deepcopy(_aqt_int8(1, False))
+  cfg.fwd.dot_general = aqt_ragged_dot.RaggedDot(group_sizes=group_sizes)  # as AQT's ragged_dot sets it
+  dg = aqt_config.set_context(cfg, key=None, train_step=None)
+  frozen = aqt_tensor.QTensor(qvalue=rhs.qvalue, scale=[rhs.scale], scale_t=None, bias=[], dequant_dtype=lhs.dtype)
+  placeholder = jnp.zeros(rhs.shape, lhs.dtype)  # never read: AQT takes the complete QTensor as is
+  return dg.dg_core(lhs, placeholder, None, frozen, (([1], [0, 1]), ([], [])))[0]
+
+
+def expert_dot_general(config: Config, dot_general: linear.DotGeneral) -> linear.DotGeneral:
+  """An MoE block's `dot_general`: `dot_general` for float weights (the router's), and serving, the frozen
+  matmul of a `FrozenExperts` weight (the dense experts' path, `sparse_matmul=false`)."""
+  if not serves_quantized(config):
+    return dot_general
+  frozen = frozen_dot_general(config)
+
+  def matmul(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    if isinstance(rhs, FrozenExperts):
+      return frozen(rhs.qvalue, rhs.scale)(lhs, jnp.zeros(rhs.shape, lhs.dtype), dimension_numbers)
+    if uses_qwix(config):  # a float router, quantized on the fly as Qwix's QAT does (no interception serves)
+      return frozen(*quantize_kernel(config, rhs, tuple(dimension_numbers[0][1])))(lhs, rhs, dimension_numbers)
+    return dot_general(lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type)
+
+  return matmul
+
+
 def is_serve_tree(params: Mapping[str, Any]) -> bool:
   """Whether a canonical tree holds frozen quantized kernels (a serve checkpoint's)."""
   return any(path.endswith("/" + QVALUE) for path in canonical.flatten(params))
@@ -419,15 +491,14 @@ def convert(config: Config, params: Mapping[str, Any], serve_abstract: Mapping[s
   flat, want = canonical.flatten(params), canonical.flatten(serve_abstract)
   out = {}
   for path, leaf in want.items():
-    if path.endswith("/" + SCALE):
+    name = path.removesuffix(QVALUE_SUFFIX)
+    if name == path:
+      if not (path.endswith(SCALE_SUFFIX) and path.removesuffix(SCALE_SUFFIX) + QVALUE_SUFFIX in want):
+        out[path] = flat[path]
       continue
-    if not path.endswith("/" + QVALUE):
-      out[path] = flat[path]
-      continue
-    prefix = path[: -len(QVALUE)]
-    scale = want[prefix + SCALE]
+    scale = want[name + SCALE_SUFFIX]
     contracted = tuple(i for i, n in enumerate(scale.shape) if n == 1)
-    out[path], out[prefix + SCALE] = quantize_kernel(config, flat[prefix + "kernel"], contracted)
+    out[path], out[name + SCALE_SUFFIX] = quantize_kernel(config, flat[name], contracted)
   return canonical.unflatten(out)
 
 
