@@ -1,6 +1,7 @@
 """Quantized (AQT int8, Qwix int8) vs float32: train-step time, prefill throughput and serve-checkpoint bytes.
 
     .venv/bin/python benchmarks/quantization.py [--preset llama-small] [--steps 10] [--batch 4] [--length 128]
+    .venv/bin/python benchmarks/quantization.py --param-bytes gemma4-26b qwen3-30b-a3b ...
 
 Every variant is timed in the same rounds, in a fresh random order each round
 (as `maxbridge/training/bench.py` does), and reported as the median of per-round
@@ -23,7 +24,7 @@ import numpy as np
 
 import maxbridge as mb
 from maxbridge.training import bench
-from maxbridge.core import checkpointing
+from maxbridge.core import canonical, checkpointing
 from maxbridge.models import dispatch
 from maxbridge.interop import quantize
 
@@ -66,8 +67,8 @@ def serve_bytes(preset: str) -> None:
     for name, overrides in SERVE_FORMATS.items():
       quantize.quantize_checkpoint(root / "f32", root / name.replace(" ", "-"), *overrides)
       leaves = checkpointing.CheckpointReader(root / name.replace(" ", "-")).leaves
-      kernels = [p for p in leaves if p.endswith("/kernel_qvalue")]
-      quantized = sum(leaves[p].nbytes + leaves[p.replace("_qvalue", "_scale")].nbytes for p in kernels)
+      kernels = [p for p in leaves if p.endswith("_qvalue")]  # dense kernels and routed experts
+      quantized = sum(leaves[p].nbytes + leaves[p.removesuffix("_qvalue") + "_scale"].nbytes for p in kernels)
       floats = sum(float_leaves[p.removesuffix("_qvalue")].nbytes for p in kernels)
       disk = _bytes_on_disk(root / name.replace(" ", "-"))
       print(f"{name:<11}{disk / 2**20:>12.1f}{disk / float_disk:>8.3f}{quantized / floats:>16.3f}")
@@ -76,14 +77,40 @@ def serve_bytes(preset: str) -> None:
   print(" norms stay float32.)")
 
 
+def param_bytes(presets: list[str]) -> None:
+  """Parameter bytes of real-size presets, float32 against an AQT int8 serve checkpoint, from their abstract
+  trees: nothing is allocated."""
+
+  def gib(config) -> float:
+    abstract = dispatch.abstract_model(config).abstract_params()
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in canonical.flatten(abstract).values()) / 2**30
+
+  header = f"{'preset':<24}{'f32 GiB':>9}{'int8 serve GiB':>16}{'vs f32':>8}"
+  print(header)
+  print("-" * len(header))
+  for preset in presets:
+    config = mb.load_config(preset)
+    full, served = gib(config), gib(config.replace(quantization="int8", checkpoint_is_quantized=True))
+    print(f"{preset:<24}{full:>9.1f}{served:>16.1f}{served / full:>8.3f}")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument(
+      "--param-bytes",
+      nargs="+",
+      metavar="PRESET",
+      help="only the parameter bytes of these (real-size) presets, float32 vs an int8 serve checkpoint",
+  )
   parser.add_argument("--preset", default="llama-small")
   parser.add_argument("--steps", type=int, default=10, help="timed rounds")
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--batch", type=int, default=4)
   parser.add_argument("--length", type=int, default=128)
   args = parser.parse_args()
+  if args.param_bytes:
+    param_bytes(args.param_bytes)
+    return
   if min(args.steps, args.batch, args.length) < 1 or args.warmup < 0:
     parser.error("--steps, --batch and --length must be >= 1, --warmup >= 0")
 
