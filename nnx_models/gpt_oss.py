@@ -88,13 +88,13 @@ class GptOssMoE(nnx.Module):
     router = dict(dot_general=dot_general, frozen=None)
     self.gate = dense(cfg, (width,), (experts,), ("embed", None), use_bias=True, rngs=rngs, **router)
 
-    def expert_param(shape, axes):
+    def bias(shape, axes):
       return nnx.Param(initializers.placeholder(rngs.params(), shape, jnp.dtype(cfg.weight_dtype)), out_sharding=axes)
 
     add_expert_weight(self, cfg, "wi", (experts, width, 2 * hidden), ("exp", "embed_no_exp", "mlp"), rngs)
-    self.wi_bias = expert_param((experts, 2 * hidden), ("exp", "mlp"))
+    self.wi_bias = bias((experts, 2 * hidden), ("exp", "mlp"))
     add_expert_weight(self, cfg, "wo", (experts, hidden, width), ("exp", "mlp", "embed_no_exp"), rngs)
-    self.wo_bias = expert_param((experts, width), ("exp", "embed_no_exp"))
+    self.wo_bias = bias((experts, width), ("exp", "embed_no_exp"))
     self.dot_general = dot_general
     self.ragged_dot = ragged_dot or quantization.ragged_dot(cfg)
 
