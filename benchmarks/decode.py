@@ -117,8 +117,10 @@ def per_step(preset: str, batches: list[int], prompt: int, new: int, rounds: int
   does, so the read overlaps the next step), and "loop" (`generate_steps`).
   A step and the loop's body compile to the same kernels (dots, fusions and
   copies, give or take the loop's bookkeeping), so "vs loop" (loop time / this
-  way's, > 1 faster) is what one call a token costs: ~0.1 ms of dispatch on
-  CPU, a few percent of a llama-small step. Beside batch 1 at MaxEngine's dims:
+  way's, > 1 faster) is what one call a token costs. "host ms" is the CPU time
+  the calling thread spends per token (`time.thread_time`): jaxlib's dispatch
+  of a step's ~120 argument and ~50 result buffers, which on a machine with few
+  cores takes time from XLA's compute threads. Beside batch 1 at MaxEngine's dims:
   MaxEngine's figures and the ratio of ours to them (taken on another day:
   rerun on an idle machine before reading much into it).
 
@@ -133,7 +135,7 @@ def per_step(preset: str, batches: list[int], prompt: int, new: int, rounds: int
       f"device(s), {threads} cores, load {os.getloadavg()[0]:.1f}; median of {rounds} interleaved rounds"
   )
   low, high = MAXENGINE_BATCH1_TOK_S
-  print(f"{'batch':>5} {'what':>16} {'tok/s':>8}  {'vs loop':>7}  MaxEngine 0.2.5 per-step (issue 32)")
+  print(f"{'batch':>5} {'what':>16} {'tok/s':>8}  {'vs loop':>7}  {'host ms':>7}  MaxEngine 0.2.5 per-step (issue 32)")
   for batch in batches:
     config = mb.load_config(
         preset, max_prefill_predict_length=prompt, max_target_length=prompt + new, per_device_batch_size=batch
@@ -147,12 +149,15 @@ def per_step(preset: str, batches: list[int], prompt: int, new: int, rounds: int
         state = eng.insert(prefix, state, slot)
       return jax.block_until_ready(state)
 
-    def timed(decode, eng=eng, order=contextlib.nullcontext):
+    host = {}  # name: [this thread's CPU seconds per round]
+
+    def timed(decode, name, eng=eng, order=contextlib.nullcontext):
       def timer():
         with order():  # where the first round traces
           state = filled(eng)
-          start = time.perf_counter()
+          start, cpu = time.perf_counter(), time.thread_time()
           decode(eng, state)
+          host.setdefault(name, []).append(time.thread_time() - cpu)
           return time.perf_counter() - start
 
       return timer
@@ -176,21 +181,22 @@ def per_step(preset: str, batches: list[int], prompt: int, new: int, rounds: int
       np.asarray(eng.generate_steps(state, new)[1])
 
     ways = {"per-step": steps, "per-step, read": steps_read, "loop": loop}
-    timers = {name: timed(way) for name, way in ways.items()}
+    timers = {name: timed(way, name) for name, way in ways.items()}
     if write_first:
       old = engine.Engine(config, eng.model.params())
       with _write_first():
         copies = _cache_copies(old)
       print(f"{batch:>5} whole-cache copies in the compiled step: {copies} write first, {_cache_copies(eng)} now")
       ways["write first"] = steps
-      timers["write first"] = timed(steps, old, _write_first)
+      timers["write first"] = timed(steps, "write first", old, _write_first)
     times = bench.interleaved(timers, rounds, warmup=1)
     compared = (preset, batch, prompt, new) == MAXENGINE_DIMS
     for name in ways:
       rate = batch * new / statistics.median(times[name])
       maxengine = f"{low}-{high} tok/s: ours {rate / high:.2f}-{rate / low:.2f}x" if compared else ""
       ratio = bench.median_ratio(times["loop"], times[name])
-      print(f"{batch:>5} {name:>16} {rate:8.1f}  {ratio:6.3f}x  {maxengine}".rstrip())
+      host_ms = statistics.median(host[name]) / new * 1e3
+      print(f"{batch:>5} {name:>16} {rate:8.1f}  {ratio:6.3f}x  {host_ms:7.3f}  {maxengine}".rstrip())
     if write_first:
       ratio = bench.median_ratio(times["per-step"], times["write first"])
       print(f"{batch:>5} per-step time now / write first: {ratio:.3f} (median of per-round ratios)")
