@@ -39,7 +39,8 @@ lint: $(STAMP)
 
 # The newest releases PyPI serves for Python 3.12 (MaxText's interpreter), installed
 # first as a MaxText environment would hold them; maxbridge must install beside them
-# without changing jax or flax, and pass the parity, bridge, train and converter tests.
+# without changing jax or flax, and pass the parity, bridge, train and converter tests,
+# compiled as users compile them (LLVM at XLA's default -O3; `make test` runs -O0, see tests/conftest.py).
 NEWEST := .venv-newest
 # The first candidate that runs: a pyenv shim is on PATH even where no 3.12 is selected.
 PY312 ?= $(shell for p in $$(command -v python3.12) $$(ls /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null); do \
@@ -55,4 +56,4 @@ test-newest:
 	$(NEWEST)/bin/pip freeze | grep -iE '^(jax|jaxlib|flax)==' > $(NEWEST)/after.txt
 	@diff $(NEWEST)/before.txt $(NEWEST)/after.txt || { echo "installing maxbridge changed jax/flax"; exit 1; }
 	@echo "newest leg:" $$(cat $(NEWEST)/after.txt)
-	$(NEWEST)/bin/python -m pytest -q -n 2 --dist loadfile tests/test_parity.py tests/test_bridge.py tests/test_train.py tests/test_converters.py
+	XLA_FLAGS=--xla_backend_optimization_level=3 $(NEWEST)/bin/python -m pytest -q -n 2 --dist loadfile tests/test_parity.py tests/test_bridge.py tests/test_train.py tests/test_converters.py
