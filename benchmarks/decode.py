@@ -118,9 +118,8 @@ def per_step(preset: str, batches: list[int], prompt: int, new: int, rounds: int
   A step and the loop's body compile to the same kernels (dots, fusions and
   copies, give or take the loop's bookkeeping), so "vs loop" (loop time / this
   way's, > 1 faster) is what one call a token costs. "host ms" is the CPU time
-  the calling thread spends per token (`time.thread_time`): jaxlib's dispatch
-  of a step's ~120 argument and ~50 result buffers, which on a machine with few
-  cores takes time from XLA's compute threads. Beside batch 1 at MaxEngine's dims:
+  the calling thread spends per token (`time.thread_time`), mostly in jaxlib's
+  dispatch; on a machine with few cores it takes time from XLA's compute threads. Beside batch 1 at MaxEngine's dims:
   MaxEngine's figures and the ratio of ours to them (taken on another day:
   rerun on an idle machine before reading much into it).
 
