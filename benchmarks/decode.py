@@ -119,8 +119,8 @@ def per_step(preset: str, batches: list[int], prompt: int, new: int, rounds: int
   copies, give or take the loop's bookkeeping), so "vs loop" (loop time / this
   way's, > 1 faster) is what one call a token costs. "host ms" is the CPU time
   the calling thread spends per token (`time.thread_time`), mostly in jaxlib's
-  dispatch; on a machine with few cores it takes time from XLA's compute threads. Beside batch 1 at MaxEngine's dims:
-  MaxEngine's figures and the ratio of ours to them (taken on another day:
+  dispatch; on a machine with few cores it takes time from XLA's compute
+  threads. Beside batch 1 at MaxEngine's dims: MaxEngine's figures and the ratio of ours to them (taken on another day:
   rerun on an idle machine before reading much into it).
 
   `write_first` adds "write first": per-step on a second engine whose layers
@@ -194,7 +194,7 @@ def per_step(preset: str, batches: list[int], prompt: int, new: int, rounds: int
       rate = batch * new / statistics.median(times[name])
       maxengine = f"{low}-{high} tok/s: ours {rate / high:.2f}-{rate / low:.2f}x" if compared else ""
       ratio = bench.median_ratio(times["loop"], times[name])
-      host_ms = statistics.median(host[name]) / new * 1e3
+      host_ms = statistics.median(host[name][-rounds:]) / new * 1e3  # the timed rounds, not the warm-up (tracing)
       print(f"{batch:>5} {name:>16} {rate:8.1f}  {ratio:6.3f}x  {host_ms:7.3f}  {maxengine}".rstrip())
     if write_first:
       ratio = bench.median_ratio(times["per-step"], times["write first"])

@@ -13,8 +13,10 @@ import tempfile
 # client starts, here and in each xdist worker (each imports this file first). A run that names a level keeps it:
 # `make test-newest` runs XLA's default (-O3), as users do. The multi-device scripts set their own flags
 # (`fast_compile.py`).
+from fast_compile import LLVM_O0  # a constant; imports no JAX
+
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {LLVM_O0}".strip()
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest

@@ -10,7 +10,8 @@ against the default flags, well inside the 1e-4 to 1e-6 tolerances. XLA's own pa
 past a tolerance in six of its tests (a Linen run resumed in NNX, distillation).
 """
 
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+LLVM_O0 = "--xla_backend_optimization_level=0"  # the in-process suite's one flag (conftest)
+FAST_COMPILE = f"{LLVM_O0} --xla_cpu_use_fusion_emitters=false"
 
 
 def xla_flags(devices: int) -> str:
