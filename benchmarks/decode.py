@@ -120,8 +120,8 @@ def per_step(preset: str, batches: list[int], prompt: int, new: int, rounds: int
   way's, > 1 faster) is what one call a token costs. "host ms" is the CPU time
   the calling thread spends per token (`time.thread_time`), mostly in jaxlib's
   dispatch; on a machine with few cores it takes time from XLA's compute
-  threads. Beside batch 1 at MaxEngine's dims: MaxEngine's figures and the ratio of ours to them (taken on another day:
-  rerun on an idle machine before reading much into it).
+  threads. Beside batch 1 at MaxEngine's dims: MaxEngine's figures and the ratio of ours to them (taken on another day;
+  `benchmarks/maxengine.py` times MaxEngine itself beside ours).
 
   `write_first` adds "write first": per-step on a second engine whose layers
   write their cache before attention reads it (`_write_first`), the order
