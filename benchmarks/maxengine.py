@@ -24,6 +24,7 @@ registered here as pytrees so that its jitted prefill can return them.
 
 import argparse
 import functools
+import importlib.metadata
 import os
 import statistics
 import time
@@ -107,8 +108,8 @@ def main() -> None:
   args = parser.parse_args()
   new = args.new
   print(
-      f"per-step decode beside MaxEngine {maxtext.__version__ if hasattr(maxtext, '__version__') else ''}".rstrip()
-      + f", {args.preset}, prompt {args.prompt}, {new} new tokens, jax {jax.__version__}, "
+      f"per-step decode beside MaxEngine (maxtext {importlib.metadata.version('maxtext')}), {args.preset}, "
+      f"prompt {args.prompt}, {new} new tokens, jax {jax.__version__}, "
       f"{len(os.sched_getaffinity(0))} cores, load {os.getloadavg()[0]:.1f}; median of {args.rounds} interleaved rounds"
   )
   print(f"{'batch':>5} {'what':>12} {'tok/s':>8}  vs MaxEngine")
