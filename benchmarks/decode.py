@@ -46,6 +46,14 @@ BACKENDS = {"linen": (False, False, False), "nnx": (True, True, True)}
 PREFILL_REPEATS = 5
 
 
+def filled(eng: engine.Engine, prompts: np.ndarray) -> engine.DecodeState:
+  """A decode state whose slot i holds prompts[i] (prefilled side by side), computed: nothing left in flight."""
+  state = eng.init_decode_state()
+  for slot, prefix in enumerate(eng.prefill_batch(prompts)):
+    state = eng.insert(prefix, state, slot)
+  return jax.block_until_ready(state)
+
+
 def time_engine(eng: engine.Engine, prompts: np.ndarray, new: int) -> tuple[float, float, np.ndarray]:
   """(prefill seconds, decode seconds, the generated tokens [B, new]).
 
@@ -55,10 +63,7 @@ def time_engine(eng: engine.Engine, prompts: np.ndarray, new: int) -> tuple[floa
   prefill_times = []
   for _ in range(PREFILL_REPEATS):
     start = time.perf_counter()
-    state = eng.init_decode_state()
-    for slot, prefix in enumerate(eng.prefill_batch(prompts)):
-      state = eng.insert(prefix, state, slot)
-    jax.block_until_ready(state)
+    state = filled(eng, prompts)
     prefill_times.append(time.perf_counter() - start)
   prefill_s = statistics.median(prefill_times)
   # To host at once: generate_steps donates the state this buffer belongs to.
@@ -120,8 +125,9 @@ def per_step(preset: str, batches: list[int], prompt: int, new: int, rounds: int
   way's, > 1 faster) is what one call a token costs. "host ms" is the CPU time
   the calling thread spends per token (`time.thread_time`), mostly in jaxlib's
   dispatch; on a machine with few cores it takes time from XLA's compute
-  threads. Beside batch 1 at MaxEngine's dims: MaxEngine's figures and the ratio of ours to them (taken on another day;
-  `benchmarks/maxengine.py` times MaxEngine itself beside ours).
+  threads. Beside batch 1 at MaxEngine's dims: MaxEngine's figures and the
+  ratio of ours to them (taken on another day; `benchmarks/maxengine.py` times
+  MaxEngine itself beside ours).
 
   `write_first` adds "write first": per-step on a second engine whose layers
   write their cache before attention reads it (`_write_first`), the order
@@ -142,18 +148,12 @@ def per_step(preset: str, batches: list[int], prompt: int, new: int, rounds: int
     eng = engine.Engine(config, mb.create_model(config, seed=0).params())
     prompts = np.asarray(jax.random.randint(jax.random.key(batch), (batch, prompt), 0, config.vocab_size), np.int32)
 
-    def filled(eng):
-      state = eng.init_decode_state()
-      for slot, prefix in enumerate(eng.prefill_batch(prompts)):
-        state = eng.insert(prefix, state, slot)
-      return jax.block_until_ready(state)
-
     host = {}  # name: [this thread's CPU seconds per round]
 
     def timed(decode, name, eng=eng, order=contextlib.nullcontext):
       def timer():
         with order():  # where the first round traces
-          state = filled(eng)
+          state = filled(eng, prompts)
           start, cpu = time.perf_counter(), time.thread_time()
           decode(eng, state)
           host.setdefault(name, []).append(time.thread_time() - cpu)
