@@ -202,12 +202,6 @@ def test_cross_entropy_and_z_loss_match_formula():
   np.testing.assert_allclose(loss, lse - target_logit + 1e-2 * lse**2, rtol=1e-5)
 
 
-def test_masked_mean_ignores_masked_positions():
-  values = jnp.array([[1.0, 2.0, 100.0]])
-  assert float(losses.masked_mean(values, jnp.array([[1, 1, 0]]))) == 1.5
-  assert float(losses.masked_mean(values, jnp.zeros((1, 3)))) == 0.0
-
-
 def test_embed_rejects_float_tokens_and_attend_is_the_transpose():
   table = rng.normal(size=(10, 4)).astype(np.float32)
   with pytest.raises(TypeError, match="tokens must be integers"):

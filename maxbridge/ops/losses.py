@@ -18,9 +18,3 @@ def cross_entropy_with_z_loss(
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     z_loss = z_loss_multiplier * jnp.square(log_normalizer)
     return log_normalizer - target_logit + z_loss, z_loss
-
-
-def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
-  """Mean over the positions where mask is true (0 when none are)."""
-  mask = mask.astype(values.dtype)
-  return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)

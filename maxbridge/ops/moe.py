@@ -98,11 +98,6 @@ def load_balance_loss(probs: jax.Array, indices: jax.Array, num_experts: int) ->
   return num_experts * jnp.sum(fraction * mean_prob)
 
 
-def mean_layer_losses(losses: list[jax.Array]) -> jax.Array:
-  """Per-layer losses (scalars, or [L] from a scanned stack) -> their mean over all layers."""
-  return jnp.mean(jnp.concatenate([jnp.reshape(loss, (-1,)) for loss in losses]))
-
-
 def _promote(values: tuple, dtype: jnp.dtype) -> list:
   """flax's `promote_dtype` of the arrays; a served expert weight (quantized, frozen: not an array) passes on
   to its matmul as it is."""
