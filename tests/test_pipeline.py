@@ -15,7 +15,7 @@ import pytest
 import maxbridge as mb
 from jax.sharding import PartitionSpec
 
-from maxbridge.core import canonical, families, sharding
+from maxbridge.core import canonical, pipeline_plan, sharding
 from maxbridge.core.config import ConfigError
 from maxbridge.ops import pipeline
 
@@ -108,16 +108,16 @@ def test_bubble_fraction():
 
 
 def test_plan_follows_maxtexts_keys():
-  assert families.pipeline_plan(mb.load_config("llama-tiny")) is None
+  assert pipeline_plan.pipeline_plan(mb.load_config("llama-tiny")) is None
   # MaxText's defaults: one layer a stage, repeats derived, one micro-batch per stage.
-  plan = families.pipeline_plan(mb.load_config("llama-tiny", base_num_decoder_layers=8, ici_pipeline_parallelism=2))
-  assert plan == families.PipelinePlan("layers", 8, 2, 1, 4, 2)
-  plan = families.pipeline_plan(
+  plan = pipeline_plan.pipeline_plan(mb.load_config("llama-tiny", base_num_decoder_layers=8, ici_pipeline_parallelism=2))
+  assert plan == pipeline_plan.PipelinePlan("layers", 8, 2, 1, 4, 2)
+  plan = pipeline_plan.pipeline_plan(
       mb.load_config(
           "deepseek3-tiny", base_num_decoder_layers=5, ici_pipeline_parallelism=2, num_layers_per_pipeline_stage=2
       )
   )
-  assert plan == families.PipelinePlan("moe_layers", 4, 2, 2, 1, 2)
+  assert plan == pipeline_plan.PipelinePlan("moe_layers", 4, 2, 2, 1, 2)
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxbridge.core import families
+from maxbridge.core.pipeline_plan import pipeline_plan
 
 # Layer stacks by name, as each family names them (MaxText's names): "layers",
 # and DeepSeek's two, "dense_layers" then "moe_layers".
@@ -35,7 +36,7 @@ def layer_axis(config, stack: str) -> str:
   stage's layers; "layers_outside_pipeline" (replicated over the stages) for a
   stack the pipeline does not run whole (DeepSeek's dense layers).
   """
-  plan = families.pipeline_plan(config)
+  plan = pipeline_plan(config)
   if plan is None or (stack == plan.stack and plan.layers == dict(layer_stacks(config))[stack]):
     return "layers"
   return "layers_outside_pipeline"

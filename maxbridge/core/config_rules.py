@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from maxbridge.core import families
+from maxbridge.core.pipeline_plan import pipeline_plan
 
 # `maxbridge.core.config.Config`, which runs these rules on every instance: so this module cannot import it.
 Config = Any
@@ -285,9 +286,9 @@ def validate(cfg: Config) -> None:
 
 
 def _validate_pipeline(cfg: Config) -> None:
-  """The pipeline's layers and micro-batches divide (`families.pipeline_plan`), and what it cannot run is refused."""
+  """The pipeline's layers and micro-batches divide (`pipeline_plan`), and what it cannot run is refused."""
   try:
-    plan = families.pipeline_plan(cfg)
+    plan = pipeline_plan(cfg)
   except ValueError as error:
     raise ConfigError(str(error)) from None
   if plan is None:
