@@ -1,8 +1,9 @@
 """Configuration: base.yml defaults, a preset or YAML file, then overrides.
 
 Here: reading the sources, coercing each value to its key's type, and Config.
-The rules a value must pass, and MaxText's keys, are in maxbridge/core/config_rules.py;
-each family's own, in its entry of the family registry (maxbridge/core/families/).
+The rules a value must pass are in maxbridge/core/config_rules.py; the keys a
+file may hold (MaxText's among them), in maxbridge/core/config_keys.py; each
+family's own rules, in its entry of the family registry (maxbridge/core/families/).
 Pure Python on purpose (no jax import), so the CLI can reject a bad key
 before paying for JAX start-up.
 """
@@ -18,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from maxbridge.core import config_rules, families, files
+from maxbridge.core import config_keys, config_rules, families, files
 from maxbridge.core.config_rules import ConfigError
 
 CONFIG_DIR = Path(__file__).parent.parent / "configs"  # maxbridge/configs: data, beside the code that reads it
@@ -289,7 +290,7 @@ class Config:
 
   def replace(self, **changes: Any) -> Config:
     """A new Config with `changes` applied and validated."""
-    config_rules.check_known(changes, _FIELD_TYPES, source="replace()")
+    config_keys.check_known(changes, _FIELD_TYPES, source="replace()")
     return dataclasses.replace(self, **changes)
 
   def to_dict(self) -> dict[str, Any]:
@@ -479,10 +480,10 @@ def load_config(preset_or_path: str | None = None, *overrides: str, **kwargs: An
   raw, given = _read_yaml(path), dict(map(_parse_override, overrides))
   # The decoder_block the config will have: some MaxText keys' accepted value is its family's.
   block = str(kwargs.get("decoder_block", given.get("decoder_block", raw.get("decoder_block", values["decoder_block"]))))
-  model = config_rules.known_only(raw, _FIELD_TYPES, source=str(path), decoder_block=block)
+  model = config_keys.known_only(raw, _FIELD_TYPES, source=str(path), decoder_block=block)
   values.update(model)
-  values.update(config_rules.known_only(given, _FIELD_TYPES, source="overrides", decoder_block=block))
-  values.update(config_rules.known_only(kwargs, _FIELD_TYPES, source="keyword arguments", decoder_block=block))
+  values.update(config_keys.known_only(given, _FIELD_TYPES, source="overrides", decoder_block=block))
+  values.update(config_keys.known_only(kwargs, _FIELD_TYPES, source="keyword arguments", decoder_block=block))
   if by_model_name and not _coerce("override_model_config", values["override_model_config"], bool):
     _refuse_model_overrides(values["model_name"], model, values)
   return Config(**values)

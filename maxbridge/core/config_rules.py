@@ -1,4 +1,4 @@
-"""What a Config must satisfy, and which MaxText keys a config file may carry.
+"""What a Config must satisfy (which keys it may hold, MaxText's among them: `config_keys`).
 
 maxbridge.config reads and coerces the values; the rules live here, apart, so
 each reads as a table or a plain function of one Config. Pure Python (no jax),
@@ -8,14 +8,10 @@ like maxbridge.config, so the CLI rejects a bad key before JAX starts.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import re
-import warnings
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable
 from typing import Any
-
-import yaml
 
 from maxbridge.core import families
 from maxbridge.core.pipeline_plan import pipeline_plan
@@ -571,143 +567,3 @@ def _validate_quantization(cfg: Config) -> None:
         "checkpoint_is_quantized=true needs the quantization its weights were made with: set quantization "
         f"(one of {', '.join(repr(c) for c in supported if c)})"
     )
-
-
-# Config's key names are passed in (`keys`): Config applies these rules, so this module cannot import it.
-
-
-def check_known(values: Mapping[str, Any], keys: Collection[str], source: str) -> None:
-  """Raise ConfigError for the first key of `values` not among `keys`, naming the closest valid one."""
-  for key in values:
-    if key not in keys:
-      raise ConfigError(f"{_unknown(key, keys)} (from {source})")
-
-
-def _unknown(key: Any, keys: Collection[str]) -> str:
-  close = difflib.get_close_matches(str(key), keys, n=1)
-  hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(keys)}"
-  return f"unknown config key {key!r}; {hint}"
-
-
-# MaxText keys (its base.yml) that change where a run logs, profiles or stores
-# things, never what it computes: a MaxText YAML may carry them, and they are ignored.
-_MAXTEXT_IGNORED = frozenset(
-    {
-        "hardware",
-        "enable_tensorboard",
-        "metrics_file",
-        "gcs_metrics",
-        "save_config_to_gcs",
-        "log_config",
-        "profiler",
-        "profiler_steps",
-        "skip_first_n_steps_for_profiler",
-        "profile_cleanly",
-        "upload_all_profiler_results",
-        "jax_cache_dir",
-        "jax_debug_log_modules",
-        "enable_goodput_recording",
-        "monitor_goodput",
-        "goodput_upload_interval_seconds",
-        "enable_pathways_goodput",
-        "monitor_step_time_deviation",
-        "step_deviation_interval_seconds",
-        "enable_checkpoint_cloud_logger",
-        "async_checkpointing",
-        "checkpoint_storage_use_ocdbt",
-        "checkpoint_storage_use_zarr3",
-        "checkpoint_storage_concurrent_gb",
-        "checkpoint_storage_target_data_file_size_bytes",
-        "dump_hlo",
-        "dump_hlo_local_dir",
-        "dump_hlo_gcs_dir",
-        "dump_hlo_module_name",
-        "dump_hlo_xla_flags",
-        "dump_hlo_upload_all",
-        "enable_dropout",  # dropout_rate is fixed at 0 here, so there is no dropout to switch
-        "context_parallel_load_balance",  # where each token's attention runs, not what it computes
-    }
-)
-
-# MaxText keys whose value is fixed here: accepted at that value (what maxbridge
-# computes), refused at any other, since the numbers would differ.
-_MAXTEXT_FIXED: dict[str, Any] = {
-    "global_parameter_scale": 1,
-    "mlp_activations": ["silu", "linear"],
-    "dropout_rate": 0,
-    "fused_qkv": False,
-    "fused_mlp": False,
-    "num_slices": 1,
-    "dcn_tensor_parallelism": 1,
-    "ici_sequence_parallelism": 1,
-    # MaxText's base.yml values; a family may fix others (`Family.maxtext_fixed`: Gemma's GeGLU, post-norms).
-    "use_post_attn_norm": False,
-    "use_post_ffw_norm": False,
-}
-
-
-def _maxtext_fixed(key: str, decoder_block: str | None) -> Any:
-  """The value maxbridge computes for MaxText key `key` with `decoder_block` (None: the default)."""
-  fixed = _MAXTEXT_FIXED[key]
-  if decoder_block in families.DECODER_BLOCKS:
-    fixed = families.lookup(decoder_block).maxtext_fixed.get(key, fixed)
-  return fixed
-
-
-# MaxText's names for keys that maxbridge spells otherwise: read as maxbridge's key.
-_MAXTEXT_RENAMED = {"max_num_checkpoints_to_keep": "max_to_keep", "base_moe_mlp_dim": "moe_mlp_dim"}
-# MaxText keys that one maxbridge key covers together with another: refused, naming ours.
-_ONE_SEED = (
-    "seed (maxbridge's one seed sets both parameter init and data order; MaxText's "
-    "init_weights_seed and data_shuffle_seed set one each)"
-)
-_MAXTEXT_MERGED = {"init_weights_seed": _ONE_SEED, "data_shuffle_seed": _ONE_SEED}
-
-
-def known_only(
-    values: Mapping[str, Any], keys: Collection[str], source: str, decoder_block: str | None = None
-) -> dict[str, Any]:
-  """`values` without MaxText's keys that do not change the numbers (each reported by name),
-  MaxText's names for our keys renamed; any other key not among `keys` is an error, all of them named at once.
-
-  `decoder_block`, the config's, decides the value of a key its family fixes (`Family.maxtext_fixed`)."""
-  ignored, problems, renamed = [], [], {}
-  for key, value in values.items():
-    if key in keys:
-      continue
-    if key in _MAXTEXT_RENAMED:
-      ours = _MAXTEXT_RENAMED[key]
-      if ours in values:
-        problems.append(f"{key!r} (MaxText's name for {ours!r}) and {ours!r} are both given; keep one")
-      renamed[ours] = value
-      continue
-    if key in _MAXTEXT_MERGED:
-      problems.append(f"MaxText key {key!r} is not supported; set {_MAXTEXT_MERGED[key]}")
-      continue
-    if key in _MAXTEXT_IGNORED:
-      ignored.append(key)
-    elif key in _MAXTEXT_FIXED:
-      parsed = yaml.safe_load(value) if isinstance(value, str) else value
-      fixed = _maxtext_fixed(key, decoder_block)
-      if parsed == fixed or (isinstance(fixed, list) and parsed == tuple(fixed)):
-        ignored.append(key)
-      else:
-        problems.append(
-            f"MaxText key {key!r} = {value!r} is not supported; maxbridge computes only {key}={fixed!r}"
-            + (f" with decoder_block={decoder_block!r}" if decoder_block else "")
-        )
-    else:
-      problems.append(_unknown(key, keys))
-  if len(problems) == 1:
-    raise ConfigError(f"{problems[0]} (from {source})")
-  if problems:
-    raise ConfigError(
-        f"{len(problems)} config keys are not supported (from {source}); each would change what is computed:\n  "
-        + "\n  ".join(problems)
-    )
-  if ignored:
-    warnings.warn(
-        f"ignoring MaxText config keys that do not change what maxbridge computes (from {source}): " + ", ".join(ignored),
-        stacklevel=3,  # load_config's caller: load_config calls this directly
-    )
-  return {**{key: value for key, value in values.items() if key in keys}, **renamed}
