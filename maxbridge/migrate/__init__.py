@@ -7,7 +7,8 @@ names the first submodule where they part. `maxbridge migrate` is the command li
 
 from maxbridge.migrate.compare import Comparison, Difference, compare
 from maxbridge.migrate.convert import Converted, convert
-from maxbridge.migrate.match import DEFAULT_EXPECTED, MigrateError, Plan, Rule, load_rules, match
+from maxbridge.migrate.leaves import MigrateError
+from maxbridge.migrate.match import DEFAULT_EXPECTED, Plan, Rule, load_rules, match
 
 __all__ = [
     "DEFAULT_EXPECTED",

@@ -29,7 +29,8 @@ from flax import nnx
 from maxbridge.core import files
 from maxbridge.migrate.compare import Comparison, compare
 from maxbridge.migrate.convert import check_shapes, convert, linen_values
-from maxbridge.migrate.match import MigrateError, Plan, linen_leaves, load_rules, match
+from maxbridge.migrate.leaves import MigrateError, linen_leaves
+from maxbridge.migrate.match import Plan, load_rules, match
 
 _TAG = "migrate"
 _NOT_COLLECTIONS = ("step", "opt_state")

@@ -25,7 +25,8 @@ from flax import traverse_util
 from flax import nnx
 
 from maxbridge.migrate.convert import convert, nnx_to_linen_values
-from maxbridge.migrate.match import Plan, match, path_str
+from maxbridge.migrate.leaves import path_str
+from maxbridge.migrate.match import Plan, match
 
 
 @dataclasses.dataclass

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from maxbridge.migrate.match import Link, MigrateError, Plan, linen_leaves, path_str
+from maxbridge.migrate.leaves import Link, MigrateError, linen_leaves, path_str
+from maxbridge.migrate.match import Plan
 
 
 @dataclasses.dataclass
