@@ -165,18 +165,7 @@ def build_app(
   """The FastAPI app and its scheduler (started with the app, stopped with it)."""
   metrics = Metrics(engine.max_concurrent_decodes)
   scheduler = sched.Scheduler(engine, codec.decode, eos_ids=codec.eos_ids, max_queue=max_queue, metrics=metrics)
-  config = engine.config
-  limit = engine.position_limit or config.max_target_length
-  template = None
-  if codec.chat_template:
-    # As transformers renders chat templates: a sandbox, trimmed blocks, raise_exception for the template's checks.
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-    def raise_exception(message):
-      raise jinja2.exceptions.TemplateError(message)
-
-    env.globals["raise_exception"] = raise_exception
-    template = env.from_string(codec.chat_template)
+  routes = _Routes(engine, codec, scheduler, metrics, model_name)
 
   @contextlib.asynccontextmanager
   async def lifespan(app):
@@ -186,113 +175,50 @@ def build_app(
 
   app = fastapi.FastAPI(title="maxbridge", lifespan=lifespan)
   app.state.shutdown_timeout = 30.0
+  app.exception_handler(fastapi.exceptions.RequestValidationError)(routes.invalid)
+  app.exception_handler(_Error)(routes.refused)
+  app.post("/v1/completions")(routes.completions)
+  app.post("/v1/chat/completions")(routes.chat)
+  app.get("/v1/models")(routes.models)
+  app.get("/health")(routes.health)
+  app.get("/metrics")(routes.metrics_text)
+  return app, scheduler
 
-  @app.exception_handler(fastapi.exceptions.RequestValidationError)
-  async def invalid(request, exc):
+
+class _Routes:
+  """The app's routes, a method each, over what they share: the engine, its scheduler and metrics, the codec.
+
+  The routes carry no docstrings: FastAPI would publish them in /openapi.json.
+  """
+
+  def __init__(
+      self, engine: engine_lib.Engine, codec: Codec, scheduler: sched.Scheduler, metrics: Metrics, model_name: str
+  ):
+    self.engine, self.codec, self.scheduler, self.metrics, self.model_name = engine, codec, scheduler, metrics, model_name
+    self.config = engine.config
+    self.limit = engine.position_limit or self.config.max_target_length
+    self.template = _chat_template(codec.chat_template)
+
+  async def invalid(self, request, exc):
     first = exc.errors()[0]
     loc = [str(part) for part in first["loc"] if part != "body"]
     field = ".".join(loc) or "body"
-    metrics.requests.labels(request.url.path, "400").inc()
+    self.metrics.requests.labels(request.url.path, "400").inc()
     return _error(400, f"{field}: {first['msg']}", field)
 
-  @app.exception_handler(_Error)
-  async def refused(request, exc: _Error):
-    metrics.requests.labels(request.url.path, str(exc.status)).inc()
+  async def refused(self, request, exc: _Error):
+    self.metrics.requests.labels(request.url.path, str(exc.status)).inc()
     return _error(exc.status, exc.message, exc.param, exc.headers)
 
-  def sampling(body: _Body, prompt: list[int], max_tokens: int | None, default_tokens: int | None, logprobs):
-    if len(prompt) == 0:
-      raise _Error(400, "the prompt is empty: give at least one token", "prompt")
-    if len(prompt) > config.max_prefill_predict_length:
-      raise _Error(
-          400,
-          f"the prompt has {len(prompt)} tokens, more than max_prefill_predict_length="
-          f"{config.max_prefill_predict_length}, the longest this server prefills",
-          "prompt",
-      )
-    room = limit - len(prompt)
-    max_tokens = max_tokens or default_tokens or room
-    if max_tokens > room:
-      raise _Error(
-          400,
-          f"the prompt ({len(prompt)} tokens) and max_tokens={max_tokens} pass max_target_length={limit}, the "
-          f"tokens a slot's cache holds: ask for at most {room} new tokens",
-          "max_tokens",
-      )
-    if body.n > engine.max_concurrent_decodes:
-      raise _Error(400, f"n={body.n}: this server has {engine.max_concurrent_decodes} decode slots", "n")
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    return sched.SamplingParams(
-        max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=max(body.top_k, 0),
-        n=body.n,
-        seed=secrets.randbits(32) if body.seed is None else body.seed % 2**32,
-        stop=tuple(s for s in stop if s),
-        logprobs=logprobs,
-    )
-
-  async def run(request: fastapi.Request, prompt: list[int], params: sched.SamplingParams, endpoint: str):
-    """Queues the request; yields the scheduler's events until every choice finishes; cancels if abandoned."""
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue = asyncio.Queue()
-    job = sched.Request(prompt, params, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
-    try:
-      scheduler.submit(job)
-    except sched.QueueFull as e:
-      raise _Error(429, f"{e}; retry later", headers={"Retry-After": "1"}) from e
-    except sched.Draining as e:
-      raise _Error(503, str(e)) from e
-    metrics.requests.labels(endpoint, "200").inc()
-
-    async def stream():
-      left = params.n
-      try:
-        while left:
-          event = await events.get()
-          if isinstance(event, sched.FinishEvent):
-            if event.reason in ("cancelled", "error"):
-              return
-            left -= 1
-          yield event
-      finally:
-        if left:
-          scheduler.cancel(job)
-
-    return stream()
-
-  async def whole(request: fastapi.Request, events):
-    """All of a request's events, cancelling it when the client disconnects before they are in."""
-    out = []
-    task = asyncio.ensure_future(_collect(events, out))
-    while not task.done():
-      await asyncio.wait([task], timeout=0.25)
-      if not task.done() and await request.is_disconnected():
-        task.cancel()  # raises in the event stream, whose `finally` cancels the request
-        with contextlib.suppress(asyncio.CancelledError):
-          await task
-        raise _Error(499, "client disconnected")
-    task.result()
-    return out
-
-  def sse(chunks):
-    async def body():
-      async for chunk in chunks:
-        yield f"data: {json.dumps(chunk)}\n\n"
-      yield "data: [DONE]\n\n"
-
-    return responses.StreamingResponse(body(), media_type="text/event-stream")
-
-  @app.post("/v1/completions")
-  async def completions(body: CompletionBody, request: fastapi.Request):
+  async def completions(self, body: CompletionBody, request: fastapi.Request):
+    codec, config = self.codec, self.config
     prompt = codec.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
     if any(not 0 <= t < config.vocab_size for t in prompt):
       raise _Error(400, f"prompt: token ids must be in [0, vocab_size={config.vocab_size})", "prompt")
-    params = sampling(body, prompt, body.max_tokens, 16, body.logprobs)
-    events = await run(request, prompt, params, "/v1/completions")
+    params = self._sampling(body, prompt, body.max_tokens, 16, body.logprobs)
+    events = await self._run(request, prompt, params, "/v1/completions")
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
+    head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
 
     def logprobs(event):
       if event.logprob is None:
@@ -314,8 +240,8 @@ def build_app(
             choice = {"index": event.index, "text": event.text, "logprobs": None, "finish_reason": event.reason}
           yield {**head, "choices": [choice]}
 
-      return sse(chunks())
-    out = await whole(request, events)
+      return _sse(chunks())
+    out = await _whole(request, events)
     choices = [{"index": i, "text": "", "logprobs": None, "finish_reason": None} for i in range(params.n)]
     counts = [0] * params.n
     for event in out:
@@ -335,9 +261,9 @@ def build_app(
     usage = {"prompt_tokens": len(prompt), "completion_tokens": sum(counts), "total_tokens": len(prompt) + sum(counts)}
     return {**head, "choices": choices, "usage": usage}
 
-  @app.post("/v1/chat/completions")
-  async def chat(body: ChatBody, request: fastapi.Request):
-    if template is None:
+  async def chat(self, body: ChatBody, request: fastapi.Request):
+    codec = self.codec
+    if self.template is None:
       raise _Error(
           400,
           "this model has no chat template (tokenizer_config.json's chat_template in its tokenizer folder): "
@@ -345,17 +271,17 @@ def build_app(
           "messages",
       )
     try:
-      text = template.render(
+      text = self.template.render(
           messages=[m.model_dump() for m in body.messages], add_generation_prompt=True, **codec.special_tokens
       )
     except jinja2.exceptions.TemplateError as e:
       raise _Error(400, f"the chat template refused these messages: {e}", "messages") from e
     prompt = codec.encode(text)
     k = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling(body, prompt, body.max_completion_tokens or body.max_tokens, None, k)
-    events = await run(request, prompt, params, "/v1/chat/completions")
+    params = self._sampling(body, prompt, body.max_completion_tokens or body.max_tokens, None, k)
+    events = await self._run(request, prompt, params, "/v1/chat/completions")
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    head = {"id": rid, "object": "chat.completion", "created": created, "model": model_name}
+    head = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
 
     def content_logprobs(event):
       def one(token, value):
@@ -382,8 +308,8 @@ def build_app(
             choice["finish_reason"] = event.reason
           yield {**head, "object": "chat.completion.chunk", "choices": [choice]}
 
-      return sse(chunks())
-    out = await whole(request, events)
+      return _sse(chunks())
+    out = await _whole(request, events)
     texts, reasons, lps, counts = [""] * params.n, [None] * params.n, [[] for _ in range(params.n)], [0] * params.n
     for event in out:
       texts[event.index] += event.text
@@ -405,22 +331,118 @@ def build_app(
     usage = {"prompt_tokens": len(prompt), "completion_tokens": sum(counts), "total_tokens": len(prompt) + sum(counts)}
     return {**head, "choices": choices, "usage": usage}
 
-  @app.get("/v1/models")
-  async def models():
-    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "maxbridge", "max_model_len": limit}
+  async def models(self):
+    card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "maxbridge", "max_model_len": self.limit}
     return {"object": "list", "data": [card]}
 
-  @app.get("/health")
-  async def health():
-    if scheduler.error is not None:
-      return _error(503, f"the decode loop failed: {scheduler.error}")
-    return {"status": "ok", "slots": engine.max_concurrent_decodes, "slots_busy": scheduler.busy_slots}
+  async def health(self):
+    if self.scheduler.error is not None:
+      return _error(503, f"the decode loop failed: {self.scheduler.error}")
+    return {"status": "ok", "slots": self.engine.max_concurrent_decodes, "slots_busy": self.scheduler.busy_slots}
 
-  @app.get("/metrics")
-  async def metrics_text():
-    return responses.Response(prometheus_client.generate_latest(metrics.registry), media_type="text/plain")
+  async def metrics_text(self):
+    return responses.Response(prometheus_client.generate_latest(self.metrics.registry), media_type="text/plain")
 
-  return app, scheduler
+  def _sampling(self, body: _Body, prompt: list[int], max_tokens: int | None, default_tokens: int | None, logprobs):
+    config, limit, slots = self.config, self.limit, self.engine.max_concurrent_decodes
+    if len(prompt) == 0:
+      raise _Error(400, "the prompt is empty: give at least one token", "prompt")
+    if len(prompt) > config.max_prefill_predict_length:
+      raise _Error(
+          400,
+          f"the prompt has {len(prompt)} tokens, more than max_prefill_predict_length="
+          f"{config.max_prefill_predict_length}, the longest this server prefills",
+          "prompt",
+      )
+    room = limit - len(prompt)
+    max_tokens = max_tokens or default_tokens or room
+    if max_tokens > room:
+      raise _Error(
+          400,
+          f"the prompt ({len(prompt)} tokens) and max_tokens={max_tokens} pass max_target_length={limit}, the "
+          f"tokens a slot's cache holds: ask for at most {room} new tokens",
+          "max_tokens",
+      )
+    if body.n > slots:
+      raise _Error(400, f"n={body.n}: this server has {slots} decode slots", "n")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return sched.SamplingParams(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=max(body.top_k, 0),
+        n=body.n,
+        seed=secrets.randbits(32) if body.seed is None else body.seed % 2**32,
+        stop=tuple(s for s in stop if s),
+        logprobs=logprobs,
+    )
+
+  async def _run(self, request: fastapi.Request, prompt: list[int], params: sched.SamplingParams, endpoint: str):
+    """Queues the request; yields the scheduler's events until every choice finishes; cancels if abandoned."""
+    scheduler = self.scheduler
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    job = sched.Request(prompt, params, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+    try:
+      scheduler.submit(job)
+    except sched.QueueFull as e:
+      raise _Error(429, f"{e}; retry later", headers={"Retry-After": "1"}) from e
+    except sched.Draining as e:
+      raise _Error(503, str(e)) from e
+    self.metrics.requests.labels(endpoint, "200").inc()
+
+    async def stream():
+      left = params.n
+      try:
+        while left:
+          event = await events.get()
+          if isinstance(event, sched.FinishEvent):
+            if event.reason in ("cancelled", "error"):
+              return
+            left -= 1
+          yield event
+      finally:
+        if left:
+          scheduler.cancel(job)
+
+    return stream()
+
+
+def _chat_template(source: str | None):
+  if not source:
+    return None
+  # As transformers renders chat templates: a sandbox, trimmed blocks, raise_exception for the template's checks.
+  env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  env.globals["raise_exception"] = raise_exception
+  return env.from_string(source)
+
+
+async def _whole(request: fastapi.Request, events):
+  """All of a request's events, cancelling it when the client disconnects before they are in."""
+  out = []
+  task = asyncio.ensure_future(_collect(events, out))
+  while not task.done():
+    await asyncio.wait([task], timeout=0.25)
+    if not task.done() and await request.is_disconnected():
+      task.cancel()  # raises in the event stream, whose `finally` cancels the request
+      with contextlib.suppress(asyncio.CancelledError):
+        await task
+      raise _Error(499, "client disconnected")
+  task.result()
+  return out
+
+
+def _sse(chunks):
+  async def body():
+    async for chunk in chunks:
+      yield f"data: {json.dumps(chunk)}\n\n"
+    yield "data: [DONE]\n\n"
+
+  return responses.StreamingResponse(body(), media_type="text/event-stream")
 
 
 async def _collect(events, out: list) -> None:
