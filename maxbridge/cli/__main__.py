@@ -1,0 +1,7 @@
+"""`python -m maxbridge.cli`: the `maxbridge` command."""
+
+import sys
+
+from maxbridge.cli import main
+
+sys.exit(main())

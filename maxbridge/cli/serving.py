@@ -1,0 +1,162 @@
+"""`maxbridge generate` and `serve`: a model decoded by `mb.Engine`, once or behind an HTTP server."""
+
+import argparse
+import sys
+
+from maxbridge.cli.args import CONFIG_HELP, Verb, add_overrides, count, tolerance
+from maxbridge.core.config import load_config
+
+
+def _add_generate(verbs) -> None:
+  p = verbs.add_parser(
+      "generate",
+      help="generate text from a checkpoint, Hugging Face folder or preset",
+      description="Samples as mb.Engine does, by the decode_sampling_* keys (greedy by default). Uses SOURCE's "
+      "tokenizer.json (via the tokenizers package) when there is one, else UTF-8 bytes as tokens. A preset gives a randomly initialised model.",
+  )
+  p.add_argument("source", help="Hugging Face folder, checkpoint or run directory, preset or YAML config")
+  p.add_argument("--prompt", default="", help="text to continue")
+  p.add_argument(
+      "--max-new-tokens",
+      type=count,
+      default=None,
+      help="tokens to generate (default 32, or fewer where the prompt and 32 would pass max_target_length)",
+  )
+  p.add_argument(
+      "--temperature",
+      type=tolerance,
+      default=None,
+      help="0 decodes greedily; T > 0 sets decode_sampling_temperature=T and samples (weighted, unless "
+      "decode_sampling_strategy is topk or nucleus). Default: the decode_sampling_* keys as they are",
+  )
+  p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the config's seed)")
+  p.add_argument(
+      "--backend",
+      choices=["linen", "nnx"],
+      default=None,
+      help="model backend (default: the checkpoint's config.yml, else NNX as base.yml sets it)",
+  )
+  p.add_argument("--config", help=CONFIG_HELP)
+  add_overrides(p)
+
+
+def _generate(args: argparse.Namespace) -> int:
+  model = _load_model(args)
+  encode, decode = _tokenizer(args.source, model.config.vocab_size)
+  prompt = encode(args.prompt)
+  if not prompt:
+    raise ValueError("--prompt is empty: give at least one token to continue")
+  new_tokens = args.max_new_tokens
+  if new_tokens is None:  # as many as fit in the trained length, up to 32: a default call never warns past it
+    new_tokens = min(32, max(1, model.config.max_target_length - len(prompt)))
+  from maxbridge.serving import engine
+
+  # The engine's own sampling: the decode_sampling_* keys, which --temperature and --seed set when given.
+  config = model.config
+  if args.temperature == 0:
+    config = config.replace(decode_sampling_strategy="greedy")
+  elif args.temperature is not None:
+    strategy = "weighted" if config.decode_sampling_strategy == "greedy" else config.decode_sampling_strategy
+    config = config.replace(decode_sampling_strategy=strategy, decode_sampling_temperature=args.temperature)
+  if args.seed is not None:
+    config = config.replace(seed=args.seed)  # the parameters are made already: this seeds sampling alone
+  continuation = engine.generate_continuation(config, model, prompt, new_tokens)
+  print(decode([*prompt, *(int(t) for t in continuation)]))
+  return 0
+
+
+GENERATE = Verb("generate", _add_generate, _generate)
+
+
+def _add_serve(verbs) -> None:
+  p = verbs.add_parser(
+      "serve",
+      help="serve a checkpoint, Hugging Face folder or preset over an OpenAI-compatible HTTP API",
+      description="POST /v1/completions and /v1/chat/completions (streamed or whole), GET /v1/models, /health, "
+      "/metrics. Continuous batching over per_device_batch_size slots per device; prompts up to "
+      "max_prefill_predict_length, prompt and completion up to max_target_length. SIGTERM drains and exits 0.",
+  )
+  p.add_argument("source", help="Hugging Face folder, checkpoint or run directory, preset or YAML config")
+  p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+  p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+  p.add_argument("--model-name", default=None, help="the model's name in the API (default: SOURCE's last part)")
+  p.add_argument("--max-queue", type=count, default=64, help="requests waiting for a slot before 429 (default 64)")
+  p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds SIGTERM lets requests finish (default 30)")
+  p.add_argument("--backend", choices=["linen", "nnx"], default=None, help="model backend (as for generate)")
+  p.add_argument("--config", help=CONFIG_HELP)
+  add_overrides(p)
+
+
+def _serve(args: argparse.Namespace) -> int:
+  from pathlib import Path
+
+  from maxbridge.interop import pretrained
+  from maxbridge.serving import engine, server
+
+  model = _load_model(args)
+  encode, decode = _tokenizer(args.source, model.config.vocab_size)
+  codec = server.Codec.from_folder(encode, decode, pretrained.tokenizer_folder(args.source) or Path(args.source))
+  serving = engine.Engine(model.config, model=model)
+  print(
+      f"maxbridge serve: {args.source} on http://{args.host}:{args.port}/v1 ({serving.max_concurrent_decodes} slots)",
+      flush=True,
+  )
+  server.serve(
+      serving,
+      codec,
+      host=args.host,
+      port=args.port,
+      model_name=args.model_name or Path(args.source).name,
+      max_queue=args.max_queue,
+      shutdown_timeout=args.shutdown_timeout,
+  )
+  return 0
+
+
+SERVE = Verb("serve", _add_serve, _serve)
+
+
+def _load_model(args: argparse.Namespace):
+  """The model `generate` and `serve` run: SOURCE's checkpoint or Hugging Face folder, or a preset's."""
+  from pathlib import Path
+
+  from maxbridge.core import checkpointing
+  from maxbridge.interop import pretrained
+  from maxbridge.models import dispatch
+
+  flags = pretrained.backend_overrides(args.backend)
+  if Path(args.source).is_dir():
+    config, params = pretrained.load_pretrained(args.source, *args.overrides, config=args.config, **flags)
+    return dispatch.create_model(config, params=params)
+  # A preset or YAML file: MaxText's load_parameters_path, else a random model for smoke tests.
+  config = load_config(args.source, *args.overrides, **flags)
+  path = config.load_parameters_path or config.load_full_state_path
+  return dispatch.create_model(config, params=checkpointing.load_params(path)[0] if path else None)
+
+
+def _tokenizer(source: str, vocab_size: int):
+  """(encode, decode): tokenizer.json through `tokenizers` when the source has one, else bytes."""
+  from maxbridge.interop import pretrained
+
+  folder = pretrained.tokenizer_folder(source)
+  if folder is not None:
+    try:
+      import tokenizers  # noqa: F401  (whether it is installed: load_tokenizer reads with it)
+    except ImportError:
+      print(
+          f"maxbridge generate: {folder}/tokenizer.json found but the tokenizers package is "
+          "missing; using byte-level tokens",
+          file=sys.stderr,
+      )
+    else:
+      tokenizer = pretrained.load_tokenizer(folder, vocab_size)
+      return (
+          lambda text: tokenizer.encode(text).ids,
+          lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+      )
+  if vocab_size < 256:
+    raise ValueError(f"no tokenizer.json in {source} and vocab_size={vocab_size} is too small for byte tokens")
+  return (
+      lambda text: list(text.encode("utf-8")),
+      lambda ids: bytes(t for t in ids if t < 256).decode("utf-8", errors="replace"),
+  )
