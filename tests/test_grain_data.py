@@ -18,7 +18,7 @@ import pytest
 from maxbridge import cli
 from maxbridge.core import checkpointing
 from maxbridge.core.config import load_config
-from maxbridge.training import data, grain_data, grain_sources, loop, recipe
+from maxbridge.training import data, grain_data, grain_packing, grain_sources, loop, recipe
 
 REPO = Path(__file__).resolve().parents[1]
 LENGTH = 32
@@ -87,7 +87,7 @@ def test_stream_packer_equals_todays_packer_on_hand_made_documents():
   import grain
 
   documents = [np.arange(1, 4), np.arange(4, 10), np.zeros(0, np.int32), np.array([10]), np.arange(11, 31)]
-  rows = list(grain_data.PackIterDataset(grain.MapDataset.source(documents).to_iter_dataset(), 4))
+  rows = list(grain_packing.PackIterDataset(grain.MapDataset.source(documents).to_iter_dataset(), 4))
   expected = data.pack(documents, 4)
   for key in data.BATCH_KEYS:
     np.testing.assert_array_equal(np.stack([r[key] for r in rows]), expected[key], err_msg=key)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import maxbridge as mb
-from maxbridge.core import canonical, checkpointing
+from maxbridge.core import canonical, checkpointing, step_folder
 from maxbridge.core.config import ConfigError
 from maxbridge.models import decoding
 from maxbridge.training import data, recipe
@@ -310,8 +310,8 @@ def test_a_checkpoint_saved_before_each_module_had_its_own_norm_restores_decoder
   old = checkpointing.Checkpointer(tmp_path / "old")  # the tree an MTP run saved before head_norm existed
   old.save(2, _without_head_norms(state))
   old.wait()
-  restored = checkpointing._paths(old.restore(2, target))
-  saved = checkpointing._paths(state)
+  restored = step_folder.stored_paths(old.restore(2, target))
+  saved = step_folder.stored_paths(state)
   copied = [path for path in saved if "/head_norm/" in path]
   assert len(copied) == 3 * config.mtp_num_layers  # each module's norm, in the parameters and in Adam's mu and nu
   for path in saved:

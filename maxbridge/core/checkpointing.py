@@ -13,7 +13,8 @@ computed from the host copy as it is saved and committed with the step (a
 second orbax item), so a reader sees digests only of a committed step. Restores,
 `CheckpointReader.read` (compare, export, generate) and `maxbridge verify`
 check what they read against them; a step without them (MaxText's, older ones)
-reads as before, unchecked.
+reads as before, unchecked. What a step folder holds, and how it is found and
+checked, is `step_folder`'s.
 
 A save that fails (a full disk, a file where the folder should be) raises
 `CheckpointSaveError` from `save` or `wait`, and `close` always returns:
@@ -29,45 +30,50 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-import grain.checkpoint
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
-import xxhash
 from etils import epath
 
 from maxbridge.core import canonical, layouts
+from maxbridge.core.step_folder import (
+    DIGESTS,
+    DIGESTS_FILE,
+    ITEM,
+    CheckpointError,
+    DamagedArrayError,
+    digest,
+    in_stored_dtype,
+    intact_before,
+    read_digests,
+    resolve,
+    saved_items,
+    step_problem,
+    stored_paths,
+    tree_digests,
+)
 from maxbridge.core.config import Config, load_config
 
-ITEM = "items"  # CheckpointManager's item name, as MaxText and maxbridge save
 CONFIG = "config.yml"
-DIGESTS = "digests"  # the step's second item: {stored path: digest} of its arrays
-DIGESTS_FILE = "digests.json"
-DIGEST_ALGORITHM = "xxh3_64"
-# The step's data iterator state (a Grain pipeline's: `grain_data`), one JSON file per process, written by
-# Grain's own orbax handler; steps of runs on in-memory data have none.
+# The step's data iterator state: the orbax item a run's data source gives `save`, read back by `restore_data`
+# through the handler its library registered (`register_item`); steps of runs on in-memory data have none.
 DATA = "data"
+# Items saved beside the state whose handlers the libraries that define them register (`register_item`):
+# this module knows none of them, and a `Checkpointer` names every one registered when it is made.
+_ITEM_HANDLERS: dict[str, Callable[[], ocp.handlers.CheckpointHandler]] = {}
+
+
+def register_item(name: str, handler: Callable[[], ocp.handlers.CheckpointHandler]) -> None:
+  """Lets each `Checkpointer` made from now on save and restore item `name` with a new `handler()` (a Grain
+  pipeline's iterator state, `DATA`, registers its handler when its module is imported)."""
+  _ITEM_HANDLERS[name] = handler
+
+
 # Subtrees a loader may ignore: MaxText's NNX path saves its RNG state here.
 IGNORED_SUBTREES = layouts.IGNORED
-
-
-class CheckpointError(ValueError):
-  """A checkpoint that cannot be read or does not fit the model; the message names the step folder."""
-
-
-class DamagedArrayError(CheckpointError):
-  """An array whose data cannot be decoded or does not match its recorded digest.
-
-  `array`: its stored path; `reason`: what is wrong with it, in a few words.
-  """
-
-  def __init__(self, message: str, array: str, reason: str):
-    super().__init__(message)
-    self.array = array
-    self.reason = reason
 
 
 class CheckpointSaveError(OSError):
@@ -77,87 +83,9 @@ class CheckpointSaveError(OSError):
 _ORBAX_TMP = ".orbax-checkpoint-tmp"
 
 
-def step_problem(step_dir: str | os.PathLike) -> str | None:
-  """Why the step folder `step_dir` cannot be restored, or None when it looks intact.
-
-  Reads only `items/_METADATA` (a small JSON file), so listing every step stays cheap.
-  """
-  meta = Path(step_dir) / ITEM / "_METADATA"
-  if not (Path(step_dir) / ITEM).is_dir():
-    return f"it has no {ITEM}/ folder (an empty or partly deleted step)"
-  if not meta.is_file():
-    return f"{ITEM}/_METADATA is missing"
-  try:
-    tree = json.loads(meta.read_bytes())
-  except (ValueError, OSError) as e:
-    return f"{ITEM}/_METADATA is not readable JSON ({type(e).__name__})"
-  if not isinstance(tree, dict) or not isinstance(tree.get("tree_metadata"), dict):
-    return f"{ITEM}/_METADATA holds no tree metadata"
-  return None
-
-
 def describe_last_good(directory: str | os.PathLike, steps: list[int]) -> str:
   """ "step 3 in runs/x/checkpoints", for messages; or that none is there."""
   return f"step {max(steps)} in {directory}" if steps else f"none in {directory}"
-
-
-def digest(array: np.ndarray) -> str:
-  """The "xxh3_64:<hex>" of an array's dtype, shape and bytes in C order: a change in any of them changes it."""
-  hasher = xxhash.xxh3_64(f"{array.dtype.name}{array.shape}".encode())
-  # As bytes: ml_dtypes' bfloat16 has no buffer format for xxhash to take.
-  hasher.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
-  return f"{DIGEST_ALGORITHM}:{hasher.hexdigest()}"
-
-
-def tree_digests(tree: Any) -> dict[str, str]:
-  """{stored path: digest} of a tree's arrays, as `save` records them.
-
-  An array this process cannot see whole (sharded across hosts) gets none:
-  its digest would need the other hosts' shards.
-  """
-  return {
-      path: digest(np.asarray(leaf))
-      for path, leaf in _paths(tree).items()
-      if not isinstance(leaf, jax.Array) or leaf.is_fully_addressable
-  }
-
-
-def read_digests(step_dir: str | os.PathLike) -> dict[str, str] | None:
-  """The digests recorded with a step (`DIGESTS`), or None when it has none (MaxText's, older steps)."""
-  file = Path(step_dir) / DIGESTS / DIGESTS_FILE
-  if not file.is_file():
-    if DIGESTS in _saved_items(step_dir):  # the step says it was saved with them: they were removed since
-      raise CheckpointError(f"{file} is missing, but {step_dir} was saved with digests: the step is damaged")
-    return None
-  try:
-    found = json.loads(file.read_bytes())
-  except (ValueError, OSError) as e:
-    raise CheckpointError(f"{file} is not readable JSON ({type(e).__name__}): the step is damaged") from e
-  if not isinstance(found, dict) or not all(isinstance(v, str) for v in found.values()):
-    raise CheckpointError(f"{file} does not map array paths to digests: the step is damaged")
-  # Another algorithm's digests (a newer maxbridge) cannot be checked here; they are not a mismatch.
-  return {path: value for path, value in found.items() if value.startswith(f"{DIGEST_ALGORITHM}:")}
-
-
-def _saved_items(step_dir: str | os.PathLike) -> set[str]:
-  """The items orbax's step metadata says were saved in `step_dir` (none when it cannot tell)."""
-  try:
-    return set(json.loads((Path(step_dir) / "_CHECKPOINT_METADATA").read_bytes()).get("item_handlers") or ())
-  except (OSError, ValueError, AttributeError):
-    return set()
-
-
-def _in_stored_dtype(array: np.ndarray, stored: np.dtype) -> np.ndarray | None:
-  """`array`, restored into another dtype, cast back to the one saved when that is exact; else None."""
-  if array.dtype == stored:
-    return array
-  both_integers = np.issubdtype(array.dtype, np.integer) and np.issubdtype(stored, np.integer)
-  return array.astype(stored) if both_integers or np.can_cast(stored, array.dtype, "safe") else None
-
-
-def _paths(tree: Any) -> dict[str, Any]:
-  leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return {layouts.keypath_str(path): leaf for path, leaf in leaves}
 
 
 def _foreign_layout(tree: Any):
@@ -228,7 +156,7 @@ class Checkpointer:
         item_handlers={
             ITEM: ocp.PyTreeCheckpointHandler(),
             DIGESTS: ocp.JsonCheckpointHandler(DIGESTS_FILE),
-            DATA: grain.checkpoint.CheckpointHandler(),
+            **{name: handler() for name, handler in _ITEM_HANDLERS.items()},
         },
     )
 
@@ -272,11 +200,11 @@ class Checkpointer:
         if _ORBAX_TMP in entry.name and entry.name.split(".")[0].isdigit():
           shutil.rmtree(entry, ignore_errors=True)
 
-  def save(self, step: int, tree: dict, data=None) -> None:
+  def save(self, step: int, tree: dict, data: ocp.args.CheckpointArgs | None = None) -> None:
     """Starts an asynchronous save; arrays are copied off the live state before it returns.
 
-    `data`: the run's data iterator state to save with it (an object whose `get_state` returns it as JSON
-    bytes, fixed: Grain's handler may read it after this returns).
+    `data`: the run's data iterator state to save with it as item `DATA`, in the orbax arguments of the
+    handler registered for it (`register_item`), fixed: the handler may read it after this returns.
 
     Their digests are computed here, before returning too: once it returns, the
     caller may donate or overwrite the arrays while orbax writes its copies.
@@ -288,7 +216,7 @@ class Checkpointer:
     if self.digests:
       items[DIGESTS] = ocp.args.JsonSave(tree_digests(tree))
     if data is not None:
-      items[DATA] = grain.checkpoint.CheckpointSave(data)
+      items[DATA] = data
     try:
       self.manager.save(step, args=ocp.args.Composite(**items))
     except Exception as e:  # orbax and tensorstore report a failed write in several types
@@ -324,12 +252,13 @@ class Checkpointer:
     what = f"checkpoint step {step}" if step is not None else "a checkpoint"
     return CheckpointSaveError(f"could not save {what} in {self.directory}: {type(e).__name__}: {reason}")
 
-  def restore_data(self, step: int, iterator) -> bool:
-    """Sets `iterator` (anything with `set_state`) to the data state saved with `step`; False when it has none."""
-    if DATA not in _saved_items(self.step_dir(step)):
+  def restore_data(self, step: int, item: ocp.args.CheckpointArgs) -> bool:
+    """Restores the data state saved with `step` through `item` (the restoring counterpart of `save`'s `data`,
+    which sets the run's iterator); False when the step has none."""
+    if DATA not in saved_items(self.step_dir(step)):
       return False
     try:
-      self.manager.restore(step, args=ocp.args.Composite(**{DATA: grain.checkpoint.CheckpointRestore(iterator)}))
+      self.manager.restore(step, args=ocp.args.Composite(**{DATA: item}))
     except CheckpointError:  # the iterator's own refusal (another data config), as it said it
       raise
     except (OSError, ValueError, KeyError) as e:
@@ -352,8 +281,8 @@ class Checkpointer:
     if problem is not None:
       raise CheckpointError(f"{self.step_dir(step)} is damaged: {problem}; {self._fallback(step)}")
     layout = _foreign_layout(stored_tree)
-    stored = _paths(layouts.normalize(stored_tree, layout) if layout else stored_tree)
-    wanted = _paths(target)
+    stored = stored_paths(layouts.normalize(stored_tree, layout) if layout else stored_tree)
+    wanted = stored_paths(target)
     where = f"checkpoint {os.path.join(self.directory, str(step))}"
     missing = sorted(set(wanted) - set(stored), key=_params_first)
     copies = canonical.older_mtp_norms(missing, stored) if layout is None else {}
@@ -408,7 +337,7 @@ class Checkpointer:
     items = restored["items"]
     if copies:
       print(f"{where} predates the MTP modules' own final norms: each starts as decoder_norm", file=sys.stderr)
-      flat = _paths(items)  # copies: a train step donates its buffers, each once
+      flat = stored_paths(items)  # copies: a train step donates its buffers, each once
       items = jax.tree_util.tree_map_with_path(
           lambda key, x: flat[copies[layouts.keypath_str(key)]].copy() if layouts.keypath_str(key) in copies else x,
           items,
@@ -422,12 +351,12 @@ class Checkpointer:
     recorded = read_digests(self.step_dir(step)) if self.digests else None
     if not recorded:
       return
-    stored = _paths(stored_tree)
-    for path, array in _paths(restored).items():
+    stored = stored_paths(stored_tree)
+    for path, array in stored_paths(restored).items():
       expected = recorded.get(path)
       if expected is None or path not in stored or (isinstance(array, jax.Array) and not array.is_fully_addressable):
         continue
-      host = _in_stored_dtype(np.asarray(array), np.dtype(stored[path].dtype))
+      host = in_stored_dtype(np.asarray(array), np.dtype(stored[path].dtype))
       if host is not None and digest(host) != expected:
         raise CheckpointError(
             f"{self.step_dir(step)} is damaged: {path} does not match the digest recorded when it was saved "
@@ -436,58 +365,6 @@ class Checkpointer:
 
 
 # --- any checkpoint, read array by array -------------------------------------------
-
-
-def resolve(path: str | os.PathLike) -> tuple[Path, int | None]:
-  """(items directory, step) of a run, checkpoints, step or items directory; the latest step."""
-  given = Path(path)
-  if not given.exists():
-    raise CheckpointError(f"{given}: no such file or directory")
-  if not given.is_dir():
-    raise CheckpointError(f"{given} is a file: give a run, checkpoints, step or items folder")
-  if (given / "_METADATA").is_file():
-    return given, _step_of(given.parent)
-  if (given / ITEM).is_dir():
-    return given / ITEM, _step_of(given)
-  checkpoints = given / "checkpoints" if (given / "checkpoints").is_dir() else given
-  found = sorted(int(d.name) for d in checkpoints.iterdir() if d.name.isdigit()) if checkpoints.is_dir() else []
-  problems = {step: step_problem(checkpoints / str(step)) for step in found}
-  steps = [step for step in found if problems[step] is None]
-  damaged = [step for step in found if problems[step] is not None and (not steps or step > steps[-1])]
-  if not steps:
-    why = "".join(f"; {checkpoints / str(s)} is damaged: {problems[s]}" for s in damaged[-3:])
-    raise CheckpointError(
-        f"{given} is not a checkpoint: expected a run directory (holding checkpoints/<step>/items), "
-        f"a checkpoints directory (holding <step>/items), a step directory (holding items/) or an "
-        f"items directory (holding _METADATA){why}"
-    )
-  for step in damaged:
-    print(
-        f"maxbridge: skipped {checkpoints / str(step)} (damaged: {problems[step]}); reading step {steps[-1]}",
-        file=sys.stderr,
-    )
-  return checkpoints / str(steps[-1]) / ITEM, steps[-1]
-
-
-def intact_before(items: Path) -> str:
-  """For an error about the step holding `items`: the latest intact step before it, if any."""
-  step_dir = items.absolute().parent
-  if not step_dir.name.isdigit():
-    return ""
-  earlier = sorted(
-      (int(d.name) for d in step_dir.parent.iterdir() if d.name.isdigit() and int(d.name) < int(step_dir.name)),
-      reverse=True,
-  )
-  intact = next((s for s in earlier if step_problem(step_dir.parent / str(s)) is None), None)
-  return (
-      f"; step {intact} is intact ({step_dir.parent / str(intact)})"
-      if intact is not None
-      else "; no earlier step is intact"
-  )
-
-
-def _step_of(step_dir: Path) -> int | None:
-  return int(step_dir.name) if step_dir.name.isdigit() else None
 
 
 def find_config(items: Path) -> Path | None:

@@ -15,10 +15,10 @@ The pipeline, per process (each reads only its share of the records):
     (`tokenizer_path`'s tokenizer.json, else bytes; add_bos/add_eos; SFT/DPO: its chat
     template) -> [grain_worker_count worker processes] -> pack -> batch
 
-Packing is the in-memory path's policy, done as a stream. Pre-training (`PackIterDataset`,
-as `data.pack`): documents follow one another, a document cut at a row's end continues in
-the next row as a new segment whose positions restart at 0, and only the last row of a
-finite stream is padded. Grain's own `ConcatThenSplitIterDataset` differs (a cut document's
+Tokenizing is `grain_tokens`'s. Packing (`grain_packing`) is the in-memory path's policy,
+done as a stream. Pre-training (`PackIterDataset`, as `data.pack`): documents follow one
+another, a document cut at a row's end continues in the next row as a new segment whose
+positions restart at 0, and only the last row of a finite stream is padded. Grain's own `ConcatThenSplitIterDataset` differs (a cut document's
 positions continue, and full documents may jump ahead of the buffer), so the batches would
 not match the in-memory path's; ours is small and keeps them equal. SFT and DPO
 (`PackExamplesIterDataset`, as `sft.pack_examples`/`dpo.pack_pairs`): whole examples, a row
@@ -26,14 +26,14 @@ padded when the next does not fit. Packing runs after the worker processes, so t
 are the same for any grain_worker_count.
 
 The iterator's state (a few integers per worker, and the damaged records skipped) is saved
-with each checkpoint through Grain's orbax handler, so a resumed run reads exactly the
-batches an uninterrupted one would have; a resume whose data settings differ is refused,
-naming the key, unless `restart_data_on_resume` starts the new data from its beginning.
+with each checkpoint through Grain's orbax handler (`grain_checkpoint`), so a resumed run
+reads exactly the batches an uninterrupted one would have; a resume whose data settings
+differ is refused, naming the key, unless `restart_data_on_resume` starts the new data
+from its beginning.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import signal
@@ -42,14 +42,17 @@ from pathlib import Path
 
 import grain
 import numpy as np
-from absl import flags, logging
+from absl import flags
 
 from maxbridge.core.checkpointing import CheckpointError
 from maxbridge.core.config import Config
-from maxbridge.training.grain_sources import EVAL_EVERY, Corpus, Damaged, HeldOut, JsonlSource, TextSource, resolve_files
+from maxbridge.training import grain_checkpoint
+from maxbridge.training.grain_packing import PackExamplesIterDataset, PackIterDataset
+from maxbridge.training.grain_sources import EVAL_EVERY, Corpus, HeldOut, JsonlSource, TextSource, resolve_files
+from maxbridge.training.grain_tokens import EncodeExamples, Tokenize, special_token
 
 # `maxbridge.interop.pretrained` (orbax, for its checks) is imported where it checks: Grain's worker processes
-# import this module to run its sources and `Tokenize`, and start sooner without it.
+# import this module (`_die_with_parent`), and start sooner without it.
 
 BATCH_KEYS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
 # The settings a saved iterator state belongs to: resuming with another value would read other batches.
@@ -71,294 +74,6 @@ STATE_KEYS = (
     # The batches are the same for any worker count, but the saved state holds one entry per worker.
     "grain_worker_count",
 )
-
-
-# --- tokens --------------------------------------------------------------------------
-
-
-def special_token(folder: str, name: str) -> int | None:
-  """The id of tokenizer_config.json's `name` ("bos_token", "eos_token") in `folder`'s tokenizer, if it names one."""
-  settings = Path(folder, "tokenizer_config.json")
-  token = json.loads(settings.read_text()).get(name) if settings.is_file() else None
-  if isinstance(token, dict):
-    token = token.get("content")
-  if not isinstance(token, str):
-    return None
-  from maxbridge.interop import pretrained
-
-  return pretrained.load_tokenizer(folder).token_to_id(token)
-
-
-class Tokenize(grain.transforms.Map):
-  """Text -> int32 token ids: `tokenizer_path`'s tokenizer.json (with BOS/EOS as asked), else UTF-8 bytes."""
-
-  def __init__(self, tokenizer_path: str = "", bos: int | None = None, eos: int | None = None):
-    self.tokenizer_path, self.bos, self.eos = tokenizer_path, bos, eos
-
-  @functools.cached_property
-  def tokenizer(self):
-    from tokenizers import Tokenizer  # checked by `GrainDataset` (pretrained.load_tokenizer) before any worker starts
-
-    return Tokenizer.from_file(str(Path(self.tokenizer_path, "tokenizer.json")))
-
-  def __getstate__(self):
-    return {k: v for k, v in self.__dict__.items() if k != "tokenizer"}  # each worker loads its own
-
-  def map(self, text: str) -> np.ndarray | Damaged:
-    if isinstance(text, Damaged):
-      return text
-    if not self.tokenizer_path:
-      return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
-    ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-    if not ids:
-      return np.zeros(0, np.int32)  # an empty document stays empty: no lone BOS/EOS row pieces
-    return np.asarray([self.bos] * (self.bos is not None) + ids + [self.eos] * (self.eos is not None), np.int32)
-
-
-class EncodeExamples(grain.transforms.Map):
-  """A row (record, where) -> its SFT example or DPO pair, fitted to `length`: a tuple of (tokens, completion mask)
-  per side, one for SFT and (chosen, rejected) for DPO, encoded as `data`'s in-memory path encodes them
-  (`posttrain.sft`, `posttrain.dpo`: `tokenizer_path`'s tokenizer and chat template, else bytes)."""
-
-  def __init__(self, kind: str, tokenizer_path: str, vocab_size: int, length: int):
-    self.kind, self.tokenizer_path, self.vocab_size, self.length = kind, tokenizer_path, vocab_size, length
-    self._warned = False
-
-  @functools.cached_property
-  def chat(self):
-    from maxbridge.training.posttrain import sft  # its tokenizer check imports orbax: not for pre-training's workers
-
-    return sft.HFChat(self.tokenizer_path, self.vocab_size) if self.tokenizer_path else None
-
-  def __getstate__(self):
-    return {k: v for k, v in self.__dict__.items() if k != "chat"}  # each worker loads its own
-
-  def map(self, row) -> tuple | Damaged:
-    if isinstance(row, Damaged):
-      return row
-    from maxbridge.training.posttrain import sft
-
-    record, where = row
-    if self.kind == "dpo":
-      from maxbridge.training.posttrain import dpo
-
-      sides = dpo.fit_pair(
-          dpo.record_pair(record, self.chat.encode if self.chat else sft.byte_encode, where), self.length, where
-      )
-    else:
-      sides = (sft.fit(sft.record_example(record, self.chat, where), self.length, where),)
-    if not self._warned and any(tokens.size > self.length for tokens, _ in sides):
-      # Warned once per process (the in-memory path counts them: a stream cannot, before it ends).
-      self._warned = True
-      logging.warning(
-          "%s: longer than max_target_length=%d tokens and cut to it (the first such %s of this process): "
-          "the end of its completion is not trained on",
-          where,
-          self.length,
-          "pair" if self.kind == "dpo" else "example",
-      )
-    return tuple((tokens[: self.length], completion[: self.length]) for tokens, completion in sides)
-
-
-# --- packing -------------------------------------------------------------------------
-
-
-class _Damage:
-  """Counts the damaged records an iterator skipped (kept in its state) and stops a stream of nothing else."""
-
-  def __init__(self, limit: int | None):
-    self.limit, self.count, self.run = limit, 0, 0
-
-  def skip(self, item) -> bool:
-    """True for a `Damaged` (counted, the first one logged); resets the run of them on anything else."""
-    if not isinstance(item, Damaged):
-      self.run = 0
-      return False
-    self.count, self.run = self.count + 1, self.run + 1
-    if self.count == 1:
-      logging.warning("skipping damaged records (grain_skip_damaged_records=true); the first: %s", item.message)
-    if self.limit and self.run >= self.limit:
-      raise ValueError(
-          f"{self.run} records in a row are damaged: every record of this process's share is; "
-          f"the last: {item.message}"
-      )
-    return True
-
-
-def pack_row(pieces: list[np.ndarray], length: int) -> dict[str, np.ndarray]:
-  """One row of `length` from document pieces that fit it, each its own segment (as `data.pack`)."""
-  used = sum(p.size for p in pieces)
-  index = np.arange(length, dtype=np.int32)
-  starts = np.zeros(length, bool)
-  starts[np.cumsum([0] + [p.size for p in pieces[:-1]])] = True
-  real = index < used
-  inputs = np.zeros(length, np.int32)
-  inputs[:used] = np.concatenate(pieces)
-  segment = np.cumsum(starts, dtype=np.int32) * real
-  position = (index - np.maximum.accumulate(index * starts)) * real
-  has_target = np.zeros(length, bool)
-  has_target[:-1] = real[1:] & ~starts[1:]
-  targets = np.zeros(length, np.int32)
-  targets[:-1] = inputs[1:]
-  targets *= has_target
-  return {
-      "inputs": inputs,
-      "targets": targets,
-      "inputs_position": position.astype(np.int32),
-      "inputs_segmentation": segment,
-      "targets_segmentation": (segment * has_target).astype(np.int32),
-  }
-
-
-class PackIterDataset(grain.IterDataset):
-  """Token arrays packed into rows of `length` as `data.pack` packs them, as a stream.
-
-  `empty_limit`: that many empty documents in a row is an error (a corpus of empty documents, repeated,
-  would never fill a row).
-  """
-
-  def __init__(self, parent: grain.IterDataset, length: int, empty_limit: int | None = None):
-    super().__init__(parent)
-    self.length, self.empty_limit = length, empty_limit
-
-  def __iter__(self):
-    return _PackIterator(self._parent.__iter__(), self.length, self.empty_limit)
-
-  def __str__(self) -> str:
-    return f"PackIterDataset(length={self.length})"
-
-
-class _PackIterator(grain.DatasetIterator):
-  """Its state is the parent's before the document the next row starts in, and how far into it: small and exact."""
-
-  def __init__(self, parent, length: int, empty_limit: int | None = None):
-    super().__init__(parent)
-    self.length, self.empty_limit = length, empty_limit
-    self._empty = 0  # empty documents read since the last token
-    self.damaged = _Damage(empty_limit)
-    self._document = np.zeros(0, np.int32)
-    self._offset = 0
-    self._before = parent.get_state()  # the parent's state before `_document` was read
-
-  def __next__(self) -> dict[str, np.ndarray]:
-    pieces, filled = [], 0
-    while filled < self.length:
-      if self._offset == self._document.size:
-        before = self._parent.get_state()
-        try:
-          item = next(self._parent)
-        except StopIteration:
-          break
-        if self.damaged.skip(item):
-          continue
-        # A copy: a worker's array lives in shared memory that Grain frees as the iterator moves on.
-        document = np.array(item, copy=True)
-        if document.ndim != 1 or not np.issubdtype(document.dtype, np.integer):
-          raise ValueError(f"documents must be 1-D integer token arrays, got shape {document.shape} {document.dtype}")
-        self._document, self._offset, self._before = document, 0, before
-        self._empty = 0 if document.size else self._empty + 1
-        if self.empty_limit and self._empty >= self.empty_limit:
-          raise ValueError(
-              f"{self._empty} documents in a row hold no tokens: every document of this process's share "
-              "is empty; give documents with text (check data_columns)"
-          )
-        continue
-      take = min(self.length - filled, self._document.size - self._offset)
-      pieces.append(self._document[self._offset : self._offset + take])
-      self._offset += take
-      filled += take
-    if not filled:
-      raise StopIteration
-    return pack_row(pieces, self.length)
-
-  def get_state(self) -> dict:
-    if self._offset == self._document.size:  # nothing left of the current document: start at the next one
-      return {"parent": self._parent.get_state(), "offset": 0, "damaged": self.damaged.count}
-    return {"parent": self._before, "offset": self._offset, "damaged": self.damaged.count}
-
-  def set_state(self, state: dict) -> None:
-    self.damaged.count = state.get("damaged", 0)
-    self._parent.set_state(state["parent"])
-    self._before = state["parent"]
-    self._document, self._offset = np.zeros(0, np.int32), 0
-    if state["offset"]:
-      self._document = np.array(next(self._parent), copy=True)
-      self._offset = state["offset"]
-
-
-class PackExamplesIterDataset(grain.IterDataset):
-  """SFT examples or DPO pairs (`EncodeExamples`) packed whole into rows of `length` as `sft.pack_examples` and
-  `dpo.pack_pairs` pack them, as a stream: the next example goes in the row while every side fits beside the
-  examples there, else the row is padded and it starts the next one. DPO's rows are its keys per side, prefixed."""
-
-  def __init__(self, parent: grain.IterDataset, length: int, kind: str, completion_only: bool, limit: int | None = None):
-    super().__init__(parent)
-    self.length, self.kind, self.completion_only, self.limit = length, kind, completion_only, limit
-
-  def __iter__(self):
-    return _PackExamplesIterator(self._parent.__iter__(), self)
-
-  def __str__(self) -> str:
-    return f"PackExamplesIterDataset(length={self.length}, {self.kind})"
-
-
-class _PackExamplesIterator(grain.DatasetIterator):
-  """Its state is the parent's before the example the next row starts with (read already when the last row
-  was full): small and exact."""
-
-  def __init__(self, parent, spec: PackExamplesIterDataset):
-    super().__init__(parent)
-    self.spec = spec
-    self.damaged = _Damage(spec.limit)
-    self._pending = None  # the example that did not fit the last row
-    self._before = None  # the parent's state before `_pending` was read
-
-  def _read(self):
-    while True:
-      before = self._parent.get_state()
-      item = next(self._parent)
-      if not self.damaged.skip(item):
-        # Copies: a worker's arrays live in shared memory that Grain frees as the iterator moves on.
-        return before, tuple((np.array(t, copy=True), np.array(c, copy=True)) for t, c in item)
-
-  def __next__(self) -> dict[str, np.ndarray]:
-    from maxbridge.training.posttrain import sft
-
-    row, used = [], None
-    while True:
-      if self._pending is None:
-        try:
-          self._before, self._pending = self._read()
-        except StopIteration:
-          break
-      sizes = [tokens.size for tokens, _ in self._pending]
-      if row and any(u + n > self.spec.length for u, n in zip(used, sizes)):
-        break
-      row.append(self._pending)
-      used = sizes if used is None else [u + n for u, n in zip(used, sizes)]
-      self._pending = None
-    if not row:
-      raise StopIteration
-    plan = [list(range(len(row)))]
-    if self.spec.kind != "dpo":
-      filled = sft.fill_rows(plan, [e[0] for e in row], self.spec.length, self.spec.completion_only)
-      return {key: value[0] for key, value in filled.items()}
-    out = {}
-    for i, side in enumerate(("chosen", "rejected")):  # dpo.SIDES (dpo imports jax: not in this module's workers)
-      filled = sft.fill_rows(plan, [e[i] for e in row], self.spec.length, completion_only=True)
-      out.update({f"{side}_{key}": value[0] for key, value in filled.items()})
-    return out
-
-  def get_state(self) -> dict:
-    parent = self._parent.get_state() if self._pending is None else self._before
-    return {"parent": parent, "pending": self._pending is not None, "damaged": self.damaged.count}
-
-  def set_state(self, state: dict) -> None:
-    self.damaged.count = state.get("damaged", 0)
-    self._parent.set_state(state["parent"])
-    self._pending = None
-    if state["pending"]:
-      self._before, self._pending = self._read()
 
 
 # --- the dataset -----------------------------------------------------------------------
@@ -523,9 +238,13 @@ class GrainDataset:
       return 0
     return self._iterator.get_state()["damaged"]
 
-  def snapshot(self) -> Snapshot:
-    """The state now, frozen for a checkpoint (Grain's handler reads it from another thread, later)."""
-    return Snapshot(self.get_state())
+  def snapshot(self) -> grain.checkpoint.CheckpointSave:
+    """The state now, frozen, as the checkpoint item a save writes (`grain_checkpoint`)."""
+    return grain_checkpoint.save_item(self.get_state())
+
+  def restore_item(self) -> grain.checkpoint.CheckpointRestore:
+    """The checkpoint item that sets this dataset to the state saved with a step (`grain_checkpoint`)."""
+    return grain_checkpoint.restore_item(self)
 
   def set_state(self, state: dict | bytes) -> None:
     """Goes on from a saved state (or its JSON bytes, as Grain's checkpoint handler gives it); refuses one saved
@@ -598,19 +317,6 @@ def _die_with_parent(worker_index: int, worker_count: int) -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() == 1:  # the parent died before the request: go now
       os._exit(1)
-
-
-class Snapshot:
-  """A data iterator's state, frozen when a checkpoint starts: Grain's handler writes it whenever orbax gets to it.
-
-  Its state is JSON bytes: the form Grain's handler takes from an iterator that is not one of its own.
-  """
-
-  def __init__(self, state: dict):
-    self.state = json.dumps(state, indent=1).encode()
-
-  def get_state(self) -> bytes:
-    return self.state
 
 
 # --- tools: `maxbridge data inspect` and `maxbridge data convert` ----------------------

@@ -72,7 +72,7 @@ class Data:
     if not self.train.stateful:
       return
     try:
-      restored = checkpointer.restore_data(step, self.train)
+      restored = checkpointer.restore_data(step, self.train.restore_item())
     except checkpointing.CheckpointError:  # saved with other data settings: refused unless restarting
       if not self.restart:
         raise
