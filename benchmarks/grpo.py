@@ -43,7 +43,7 @@ def main() -> None:
     )
     trainer = recipe.create_trainer(config)
     state = trainer.init_state(config.seed)
-    trainer.set_reference(state)
+    trainer.hold_frozen(state)
     runs[name] = [trainer, grpo.Rollouts(config, trainer), state]
   times = {name: {"sampling": [], "scoring": [], "update": []} for name in runs}
   for step in range(1 + args.warmup + args.steps):

@@ -106,7 +106,7 @@ def test_tiled_kl_equals_untiled_in_value_and_gradient(steps):
   teacher = trainer.loss.teacher
   model = mb.create_model(config, seed=0)
   batch = data.make_dataset(config, "train", 4).batch(0)
-  teacher_forward = Forward(teacher.apply, trainer.teacher_params, None)
+  teacher_forward = Forward(teacher.apply, trainer.frozen_params, None)
 
   def value_and_grad(tiles):
     loss = distill.Distillation(config.replace(num_vocab_tiling=tiles), teacher)
@@ -344,7 +344,7 @@ def test_the_teacher_keeps_no_copy_of_the_parameters_the_trainer_placed(steps):
     )
     # An abstract model: shapes only (NNX), or no tree at all (Linen); the placed tree is the one copy.
     assert all(isinstance(leaf, (jax.ShapeDtypeStruct, type(None))) for leaf in held), name
-    assert teacher._params is None and jax.tree.leaves(trainer.teacher_params), name
+    assert teacher._params is None and jax.tree.leaves(trainer.frozen_params), name
     with pytest.raises(RuntimeError, match="handed over already"):
       teacher.take_params()
 

@@ -182,12 +182,12 @@ def test_bad_preference_data_and_config_are_refused_with_clear_errors(tmp_path):
 def test_a_dpo_step_without_a_reference_is_refused(runs):
   trainer = runs[1]["linen"]
   batch = data.make_dataset(trainer.config, "train", 4).batch(0)
-  reference, trainer.reference = trainer.reference, None
+  reference, trainer.frozen_params = trainer.frozen_params, None
   try:
-    with pytest.raises(ValueError, match=r"DPO needs a reference model .*call trainer.set_reference\(state\)"):
+    with pytest.raises(ValueError, match=r"DPO needs a reference model .*call trainer.hold_frozen\(state\)"):
       trainer.train_step(None, batch)  # refused before the state is read
   finally:
-    trainer.reference = reference
+    trainer.frozen_params = reference
 
 
 def test_dpo_learns_the_built_in_preferences():
@@ -199,7 +199,7 @@ def test_dpo_learns_the_built_in_preferences():
   trainer = recipe.create_trainer(config)
   dataset = data.make_dataset(config, "train", 8)
   state = trainer.init_state(0)
-  trainer.set_reference(state)
+  trainer.hold_frozen(state)
   accuracy = []
   for step in range(config.steps):
     state, metrics = trainer.train_step(state, dataset.batch(step))

@@ -20,7 +20,7 @@ import pytest
 import maxbridge as mb
 from maxbridge.core import canonical
 from maxbridge.training import data, recipe
-from maxbridge.training.loss import CrossEntropy, Loss
+from maxbridge.training.loss import CrossEntropy, Loss, StepPolicy
 from maxbridge.training.posttrain import dpo, grpo
 from hf_family import BACKENDS, TOKENS, family_config
 
@@ -59,7 +59,7 @@ class Recipes(Loss):
   aux holds each recipe's loss."""
 
   batch_keys = tuple(f"{name}/{key}" for name, loss in RECIPES.items() for key in loss.batch_keys)
-  needs_reference = True
+  frozen = StepPolicy()
 
   def __call__(self, forward, batch, reference=None):
     total, aux = jnp.float32(0.0), {}

@@ -12,7 +12,7 @@ from flax import nnx
 import maxbridge as mb
 from maxbridge.training import data
 from maxbridge.models import dispatch
-from maxbridge.training.loss import CrossEntropy, Loss
+from maxbridge.training.loss import CrossEntropy, Loss, StepPolicy
 from maxbridge.training import recipe
 from conftest import tiny_config
 
@@ -91,7 +91,7 @@ def plain_step():
 class WithReference(CrossEntropy):
   """Cross-entropy counted twice, once through the reference pass: its value shows, its gradient must not."""
 
-  needs_reference = True
+  frozen = StepPolicy()
 
   def __call__(self, forward, batch, reference=None):
     loss, aux = super().__call__(forward, batch)

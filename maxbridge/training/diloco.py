@@ -77,6 +77,8 @@ class DiLoCoTrainer:
   canonical parameters (`params`).
   """
 
+  fixed_keys = ("enable_diloco",)  # a DiLoCo checkpoint holds the replicas' states too
+
   def __init__(self, inner: Trainer):
     if not inner.trainable.trains_model:
       raise ValueError(f"DiLoCo trains every parameter; {type(inner.trainable).__name__} trains a part")
@@ -87,11 +89,14 @@ class DiLoCoTrainer:
     self.sync_period = self.config.diloco_sync_period
     self.outer_tx = outer_optimizer(self.config)
     self.saves_params = True
-    self.reference = None
 
   @property
-  def teacher_params(self):
-    return self.inner.teacher_params
+  def frozen_params(self):
+    return self.inner.frozen_params
+
+  def hold_frozen(self):
+    """The inner trainer's frozen model of its own (`Trainer.hold_frozen`): one for every replica."""
+    return self.inner.hold_frozen()
 
   # --- the state --------------------------------------------------------------
 
@@ -190,24 +195,24 @@ class DiLoCoTrainer:
         out[key] = jnp.sum(weights.reshape(-1, *(1,) * (value.ndim - 1)) * value, axis=0)
     return out
 
-  def _train_step(self, state: dict, batch: Batch, reference=None, teacher=None):
+  def _train_step(self, state: dict, batch: Batch, frozen_params=None):
     n = self.num_replicas
     split = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
-    step = jax.vmap(self.inner._train_step, in_axes=(0, 0, None, None), spmd_axis_name=AXIS)
-    inner, metrics = step(state["inner"], split, reference, teacher)
+    step = jax.vmap(self.inner._train_step, in_axes=(0, 0, None), spmd_axis_name=AXIS)
+    inner, metrics = step(state["inner"], split, frozen_params)
     state = {**state, "inner": inner}
     # After H inner steps (MaxText's test: the inner step count, once incremented, a multiple of H).
     state = jax.lax.cond(self._inner_step(inner) % self.sync_period == 0, self._synchronize, lambda s: s, state)
     return state, self._mean_metrics(metrics)
 
-  def _eval_step(self, state: dict, batch: Batch, reference=None, teacher=None):
+  def _eval_step(self, state: dict, batch: Batch, frozen_params=None):
     """The global model's loss (what the replicas are reset to at each sync)."""
     single = jax.tree.map(lambda x: x[0], state["inner"])
     single = self.inner._with_tree(single, {"params": {self.inner.trainable.collection: state["outer"]["params"]}})
-    return self.inner._eval_step(single, batch, reference, teacher)
+    return self.inner._eval_step(single, batch, frozen_params)
 
   def _in_shardings(self):
-    return (self.state_shardings, self.batch_sharding, self.inner._reference_shardings, self.inner._teacher_shardings)
+    return (self.state_shardings, self.batch_sharding, self.inner._frozen_shardings)
 
   @functools.cached_property
   def _jitted_train_step(self):
@@ -221,7 +226,7 @@ class DiLoCoTrainer:
 
   def _args(self, batch: Batch, abstract: bool = False) -> tuple:
     inner = self.inner
-    return (inner.loss_batch(batch), inner._reference_arg(abstract), inner._teacher_arg(abstract))
+    return (inner.loss_batch(batch), inner._frozen_arg(abstract))
 
   def train_step(self, state: dict, batch: Batch):
     """(state, global batch) -> (new state, metrics); `state` is donated."""

@@ -55,14 +55,14 @@ import numpy as np
 import optax
 import yaml
 
-from maxbridge.core import canonical, files
+from maxbridge.core import canonical, files, sharding
 from maxbridge.core.config import Config, ConfigError, load_config
 from maxbridge.interop import pretrained
 from maxbridge.interop.hf.families import HFError
 from maxbridge.models import dispatch
 from maxbridge.ops import attention, losses
 from maxbridge.training import data, vocab_tiling
-from maxbridge.training.loss import CrossEntropy, Forward, Loss
+from maxbridge.training.loss import CrossEntropy, Forward, Frozen, Loss
 
 # Keys a teacher of another model takes from the student unless its overrides say otherwise: the step's shapes,
 # dtype and backend.
@@ -116,7 +116,7 @@ def load_teacher(config: Config) -> tuple[Config, dict | None, str]:
   return teacher_config, params, os.path.abspath(path) if path else f"seed {teacher_config.seed}"
 
 
-class Teacher:
+class Teacher(Frozen):
   """A frozen model the loss reads: its config, parameter shapes and logical axes, and its forward pass.
 
   It holds no placed parameters of its own: `take_params` hands them over once
@@ -140,7 +140,7 @@ class Teacher:
   def take_params(self) -> dict:
     """The canonical parameters in the model's layout (None given: its seed's), handed over once."""
     if self._taken:
-      raise RuntimeError("the teacher's parameters were handed over already: the trainer holds them (teacher_params)")
+      raise RuntimeError("the teacher's parameters were handed over already: the trainer holds them (frozen_params)")
     params, self._params, self._taken = self._params, None, True
     if params is None:
       return dispatch.create_model(self.config).params()
@@ -150,6 +150,29 @@ class Teacher:
     """(logits, flat intermediates): `Forward`'s apply."""
     del frozen
     return self.model.apply_with_intermediates(params, tokens, positions, segment_ids)
+
+  # --- as the trainer provides it (`Frozen`) ---
+
+  def shardings(self, trainer) -> Any:
+    """Its parameters' shardings on the trainer's mesh, by its own logical axes."""
+    return jax.tree.map(
+        lambda axes: sharding.named_sharding(trainer.mesh, axes, trainer.rules),
+        self.logical_axes,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+  def abstract(self, trainer) -> Any:
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.abstract_params, self.shardings(trainer)
+    )
+
+  def params(self, trainer, start, held) -> Any:
+    """Placed once, on the trainer's mesh: the run's only copy."""
+    del start
+    return jax.device_put(self.take_params(), self.shardings(trainer)) if held is None else held
+
+  def forward(self, trainer, policy: Forward, params) -> Forward:
+    return Forward(self.apply, params, None)
 
 
 def kl_top_k(values: jax.Array, indices: jax.Array, student_logits: jax.Array, temperature: float) -> jax.Array:
@@ -175,11 +198,22 @@ class Distillation(Loss):
   """alpha * T^2 * KL(teacher || student at T) + (1 - alpha) * cross-entropy, plus the z-loss and MoE's."""
 
   metric_keys = ("distill_kl", "distill_ce")
+  # The teacher and the mix of KL, cross-entropy and feature loss; the teacher's values are checked by fingerprint
+  # (`hooks.TeacherReference`).
+  fixed_keys = (
+      "teacher_overrides",
+      "distill_alpha",
+      "distill_temperature",
+      "distill_beta",
+      "distill_feature_loss_type",
+      "distill_layer_indices",
+  )
 
   def __init__(self, config: Config, teacher: Teacher | None):
     """`teacher` None: its top-k logits come with each batch (`distill_logits_path`, `OFFLINE_KEYS`)."""
     self.config = config
     self.teacher = teacher
+    self.frozen = teacher
     self.alpha, self.temperature, self.beta = config.distill_alpha, config.distill_temperature, config.distill_beta
     self.batch_keys = CrossEntropy.batch_keys + (OFFLINE_KEYS if teacher is None else ())
     self.layers = config.distill_layer_indices
@@ -187,6 +221,14 @@ class Distillation(Loss):
       self.metric_keys = Distillation.metric_keys + ("distill_feature",)
       if teacher is not None:
         _check_feature_teacher(config, teacher.config)
+
+  @classmethod
+  def enabled(cls, config: Config) -> bool:
+    return is_enabled(config)
+
+  @classmethod
+  def from_config(cls, config: Config) -> Distillation:
+    return cls(config, None if config.distill_logits_path else Teacher.for_student(config))
 
   def _per_token(self, student_logits, teacher_logits, targets):
     """(the loss, cross-entropy + z-loss, z-loss, KL) per position; `teacher_logits` [..., V] or offline

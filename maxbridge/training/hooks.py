@@ -40,6 +40,24 @@ def global_batch_size(config: Config) -> int:
 class Data:
   """The config's dataset: each step's rows of this process, and the held-out set (None without eval_interval)."""
 
+  # What the run reads: fixed on resume (another value would go on from a step on other data), but with
+  # restart_data_on_resume (the new data from its start).
+  fixed_keys = (
+      "dataset_type",
+      "dataset_path",
+      "tokenizer_path",
+      "grain_train_files",
+      "grain_eval_files",
+      "grain_file_type",
+      "data_columns",
+      "add_bos",
+      "add_eos",
+      "use_sft",
+      "grain_shuffle_buffer_size",
+  )
+  # Every key it reads, and the train step never does.
+  source_keys = (*fixed_keys, "sft_train_on_completion_only", "grain_worker_count", "grain_skip_damaged_records")
+
   def __init__(self, config: Config):
     # A Grain dataset reads only this process's share; the in-memory ones read all and slice each batch.
     where = (jax.process_index(), jax.process_count())
@@ -90,6 +108,8 @@ class Sampled:
   """GRPO's batches: completions sampled from the policy as it trains (`grpo.Rollouts`); no held-out set."""
 
   eval = None
+  fixed_keys = ("reward_function",)  # what the run learns from, as a dataset's keys are
+  source_keys = fixed_keys
 
   def __init__(self, config: Config, trainer: Trainer):
     self.rollouts = grpo.Rollouts(config, trainer)
@@ -170,7 +190,8 @@ class _Fingerprinted(Hook):
 
 
 class FrozenReference(_Fingerprinted):
-  """DPO's and GRPO's reference: the run's starting policy, rebuilt on resume (checkpoints hold the policy only)."""
+  """DPO's and GRPO's reference (`loss.StartingPolicy`): the run's starting policy, rebuilt on resume (checkpoints
+  hold the policy only)."""
 
   file = REFERENCE_FILE
   role = "its reference model was"
@@ -178,7 +199,7 @@ class FrozenReference(_Fingerprinted):
   def start(self, run: Run) -> None:
     reference = run.initial() if run.resumed else run.state
     self.check(run, run.trainer.params(reference))
-    run.trainer.set_reference(reference)
+    run.trainer.hold_frozen(reference)
 
 
 class LoraBase(_Fingerprinted):
@@ -193,15 +214,15 @@ class LoraBase(_Fingerprinted):
 
 class TeacherReference(_Fingerprinted):
   """Distillation's teacher: recorded in `TEACHER_FILE`, and a resume whose teacher's values differ is refused
-  (`teacher_overrides` itself is fixed on resume by the loop's config check)."""
+  (`teacher_overrides` itself is fixed on resume: `distill.Distillation.fixed_keys`)."""
 
   file = TEACHER_FILE
   role = "its distillation teacher was"
   key = "teacher_overrides"
 
   def start(self, run: Run) -> None:
-    teacher = run.trainer.loss.teacher
-    self.check(run, run.trainer.teacher_params, teacher.source, teacher.config.param_scan_axis)
+    teacher = run.trainer.loss.frozen
+    self.check(run, run.trainer.hold_frozen(), teacher.source, teacher.config.param_scan_axis)
 
 
 class MaxLogits(Hook):

@@ -41,28 +41,12 @@ def run_directory(config: Config) -> Path:
   return Path(config.base_output_directory) / (config.run_name or config.model_name)
 
 
-# What the run reads, of `_FIXED_KEYS`: free on a resume with restart_data_on_resume (the new data from its start).
-_DATA_KEYS = (
-    "dataset_type",
-    "dataset_path",
-    "tokenizer_path",
-    "grain_train_files",
-    "grain_eval_files",
-    "grain_file_type",
-    "data_columns",
-    "add_bos",
-    "add_eos",
-    "use_sft",
-    "grain_shuffle_buffer_size",
-)
-
-# Keys the trainer (its compiled step) never reads: where and how often a run writes, and what the run's source
-# and hooks give the step (its batches, DPO's and GRPO's reference, GRPO's reward). Configs that differ only in
-# these can share a trainer; most of them still change what a run computes, and the data's and the reference's
-# are fixed on resume (`_FIXED_KEYS`).
-_TRAINER_FREE_KEYS = frozenset(
+# Where and how often a run writes, and where a new run starts from: keys the train step never reads. With those
+# only its batch sources read (`recipe.SOURCE_KEYS`), configs that differ only in these can share a trainer; most
+# of them still change what a run computes, and the sources' and the frozen models' are fixed on resume
+# (`recipe.resume_keys`).
+_RUN_KEYS = frozenset(
     {
-        *_DATA_KEYS,
         "run_name",
         "base_output_directory",
         "enable_checkpointing",
@@ -71,10 +55,6 @@ _TRAINER_FREE_KEYS = frozenset(
         "eval_interval",
         "eval_steps",
         "log_period",
-        "reward_function",
-        "sft_train_on_completion_only",
-        "grain_worker_count",
-        "grain_skip_damaged_records",
         "restart_data_on_resume",
         "load_parameters_path",
         "load_full_state_path",
@@ -82,48 +62,16 @@ _TRAINER_FREE_KEYS = frozenset(
 )
 
 
-# Keys fixed when a run starts that its checkpoints' shapes do not show: how the trees are laid out
-# (scan_layers), LoRA's adapters and their scale, quantization, what the run optimises (DPO, GRPO, distillation's
-# mix of KL and cross-entropy: its loss curve would change meaning mid-run) and what it learns from (its data, GRPO's
-# reward, distillation's teacher, whose values `hooks.TeacherReference` checks). Resuming with another value would read the same bytes as another model,
-# fail with a list of paths that does not say why, or go on from a step on other data. (A change of the model's shape is refused by the restore, naming the first path whose shape
-# differs.) The other keys (learning rate, steps, logging, the backend flags) may change on resume, as in MaxText.
-_FIXED_KEYS = (
-    "scan_layers",
-    "param_scan_axis",
-    "lora_rank",
-    "lora_alpha",
-    "lora_module_path",
-    "lora_weight_qtype",
-    "quantization",
-    "use_qwix_quantization",
-    "use_dpo",
-    "use_grpo",
-    "teacher_overrides",
-    "distill_alpha",
-    "distill_temperature",
-    "distill_beta",
-    "distill_feature_loss_type",
-    "distill_layer_indices",
-    "enable_diloco",
-    *_DATA_KEYS,
-    "reward_function",
-)
+def _check_resume(config: Config, run_dir: Path, keys: tuple[str, ...]) -> None:
+  """Refuses a resume that would change what the run's checkpoints mean: one that changes any of `keys` (those
+  fixed when it started, each feature's own: `recipe.resume_keys`), naming each key and both values.
 
-
-def _check_resume(config: Config, run_dir: Path) -> None:
-  """Refuses a resume that would change what the run's checkpoints mean, naming each key and both values.
-
-  DPO's and GRPO's frozen reference is the model the run started from, so their
-  load_parameters_path is fixed too; the values it holds are checked by fingerprint
-  (`hooks.FrozenReference`, as a LoRA run's base by `hooks.LoraBase`).
+  A path that names a model the run is measured against or trains on (a fixed key) may hold other values by then:
+  the features' hooks check those by fingerprint as the run starts.
   """
   if not (run_dir / "config.yml").is_file():
     return
   saved = latest_config(run_dir)  # a resume with restart_data_on_resume changed its data keys
-  keys = _FIXED_KEYS + (("load_parameters_path",) if config.use_dpo or config.use_grpo else ())
-  if config.restart_data_on_resume:
-    keys = tuple(key for key in keys if key not in _DATA_KEYS)
   now = _as_recorded(config)
   changed = [
       f"{key}: {saved[key]!r} -> {getattr(config, key)!r}" for key in keys if key in saved and saved[key] != now[key]
@@ -138,7 +86,8 @@ def _check_resume(config: Config, run_dir: Path) -> None:
 
 def step_key(config: Config) -> tuple:
   """What a train step computes, from `config`: two configs with equal keys can share a trainer."""
-  return tuple((k, v) for k, v in config.to_dict().items() if k not in _TRAINER_FREE_KEYS)
+  free = _RUN_KEYS | recipe.SOURCE_KEYS
+  return tuple((k, v) for k, v in config.to_dict().items() if k not in free)
 
 
 def _check_trainer(trainer, config: Config) -> None:
@@ -350,10 +299,11 @@ def _train(
     resumed = bool(start)
     initial = functools.partial(initial_state, config, trainer)
     if resumed:
-      _check_resume(config, run_dir)
+      _check_resume(config, run_dir, recipe.resume_keys(config, trainer))
       # As in MaxText, a run's own checkpoints win over load_parameters_path / load_full_state_path.
       restored = ckpt.restore(start, trainer.checkpoint_target())
-      # Adapters only (LoRA): the base comes from where the run started, checked by a hook below.
+      # The trained tree only, for a policy that saves no more: its frozen base comes from where the run started,
+      # checked by a hook below.
       state = trainer.restore(restored, initial)
       source.resume(ckpt, start)  # a Grain iterator's state, saved with the step
       logging.info("resumed %s from step %d", run_dir, start)
@@ -404,9 +354,9 @@ def _train(
           "grad_norm": float(metrics["grad_norm"]),
           "tokens_per_s": float(metrics["tokens"]) / seconds,
       }
-      for key in trainer.loss.metric_keys:  # the loss's own (DPO: reward accuracy, rewards, margins)
+      for key in trainer.loss.metric_keys:  # the loss's own
         record[key] = float(metrics[key])
-      record.update(entries)  # the batch source's (GRPO: the sampled completions' reward and length)
+      record.update(entries)  # the batch source's (a sampled batch's statistics)
       for feature in features:
         feature.record(metrics, record)
       done = step + 1
@@ -440,8 +390,8 @@ def _train(
 def _open_run(
     config: Config, run_dir: Path, history: list[str], start: int, saving, primary: bool, features: list[hooks.Hook]
 ):
-  """Writes the run's config.yml (and its features' files: a LoRA run's base reference) and makes its folders;
-  returns its metrics log (None off the primary)."""
+  """Writes the run's config.yml (and its features' files: the fingerprint of a model it is fixed to) and makes its
+  folders; returns its metrics log (None off the primary)."""
   run_dir.mkdir(parents=True, exist_ok=True)
   if saving:
     Path(saving.directory).mkdir(exist_ok=True)
@@ -465,7 +415,7 @@ def _as_recorded(config: Config) -> dict:
 
 def _record_config(config: Config, run_dir: Path, start: int) -> None:
   """Writes config.yml as the run starts. A resume leaves it as it is and appends the keys it changes (those
-  `_FIXED_KEYS` leaves free: learning rate, steps, logging...) to config_history.jsonl, with its step."""
+  `recipe.resume_keys` leaves free: learning rate, steps, logging...) to config_history.jsonl, with its step."""
   path = run_dir / "config.yml"
   if not path.is_file():
     config.to_yaml(path)

@@ -6,6 +6,14 @@ A loss reads the batch keys it declares, runs the forward pass it is given
 count to divide by. Gradient accumulation adds micro-batch sums and divides
 once, so it equals the full-batch step exactly. Every other `aux` entry is
 reported per token too (`z_loss`, `moe_lb_loss`, ...).
+
+A loss declares what it needs of the step, and the trainer provides it the
+same way for every loss: its batch keys, its metrics, and a frozen model it
+reads but never trains (`frozen`: the trained model as the step or the run
+began, or a model of its own), whose pass it is called with as `reference`.
+It declares too when a run trains with it (`enabled`, `from_config`: the
+recipe asks each loss of `recipe.LOSSES` in turn) and the config keys a resume
+may not change (`fixed_keys`: its curve would change meaning mid-run).
 """
 
 import abc
@@ -14,6 +22,7 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
+from maxbridge.core.config import Config
 from maxbridge.ops import losses, mtp
 
 Batch = Mapping[str, jax.Array]
@@ -44,6 +53,83 @@ class Forward:
   def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array):
     return self.apply(self.params, self.frozen, tokens, positions, segment_ids)
 
+  def at(self, params: Any) -> "Forward":
+    """The same pass over other parameters."""
+    return Forward(self.apply, params, self.frozen, self._canonical)
+
+
+class Frozen(abc.ABC):
+  """A model a loss reads and never trains (`Loss.frozen`), which the trainer provides the same way whatever it is.
+
+  Its parameters, placed by `shardings`, enter the compiled step as an argument, never as constants of it; the
+  trainer holds them (`Trainer.hold_frozen`). Its pass (`forward`) is the `reference` the loss is called with,
+  and no gradient flows through it. `trainer` is the `Trainer` asking.
+  """
+
+  # Keys a run that reads it may not change on resume, beyond its loss's own (`Loss.fixed_keys`).
+  fixed_keys: tuple[str, ...] = ()
+
+  def shardings(self, trainer) -> Any:
+    """Where the step takes its parameters (a tree of shardings); None when it takes none."""
+    return None
+
+  def abstract(self, trainer) -> Any:
+    """Its parameters' shapes, each with its sharding: what ahead-of-time lowering takes (nothing read or placed)."""
+    return None
+
+  def params(self, trainer, start, held) -> Any:
+    """Its parameters, placed by `shardings`: `start` is the state training starts from (None: not given), `held`
+    the parameters the trainer holds already (None: none yet)."""
+    return None
+
+  @abc.abstractmethod
+  def forward(self, trainer, policy: Forward, params) -> Forward:
+    """Its pass over `params` (its parameters as the step takes them); `policy` is the trained model's pass over
+    the parameters the step started from."""
+
+
+class StepPolicy(Frozen):
+  """The trained model as the step began: the parameters the step differentiates, with no gradient through its pass
+  (a policy-gradient loss's old policy, with one update per batch). No copy is held."""
+
+  def forward(self, trainer, policy: Forward, params) -> Forward:
+    return policy
+
+
+class StartingPolicy(Frozen):
+  """The trained model as the run began, frozen: a copy of its parameters taken from the state training starts
+  from, also on resume, so that checkpoints hold the trained model only. A policy that derives it from the state
+  needs no copy (`Trainable.copies_reference`: LoRA's base is the model with the adapters off)."""
+
+  # Where the run started from is its frozen model: the values there are checked by fingerprint
+  # (`hooks.FrozenReference`).
+  fixed_keys = ("load_parameters_path",)
+
+  def shardings(self, trainer) -> Any:
+    return trainer.params(trainer.state_shardings) if trainer.trainable.copies_reference else None
+
+  def abstract(self, trainer) -> Any:
+    if not trainer.trainable.copies_reference:
+      return {}
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), trainer.abstract_params, self.shardings(trainer)
+    )
+
+  def params(self, trainer, start, held) -> Any:
+    if not trainer.trainable.copies_reference:
+      return {}
+    if start is not None:
+      return trainer.copy_params(start)
+    if held is None:
+      raise ValueError(
+          f"{type(trainer.loss).__name__} needs a reference model (the frozen starting policy): call "
+          "trainer.hold_frozen(state) with the state training starts from (maxbridge.train does)"
+      )
+    return held
+
+  def forward(self, trainer, policy: Forward, params) -> Forward:
+    return policy.at(trainer.trainable.reference(policy.params, params))
+
 
 class Loss(abc.ABC):
   """What a train step minimises; subclasses set `batch_keys` and implement `__call__`."""
@@ -51,17 +137,23 @@ class Loss(abc.ABC):
   # Each an int32 [batch, length] array (data.py's convention), so that the
   # data pipeline and the ahead-of-time compile know the batch from the loss.
   batch_keys: tuple[str, ...] = ()
-  # True: the step also passes `reference`, the forward pass over parameters
-  # that no gradient flows through (DPO's reference model, GRPO's old policy).
-  needs_reference: bool = False
-  # True: that reference is instead the policy the run started from, frozen
-  # (DPO): `Trainer.set_reference` holds it, and a step without one fails.
-  frozen_reference: bool = False
-  # aux entries train.py writes to metrics.jsonl (each per `tokens`, as the loss).
+  # aux entries the loop writes to metrics.jsonl (each per `tokens`, as the loss).
   metric_keys: tuple[str, ...] = ()
-  # A frozen model of its own (distillation's teacher, `maxbridge.training.distill.Teacher`): its `params` enter the
-  # step as an argument (placed by its `logical_axes`), and the `reference` the step passes is its forward (`apply`).
-  teacher: Any = None
+  # The model it reads and never trains, if any (`Frozen`): the step passes its pass as `reference`.
+  frozen: Frozen | None = None
+  # Config keys fixed on resume: what it optimises, whose curve would change meaning mid-run. Fixed in every run,
+  # whatever its loss (a run may not switch to or from this one either); `recipe.LOSSES` collects them.
+  fixed_keys: tuple[str, ...] = ()
+
+  @classmethod
+  def enabled(cls, config: Config) -> bool:
+    """Whether `config` trains with this loss: `recipe.create_loss` asks each of `recipe.LOSSES` in turn."""
+    return False
+
+  @classmethod
+  def from_config(cls, config: Config) -> "Loss":
+    """The loss a run of `config` trains with."""
+    raise NotImplementedError(f"{cls.__name__} is not built from a config: pass it to recipe.create_trainer(loss=)")
 
   @abc.abstractmethod
   def __call__(self, forward: Forward, batch: Batch, reference: Forward | None = None) -> tuple[jax.Array, dict]:
@@ -87,6 +179,18 @@ class CrossEntropy(Loss):
     self.mtp_eval_target_module = mtp_eval_target_module
     if mtp_loss_scaling_factor is not None:
       self.metric_keys = ("mtp_loss",) + (("mtp_acceptance_rate",) if mtp_eval_target_module else ())
+
+  @classmethod
+  def enabled(cls, config: Config) -> bool:
+    return True  # the default: asked last
+
+  @classmethod
+  def from_config(cls, config: Config) -> "CrossEntropy":
+    return cls(
+        z_loss_multiplier=config.z_loss_multiplier,
+        mtp_loss_scaling_factor=config.mtp_loss_scaling_factor if config.mtp_num_layers else None,
+        mtp_eval_target_module=config.mtp_eval_target_module,
+    )
 
   def __call__(self, forward: Forward, batch: Batch, reference: Forward | None = None) -> tuple[jax.Array, dict]:
     logits, intermediates = forward(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])

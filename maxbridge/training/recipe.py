@@ -1,7 +1,9 @@
 """The one place that picks a run's loss, trainer (backend and what trains) and hooks from its config.
 
 The model and the train state's backend come from `maxbridge.models.dispatch`
-(the one reader of the three flags); this module adds what training needs.
+(the one reader of the three flags); this module adds what training needs. A
+loss is one entry of `LOSSES`; the keys a resume may not change are each
+feature's own, collected here (`FIXED_KEYS`, `resume_keys`).
 """
 
 import functools
@@ -13,15 +15,57 @@ from maxbridge.models import dispatch, lora
 from maxbridge.models.model import LinenModel
 from maxbridge.training import diloco, distill, hooks, qk_clip, vocab_tiling
 from maxbridge.training.backends import LinenTrainer, NNXTrainer
-from maxbridge.training.loss import CrossEntropy, Loss
+from maxbridge.training.loss import CrossEntropy, Loss, StartingPolicy
 from maxbridge.training.posttrain import dpo, grpo
 from maxbridge.training.trainable import AllParams, LoraAdapters
 from maxbridge.training.trainer import AfterUpdate, Trainer
 
+# The losses a run trains with, asked in turn: the first whose `enabled(config)` holds is the run's (`create_loss`).
+LOSSES: tuple[type[Loss], ...] = (
+    dpo.DPO,
+    grpo.GRPO,
+    distill.Distillation,
+    vocab_tiling.TiledCrossEntropy,
+    CrossEntropy,
+)
+
+# Keys fixed when a run starts that its checkpoints' shapes do not show, each feature's own, in the order a refused
+# resume names them: how the trees are laid out (scan_layers), LoRA's adapters and their scale, quantization, what
+# the run optimises (each loss's: its curve would change meaning mid-run), DiLoCo's replicas, and what it learns
+# from (its batch sources'). Resuming with another value would read the same bytes as another model, fail with a
+# list of paths that does not say why, or go on from a step on other data. (A change of the model's shape is refused
+# by the restore, naming the first path whose shape differs.) The other keys (learning rate, steps, logging, the
+# backend flags) may change on resume, as in MaxText.
+FIXED_KEYS = (
+    "scan_layers",
+    "param_scan_axis",
+    *LoraAdapters.fixed_keys,
+    "quantization",
+    "use_qwix_quantization",
+    *(key for loss in LOSSES for key in loss.fixed_keys),
+    *diloco.DiLoCoTrainer.fixed_keys,
+    *hooks.Data.fixed_keys,
+    *hooks.Sampled.fixed_keys,
+)
+# Keys only a run's batch sources read, never its train step: configs that differ only in these (and in the loop's
+# own, `loop.step_key`) can share a trainer.
+SOURCE_KEYS = frozenset({*hooks.Data.source_keys, *hooks.Sampled.source_keys})
+
+
+def resume_keys(config: Config, trainer: Trainer | diloco.DiLoCoTrainer) -> tuple[str, ...]:
+  """The keys a resume of `config`'s run by `trainer` may not change: `FIXED_KEYS`, and those of the frozen model
+  its loss reads (`Frozen.fixed_keys`); with restart_data_on_resume, not the dataset's (the new data from its
+  start)."""
+  frozen = trainer.loss.frozen
+  keys = tuple(dict.fromkeys(FIXED_KEYS + (() if frozen is None else frozen.fixed_keys)))
+  if config.restart_data_on_resume:
+    keys = tuple(key for key in keys if key not in hooks.Data.fixed_keys)
+  return keys
+
 
 def create_loss(config: Config) -> Loss:
-  """The training objective for `config`: DPO, GRPO, distillation from a teacher, tiled or plain cross-entropy (SFT
-  is cross-entropy on SFT rows)."""
+  """The training objective for `config`: the first of `LOSSES` it enables (DPO, GRPO, distillation from a
+  teacher, tiled or plain cross-entropy; SFT is cross-entropy on SFT rows)."""
   if config.distill_beta and not distill.is_enabled(config):
     # Checked here, not in config_rules: a teacher's own config carries its student's distill_beta (so that its
     # layers return what the feature loss compares), and it has no teacher.
@@ -29,20 +73,7 @@ def create_loss(config: Config) -> Loss:
         f"distill_beta={config.distill_beta} adds a feature loss against a teacher, and this run has none: set "
         "teacher_overrides (the teacher's config), or distill_beta=0"
     )
-  if config.use_dpo:
-    return dpo.DPO(config.dpo_beta, config.dpo_label_smoothing)
-  if config.use_grpo:
-    return grpo.GRPO(config.grpo_beta, config.grpo_epsilon)
-  if distill.is_enabled(config):
-    teacher = None if config.distill_logits_path else distill.Teacher.for_student(config)
-    return distill.Distillation(config, teacher)
-  if config.num_vocab_tiling > 1:
-    return vocab_tiling.TiledCrossEntropy(config)
-  return CrossEntropy(
-      z_loss_multiplier=config.z_loss_multiplier,
-      mtp_loss_scaling_factor=config.mtp_loss_scaling_factor if config.mtp_num_layers else None,
-      mtp_eval_target_module=config.mtp_eval_target_module,
-  )
+  return next(loss for loss in LOSSES if loss.enabled(config)).from_config(config)
 
 
 def create_trainer(
@@ -81,15 +112,16 @@ def create_trainer(
 def create_hooks(config: Config, trainer: Trainer) -> tuple[hooks.Data | hooks.Sampled, list[hooks.Hook]]:
   """(the batch source, the feature hooks) of a run of `config` by `trainer` (whose loss may be a caller's own).
 
-  GRPO samples its batches from the policy; DPO's and GRPO's losses read the
-  frozen starting policy; distillation checks the teacher it resumes with; LoRA
-  checks the base it resumes on; QK-Clip logs the largest attention logit.
+  GRPO samples its batches from the policy; a loss that reads the frozen
+  starting policy (DPO's, GRPO's) holds it and checks it on resume, as
+  distillation its teacher; LoRA checks the base it resumes on; QK-Clip logs
+  the largest attention logit.
   """
   source = hooks.Sampled(config, trainer) if config.use_grpo else hooks.Data(config)
   run_hooks: list[hooks.Hook] = []
-  if trainer.loss.frozen_reference:
+  if isinstance(trainer.loss.frozen, StartingPolicy):
     run_hooks.append(hooks.FrozenReference())
-  if trainer.loss.teacher is not None:
+  if isinstance(trainer.loss.frozen, distill.Teacher):
     run_hooks.append(hooks.TeacherReference())
   if lora.is_enabled(config):
     run_hooks.append(hooks.LoraBase())

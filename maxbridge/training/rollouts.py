@@ -30,7 +30,7 @@ def train_grpo(
   if params is not None:
     start = canonical.conform(params, trainer.abstract_params, config.param_scan_axis)
     state = trainer.replace_params(state, start)
-  trainer.set_reference(state)
+  trainer.hold_frozen(state)
   records = []
   for step in range(config.steps if steps is None else steps):
     batch, info = rollouts.batch(step, state)

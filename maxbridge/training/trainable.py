@@ -43,6 +43,9 @@ class Trainable(abc.ABC):
   stored_axes: Params | None = None
   # Why an NNX model cannot hold `stored` (QLoRA: quantized kernels are not its parameters); None when it can.
   stored_outside_model: str | None = None
+  # Config keys fixed on resume in every run (`recipe.FIXED_KEYS`): another value would read its checkpoints as
+  # another model's.
+  fixed_keys: tuple[str, ...] = ()
 
   def __init__(self, config: Config, abstract_params: Params, kernel_axes: Params):
     self.config = config
@@ -97,6 +100,7 @@ class LoraAdapters(Trainable):
   trains_model = False
   saves_params = False
   copies_reference = False  # the reference is the base: the adapters off
+  fixed_keys = ("lora_rank", "lora_alpha", "lora_module_path", "lora_weight_qtype")
 
   def __init__(self, config: Config, abstract_params: Params, kernel_axes: Params):
     adapters = lora.abstract_adapters(config, abstract_params, kernel_axes)

@@ -3,8 +3,8 @@
 `Trainer` owns the step (loss -> gradient accumulation -> clipping -> metrics
 -> update -> after-update hook) and every face of the state that both
 backends share: its canonical parameters, its checkpoint tree, the frozen
-reference. What trains is a policy (`maxbridge.training.trainable`): every
-parameter, or LoRA's adapters on a frozen base. A backend supplies seven
+model a loss reads. What trains is a policy (`maxbridge.training.trainable`):
+every parameter, or LoRA's adapters on a frozen base. A backend supplies seven
 hooks: the state it builds around the policy's trees (`_new_state`) and its
 logical specs (`logical_specs`); the state opened for one step, split into
 what trains and what is only read (`_bind`); the forward pass on canonical
@@ -21,7 +21,9 @@ NNX's `TrainStateNNX(model, optimizer)`. Both speak the same on-disk layout
 
 (LoRA's: the adapters under {"params": {"lora": ...}}, see `maxbridge.models.lora`).
 `maxbridge.training.recipe.create_trainer` picks the backend, the policy and
-the loss; nothing here reads a flag.
+the loss; nothing here reads a flag. What a loss needs beyond the batch (a
+frozen model it reads: `Loss.frozen`) it declares, and the step provides it
+the same way for every loss.
 """
 
 import abc
@@ -139,8 +141,9 @@ class Trainer(abc.ABC):
     self.tx = optimizers.create(config, self.trainable.trained_axes)
     self.loss = loss
     self.after_update = after_update
-    # The frozen reference (canonical parameters) a `frozen_reference` loss reads; see set_reference.
-    self.reference: Params | None = None
+    # The parameters of the frozen model the loss reads (`Loss.frozen`), placed where the step takes them; see
+    # hold_frozen.
+    self.frozen_params: Any = None
 
   @property
   def saves_params(self) -> bool:
@@ -205,102 +208,60 @@ class Trainer(abc.ABC):
     return sharding.named_sharding(self.mesh, ("activation_batch", "activation_length"), self.rules)
 
   @functools.cached_property
-  def _copies_reference(self) -> bool:
-    return self.loss.frozen_reference and self.trainable.copies_reference
-
-  @functools.cached_property
-  def _reference_shardings(self) -> Any:
-    return self.params(self.state_shardings) if self._copies_reference else None
-
-  @functools.cached_property
-  def _teacher_shardings(self) -> Any:
-    if self.loss.teacher is None:
-      return None
-    return jax.tree.map(
-        lambda axes: sharding.named_sharding(self.mesh, axes, self.rules),
-        self.loss.teacher.logical_axes,
-        is_leaf=lambda x: isinstance(x, tuple),
-    )
-
-  @functools.cached_property
-  def teacher_params(self) -> Any:
-    """The frozen teacher's parameters (distillation), placed once by its own logical axes on this mesh: the
-    run's only copy. They enter the step as an argument, never as constants of it."""
-    if self.loss.teacher is None:
-      return None
-    return jax.device_put(self.loss.teacher.take_params(), self._teacher_shardings)
-
-  def _teacher_arg(self, abstract: bool = False):
-    if abstract and self.loss.teacher is not None and "teacher_params" not in self.__dict__:
-      # Ahead-of-time lowering needs shapes only: nothing is read or placed.
-      return jax.tree.map(
-          lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-          self.loss.teacher.abstract_params,
-          self._teacher_shardings,
-      )
-    return self.teacher_params
+  def _frozen_shardings(self) -> Any:
+    return None if self.loss.frozen is None else self.loss.frozen.shardings(self)
 
   @functools.cached_property
   def _jitted_train_step(self):
     return jax.jit(
         self._train_step,
-        in_shardings=(self.state_shardings, self.batch_sharding, self._reference_shardings, self._teacher_shardings),
+        in_shardings=(self.state_shardings, self.batch_sharding, self._frozen_shardings),
         out_shardings=(self.state_shardings, None),
         donate_argnums=0,
     )
 
   @functools.cached_property
   def _jitted_eval_step(self):
-    shardings = (self.state_shardings, self.batch_sharding, self._reference_shardings, self._teacher_shardings)
-    return jax.jit(self._eval_step, in_shardings=shardings)
+    return jax.jit(self._eval_step, in_shardings=(self.state_shardings, self.batch_sharding, self._frozen_shardings))
 
-  def set_reference(self, state) -> None:
-    """Holds a copy of `state`'s parameters as the frozen reference of a `frozen_reference` loss (DPO).
+  def hold_frozen(self, start=None) -> Any:
+    """Holds, and returns, the parameters of the frozen model the loss reads (`Loss.frozen`), placed where the step
+    takes them: taken from `start`, the state training starts from, for a copy of the trained model as it started;
+    a model of its own is read and placed once.
 
-    `maxbridge.train` sets it from the run's initial state, also on resume, so
-    a checkpoint holds the policy only. Full fine-tuning keeps this second
-    copy; a LoRA trainer needs none: its reference is the base with the
-    adapters off, and an empty stand-in is passed.
+    `maxbridge.train`'s hooks call it as the run starts, also on resume, so a
+    checkpoint holds the trained model only.
     """
-    if not self.trainable.copies_reference:
-      self.reference = {}
-      return
-    with sharding.active(self.mesh, self.rules):
-      self.reference = self._jitted_params(state)
+    if self.loss.frozen is not None:
+      with sharding.active(self.mesh, self.rules):
+        self.frozen_params = self.loss.frozen.params(self, start, self.frozen_params)
+    return self.frozen_params
 
   @functools.cached_property
   def _jitted_params(self):
-    return jax.jit(self.params, out_shardings=self._reference_shardings)
+    return jax.jit(self.params, out_shardings=self.params(self.state_shardings))
 
-  def _reference_arg(self, abstract: bool = False):
-    if not self.loss.frozen_reference:
-      return None
-    if not self.trainable.copies_reference:
-      return {}
-    if self.reference is None:
-      if abstract:  # ahead-of-time lowering needs shapes only
-        return jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-            self.abstract_params,
-            self._reference_shardings,
-        )
-      raise ValueError(
-          f"{type(self.loss).__name__} needs a reference model (the frozen starting policy): call "
-          "trainer.set_reference(state) with the state training starts from (maxbridge.train does)"
-      )
-    return self.reference
+  def copy_params(self, state) -> Params:
+    """A copy of `state`'s canonical parameters, each placed as the state holds it (compiled once)."""
+    with sharding.active(self.mesh, self.rules):
+      return self._jitted_params(state)
+
+  def _frozen_arg(self, abstract: bool = False):
+    if self.loss.frozen is None or self.frozen_params is not None:
+      return self.frozen_params
+    if abstract:  # ahead-of-time lowering needs shapes only: nothing is read or placed
+      return self.loss.frozen.abstract(self)
+    return self.hold_frozen()
 
   def train_step(self, state, batch: Batch):
     """(state, global batch) -> (new state, metrics); `state` is donated."""
     with sharding.active(self.mesh, self.rules):
-      return self._jitted_train_step(state, self.loss_batch(batch), self._reference_arg(), self._teacher_arg())
+      return self._jitted_train_step(state, self.loss_batch(batch), self._frozen_arg())
 
   def lower_train_step(self, state, batch: Batch):
     """The train step lowered for (possibly abstract, sharded) inputs: `.compile()` it."""
     with sharding.active(self.mesh, self.rules):
-      return self._jitted_train_step.lower(
-          state, self.loss_batch(batch), self._reference_arg(abstract=True), self._teacher_arg(abstract=True)
-      )
+      return self._jitted_train_step.lower(state, self.loss_batch(batch), self._frozen_arg(abstract=True))
 
   def compile_train_step(self, state, batch: Batch):
     """(the compiled step, `step(state) -> (state, metrics)` running it on `batch`).
@@ -308,7 +269,7 @@ class Trainer(abc.ABC):
     One compile serves both XLA's analyses of the executable and timed steps.
     """
     compiled = self.lower_train_step(state, batch).compile()
-    args = (self.loss_batch(batch), self._reference_arg(), self._teacher_arg())
+    args = (self.loss_batch(batch), self._frozen_arg())
 
     def step(state):
       with sharding.active(self.mesh, self.rules):
@@ -318,7 +279,7 @@ class Trainer(abc.ABC):
 
   def eval_step(self, state, batch: Batch) -> dict:
     with sharding.active(self.mesh, self.rules):
-      return self._jitted_eval_step(state, self.loss_batch(batch), self._reference_arg(), self._teacher_arg())
+      return self._jitted_eval_step(state, self.loss_batch(batch), self._frozen_arg())
 
   def init_state(self, seed: int):
     """The initial state, created directly in its shardings (never whole on one device)."""
@@ -430,23 +391,20 @@ class Trainer(abc.ABC):
   def _forward(self, bound: Bound, params: Params, frozen, tokens, positions, segment_ids):
     return self._run(bound, self._canonical_view(bound, params), frozen, tokens, positions, segment_ids)
 
-  def _loss(self, bound: Bound, params: Params, batch: Batch, reference: Params | None = None, teacher=None):
+  def _loss(self, bound: Bound, params: Params, batch: Batch, frozen_params=None):
     apply = functools.partial(self._forward, bound)
     view = functools.partial(self._canonical_view, bound)
-    # The reference pass reads the parameters the step started from, or the
-    # frozen `reference`: a constant of the differentiation either way, so no
-    # gradient flows through it. A distillation loss's is its teacher's forward pass.
-    forward = None
-    if self.loss.teacher is not None:
-      forward = Forward(self.loss.teacher.apply, jax.lax.stop_gradient(teacher), None)
-    elif self.loss.needs_reference:
-      fixed = bound.params if reference is None else self.trainable.reference(bound.params, reference)
-      forward = Forward(apply, jax.lax.stop_gradient(fixed), bound.frozen, view)
-    return self.loss(Forward(apply, params, bound.frozen, view), batch, forward)
+    policy = Forward(apply, params, bound.frozen, view)
+    if self.loss.frozen is None:
+      return self.loss(policy, batch)
+    # The frozen model's pass, over the parameters the step started from, a frozen copy or a model's own: a
+    # constant of the differentiation, so no gradient flows through it.
+    frozen = self.loss.frozen.forward(self, policy.at(bound.params), frozen_params)
+    return self.loss(policy, batch, frozen.at(jax.lax.stop_gradient(frozen.params)))
 
-  def _train_step(self, state, batch: Batch, reference: Params | None = None, teacher=None):
+  def _train_step(self, state, batch: Batch, frozen_params=None):
     bound = self._bind(state)._replace(training=True)
-    loss = functools.partial(self._loss, bound, reference=reference, teacher=teacher)
+    loss = functools.partial(self._loss, bound, frozen_params=frozen_params)
     value_and_grad = jax.value_and_grad(loss, has_aux=True)
     with quantization.stochastic_rounding(self.config, bound.step):
       grads, metrics = accumulate_gradients(value_and_grad, bound.params, batch, self.config.gradient_accumulation_steps)
@@ -458,9 +416,9 @@ class Trainer(abc.ABC):
       state = self.replace_params(state, self.after_update(self.params(state), metrics))
     return state, metrics
 
-  def _eval_step(self, state, batch: Batch, reference: Params | None = None, teacher=None):
+  def _eval_step(self, state, batch: Batch, frozen_params=None):
     bound = self._bind(state)
-    loss_sum, aux = self._loss(bound, bound.params, batch, reference, teacher)
+    loss_sum, aux = self._loss(bound, bound.params, batch, frozen_params)
     return {"loss": loss_sum / jnp.maximum(aux["tokens"], 1.0), "tokens": aux["tokens"]}
 
   # --- backend hooks ---------------------------------------------------------

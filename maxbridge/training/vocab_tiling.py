@@ -233,6 +233,14 @@ class TiledCrossEntropy(CrossEntropy):
     self.config = config
     self.head = canonical_head(config)
 
+  @classmethod
+  def enabled(cls, config: Config) -> bool:
+    return config.num_vocab_tiling > 1
+
+  @classmethod
+  def from_config(cls, config: Config) -> "TiledCrossEntropy":
+    return cls(config)
+
   def __call__(self, forward: Forward, batch, reference: Forward | None = None):
     _, intermediates = forward(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
     mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)

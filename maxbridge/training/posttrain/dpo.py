@@ -13,7 +13,7 @@ The loss (Rafailov et al. 2023; label smoothing as conservative DPO), per pair:
     loss = -(1 - label_smoothing) * log sigmoid(z) - label_smoothing * log sigmoid(-z)
 
 with log-probabilities summed over completion tokens. The reference is the
-policy the run started from (`Trainer.set_reference`); its pass gets no gradient.
+policy the run started from (`loss.StartingPolicy`); its pass gets no gradient.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxbridge.training.loss import Batch, CrossEntropy, Forward, Loss
+from maxbridge.core.config import Config
+from maxbridge.training.loss import Batch, CrossEntropy, Forward, Loss, StartingPolicy
 from maxbridge.training.posttrain import sft
 
 SIDES = ("chosen", "rejected")
@@ -120,13 +121,21 @@ class DPO(Loss):
   """Sigmoid DPO with label smoothing; `tokens` in aux counts pairs, so every metric is per pair."""
 
   batch_keys = tuple(f"{side}_{key}" for side in SIDES for key in KEYS)
-  needs_reference = True
-  frozen_reference = True
   metric_keys = ("reward_accuracy", "chosen_rewards", "rejected_rewards", "margins")
+  frozen = StartingPolicy()  # the reference
+  fixed_keys = ("use_dpo",)
 
   def __init__(self, beta: float = 0.1, label_smoothing: float = 0.0):
     self.beta = beta
     self.label_smoothing = label_smoothing
+
+  @classmethod
+  def enabled(cls, config: Config) -> bool:
+    return config.use_dpo
+
+  @classmethod
+  def from_config(cls, config: Config) -> DPO:
+    return cls(config.dpo_beta, config.dpo_label_smoothing)
 
   def _log_probs(self, forward: Forward, batch: Batch) -> tuple[tuple[jax.Array, jax.Array], dict]:
     """(chosen, rejected) completion log-probabilities per (row, segment), from one pass over both."""
@@ -138,7 +147,7 @@ class DPO(Loss):
 
   def __call__(self, forward: Forward, batch: Batch, reference: Forward | None = None) -> tuple[jax.Array, dict]:
     if reference is None:
-      raise ValueError("DPO needs a reference model: the frozen policy the run started from (Trainer.set_reference)")
+      raise ValueError("DPO needs a reference model: the frozen policy the run started from (Trainer.hold_frozen)")
     (chosen, rejected), (chosen_count, rejected_count), intermediates = self._log_probs(forward, batch)
     (ref_chosen, ref_rejected), _, _ = self._log_probs(reference, batch)
     pairs = ((chosen_count > 0) & (rejected_count > 0)).astype(jnp.float32)

@@ -43,7 +43,7 @@ import numpy as np
 from maxbridge.core import canonical
 from maxbridge.core.config import Config
 from maxbridge.models import decoding, dispatch
-from maxbridge.training.loss import Batch, CrossEntropy, Forward, Loss
+from maxbridge.training.loss import Batch, CrossEntropy, Forward, Loss, StartingPolicy
 from maxbridge.training.posttrain import sft
 
 # Built-in prompts: two-digit operands, so every prompt is 6 tokens and a
@@ -96,17 +96,25 @@ class GRPO(Loss):
   """The clipped-ratio loss with a KL penalty to the frozen reference; metrics per completion token."""
 
   batch_keys = (*CrossEntropy.batch_keys, "advantages")
-  needs_reference = True
-  frozen_reference = True
   metric_keys = ("kl", "clip_fraction")
+  frozen = StartingPolicy()  # the reference its KL penalty is to
+  fixed_keys = ("use_grpo",)
 
   def __init__(self, beta: float = 0.04, epsilon: float = 0.2):
     self.beta = beta
     self.epsilon = epsilon
 
+  @classmethod
+  def enabled(cls, config: Config) -> bool:
+    return config.use_grpo
+
+  @classmethod
+  def from_config(cls, config: Config) -> GRPO:
+    return cls(config.grpo_beta, config.grpo_epsilon)
+
   def __call__(self, forward: Forward, batch: Batch, reference: Forward | None = None) -> tuple[jax.Array, dict]:
     if reference is None:
-      raise ValueError("GRPO needs a reference model for its KL penalty (Trainer.set_reference)")
+      raise ValueError("GRPO needs a reference model for its KL penalty (Trainer.hold_frozen)")
     inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
     logits, intermediates = forward(*inputs)
     log_probs = token_log_probs(logits, batch["targets"])
