@@ -1,4 +1,4 @@
-"""`maxbridge quantize`: a float checkpoint written again as a serve checkpoint (see `maxbridge.models.quantization`)."""
+"""`maxbridge quantize`: a float checkpoint written again as a serve checkpoint (see `maxbridge.ops.quantization`)."""
 
 import os
 from pathlib import Path

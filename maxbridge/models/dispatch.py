@@ -23,6 +23,7 @@ from linen_models import models as linen_models
 from linen_models import mtp as linen_mtp
 from maxbridge.core import bridge, canonical, initializers
 from maxbridge.core.config import Config
+from maxbridge.core.quantization_policy import serves_quantized
 from maxbridge.ops import quantization
 from maxbridge.models import quantized
 from maxbridge.models.model import LinenModel, Model, NNXModel
@@ -140,7 +141,7 @@ def create_model(config: Config, seed: int | None = None, *, params: Mapping[str
   takes those instead and no initial values are ever computed.
   """
   model = abstract_model(config)
-  if params is None and quantization.serves_quantized(config):
+  if params is None and serves_quantized(config):
     # A serve model starts from the float model of the same seed, converted.
     params = quantize_params(
         config, create_model(config.replace(quantization="", checkpoint_is_quantized=False), seed).params()
@@ -176,7 +177,7 @@ def quantize_params(config: Config, params: Mapping[str, Any]) -> dict[str, Any]
   kernel becomes `kernel_qvalue` + per-channel `kernel_scale` (per layer in a
   stack); everything else (norms, embeddings, biases) is copied as is.
   """
-  if not quantization.serves_quantized(config):
+  if not serves_quantized(config):
     raise ValueError(
         "quantize_params makes serve weights: it needs quantization set and checkpoint_is_quantized=true (got "
         f"quantization={config.quantization!r}, checkpoint_is_quantized={str(config.checkpoint_is_quantized).lower()})"
@@ -185,4 +186,4 @@ def quantize_params(config: Config, params: Mapping[str, Any]) -> dict[str, Any]
     raise ValueError("these parameters are already quantized (kernel_qvalue/kernel_scale in place of float kernels)")
   float_abstract = abstract_model(config.replace(quantization="", checkpoint_is_quantized=False)).abstract_params()
   params = canonical.conform(params, float_abstract, config.param_scan_axis)
-  return quantization.convert(config, params, abstract_model(config).abstract_params())
+  return quantized.serve_tree(config, params, abstract_model(config).abstract_params())

@@ -1,9 +1,11 @@
-"""Quantization: the config's `quantization` keys turned into what each backend's layers take.
+"""Quantization's matmuls: the config's `quantization` keys turned into what each backend's layers take.
 
 Every weight matmul of the models goes through the `dot_general` of a
 `DenseGeneral` built by one constructor per backend (`linears.dense`), or of
 an MoE block (its router and experts; dropless experts take `ragged_dot`);
 this module decides those matmuls, so no layer holds a quantization branch.
+Which library and mode a config asks for is `maxbridge.core.quantization_policy`'s;
+the Qwix internals the serving matmuls call, `qwix_private`'s.
 
 AQT (`use_qwix_quantization=false`, `quantization=int8`), train mode: the
 kernel stays float and is quantized on the fly in every matmul (forward and
@@ -19,7 +21,7 @@ everything outside a train step (eval, generate, serve): no key is needed.
 
 Qwix (`use_qwix_quantization=true`) intercepts the matmuls of the decoder,
 so layers need no hook at all: `dispatch` hands the decoder, in its own
-backend, to `maxbridge.models.quantized` (this module holds the rules). QAT (weights quantized on the
+backend, to `maxbridge.models.quantized` (`quantization_policy` holds the rules). QAT (weights quantized on the
 fly, no state beyond the float model's) in every flag combination: Qwix finds
 a matmul's weights and rule through the module running it, so it intercepts
 below any ToNNX/ToLinen boundary, never across one, and every combination
@@ -29,7 +31,8 @@ Serving (`checkpoint_is_quantized=true`, either library, any flags): dense
 layers hold frozen `kernel_qvalue` + `kernel_scale` instead of `kernel`, and
 MoE blocks `wi_0_qvalue` + `wi_0_scale` (and so on) instead of their experts
 (see the section below); `maxbridge quantize` / `dispatch.quantize_params`
-make them from float weights (AQT convert mode, or Qwix PTQ). Routers keep
+make them from float weights (AQT convert mode, or Qwix PTQ: the tree's
+conversion is `maxbridge.models.quantized.serve_tree`). Routers keep
 float kernels, quantized on the fly as in training.
 """
 
@@ -47,23 +50,11 @@ import jax.numpy as jnp
 from aqt.jax.v2 import aqt_dot_general, aqt_ragged_dot, aqt_tensor
 from aqt.jax.v2 import config as aqt_config
 from aqt.jax.v2.flax import aqt_flax
-import qwix
-from qwix._src.core import dot_general as qwix_dot_general
-from qwix._src.core import qarray as qwix_qarray
-from qwix._src.core import ragged_dot as qwix_ragged_dot
 
 from maxbridge.core import canonical
 from maxbridge.core.config import Config
-from maxbridge.ops import linear
-from maxbridge.ops import moe
-
-
-def is_quantized(config: Config) -> bool:
-  return bool(config.quantization)
-
-
-def uses_aqt(config: Config) -> bool:
-  return is_quantized(config) and not config.use_qwix_quantization
+from maxbridge.core.quantization_policy import qwix_rules, serves_quantized, uses_aqt, uses_qwix
+from maxbridge.ops import linear, moe, qwix_private
 
 
 @functools.lru_cache(maxsize=16)
@@ -232,34 +223,6 @@ def _aqt_ragged_dot_bwd(residuals, grad):
 _aqt_ragged_dot.defvjp(_aqt_ragged_dot_fwd, _aqt_ragged_dot_bwd)
 
 
-# --- Qwix (use_qwix_quantization=true): interception, no hook in the layers -------
-
-
-def uses_qwix(config: Config) -> bool:
-  return is_quantized(config) and config.use_qwix_quantization
-
-
-def qwix_rules(config: Config, decoder_path: str = "decoder") -> list:
-  """Qwix QAT rules, MaxText's: every weight matmul inside the decoder; the embedding lookup stays float.
-
-  `decoder_path` is the decoder's own path as Qwix sees it: "decoder" in a
-  Linen top-level model, "" where the decoder is Qwix's root (an NNX decoder,
-  or a Linen one behind a ToNNX). Either way the rules match the modules
-  below it, and never the decoder itself (the tied head stays float).
-  Only `dot_general` and `ragged_dot` (dropless experts) ops are rules' targets: the attention einsums
-  multiply activations by activations, which MaxText's Qwix recipes leave in float.
-  """
-  q = config.quantization
-  common = dict(module_path=f"{decoder_path}/.+" if decoder_path else ".+", op_names=("dot_general", "ragged_dot"))
-  if q == "int8":  # weights and activations, gradients too
-    return [qwix.QtRule(weight_qtype=jnp.int8, act_qtype=jnp.int8, bwd_qtype=jnp.int8, **common)]
-  if q == "int4":  # weight-only
-    return [qwix.QtRule(weight_qtype=jnp.int4, **common)]
-  if q == "fp8":  # e4m3 forward, e5m2 backward
-    return [qwix.QtRule(weight_qtype=jnp.float8_e4m3fn, act_qtype=jnp.float8_e4m3fn, bwd_qtype=jnp.float8_e5m2, **common)]
-  raise ValueError(f"Qwix quantization {q!r} is not built; valid values: 'int8', 'int4', 'fp8'")
-
-
 # --- Weight-only storage of a frozen base (QLoRA, maxbridge/models/lora.py) --------------
 #
 # The kernels are stored quantized and dequantized before each forward pass;
@@ -288,14 +251,13 @@ def quantize_weight(kernel: jax.Array, qtype: str, contracted: tuple[int, ...]) 
     *others, last = contracted
     channelwise += tuple(others)
     tiled = {last: math.gcd(NF4_BLOCK, kernel.shape[last])}
-  how = qwix_qarray.HowToQuantize(qtype=WEIGHT_QTYPES[qtype], channelwise_axes=channelwise, tiled_axes=tiled)
-  quantized = qwix_qarray.quantize(jnp.asarray(kernel), how)
+  quantized = qwix_private.quantize(jnp.asarray(kernel), WEIGHT_QTYPES[qtype], channelwise, tiled_axes=tiled)
   return quantized.qvalue, quantized.scale
 
 
 def dequantize_weight(qvalue: jax.Array, scale: jax.Array, qtype: str) -> jax.Array:
   """The float kernel (in the scale's dtype) that `quantize_weight`'s (qvalue, scale) stand for."""
-  return qwix_qarray.dequantize(qwix_qarray.QArray(qvalue, scale, None, WEIGHT_QTYPES[qtype]))
+  return qwix_private.dequantize(qvalue, scale, WEIGHT_QTYPES[qtype])
 
 
 # --- Serving: frozen quantized values and scales in place of float kernels -------
@@ -305,21 +267,17 @@ def dequantize_weight(qvalue: jax.Array, scale: jax.Array, qtype: str) -> jax.Ar
 # the kernel's shape and axes) and `kernel_scale` (the kernel's shape with 1
 # on each contracted axis) in place of `kernel`: the same canonical names on
 # both backends, stacked on param_scan_axis like any parameter. Norms,
-# embeddings and biases stay float. `convert` computes the pair from a float
-# tree with the quantizer train mode runs (AQT's, or Qwix's), and serving
-# feeds it to the same matmul, so serve logits are the convert-mode (QAT
-# forward) logits, bit for bit where the matmuls are the same ops.
+# embeddings and biases stay float. `models.quantized.serve_tree` computes the
+# pair from a float tree with the quantizer train mode runs (AQT's, or Qwix's:
+# `quantize_kernel`), and serving feeds it to the same matmul, so serve logits
+# are the convert-mode (QAT forward) logits, bit for bit where the matmuls are
+# the same ops.
 
 QVALUE, SCALE = "kernel_qvalue", "kernel_scale"
 # Routed experts' [E, in, out] weights (`wi_0`, `wo`, ...) serve as `wi_0_qvalue` + `wi_0_scale`: a scale per
 # output channel, shared by all experts where the dropless matmul (AQT's and Qwix's `ragged_dot`) shares
 # one, else per expert as a dense layer's (`expert_scale_shape`).
 QVALUE_SUFFIX, SCALE_SUFFIX = SUFFIXES = ("_qvalue", "_scale")
-
-
-def serves_quantized(config: Config) -> bool:
-  """Whether dense kernels are held as frozen quantized values and scales (serve mode: AQT, or Qwix PTQ)."""
-  return is_quantized(config) and config.checkpoint_is_quantized
 
 
 def qvalue_dtype(config: Config) -> jnp.dtype:
@@ -356,12 +314,10 @@ def quantize_kernel(config: Config, kernel: jax.Array, contracted: tuple[int, ..
   kernel = jnp.asarray(kernel).astype(jnp.dtype(config.dtype))  # both quantize the promoted kernel
   if uses_qwix(config):
     rule = qwix_rules(config)[0]
-    how = qwix_qarray.HowToQuantize(
-        qtype=rule.weight_qtype,
-        channelwise_axes=tuple(i for i in range(kernel.ndim) if i not in contracted),
-        calibration_method=rule.weight_calibration_method,
+    channelwise = tuple(i for i in range(kernel.ndim) if i not in contracted)
+    quantized = qwix_private.quantize(
+        kernel, rule.weight_qtype, channelwise, calibration_method=rule.weight_calibration_method
     )
-    quantized = qwix_qarray.quantize(kernel, how)
     return quantized.qvalue, quantized.scale
   quantizer = _fresh_rhs_quantizer(config)
   qt = quantizer.calibrate(kernel, calibration_axes=tuple(contracted))
@@ -393,21 +349,15 @@ def qwix_serve_dot_general(config: Config, qvalue: jax.Array, scale: jax.Array) 
   dynamic range; the float operand the layer passes is never read.
   """
   rule = qwix_rules(config)[0]
-  weight = qwix_qarray.QArray(qvalue=qvalue, scale=scale, qtype=rule.weight_qtype)
+  weight = qwix_private.frozen(qvalue, scale, rule.weight_qtype)
 
   def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
     del rhs, precision, preferred_element_type
     if rule.act_qtype is not None:
-      how = qwix_dot_general.get_how_to_quantize(
-          dimension_numbers=dimension_numbers,
-          ndims=(lhs.ndim, qvalue.ndim),
-          for_lhs=True,
-          tile_size=rule.tile_size,
-          qtype=rule.act_qtype,
-          calibration_method=rule.act_calibration_method or "absmax",  # what Qwix providers default it to
-      )
-      lhs = qwix_qarray.quantize(lhs, how)
-    return qwix_dot_general.dot_general(lhs, weight, dimension_numbers)
+      # "absmax": what Qwix's providers default an unset calibration to.
+      calibration = rule.act_calibration_method or "absmax"
+      lhs = qwix_private.quantize_lhs(lhs, dimension_numbers, qvalue.ndim, rule.act_qtype, rule.tile_size, calibration)
+    return qwix_private.dot_general(lhs, weight, dimension_numbers)
 
   return dot_general
 
@@ -446,9 +396,8 @@ def _frozen_ragged_dot(config: Config, lhs: jax.Array, rhs: FrozenExperts, group
   if uses_qwix(config):
     rule = qwix_rules(config)[0]
     if rule.act_qtype is not None:  # as Qwix's ragged_dot_qt: one scale per row
-      lhs = qwix_qarray.quantize(lhs, qwix_qarray.HowToQuantize(qtype=rule.act_qtype, channelwise_axes=[0]))
-    weight = qwix_qarray.QArray(qvalue=rhs.qvalue, scale=rhs.scale, qtype=rule.weight_qtype)
-    return qwix_ragged_dot.ragged_dot(lhs, weight, group_sizes)
+      lhs = qwix_private.quantize(lhs, rule.act_qtype, [0])
+    return qwix_private.ragged_dot(lhs, qwix_private.frozen(rhs.qvalue, rhs.scale, rule.weight_qtype), group_sizes)
   cfg = copy.deepcopy(_aqt_int8(1, False))
   cfg.fwd.dot_general = aqt_ragged_dot.RaggedDot(group_sizes=group_sizes)  # as AQT's ragged_dot sets it
   dg = aqt_config.set_context(cfg, key=None, train_step=None)
@@ -477,29 +426,6 @@ def expert_dot_general(config: Config, dot_general: linear.DotGeneral) -> linear
 def is_serve_tree(params: Mapping[str, Any]) -> bool:
   """Whether a canonical tree holds frozen quantized kernels (a serve checkpoint's)."""
   return any(path.endswith("/" + QVALUE) for path in canonical.flatten(params))
-
-
-def convert(config: Config, params: Mapping[str, Any], serve_abstract: Mapping[str, Any]) -> dict[str, Any]:
-  """A serve model's canonical tree from a float tree in the same scan form (AQT convert mode).
-
-  `serve_abstract` is the serve model's abstract tree: a `kernel_qvalue` there
-  takes the float `kernel` beside it, quantized over the axes its
-  `kernel_scale` holds as 1; every other leaf is copied.
-  """
-  if is_serve_tree(params):
-    raise ValueError("these parameters are already quantized (they hold kernel_qvalue/kernel_scale, not float kernels)")
-  flat, want = canonical.flatten(params), canonical.flatten(serve_abstract)
-  out = {}
-  for path, leaf in want.items():
-    name = path.removesuffix(QVALUE_SUFFIX)
-    if name == path:
-      if not (path.endswith(SCALE_SUFFIX) and path.removesuffix(SCALE_SUFFIX) + QVALUE_SUFFIX in want):
-        out[path] = flat[path]
-      continue
-    scale = want[name + SCALE_SUFFIX]
-    contracted = tuple(i for i, n in enumerate(scale.shape) if n == 1)
-    out[path], out[name + SCALE_SUFFIX] = quantize_kernel(config, flat[name], contracted)
-  return canonical.unflatten(out)
 
 
 def frozen_dot_general(config: Config) -> Callable[[jax.Array, jax.Array], linear.DotGeneral] | None:
