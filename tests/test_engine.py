@@ -128,11 +128,13 @@ def compiled_ops(eng: engine.Engine, jitted, *args, **static) -> list[str]:
 def test_linen_and_nnx_compile_one_and_the_same_prefill_and_decode_step():
   # Same speed by construction: the engine's hot paths lower to the same XLA program on both backends.
   engines = [decode("llama-tiny", flags)["engine"] for flags in (LINEN, NNX)]
-  prompt = engines[0]._pad(PROMPTS[1])
+  prompt = engines[0]._prefiller.pad(PROMPTS[1])
   programs = []
   for eng in engines:
     params, rng = eng._params(None), jax.random.key(0)
-    prefill = compiled_ops(eng, eng._prefill, params, prompt, np.int32(11), rng, None, np.int32(0), num_samples=0)
+    prefill = compiled_ops(
+        eng, eng._prefiller.compiled_one, params, prompt, np.int32(11), rng, None, np.int32(0), num_samples=0
+    )
     step = compiled_ops(eng, eng._generate, params, eng.init_decode_state(), rng)
     programs.append((prefill, step))
   for name, linen_ops, nnx_ops in zip(("prefill", "decode step"), *programs):

@@ -12,7 +12,9 @@ into one prefill, split back into one prefix each), `prefill_batch` (several
 prompts side by side in one batched prefill, one prefix each), chunked prefill
 (`prefill(..., existing_prefix=prefix)` goes on where a prefix stopped), and
 `stack_prefill_result_cache` (a prefix cache stacked on a layer axis for either
-`scan_layers`: the scanned cache tree, unstacked again on insert).
+`scan_layers`: the scanned cache tree, unstacked again on insert). Each way
+to prefill is written in `serving.prefill`; the engine lends it its
+parameters, key and sampling, and keeps the slots.
 
 The cache is one canonical tree on both backends (`abstract_cache`), given to
 the model's attention layers as Linen's "cache" collection or as `nnx.Cache`
@@ -36,7 +38,6 @@ per adapted kernel and step.
 """
 
 import warnings
-import weakref
 from typing import Any, NamedTuple
 
 import jax
@@ -55,17 +56,10 @@ from maxbridge.models.model import Model
 from maxbridge.ops import kv_cache
 from maxbridge.ops import sampling as sampling_ops
 from maxbridge.serving import speculative
+from maxbridge.serving.positions import HostPositions, advanced, limit_text, position_limit
+from maxbridge.serving.prefill import Prefiller, Prefix
 
 Params = dict[str, Any]
-
-
-class Prefix(NamedTuple):
-  """What `prefill` gives `insert`: one prompt's cache (batch 1), its first sampled token and where decoding goes on."""
-
-  cache: Params
-  token: jax.Array  # int32 [], or [num_samples] from prefill_multisampling
-  next_pos: jax.Array  # int32 []: the prompt's length, the position of `token`
-  logits: jax.Array  # float32 [V]: the logits `token` was sampled from
 
 
 class DecodeState(NamedTuple):
@@ -152,18 +146,17 @@ class Engine:
     )
     sharding.check_divisible(self._abstract_decode_state(), self._state_shardings)
     self.position_limit = position_limit(self.config)
-    self._positions = _HostPositions()
-    # What a prefix of this engine holds, to refuse one of another engine by name rather than by JAX's shapes.
-    self._prefix_shapes = {
-        path: leaf.shape
-        for path, leaf in canonical.flatten(
-            jax.eval_shape(lambda: self._stacked(decoding.init_cache(self.config, 1, self.config.max_target_length)))
-        ).items()
-    }
+    self._positions = HostPositions()
     self._rng = jax.random.key(config.seed)
-    self._prefill = jax.jit(self._prefill_impl, static_argnames=("num_samples",))
-    self._prefill_concat = jax.jit(self._prefill_concat_impl)
-    self._prefill_batch = jax.jit(self._prefill_batch_impl)
+    self._prefiller = Prefiller(
+        self.config,
+        model,
+        self._positions,
+        params=self._params,
+        weights=self._weights,
+        next_rng=self._next_rng,
+        sample=self._sample,
+    )
     state, tokens = self._state_shardings, slots
     self._init_decode_state = jax.jit(
         lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._abstract_decode_state()), out_shardings=state
@@ -266,7 +259,7 @@ class Engine:
         nucleus_p=cfg.decode_sampling_nucleus_p,
     )
 
-  # --- prefill ----------------------------------------------------------------------------------
+  # --- prefill: `Prefiller` runs each way ---------------------------------------------------------
 
   def prefill(
       self,
@@ -284,7 +277,7 @@ class Engine:
     padded to a power of two (at most max_prefill_predict_length), so prompts
     of nearby lengths share one compiled prefill.
     """
-    return self._run_prefill(tokens, true_length, existing_prefix, params, rng, num_samples=0)
+    return self._prefiller.one(tokens, true_length, existing_prefix, params, rng, num_samples=0)
 
   def prefill_multisampling(
       self, tokens, true_length: int | None = None, num_samples: int = 1, *, params: Params | None = None, rng=None
@@ -295,66 +288,7 @@ class Engine:
     """
     if num_samples < 1:
       raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-    return self._run_prefill(tokens, true_length, None, params, rng, num_samples=int(num_samples))
-
-  def _run_prefill(self, tokens, true_length, existing_prefix, params, rng, *, num_samples: int) -> Prefix:
-    tokens = self._check_prompt(tokens)
-    true_length = len(tokens) if true_length is None else int(true_length)
-    if not 0 < true_length <= len(tokens):
-      raise ValueError(f"true_length={true_length} must be in [1, {len(tokens)}] (the prompt's length)")
-    padded = self._pad(tokens)
-    cache, start = None, np.int32(0)
-    if existing_prefix is not None:
-      self._check_prefix(existing_prefix)
-      cache, start = self._unstacked(existing_prefix.cache), existing_prefix.next_pos
-      if int(self._positions.get(start)) + len(padded) > self.config.max_target_length:
-        raise ValueError(
-            f"a chunk of {len(padded)} tokens (padded) after {int(self._positions.get(start))} exceeds "
-            f"max_target_length={self.config.max_target_length}, the tokens a cache holds"
-        )
-    next_pos = self._positions.get(start) + true_length
-    params = self._params(params)
-    rng = self._next_rng(rng)
-    prefix = self._prefill(params, padded, np.int32(true_length), rng, cache, start, num_samples=num_samples)
-    self._positions.put(prefix.next_pos, next_pos)
-    return prefix
-
-  def _pad(self, tokens: np.ndarray) -> np.ndarray:
-    length = min(max(16, 1 << (len(tokens) - 1).bit_length()), self.config.max_prefill_predict_length)
-    padded = np.zeros((length,), np.int32)
-    padded[: len(tokens)] = tokens
-    return padded
-
-  def _check_prompt(self, tokens) -> np.ndarray:
-    tokens = np.asarray(tokens)
-    limit = self.config.max_prefill_predict_length
-    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-      raise ValueError(f"a prompt must be int tokens [length], got {tokens.dtype} {tokens.shape}")
-    if tokens.size == 0:
-      raise ValueError("a prompt must hold at least one token, got an empty one")
-    if tokens.size > limit:
-      raise ValueError(f"the prompt has {tokens.size} tokens, more than max_prefill_predict_length={limit}")
-    vocab = self.config.vocab_size
-    bad = np.flatnonzero((tokens < 0) | (tokens >= vocab))
-    if bad.size:
-      raise ValueError(
-          f"prompt token {int(tokens[bad[0]])} at index {int(bad[0])} is outside the vocabulary [0, {vocab})"
-      )
-    return tokens.astype(np.int32)
-
-  def _prefill_impl(self, params, tokens, true_length, rng, cache, start, *, num_samples: int):
-    params = self._weights(params)
-    if cache is None:
-      cache = decoding.init_cache(self.config, 1, self.config.max_target_length)
-    offsets = jnp.arange(tokens.shape[0], dtype=jnp.int32)[None]
-    # Padding gets segment 0: no real token ever sees it, and decoding writes over it.
-    segment_ids = (offsets < true_length).astype(jnp.int32)
-    logits, cache = self.model.cached_forward(params, cache, tokens[None], start + offsets, segment_ids)
-    next_pos = start + true_length
-    cache = _set_cache_index(cache, next_pos)
-    last = logits[0, true_length - 1]
-    token = self._sample(jnp.broadcast_to(last, (num_samples, last.shape[0])) if num_samples else last, rng)
-    return Prefix(self._stacked(cache), token, next_pos, last)
+    return self._prefiller.one(tokens, true_length, None, params, rng, num_samples=int(num_samples))
 
   def prefill_concat(self, prompts, *, params: Params | None = None, rng=None) -> list[Prefix]:
     """Several prompts packed into one prefill (segment ids and positions per prompt) -> one `Prefix` each.
@@ -362,45 +296,7 @@ class Engine:
     Together they must fit max_prefill_predict_length. Each prefix is the one
     a separate `prefill` gives, up to float rounding.
     """
-    recurrent = [stack.name for stack in self.config.family.stacks if stack.recurrent]
-    if recurrent:
-      raise ValueError(
-          f"prefill_concat with decoder_block={self.config.decoder_block!r}: its recurrent layers (stack "
-          f"{recurrent[0]!r}) keep one fixed-size state per row, the state after the row's last token, which a "
-          "packed prefill cannot split into each prompt's own; use prefill, or prefill_batch (a row per prompt)"
-      )
-    prompts = [self._check_prompt(prompt) for prompt in prompts]
-    lengths = [len(prompt) for prompt in prompts]
-    if not prompts or sum(lengths) > self.config.max_prefill_predict_length:
-      raise ValueError(
-          f"prefill_concat packs 1 or more prompts into max_prefill_predict_length="
-          f"{self.config.max_prefill_predict_length} tokens; got {len(prompts)} prompts of {sum(lengths)} tokens"
-      )
-    tokens = self._pad(np.concatenate(prompts))
-    positions, segment_ids = np.zeros_like(tokens), np.zeros_like(tokens)
-    offsets = np.cumsum([0, *lengths[:-1]]).astype(np.int32)
-    for i, (offset, length) in enumerate(zip(offsets, lengths)):
-      positions[offset : offset + length] = np.arange(length)
-      segment_ids[offset : offset + length] = i + 1
-    params = self._params(params)
-    rng = self._next_rng(rng)
-    lengths = np.asarray(lengths, np.int32)
-    prefixes = self._prefill_concat(params, tokens, positions, segment_ids, offsets, lengths, rng)
-    return self._remember_lengths(prefixes, lengths)
-
-  def _prefill_concat_impl(self, params, tokens, positions, segment_ids, offsets, lengths, rng):
-    params = self._weights(params)
-    # Not a ring even for a windowed model: a later prompt would overwrite an earlier one's last entries.
-    cache = decoding.init_cache(self.config, 1, max(tokens.shape[0], self.config.max_target_length), ring=False)
-    logits, cache = self.model.cached_forward(params, cache, tokens[None], positions[None], segment_ids[None])
-    prefixes = []
-    for i, rng in enumerate(jax.random.split(rng, len(offsets))):
-      last = logits[0, offsets[i] + lengths[i] - 1]
-      one = _split_packed(cache, offsets[i], lengths[i])
-      if decoding.has_ring(self.config):
-        one = _to_ring(self.config, one, lengths[i])
-      prefixes.append(Prefix(self._stacked(one), self._sample(last, rng), lengths[i], last))
-    return prefixes
+    return self._prefiller.concat(prompts, params, rng)
 
   def prefill_batch(self, prompts, *, params: Params | None = None, rng=None) -> list[Prefix]:
     """Several prompts prefilled side by side, one batch row each -> one `Prefix` each, for `insert`.
@@ -411,49 +307,7 @@ class Engine:
     the hardware better; on a 2-core CPU it measured no faster per token.
     Each prefix is the one a separate `prefill` gives, up to float rounding.
     """
-    prompts = [self._check_prompt(prompt) for prompt in prompts]
-    if not prompts:
-      raise ValueError("prefill_batch needs at least one prompt, got none")
-    lengths = np.asarray([len(prompt) for prompt in prompts], np.int32)
-    tokens = np.zeros((len(prompts), len(self._pad(prompts[int(np.argmax(lengths))]))), np.int32)
-    for row, prompt in zip(tokens, prompts):
-      row[: len(prompt)] = prompt
-    params = self._params(params)
-    rng = self._next_rng(rng)
-    return self._remember_lengths(self._prefill_batch(params, tokens, lengths, rng), lengths)
-
-  def _remember_lengths(self, prefixes: list[Prefix], lengths) -> list[Prefix]:
-    for prefix, length in zip(prefixes, lengths):
-      self._positions.put(prefix.next_pos, length)
-    return prefixes
-
-  def _prefill_batch_impl(self, params, tokens, lengths, rng):
-    params = self._weights(params)
-    batch, length = tokens.shape
-    cache = decoding.init_cache(self.config, batch, self.config.max_target_length)
-    offsets = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens.shape)
-    segment_ids = (offsets < lengths[:, None]).astype(jnp.int32)  # padding: segment 0, as in `prefill`
-    logits, cache = self.model.cached_forward(params, cache, tokens, offsets, segment_ids)
-    cache = _set_cache_index(cache, lengths)
-    prefixes = []
-    for i, rng in enumerate(jax.random.split(rng, batch)):
-      last = logits[i, lengths[i] - 1]
-      one = jax.tree.map(lambda leaf, i=i: leaf[i : i + 1], cache)
-      prefixes.append(Prefix(self._stacked(one), self._sample(last, rng), lengths[i], last))
-    return prefixes
-
-  # --- the prefix cache's layout ------------------------------------------------------------------
-
-  def _stacked(self, cache: Params) -> Params:
-    """With stack_prefill_result_cache, the layers' caches stacked on a leading layer axis (the scanned tree)."""
-    if self.config.stack_prefill_result_cache:
-      return canonical.stack_layers(cache, axis=0)
-    return cache
-
-  def _unstacked(self, cache: Params) -> Params:
-    if self.config.stack_prefill_result_cache:
-      return canonical.unstack_layers(cache, axis=0)
-    return cache
+    return self._prefiller.batch(prompts, params, rng)
 
   # --- decode slots -----------------------------------------------------------------------------
 
@@ -484,7 +338,7 @@ class Engine:
       raise ValueError(f"a prefix of {samples[0]} samples goes into as many slots, got {len(slots)} slots {slots}")
     if len(set(slots)) != len(slots):
       raise ValueError(f"slots {slots} name a slot twice: each sample needs a slot of its own")
-    self._check_prefix(prefix)
+    self._prefiller.check_prefix(prefix)
     positions = self._positions.get(decode_state.next_pos).copy()
     positions[list(slots)] = self._positions.get(prefix.next_pos)
     state = self._insert(prefix, decode_state, jnp.asarray(slots, jnp.int32))
@@ -514,30 +368,9 @@ class Engine:
         raise ValueError(f"slot {slot} is out of range: this engine has {count} slots, 0..{count - 1}")
     return slots
 
-  def _check_prefix(self, prefix: Prefix) -> None:
-    """A prefix another engine made fits this one's slots only with the same cache tree and length."""
-    got = {path: np.shape(leaf) for path, leaf in canonical.flatten(prefix.cache).items()}
-    want = self._prefix_shapes
-    if sorted(got) != sorted(want):
-      extra, missing = sorted(set(got) - set(want)), sorted(set(want) - set(got))
-      raise ValueError(
-          f"this prefix's cache is not one this engine makes (missing {missing[:2]}, unexpected {extra[:2]}): "
-          "prefill it with this engine (same model, stack_prefill_result_cache and scan_layers)"
-      )
-    for path, shape in want.items():
-      if got[path] == shape:
-        continue
-      if path.endswith("/" + kv_cache.POSITIONS):  # [..., 1, entries]: a stacked cache leads with its layers
-        raise ValueError(
-            f"this prefix's cache holds {got[path][-1]} tokens per row and this engine's slots hold {shape[-1]} "
-            f"(max_target_length={self.config.max_target_length}{_window_note(self.config)}): it was prefilled "
-            "by an engine with another max_target_length; prefill it with this engine"
-        )
-      raise ValueError(f"this prefix's cache {path} is {got[path]}, this engine's is {shape}: prefill it here")
-
   def _insert_impl(self, prefix, state, slots):
     cache, tokens, next_pos, logits = state
-    prefix_cache = self._unstacked(prefix.cache)
+    prefix_cache = self._prefiller.unstacked(prefix.cache)
     for i, slot in enumerate(slots):  # traced slots: one compiled insert per number of slots
       cache = jax.tree.map(
           lambda whole, one, slot=slot: jax.lax.dynamic_update_slice_in_dim(whole, one, slot, 0),
@@ -573,7 +406,7 @@ class Engine:
       state, tokens, key = self._generate(self._params(params), decode_state, key, sampling, advance=advance)
     if advance:
       self._rng = key
-    self._positions.put(state.next_pos, _advanced(positions, 1))
+    self._positions.put(state.next_pos, advanced(positions, 1))
     return state, tokens
 
   def _generate_impl(self, params, state, rng, sampling=None, *, advance: bool = False):
@@ -605,7 +438,7 @@ class Engine:
     positions = self._check_room(decode_state, num_steps)
     with sharding.active(self.mesh, self.config.logical_axis_rules):
       state, tokens = self._generate_steps(self._params(params), decode_state, self._next_rng(rng), num_steps=num_steps)
-    self._positions.put(state.next_pos, _advanced(positions, num_steps))
+    self._positions.put(state.next_pos, advanced(positions, num_steps))
     return state, tokens
 
   def _check_room(self, decode_state: DecodeState, steps: int) -> np.ndarray:
@@ -623,7 +456,7 @@ class Engine:
       slot, pos = int(over[0]), int(next_pos[over[0]])
       raise ValueError(
           f"slot {slot} is at position {pos} and has room for {limit - pos} more step(s), not {steps}: "
-          f"{_limit_text(self.config, limit)}; insert a new prefix into it or release it"
+          f"{limit_text(self.config, limit)}; insert a new prefix into it or release it"
       )
     return next_pos
 
@@ -633,40 +466,6 @@ class Engine:
         lambda state, rng: self._step(params, state, rng), state, jax.random.split(rng, num_steps)
     )
     return state, tokens.T
-
-
-class _HostPositions:
-  """The values of the `next_pos` arrays an engine made, kept on the host by array.
-
-  What each step does to them is known without looking (a busy slot moves on
-  by one, an idle one stays at 0), so checking a step's room never waits for
-  the step before it: a read from the device would cost the overlap of
-  dispatch and compute, ~1.5x the time of a tiny model's step on CPU. An
-  array made elsewhere is read.
-  """
-
-  def __init__(self):
-    self._by_id: dict[int, tuple[weakref.ref, np.ndarray]] = {}
-
-  def put(self, array, values) -> None:
-    key = id(array)
-
-    def forget(ref, key=key):
-      if self._by_id.get(key, (None,))[0] is ref:
-        del self._by_id[key]
-
-    self._by_id[key] = (weakref.ref(array, forget), np.array(values, np.int32))
-
-  def get(self, array) -> np.ndarray:
-    if isinstance(array, (np.ndarray, np.integer, int)):
-      return np.asarray(array, np.int32)
-    ref, values = self._by_id.get(id(array), (None, None))
-    return values if ref is not None and ref() is array else np.asarray(array, np.int32)
-
-
-def _advanced(next_pos: np.ndarray, steps: int) -> np.ndarray:
-  """`next_pos` after `steps` decode steps: busy slots move on, idle ones (0) stay."""
-  return np.where(next_pos > 0, next_pos + steps, 0).astype(np.int32)
 
 
 def _log_unquantized_states(config: Config) -> None:
@@ -689,38 +488,6 @@ def _log_unquantized_states(config: Config) -> None:
         "states stay float: %s",
         ", ".join(f"{name} {dtype}" for name, dtype in sorted(states.items())),
     )
-
-
-def position_limit(config: Config) -> int | None:
-  """The first position a slot of `config` cannot decode at, or None where nothing ends.
-
-  A cache of max_target_length entries holds positions 0..max_target_length-1.
-  A ring shorter than that holds its whole sliding window, needs nothing
-  older and decodes on; a window of max_target_length or more is cut to a
-  ring of max_target_length, which past it would drop tokens the window still
-  sees. Read off the cache tree itself, so one full-length layer among rings
-  ends it. A learned position table (trainable_position_size) ends as well.
-  """
-  lengths = [
-      leaf.shape[-1]
-      for path, leaf in canonical.flatten(decoding.abstract_cache(config, 1, config.max_target_length)).items()
-      if path.endswith("/" + kv_cache.POSITIONS)
-  ]
-  limits = [config.max_target_length] if max(lengths) >= config.max_target_length else []
-  if config.trainable_position_size:
-    limits.append(config.trainable_position_size)
-  return min(limits, default=None)
-
-
-def _limit_text(config: Config, limit: int) -> str:
-  if config.trainable_position_size == limit:
-    return f"trainable_position_size={limit}, the positions this model has learned, ends there"
-  return f"its cache holds max_target_length={limit} tokens{_window_note(config)}"
-
-
-def _window_note(config: Config) -> str:
-  window = kv_cache.window(config)
-  return f", a ring of its sliding_window_size={window}" if window else ""
 
 
 def generate_continuation(config: Config, model: Model, prompt, max_new_tokens: int) -> np.ndarray:
@@ -766,53 +533,3 @@ def generate_continuation(config: Config, model: Model, prompt, max_new_tokens: 
     return first
   _, rest = engine.generate_steps(state, max_new_tokens - 1)
   return np.concatenate([first, np.asarray(rest[0])])
-
-
-def _split_packed(cache: Params, offset, length) -> Params:
-  """One prompt's cache out of a packed prefill: its entries moved to the front, the rest cleared.
-
-  Its segment becomes 1, the one decoding reads; positions are its own already.
-  """
-  flat = canonical.flatten(cache)
-  for path, leaf in flat.items():
-    if path.endswith("/" + kv_cache.INDEX):
-      flat[path] = jnp.full_like(leaf, length)
-      continue
-    axis = kv_cache.sequence_axis(path.rsplit("/", 1)[1])
-    shape = [1] * leaf.ndim
-    shape[axis] = leaf.shape[axis]
-    visible = jnp.arange(leaf.shape[axis]).reshape(shape) < length
-    if path.endswith("/" + kv_cache.SEGMENT_IDS):
-      flat[path] = jnp.broadcast_to(visible, leaf.shape).astype(leaf.dtype)
-    else:
-      flat[path] = jnp.where(visible, jnp.roll(leaf, -offset, axis=axis), jnp.zeros((), leaf.dtype))
-  return canonical.unflatten(flat)
-
-
-def _to_ring(config: Config, cache: Params, length) -> Params:
-  """One prompt's cache, its `length` entries at the front of a longer buffer -> the ring its own prefill leaves."""
-  flat, ring = canonical.flatten(cache), canonical.flatten(decoding.init_cache(config, 1, config.max_target_length))
-  for layer in {path.rsplit("/", 1)[0] for path in flat}:
-    entries = {path.rsplit("/", 1)[1]: leaf for path, leaf in flat.items() if path.startswith(layer + "/")}
-    empty = {name: ring[f"{layer}/{name}"] for name in entries}
-    written = kv_cache.ring_append(
-        empty,
-        {
-            name: kv_cache.load(entries, name)
-            for name in entries
-            if name not in kv_cache.BOOKKEEPING and not kv_cache.is_scale(name)
-        },
-        entries[kv_cache.POSITIONS],
-        entries[kv_cache.SEGMENT_IDS],
-    )
-    flat.update({f"{layer}/{name}": leaf for name, leaf in written.items()})
-  return _set_cache_index(canonical.unflatten(flat), length)
-
-
-def _set_cache_index(cache: Params, value) -> Params:
-  """Every layer's next write index set to `value` (after a padded prefill: the true length)."""
-  flat = canonical.flatten(cache)
-  for path, leaf in flat.items():
-    if path.endswith("/" + kv_cache.INDEX):
-      flat[path] = jnp.full_like(leaf, value)
-  return canonical.unflatten(flat)
