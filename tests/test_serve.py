@@ -2,7 +2,9 @@
 
 The model is llama-tiny with random weights, written as a Hugging Face folder
 with a word-level tokenizer (w0..w255, one word per token, so text and tokens
-map one to one and equal text means equal tokens) and a chat template.
+map one to one and equal text means equal tokens) and a chat template. The
+tests of a failing decode loop serve in this process instead, over an engine
+whose steps fail when told to.
 """
 
 import concurrent.futures
@@ -13,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -23,8 +26,12 @@ import pytest
 
 from maxbridge import cli
 from maxbridge.interop.hf import folders
+from maxbridge.interop import pretrained
 from maxbridge.models import dispatch
 from maxbridge.ops import sampling
+from maxbridge.serving import engine as engine_lib
+from maxbridge.serving import scheduler as sched
+from maxbridge.serving import server as server_lib
 from conftest import tiny_config
 
 openai = pytest.importorskip("openai")
@@ -36,12 +43,13 @@ OVERRIDES = [f"per_device_batch_size={SLOTS}", "max_target_length=64", "max_pref
 # The NNX server also stores its KV cache int8: `maxbridge generate` gets the same keys, so greedy still agrees.
 BACKEND_OVERRIDES = {"linen": [], "nnx": ["quantize_kvcache=true"]}
 TEMPLATE = "{% for m in messages %}w1 {{ m.content }} w2 {% endfor %}{% if add_generation_prompt %}w3{% endif %}"
+MODEL = "llama-tiny-hf"  # the folder's name, the served model's
 PROMPTS = ["w5 w9 w200", "w17", "w3 w3 w3 w3 w44", "w250 w1 w7"]
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-  path = tmp_path_factory.mktemp("serve") / "llama-tiny-hf"
+  path = tmp_path_factory.mktemp("serve") / MODEL
   model = dispatch.create_model(tiny_config())
   folders.save_hf(model.params(), model.config, path)
   tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
@@ -136,10 +144,10 @@ def test_each_row_samples_by_its_own_settings():
 def test_greedy_completion_equals_generate_streamed_or_not(server, folder, capsys):
   for prompt in PROMPTS[:1]:  # one: each `maxbridge generate` builds and compiles an engine of its own
     want = _generate(folder, server.backend, prompt, 16, capsys)
-    whole = server.client.completions.create(model="m", prompt=prompt, max_tokens=16, temperature=0)
+    whole = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
     assert whole.choices[0].text.strip() == want
     assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 16
-    chunks = list(server.client.completions.create(model="m", prompt=prompt, max_tokens=16, temperature=0, stream=True))
+    chunks = list(server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True))
     assert len(chunks) == 17  # one per token, then the finish
     assert "".join(c.choices[0].text for c in chunks).strip() == want
     assert chunks[-1].choices[0].finish_reason == "length"
@@ -148,9 +156,9 @@ def test_greedy_completion_equals_generate_streamed_or_not(server, folder, capsy
 def test_chat_renders_the_folders_template(server, folder, capsys):
   messages = [{"role": "user", "content": "w8 w9"}]
   want = _generate(folder, server.backend, "w1 w8 w9 w2 w3", 8, capsys)
-  whole = server.client.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0)
+  whole = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
   assert whole.choices[0].message.content.strip() == want and whole.choices[0].message.role == "assistant"
-  stream = server.client.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0, stream=True)
+  stream = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True)
   chunks = list(stream)
   assert chunks[0].choices[0].delta.role == "assistant"
   assert "".join(c.choices[0].delta.content or "" for c in chunks).strip() == want
@@ -158,16 +166,16 @@ def test_chat_renders_the_folders_template(server, folder, capsys):
 
 def test_n_stop_seed_and_logprobs(server):
   client = server.client
-  two = client.completions.create(model="m", prompt="w4 w5", max_tokens=6, temperature=1.0, n=2, seed=7)
+  two = client.completions.create(model=MODEL, prompt="w4 w5", max_tokens=6, temperature=1.0, n=2, seed=7)
   assert [c.index for c in two.choices] == [0, 1] and all(len(c.text.split()) == 6 for c in two.choices)
-  again = client.completions.create(model="m", prompt="w4 w5", max_tokens=6, temperature=1.0, n=2, seed=7)
+  again = client.completions.create(model=MODEL, prompt="w4 w5", max_tokens=6, temperature=1.0, n=2, seed=7)
   assert [c.text for c in again.choices] == [c.text for c in two.choices]  # a seeded request repeats
-  greedy = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=10, temperature=0).choices[0].text
+  greedy = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=0).choices[0].text
   words = greedy.split()
-  cut = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=10, temperature=0, stop=[words[3]])
+  cut = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=0, stop=[words[3]])
   assert cut.choices[0].finish_reason == "stop"
   assert cut.choices[0].text.split() == words[: words.index(words[3])]
-  scored = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=3, temperature=0, logprobs=2)
+  scored = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0, logprobs=2)
   lp = scored.choices[0].logprobs
   assert lp.tokens == words[:3] and len(lp.top_logprobs) == 3
   # Greedy: the token drawn is the most likely one, and its log-probability the top one.
@@ -180,13 +188,13 @@ def test_n_stop_seed_and_logprobs(server):
 def test_sixteen_concurrent_streams_share_decode_steps(server):
   client = server.client
   want = {
-      p: client.completions.create(model="m", prompt=p, max_tokens=12, temperature=0).choices[0].text for p in PROMPTS
+      p: client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text for p in PROMPTS
   }
   before = server.metric("maxbridge_slot_occupancy_count") - server.metric('maxbridge_slot_occupancy_bucket{le="1.5"}')
 
   def one(i):
     prompt = PROMPTS[i % len(PROMPTS)]
-    stream = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0, stream=True)
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True)
     return prompt, "".join(c.choices[0].text for c in stream)
 
   with concurrent.futures.ThreadPoolExecutor(16) as pool:
@@ -234,22 +242,59 @@ def test_a_full_queue_answers_429_with_retry_after(server):
 def test_bad_requests_get_400_naming_the_field(server):
   client = server.client
   with pytest.raises(openai.BadRequestError, match="max_tokens"):
-    client.completions.create(model="m", prompt="w5", max_tokens="many")
+    client.completions.create(model=MODEL, prompt="w5", max_tokens="many")
   with pytest.raises(openai.BadRequestError, match="temperature"):
-    client.completions.create(model="m", prompt="w5", temperature="hot")
+    client.completions.create(model=MODEL, prompt="w5", temperature="hot")
   with pytest.raises(openai.BadRequestError, match="max_prefill_predict_length=32"):
-    client.completions.create(model="m", prompt=" ".join(["w5"] * 40), max_tokens=2)
+    client.completions.create(model=MODEL, prompt=" ".join(["w5"] * 40), max_tokens=2)
   with pytest.raises(openai.BadRequestError, match="max_target_length=64"):
-    client.completions.create(model="m", prompt="w5", max_tokens=80)
+    client.completions.create(model=MODEL, prompt="w5", max_tokens=80)
   # Unknown fields are ignored, as OpenAI does.
-  ok = client.completions.create(model="m", prompt="w5", max_tokens=2, temperature=0, extra_body={"frobnicate": 1})
+  ok = client.completions.create(model=MODEL, prompt="w5", max_tokens=2, temperature=0, extra_body={"frobnicate": 1})
   assert ok.usage.completion_tokens == 2
   assert [m.id for m in client.models.list().data] == ["llama-tiny-hf"]
 
 
+def _post(url: str, body: bytes) -> tuple[int, dict]:
+  """POST as it is sent, for bodies the openai client would not send (its JSON refuses NaN); (status, JSON)."""
+  request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+  try:
+    with urllib.request.urlopen(request, timeout=60) as response:
+      return response.status, json.loads(response.read())
+  except urllib.error.HTTPError as e:
+    return e.code, json.loads(e.read())
+
+
+def test_out_of_range_fields_and_huge_bodies_get_4xx_and_the_server_goes_on(server):
+  client = server.client
+  greedy = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+  want = client.completions.create(**greedy).choices[0].text
+  # top_k 2**40 once passed and overflowed int32 in the decode loop, which died: every later request hung.
+  with pytest.raises(openai.BadRequestError, match="top_k=1099511627776: at most vocab_size=256"):
+    client.completions.create(**greedy, extra_body={"top_k": 2**40})
+  with pytest.raises(openai.BadRequestError, match="temperature"):
+    client.completions.create(**{**greedy, "temperature": 1e30})
+  with pytest.raises(openai.BadRequestError, match="'other' is not served here; this server serves 'llama-tiny-hf'"):
+    client.completions.create(**{**greedy, "model": "other"})
+  for field, literal in [("temperature", "NaN"), ("top_p", "Infinity"), ("temperature", "-Infinity"), ("top_p", "1e999")]:
+    status, answer = _post(server.url, f'{{"prompt": "w5", "max_tokens": 2, "{field}": {literal}}}'.encode())
+    assert (status, answer["error"]["param"]) == (400, field), f"{field}: {literal} got {status} {answer}"
+    assert answer["error"]["message"].startswith(f"{field}: "), answer
+  status, answer = _post(server.url, b'{"prompt": "w5", "max_tokens": ')
+  assert status == 400 and answer["error"]["param"] is None, answer
+  assert answer["error"]["message"].startswith("the body is not JSON"), answer
+  with pytest.raises(openai.APIStatusError, match="more than this server's limit of 8388608") as refused:
+    client.completions.create(**{**greedy, "prompt": "w5 " * (7 * 2**20)})  # 21 MiB
+  assert refused.value.status_code == 413
+  status, answer = _get(server.url + "/v1/no-such-route")
+  assert status == 404 and json.loads(answer)["error"]["type"] == "not_found_error", answer
+  assert client.completions.create(**greedy).choices[0].text == want
+  assert _get(server.url + "/health")[0] == 200
+
+
 def test_sigterm_finishes_what_is_in_flight_and_exits_0(server):
   # The module's last test on each server: it ends it.
-  stream = server.client.completions.create(model="m", prompt="w5", max_tokens=40, temperature=0, stream=True)
+  stream = server.client.completions.create(model=MODEL, prompt="w5", max_tokens=40, temperature=0, stream=True)
   first = next(iter(stream))
   server.process.send_signal(signal.SIGTERM)
   rest = list(stream)
@@ -257,4 +302,88 @@ def test_sigterm_finishes_what_is_in_flight_and_exits_0(server):
   assert rest[-1].choices[0].finish_reason == "length" and len(rest) + 1 == 41
   assert server.process.wait(timeout=30) == 0
   with pytest.raises(openai.APIConnectionError):
-    server.client.completions.create(model="m", prompt="w5", max_tokens=2)
+    server.client.completions.create(model=MODEL, prompt="w5", max_tokens=2)
+
+
+def test_a_port_out_of_range_or_in_use_is_refused_before_the_banner(folder, capsys):
+  with pytest.raises(SystemExit) as refused:
+    cli.main(["serve", str(folder), "--port", "70000"])
+  assert refused.value.code == 2 and "--port: '70000' is not a TCP port (0..65535)" in capsys.readouterr().err
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    assert cli.main(["serve", str(folder), "--port", str(port)]) == 2
+  out, err = capsys.readouterr()
+  assert f"cannot listen on 127.0.0.1:{port}" in err and "maxbridge serve:" not in out, (out, err)
+
+
+class FailingEngine:
+  """The real engine, but for `generate`: its next `failing` steps raise. `build_app`'s engine is the seam."""
+
+  def __init__(self, engine: engine_lib.Engine):
+    self.engine, self.failing = engine, 0
+
+  def __getattr__(self, name):
+    return getattr(self.engine, name)
+
+  def generate(self, state, **kwargs):
+    if self.failing:
+      self.failing -= 1
+      raise RuntimeError("a decode step failed on purpose")
+    return self.engine.generate(state, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def failing(folder):
+  """(openai client, FailingEngine, the server's thread and what it raised): `serve` in this process, linen."""
+  config, params = pretrained.load_pretrained(folder, *OVERRIDES, **pretrained.backend_overrides("linen"))
+  model = dispatch.create_model(config, params=params)
+  engine = FailingEngine(engine_lib.Engine(model.config, model=model))
+  tokenizer = pretrained.load_tokenizer(folder, config.vocab_size)
+  codec = server_lib.Codec.from_folder(lambda text: tokenizer.encode(text).ids, tokenizer.decode, folder)
+  sock = server_lib.bind("127.0.0.1", 0)
+  url, raised = f"http://127.0.0.1:{sock.getsockname()[1]}", []
+
+  def serve():
+    try:
+      server_lib.serve(engine, codec, sock=sock, model_name=MODEL, shutdown_timeout=5)
+    except RuntimeError as e:
+      raised.append(e)
+
+  thread = threading.Thread(target=serve, daemon=True)  # the last test ends it; else it ends with the tests
+  thread.start()
+  deadline = time.monotonic() + 60
+  while time.monotonic() < deadline:
+    try:
+      if _get(url + "/health")[0] == 200:
+        break
+    except OSError:
+      time.sleep(0.1)
+  client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+  return client, engine, thread, raised, url
+
+
+def test_a_failed_decode_step_answers_500_and_the_loop_starts_again(failing):
+  client, engine, _, _, url = failing
+  greedy = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+  want = client.completions.create(**greedy).choices[0].text
+  engine.failing = 1
+  with pytest.raises(openai.InternalServerError, match="the decode loop failed: RuntimeError: a decode step failed"):
+    client.completions.create(**greedy)
+  engine.failing = 1
+  with pytest.raises(openai.APIError, match="the decode loop failed: RuntimeError: a decode step failed"):
+    list(client.completions.create(**greedy, stream=True))  # the stream ends with an error event
+  assert client.completions.create(**greedy).choices[0].text == want
+  assert _get(url + "/health")[0] == 200
+
+
+def test_a_decode_loop_that_keeps_failing_gives_up_and_ends_the_server(failing):
+  # The module's last test on this server: it ends it.
+  client, engine, thread, raised, url = failing
+  engine.failing = sched.MAX_FAILURES
+  for _ in range(sched.MAX_FAILURES):
+    with pytest.raises(openai.InternalServerError, match="a decode step failed"):
+      client.completions.create(model=MODEL, prompt="w5", max_tokens=4)
+  thread.join(timeout=30)
+  assert not thread.is_alive() and "failed 3 times in a row" in str(raised[0])

@@ -78,10 +78,18 @@ def _add_serve(verbs) -> None:
   )
   p.add_argument("source", help="Hugging Face folder, checkpoint or run directory, preset or YAML config")
   p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-  p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+  p.add_argument("--port", type=_port, default=8000, help="port to listen on, 0..65535 (default 8000)")
   p.add_argument("--model-name", default=None, help="the model's name in the API (default: SOURCE's last part)")
   p.add_argument("--max-queue", type=count, default=64, help="requests waiting for a slot before 429 (default 64)")
-  p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds SIGTERM lets requests finish (default 30)")
+  p.add_argument(
+      "--max-request-bytes",
+      type=count,
+      default=8 * 2**20,
+      help="larger request bodies are answered 413 unread (default 8 MiB)",
+  )
+  p.add_argument(
+      "--shutdown-timeout", type=tolerance, default=30.0, help="seconds SIGTERM lets requests finish (default 30)"
+  )
   p.add_argument("--backend", choices=["linen", "nnx"], default=None, help="model backend (as for generate)")
   p.add_argument("--config", help=CONFIG_HELP)
   add_overrides(p)
@@ -93,24 +101,34 @@ def _serve(args: argparse.Namespace) -> int:
   from maxbridge.interop import pretrained
   from maxbridge.serving import engine, server
 
+  sock = server.bind(args.host, args.port)  # a port in use fails now, not after the model loads and the banner
   model = _load_model(args)
   encode, decode = _tokenizer(args.source, model.config.vocab_size)
   codec = server.Codec.from_folder(encode, decode, pretrained.tokenizer_folder(args.source) or Path(args.source))
   serving = engine.Engine(model.config, model=model)
+  port = sock.getsockname()[1]  # --port 0: the one the system chose
   print(
-      f"maxbridge serve: {args.source} on http://{args.host}:{args.port}/v1 ({serving.max_concurrent_decodes} slots)",
+      f"maxbridge serve: {args.source} on http://{args.host}:{port}/v1 ({serving.max_concurrent_decodes} slots)",
       flush=True,
   )
   server.serve(
       serving,
       codec,
-      host=args.host,
-      port=args.port,
+      sock=sock,
       model_name=args.model_name or Path(args.source).name,
       max_queue=args.max_queue,
+      max_request_bytes=args.max_request_bytes,
       shutdown_timeout=args.shutdown_timeout,
   )
   return 0
+
+
+def _port(text: str) -> int:
+  """A TCP port, 0..65535 (int() takes 70000, which the socket layer would wrap to 4464)."""
+  value = count(text)
+  if value > 65535:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0..65535)")
+  return value
 
 
 SERVE = Verb("serve", _add_serve, _serve)

@@ -10,6 +10,10 @@ token by token, so that a stop string ends its slot on the step that makes it.
 
 The loop talks to the server only through `Request.emit` (called on this
 thread with one event per token and one per finished choice) and `cancel`.
+If a step fails, the requests in flight end with an "error" event naming the
+failure and the loop starts again on a fresh decode state; the requests still
+queued wait for it. Failing `MAX_FAILURES` times in a row (no decode step
+between) it gives up: `error` is set and `submit` refuses.
 """
 
 import collections
@@ -29,6 +33,8 @@ log = logging.getLogger(__name__)
 
 # Most alternatives a request may ask per token (OpenAI's top_logprobs maximum); one compiled shape serves all.
 MAX_LOGPROBS = 20
+# Failures in a row, with no decode step that worked between them, before the loop gives up instead of starting again.
+MAX_FAILURES = 3
 
 
 class QueueFull(Exception):
@@ -36,7 +42,7 @@ class QueueFull(Exception):
 
 
 class Draining(Exception):
-  """The server is shutting down and admits nothing new (HTTP 503)."""
+  """The server is shutting down, or its decode loop gave up, and admits nothing new (HTTP 503)."""
 
 
 @dataclasses.dataclass
@@ -65,8 +71,9 @@ class TokenEvent:
 @dataclasses.dataclass
 class FinishEvent:
   index: int
-  reason: str  # "stop" | "length" | "cancelled"
+  reason: str  # "stop" | "length" | "cancelled" | "error" (the loop failed) | "shutdown" (stopped before the end)
   text: str = ""  # text held back until now
+  message: str = ""  # why, for "error" and "shutdown"
 
 
 @dataclasses.dataclass
@@ -84,6 +91,7 @@ class Request:
   def __init__(self, prompt: list[int], params: SamplingParams, emit: Callable[[object], None]):
     self.prompt, self.params, self.emit = prompt, params, emit
     self.cancelled = False
+    self.aborted = ""  # why the server ended it before its end ("shutdown"), if it did
     self.submitted = time.monotonic()
     self.first_token: float | None = None
 
@@ -112,7 +120,10 @@ class Scheduler:
     self._device_sampling = None  # the arrays above on the device, remade only when a slot's request changes
     self._pending_release: list[int] = []  # slots of finished choices, freed in the engine before the next step
     self._admitting = 0  # slots of requests taken off the queue and not yet inserted
-    self.error: BaseException | None = None
+    self._admitted: list[Request] = []  # those requests
+    self._steps_read = 0  # decode steps whose tokens came back: a failure after one is not "in a row"
+    self.failures = 0  # the loop's failures in all (each started it again, but the last if it gave up)
+    self.error: BaseException | None = None  # the last failure, once the loop gave up
 
   # --- the server's side ------------------------------------------------------------------------
 
@@ -121,6 +132,8 @@ class Scheduler:
 
   def submit(self, request: Request) -> None:
     with self._cond:
+      if self.error is not None:
+        raise Draining(f"the decode loop failed {MAX_FAILURES} times in a row and stopped: {_reason(self.error)}")
       if self._draining:
         raise Draining("the server is shutting down")
       # Requests the free slots will take on the loop's next turn are not queued yet, whatever that turn costs.
@@ -142,15 +155,22 @@ class Scheduler:
       self._draining = True
       self._cond.notify()
 
+  def abort(self, message: str) -> None:
+    """Ends every request queued or decoding with a "shutdown" event saying `message`."""
+    with self._cond:
+      for request in {*self._waiting, *self._admitted, *(c.request for c in self.slots if c)}:
+        request.aborted, request.cancelled = message, True
+      self._cond.notify()
+
   def stop(self, timeout: float) -> None:
-    """Drains, waits up to `timeout` s for requests in flight, then cancels the rest and ends the loop."""
+    """Drains, waits up to `timeout` s for requests in flight, then aborts the rest and ends the loop."""
     self.drain()
     deadline = time.monotonic() + timeout
     with self._cond:
       while (self._waiting or any(self.slots)) and self._thread.is_alive() and time.monotonic() < deadline:
         self._cond.wait(0.05)
-      for request in {*self._waiting, *(c.request for c in self.slots if c)}:
-        request.cancelled = True
+    self.abort("the server shut down before this request finished")
+    with self._cond:
       self._stopped = True
       self._cond.notify()
     self._thread.join(timeout=max(1.0, deadline - time.monotonic()))
@@ -162,41 +182,66 @@ class Scheduler:
   # --- the loop ---------------------------------------------------------------------------------
 
   def _run(self) -> None:
-    try:
-      state = self.engine.init_decode_state()
-      # A step's tokens are read after the next step is dispatched: the host's work on them (text, stop
-      # strings, streaming) overlaps the device's next step instead of leaving it idle. A choice that
-      # finished decodes one step more, whose token is dropped, before its slot is freed.
-      pending = None
-      while True:
-        with self._cond:
-          while not self._stopped and not self._waiting and not any(self.slots) and pending is None:
-            self._cond.notify_all()  # `stop` waits for an empty engine
-            self._cond.wait()
-          if self._stopped and not any(self.slots) and pending is None:
-            for request in self._waiting:
-              request.emit(FinishEvent(0, "cancelled"))
-            self._waiting.clear()
-            return
-          admitted = self._admit()
-        state = self._release(state, [c for c in self.slots if c and c.request.cancelled], "cancelled")
-        state = self._release(self._insert(state, admitted), [], "")
-        launched = None
-        if any(self.slots):
-          state, launched = self._launch(state)
-        if pending is not None:
-          self._collect(pending)
-          state = self._release(state, [], "")
-        pending = launched
-    except BaseException as e:  # pylint: disable=broad-exception-caught
-      log.exception("the decode loop failed")
-      self.error = e
-      with self._cond:
-        for request in {*self._waiting, *(c.request for c in self.slots if c)}:
-          request.emit(FinishEvent(0, "error"))
+    in_a_row = 0
+    while True:
+      steps = self._steps_read
+      try:
+        return self._loop()
+      except Exception as e:  # pylint: disable=broad-exception-caught
+        in_a_row = 1 if self._steps_read > steps else in_a_row + 1
+        self._fail_in_flight(e, give_up=in_a_row >= MAX_FAILURES)
+        if in_a_row >= MAX_FAILURES:
+          return
+      except BaseException as e:
+        self._fail_in_flight(e, give_up=True)
+        raise
+
+  def _fail_in_flight(self, error: BaseException, give_up: bool) -> None:
+    """Ends the requests in flight (and, giving up, those queued) with an "error" event naming `error`; frees
+    every slot for a loop that starts again on a fresh decode state."""
+    log.error("the decode loop failed%s", "" if give_up else "; starting it again", exc_info=error)
+    self.failures += 1
+    event = FinishEvent(0, "error", message=_reason(error))
+    with self._cond:
+      failed = {*self._admitted, *(c.request for c in self.slots if c)} | (set(self._waiting) if give_up else set())
+      for request in failed:
+        request.emit(event)
+      if give_up:
         self._waiting.clear()
-        self._stopped = True
-        self._cond.notify_all()
+        self.error, self._stopped = error, True
+      self.slots = [None] * len(self.slots)
+      self._admitted, self._admitting, self._pending_release = [], 0, []
+      self._sampling.temperature[:] = 0
+      self._device_sampling = None
+      self._gauge("slots_busy", 0)
+      self._cond.notify_all()
+
+  def _loop(self) -> None:
+    state = self.engine.init_decode_state()
+    # A step's tokens are read after the next step is dispatched: the host's work on them (text, stop
+    # strings, streaming) overlaps the device's next step instead of leaving it idle. A choice that
+    # finished decodes one step more, whose token is dropped, before its slot is freed.
+    pending = None
+    while True:
+      with self._cond:
+        while not self._stopped and not self._waiting and not any(self.slots) and pending is None:
+          self._cond.notify_all()  # `stop` waits for an empty engine
+          self._cond.wait()
+        if self._stopped and not any(self.slots) and pending is None:
+          for request in self._waiting:
+            request.emit(_ended(request, 0))
+          self._waiting.clear()
+          return
+        admitted = self._admit()
+      state = self._release(state, [c for c in self.slots if c and c.request.cancelled])
+      state = self._release(self._insert(state, admitted), [])
+      launched = None
+      if any(self.slots):
+        state, launched = self._launch(state)
+      if pending is not None:
+        self._collect(pending)
+        state = self._release(state, [])
+      pending = launched
 
   def _admit(self) -> list[Request]:
     """Waiting requests, in order, while their choices fit the free slots (called holding the lock)."""
@@ -205,11 +250,12 @@ class Scheduler:
     while self._waiting and (self._waiting[0].cancelled or self._waiting[0].params.n <= free):
       request = self._waiting.popleft()
       if request.cancelled:
-        request.emit(FinishEvent(0, "cancelled"))
+        request.emit(_ended(request, 0))
         continue
       free -= request.params.n
       self._admitting += request.params.n
       admitted.append(request)
+      self._admitted.append(request)
     self._gauge("queue_depth", len(self._waiting))
     return admitted
 
@@ -256,6 +302,7 @@ class Scheduler:
         for choice in choices:
           self.slots[choice.slot] = choice
         self._admitting -= params.n
+        self._admitted.remove(request)
       self._device_sampling = None
       scores = None
       if params.logprobs is not None:
@@ -286,6 +333,7 @@ class Scheduler:
 
   def _collect(self, launched) -> None:
     tokens, scores, owners = launched
+    self._steps_read += 1
     live = [c for c in owners if self.slots[c.slot] is c and not c.request.cancelled]
     slots = [c.slot for c in live]
     self._deliver(live, np.asarray(tokens), None if scores is None else tuple(map(np.asarray, scores)), slots)
@@ -353,9 +401,9 @@ class Scheduler:
   def _stopped_by_string(self, choice: _Choice, text: str) -> bool:
     return any(s in text for s in choice.request.params.stop)
 
-  def _release(self, state, cancelled: list[_Choice], reason: str):
+  def _release(self, state, cancelled: list[_Choice]):
     for choice in cancelled:
-      choice.request.emit(FinishEvent(choice.index, reason))
+      choice.request.emit(_ended(choice.request, choice.index))
       self._pending_release.append(choice.slot)
       self.slots[choice.slot] = None
     if self._pending_release:
@@ -382,6 +430,15 @@ class Scheduler:
   def _observe(self, name, value):
     if self.metrics is not None:
       self.metrics.observe(name, value)
+
+
+def _reason(error: BaseException) -> str:
+  return f"the decode loop failed: {type(error).__name__}: {error}"
+
+
+def _ended(request: Request, index: int) -> FinishEvent:
+  """The event that ends a choice of a request cancelled by its client, or aborted by the server."""
+  return FinishEvent(index, "shutdown", message=request.aborted) if request.aborted else FinishEvent(index, "cancelled")
 
 
 def _rows(params: SamplingParams) -> tuple:

@@ -4,12 +4,19 @@ Endpoints: POST /v1/completions and /v1/chat/completions (streamed as
 server-sent events, one chunk per token, or whole), GET /v1/models, /health
 and /metrics (Prometheus text). One thread owns the engine
 (`scheduler.Scheduler`: continuous batching); the event loop only validates,
-queues and relays. A full queue answers 429 with Retry-After, a prompt that
-does not fit the cache 400 naming the limit, a field of the wrong type 400
-naming the field; unknown fields are ignored, as OpenAI does. A client that
-goes away cancels its request and frees its slots. SIGTERM stops admitting,
-lets requests in flight finish for `shutdown_timeout` seconds, cancels the
-rest and exits 0.
+queues and relays (tokenizing and chat templates run on worker threads).
+
+No request can stop it. A body over `max_request_bytes` answers 413; a full
+queue 429 with Retry-After; a prompt that does not fit the cache 400 naming
+the limit; a field of the wrong type, or out of its range (NaN and infinity
+included), 400 naming the field; another `model` than the served one 400
+naming it; unknown fields are ignored, as OpenAI does. Every error is JSON in
+OpenAI's shape, and a stream that fails ends with an error event. If the
+decode loop fails, the requests in flight get 500 with the reason and the loop
+starts again; failing again and again it gives up and the server exits 1. A
+client that goes away cancels its request and frees its slots. SIGTERM stops
+admitting, lets requests in flight finish for `shutdown_timeout` seconds,
+answers the rest 503 and exits 0.
 """
 
 import asyncio
@@ -18,6 +25,8 @@ import dataclasses
 import json
 import logging
 import secrets
+import socket
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -26,11 +35,12 @@ from typing import Callable
 import fastapi
 import jinja2.sandbox
 import prometheus_client
-import pydantic
 import uvicorn
 from fastapi import responses
+from starlette import exceptions as starlette_exceptions
 
 from maxbridge.serving import engine as engine_lib
+from maxbridge.serving import openai_api as api
 from maxbridge.serving import scheduler as sched
 
 log = logging.getLogger(__name__)
@@ -69,52 +79,6 @@ class Codec:
     eos = read("generation_config.json").get("eos_token_id", read("config.json").get("eos_token_id"))
     eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
     return cls(encode, decode, eos, template, special)
-
-
-class _Body(pydantic.BaseModel):
-  """Fields both endpoints share; strict, so a wrong type is refused rather than coerced. Unknown fields are ignored."""
-
-  model_config = pydantic.ConfigDict(strict=True, extra="ignore")
-  model: str | None = None
-  max_tokens: int | None = pydantic.Field(default=None, ge=1)
-  temperature: float = pydantic.Field(default=1.0, ge=0)
-  top_p: float = pydantic.Field(default=1.0, gt=0, le=1)
-  top_k: int = pydantic.Field(default=0, ge=-1)  # an extension, as vLLM's; 0 or -1: every token
-  n: int = pydantic.Field(default=1, ge=1)
-  stop: str | list[str] | None = None
-  seed: int | None = None
-  stream: bool = False
-
-
-class CompletionBody(_Body):
-  prompt: str | list[int]
-  logprobs: int | None = pydantic.Field(default=None, ge=0, le=sched.MAX_LOGPROBS)
-
-
-class _Message(pydantic.BaseModel):
-  model_config = pydantic.ConfigDict(strict=True, extra="allow")
-  role: str
-  content: str
-
-
-class ChatBody(_Body):
-  messages: list[_Message] = pydantic.Field(min_length=1)
-  max_completion_tokens: int | None = pydantic.Field(default=None, ge=1)
-  logprobs: bool = False
-  top_logprobs: int | None = pydantic.Field(default=None, ge=0, le=sched.MAX_LOGPROBS)
-
-
-class _Error(Exception):
-
-  def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
-    super().__init__(message)
-    self.status, self.message, self.param, self.headers = status, message, param, headers
-
-
-def _error(status: int, message: str, param: str | None = None, headers: dict | None = None):
-  kind = {400: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable"}.get(status, "error")
-  body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
-  return responses.JSONResponse(body, status_code=status, headers=headers)
 
 
 class Metrics:
@@ -160,7 +124,12 @@ class Metrics:
 
 
 def build_app(
-    engine: engine_lib.Engine, codec: Codec, *, model_name: str, max_queue: int = 64
+    engine: engine_lib.Engine,
+    codec: Codec,
+    *,
+    model_name: str,
+    max_queue: int = 64,
+    max_request_bytes: int = api.MAX_REQUEST_BYTES,
 ) -> tuple[fastapi.FastAPI, sched.Scheduler]:
   """The FastAPI app and its scheduler (started with the app, stopped with it)."""
   metrics = Metrics(engine.max_concurrent_decodes)
@@ -175,8 +144,11 @@ def build_app(
 
   app = fastapi.FastAPI(title="maxbridge", lifespan=lifespan)
   app.state.shutdown_timeout = 30.0
+  app.add_middleware(api.BodyLimit, limit=max_request_bytes)
   app.exception_handler(fastapi.exceptions.RequestValidationError)(routes.invalid)
-  app.exception_handler(_Error)(routes.refused)
+  app.exception_handler(api.Refusal)(routes.refused)
+  app.exception_handler(starlette_exceptions.HTTPException)(routes.http_error)  # 404, 405: JSON as the rest
+  app.exception_handler(Exception)(routes.failed)
   app.post("/v1/completions")(routes.completions)
   app.post("/v1/chat/completions")(routes.chat)
   app.get("/v1/models")(routes.models)
@@ -201,20 +173,32 @@ class _Routes:
 
   async def invalid(self, request, exc):
     first = exc.errors()[0]
+    self.metrics.requests.labels(request.url.path, "400").inc()
+    if first["type"] == "json_invalid":  # its loc is ("body", character offset): no field to name
+      where = first["loc"][-1]
+      return api.error_response(
+          400, f"the body is not JSON: {first.get('ctx', {}).get('error', first['msg'])} at character {where}"
+      )
     loc = [str(part) for part in first["loc"] if part != "body"]
     field = ".".join(loc) or "body"
-    self.metrics.requests.labels(request.url.path, "400").inc()
-    return _error(400, f"{field}: {first['msg']}", field)
+    return api.error_response(400, f"{field}: {first['msg']}", field)
 
-  async def refused(self, request, exc: _Error):
+  async def refused(self, request, exc: api.Refusal):
     self.metrics.requests.labels(request.url.path, str(exc.status)).inc()
-    return _error(exc.status, exc.message, exc.param, exc.headers)
+    return api.error_response(exc.status, exc.message, exc.param, exc.headers)
 
-  async def completions(self, body: CompletionBody, request: fastapi.Request):
-    codec, config = self.codec, self.config
-    prompt = codec.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-    if any(not 0 <= t < config.vocab_size for t in prompt):
-      raise _Error(400, f"prompt: token ids must be in [0, vocab_size={config.vocab_size})", "prompt")
+  async def http_error(self, request, exc):
+    self.metrics.requests.labels(request.url.path, str(exc.status_code)).inc()
+    return api.error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", headers=exc.headers)
+
+  async def failed(self, request, exc):
+    self.metrics.requests.labels(request.url.path, "500").inc()
+    return api.error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+  async def completions(self, body: api.CompletionBody, request: fastapi.Request):
+    codec = self.codec
+    self._check_model(body)
+    prompt = await asyncio.to_thread(self._completion_prompt, body.prompt)
     params = self._sampling(body, prompt, body.max_tokens, 16, body.logprobs)
     events = await self._run(request, prompt, params, "/v1/completions")
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -261,22 +245,10 @@ class _Routes:
     usage = {"prompt_tokens": len(prompt), "completion_tokens": sum(counts), "total_tokens": len(prompt) + sum(counts)}
     return {**head, "choices": choices, "usage": usage}
 
-  async def chat(self, body: ChatBody, request: fastapi.Request):
+  async def chat(self, body: api.ChatBody, request: fastapi.Request):
     codec = self.codec
-    if self.template is None:
-      raise _Error(
-          400,
-          "this model has no chat template (tokenizer_config.json's chat_template in its tokenizer folder): "
-          "use /v1/completions",
-          "messages",
-      )
-    try:
-      text = self.template.render(
-          messages=[m.model_dump() for m in body.messages], add_generation_prompt=True, **codec.special_tokens
-      )
-    except jinja2.exceptions.TemplateError as e:
-      raise _Error(400, f"the chat template refused these messages: {e}", "messages") from e
-    prompt = codec.encode(text)
+    self._check_model(body)
+    prompt = await asyncio.to_thread(self._chat_prompt, body)
     k = (body.top_logprobs or 0) if body.logprobs else None
     params = self._sampling(body, prompt, body.max_completion_tokens or body.max_tokens, None, k)
     events = await self._run(request, prompt, params, "/v1/chat/completions")
@@ -337,18 +309,48 @@ class _Routes:
 
   async def health(self):
     if self.scheduler.error is not None:
-      return _error(503, f"the decode loop failed: {self.scheduler.error}")
+      return api.error_response(503, f"the decode loop failed: {self.scheduler.error}")
     return {"status": "ok", "slots": self.engine.max_concurrent_decodes, "slots_busy": self.scheduler.busy_slots}
 
   async def metrics_text(self):
     return responses.Response(prometheus_client.generate_latest(self.metrics.registry), media_type="text/plain")
 
-  def _sampling(self, body: _Body, prompt: list[int], max_tokens: int | None, default_tokens: int | None, logprobs):
+  def _check_model(self, body: api.Body) -> None:
+    if body.model is not None and body.model != self.model_name:
+      raise api.Refusal(400, f"model: {body.model!r} is not served here; this server serves {self.model_name!r}", "model")
+
+  # The prompt's tokens, made on a worker thread: a long text must not hold up every other request's events.
+
+  def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+      return self.codec.encode(prompt)
+    vocab = self.config.vocab_size
+    if any(not 0 <= t < vocab for t in prompt):
+      raise api.Refusal(400, f"prompt: token ids must be in [0, vocab_size={vocab})", "prompt")
+    return list(prompt)
+
+  def _chat_prompt(self, body: api.ChatBody) -> list[int]:
+    if self.template is None:
+      raise api.Refusal(
+          400,
+          "this model has no chat template (tokenizer_config.json's chat_template in its tokenizer folder): "
+          "use /v1/completions",
+          "messages",
+      )
+    try:
+      text = self.template.render(
+          messages=[m.model_dump() for m in body.messages], add_generation_prompt=True, **self.codec.special_tokens
+      )
+    except jinja2.exceptions.TemplateError as e:
+      raise api.Refusal(400, f"the chat template refused these messages: {e}", "messages") from e
+    return self.codec.encode(text)
+
+  def _sampling(self, body: api.Body, prompt: list[int], max_tokens: int | None, default_tokens: int | None, logprobs):
     config, limit, slots = self.config, self.limit, self.engine.max_concurrent_decodes
     if len(prompt) == 0:
-      raise _Error(400, "the prompt is empty: give at least one token", "prompt")
+      raise api.Refusal(400, "the prompt is empty: give at least one token", "prompt")
     if len(prompt) > config.max_prefill_predict_length:
-      raise _Error(
+      raise api.Refusal(
           400,
           f"the prompt has {len(prompt)} tokens, more than max_prefill_predict_length="
           f"{config.max_prefill_predict_length}, the longest this server prefills",
@@ -357,14 +359,18 @@ class _Routes:
     room = limit - len(prompt)
     max_tokens = max_tokens or default_tokens or room
     if max_tokens > room:
-      raise _Error(
+      raise api.Refusal(
           400,
           f"the prompt ({len(prompt)} tokens) and max_tokens={max_tokens} pass max_target_length={limit}, the "
           f"tokens a slot's cache holds: ask for at most {room} new tokens",
           "max_tokens",
       )
     if body.n > slots:
-      raise _Error(400, f"n={body.n}: this server has {slots} decode slots", "n")
+      raise api.Refusal(400, f"n={body.n}: this server has {slots} decode slots", "n")
+    if body.top_k > config.vocab_size:  # past it every token is kept anyway; int32 on the device
+      raise api.Refusal(
+          400, f"top_k={body.top_k}: at most vocab_size={config.vocab_size} (0 or -1: every token)", "top_k"
+      )
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return sched.SamplingParams(
         max_tokens=max_tokens,
@@ -386,9 +392,10 @@ class _Routes:
     try:
       scheduler.submit(job)
     except sched.QueueFull as e:
-      raise _Error(429, f"{e}; retry later", headers={"Retry-After": "1"}) from e
+      raise api.Refusal(429, f"{e}; retry later", headers={"Retry-After": "1"}) from e
     except sched.Draining as e:
-      raise _Error(503, str(e)) from e
+      raise api.Refusal(503, str(e)) from e
+    # Counted when queued: the status line of a stream is sent before its end (a failure is counted again).
     self.metrics.requests.labels(endpoint, "200").inc()
 
     async def stream():
@@ -397,8 +404,12 @@ class _Routes:
         while left:
           event = await events.get()
           if isinstance(event, sched.FinishEvent):
-            if event.reason in ("cancelled", "error"):
+            if event.reason == "cancelled":
               return
+            if event.reason in ("error", "shutdown"):
+              status = 500 if event.reason == "error" else 503
+              self.metrics.requests.labels(endpoint, str(status)).inc()
+              raise api.Refusal(status, event.message)
             left -= 1
           yield event
       finally:
@@ -431,15 +442,23 @@ async def _whole(request: fastapi.Request, events):
       task.cancel()  # raises in the event stream, whose `finally` cancels the request
       with contextlib.suppress(asyncio.CancelledError):
         await task
-      raise _Error(499, "client disconnected")
+      raise api.Refusal(499, "client disconnected")
   task.result()
   return out
 
 
 def _sse(chunks):
   async def body():
-    async for chunk in chunks:
-      yield f"data: {json.dumps(chunk)}\n\n"
+    # The status line went out with the first chunk: a failure after it ends the stream with an error event, as
+    # vLLM's do (the openai client raises it).
+    try:
+      async for chunk in chunks:
+        yield f"data: {json.dumps(chunk)}\n\n"
+    except api.Refusal as e:
+      yield f"data: {json.dumps(api.error_body(e.status, e.message, e.param))}\n\n"
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      log.exception("a stream failed")
+      yield f"data: {json.dumps(api.error_body(500, f'internal error: {type(e).__name__}: {e}'))}\n\n"
     yield "data: [DONE]\n\n"
 
   return responses.StreamingResponse(body(), media_type="text/event-stream")
@@ -451,15 +470,28 @@ async def _collect(events, out: list) -> None:
 
 
 class _Server(uvicorn.Server):
-  """uvicorn's server, whose SIGTERM/SIGINT stop the scheduler admitting and end the process with status 0."""
+  """uvicorn's server, whose SIGTERM/SIGINT stop the scheduler admitting and end the process with status 0.
 
-  def __init__(self, config: uvicorn.Config, scheduler: sched.Scheduler):
+  Requests still running `shutdown_timeout` s after the signal are answered 503 by the scheduler (streams end
+  with an error event); uvicorn, given a few seconds more, would cut them with a plain-text 500. A decode loop
+  that gave up ends the server too.
+  """
+
+  def __init__(self, config: uvicorn.Config, scheduler: sched.Scheduler, shutdown_timeout: float):
     super().__init__(config)
-    self.scheduler = scheduler
+    self.scheduler, self.shutdown_timeout = scheduler, shutdown_timeout
 
   def handle_exit(self, sig, frame) -> None:
-    self.scheduler.drain()
+    if not self.should_exit:
+      self.scheduler.drain()
+      message = f"the server shut down before this request finished (--shutdown-timeout {self.shutdown_timeout:g} s)"
+      timer = threading.Timer(self.shutdown_timeout, self.scheduler.abort, (message,))
+      timer.daemon = True
+      timer.start()
     super().handle_exit(sig, frame)
+
+  async def on_tick(self, counter: int) -> bool:
+    return self.scheduler.error is not None or await super().on_tick(counter)
 
   @contextlib.contextmanager
   def capture_signals(self):
@@ -470,18 +502,42 @@ class _Server(uvicorn.Server):
       self._captured_signals.clear()
 
 
+def bind(host: str, port: int) -> socket.socket:
+  """A socket bound to host:port (as uvicorn binds: SO_REUSEADDR), or OSError saying why not, before anything
+  claims the server is up."""
+  if not 0 <= port <= 65535:
+    raise ValueError(f"port {port} is not a TCP port (0..65535)")
+  sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  try:
+    sock.bind((host, port))
+  except OSError as e:
+    sock.close()
+    raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror} (is another server there?)") from None
+  return sock
+
+
 def serve(
     engine: engine_lib.Engine,
     codec: Codec,
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
+    sock: socket.socket | None = None,
     model_name: str = "maxbridge",
     max_queue: int = 64,
+    max_request_bytes: int = api.MAX_REQUEST_BYTES,
     shutdown_timeout: float = 30.0,
 ) -> None:
-  """Serves `engine` until SIGTERM or SIGINT; returns after a graceful shutdown."""
-  app, scheduler = build_app(engine, codec, model_name=model_name, max_queue=max_queue)
+  """Serves `engine` on `sock` (else host:port) until SIGTERM or SIGINT; returns after a graceful shutdown,
+  raises RuntimeError if the decode loop gave up."""
+  app, scheduler = build_app(
+      engine, codec, model_name=model_name, max_queue=max_queue, max_request_bytes=max_request_bytes
+  )
   app.state.shutdown_timeout = shutdown_timeout
-  config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout, log_level="warning")
-  _Server(config, scheduler).run()
+  sock = sock or bind(host, port)
+  grace = shutdown_timeout + 5.0  # uvicorn's own cut comes after the scheduler's answers
+  config = uvicorn.Config(app, timeout_graceful_shutdown=grace, log_level="warning")
+  _Server(config, scheduler, shutdown_timeout).run(sockets=[sock])
+  if scheduler.error is not None:
+    raise RuntimeError(f"the decode loop failed {sched.MAX_FAILURES} times in a row: {scheduler.error}")

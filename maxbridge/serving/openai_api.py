@@ -1,0 +1,100 @@
+"""The OpenAI API's side of `maxbridge serve`: request bodies with every field bounded, errors in OpenAI's shape,
+and the limit on a request's size."""
+
+import pydantic
+from fastapi import responses
+
+from maxbridge.serving import scheduler as sched
+
+MAX_REQUEST_BYTES = 8 * 2**20  # a long context's text several times over; larger bodies answer 413
+
+
+class Body(pydantic.BaseModel):
+  """Fields both endpoints share; strict, so a wrong type is refused rather than coerced. Unknown fields are ignored."""
+
+  # Python's JSON reads the non-standard NaN and Infinity, and 1e999 as infinity: no float field takes them.
+  model_config = pydantic.ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+  model: str | None = None
+  max_tokens: int | None = pydantic.Field(default=None, ge=1)
+  temperature: float = pydantic.Field(default=1.0, ge=0, le=2)  # OpenAI's range
+  top_p: float = pydantic.Field(default=1.0, gt=0, le=1)
+  top_k: int = pydantic.Field(default=0, ge=-1)  # an extension, as vLLM's; 0 or -1: every token; <= vocab_size
+  n: int = pydantic.Field(default=1, ge=1)
+  stop: str | list[str] | None = None
+  seed: int | None = None
+  stream: bool = False
+
+
+class CompletionBody(Body):
+  prompt: str | list[int]
+  logprobs: int | None = pydantic.Field(default=None, ge=0, le=sched.MAX_LOGPROBS)
+
+
+class Message(pydantic.BaseModel):
+  model_config = pydantic.ConfigDict(strict=True, extra="allow")
+  role: str
+  content: str
+
+
+class ChatBody(Body):
+  messages: list[Message] = pydantic.Field(min_length=1)
+  max_completion_tokens: int | None = pydantic.Field(default=None, ge=1)
+  logprobs: bool = False
+  top_logprobs: int | None = pydantic.Field(default=None, ge=0, le=sched.MAX_LOGPROBS)
+
+
+class Refusal(Exception):
+  """A request answered `status` with `message` in OpenAI's error shape, naming the field `param` if one."""
+
+  def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+    super().__init__(message)
+    self.status, self.message, self.param, self.headers = status, message, param, headers
+
+
+_KINDS = {404: "not_found_error", 429: "rate_limit_exceeded", 500: "server_error", 503: "service_unavailable"}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+  kind = _KINDS.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
+  return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None):
+  return responses.JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+class BodyLimit:
+  """ASGI middleware: a request body over `limit` bytes answers 413 before the app parses any of it.
+
+  The body is read to its end (and dropped past the limit) before answering: a client still sending when
+  the connection closes would see a reset instead of the 413.
+  """
+
+  def __init__(self, app, limit: int):
+    self.app, self.limit = app, limit
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http":
+      return await self.app(scope, receive, send)
+    chunks, size, more = [], 0, True
+    while more:
+      message = await receive()
+      if message["type"] != "http.request":
+        return  # the client went away before its body was in
+      size += len(message.get("body", b""))
+      if size <= self.limit:
+        chunks.append(message.get("body", b""))
+      more = message.get("more_body", False)
+    if size > self.limit:
+      response = error_response(413, f"the request body has {size} bytes, more than this server's limit of {self.limit}")
+      return await response(scope, receive, send)
+    replayed = False
+
+    async def replay():
+      nonlocal replayed
+      if replayed:
+        return await receive()  # what comes after the body: the client's disconnect
+      replayed = True
+      return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+    return await self.app(scope, replay, send)
