@@ -59,7 +59,15 @@ class MLA(nn.Module):
     key, value = zip(*blocks)
     scale = None if initializers.query_kernel_carries_scale(cfg) else qk_head_dim**-0.5
     out, per_layer = attention.self_attention(
-        query, key, value, segment_ids, positions, query_scale=scale, with_max_logits=cfg.use_qk_clip, **kv
+        query,
+        key,
+        value,
+        segment_ids,
+        positions,
+        kernel=cfg.attention,
+        query_scale=scale,
+        with_max_logits=cfg.use_qk_clip,
+        **kv,
     )
     write_cache(out)
     out = dense(cfg, (heads, cfg.v_head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out")(out)

@@ -28,7 +28,7 @@ from linen_models.olmo2 import Olmo2DecoderLayer, Olmo3Block
 from linen_models.qwen3_moe import Qwen3MoeDecoderLayer
 from linen_models.qwen3_next import Qwen3NextBlock
 from maxbridge.core import canonical
-from maxbridge.core import families
+from maxbridge.core import pipeline_plan
 from maxbridge.core.config import Config
 from maxbridge.ops import linear
 from maxbridge.ops import output_head
@@ -83,7 +83,7 @@ class Decoder(nn.Module):
     if cfg.trainable_position_size:
       x = x + Embed(cfg.trainable_position_size, cfg.emb_dim, name="position_embedder", **dtypes)(positions)
     classes = layer_classes(cfg)
-    plan = families.pipeline_plan(cfg)
+    plan = pipeline_plan.pipeline_plan(cfg)
     if cfg.family.layer_carry:
       x = LAYER_CARRIES[cfg.family.layer_carry](cfg, name="per_layer_inputs")(x, tokens)
     per_stack = []

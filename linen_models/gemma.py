@@ -13,16 +13,13 @@ block stack on their own (`Gemma3LocalLayer`).
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
-from linen_models.attention import read_cache
+from linen_models.attention import Attention
 from linen_models.linears import dense
-from linen_models.normalizations import RMSNorm, norm
-from maxbridge.core import initializers
+from linen_models.normalizations import norm
 from maxbridge.core.config import Config
 from maxbridge.core.families import gemma, gemma3
-from maxbridge.core.families.gemma import query_pre_attn_scalar
-from maxbridge.ops import attention, kv_cache, mlp, rotary
+from maxbridge.ops import mlp
 
 
 class GeGluBlock(nn.Module):
@@ -49,69 +46,24 @@ class GemmaDecoderLayer(nn.Module):
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     cfg = self.config
     h = norm(cfg, name="pre_self_attention_norm")(x)
-    h, per_layer = GemmaAttention(cfg, name="self_attention")(h, positions, segment_ids)
+    h, per_layer = Attention(cfg, name="self_attention")(h, positions, segment_ids)
     x = x + h
     return x + GeGluBlock(cfg, name="mlp")(norm(cfg, name="pre_ffw_norm")(x)), per_layer
 
 
-class GemmaAttention(nn.Module):
-  """Grouped-query attention with soft-capped logits; a `local` layer has the sliding window and its own RoPE.
-
-  With use_qk_norm (Gemma 3), each head's queries and keys are normalised before RoPE.
-  """
-
-  config: Config
-  local: bool = False
-
-  @nn.compact
-  def __call__(
-      self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
-  ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    cfg = self.config
-    heads, kv_heads, head_dim = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
-    query = dense(cfg, (cfg.emb_dim,), (heads, head_dim), ("embed", "q_heads", "kv"), name="query")(x)
-    key = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), name="key")(x)
-    value = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), name="value")(x)
-    if cfg.use_qk_norm:
-      dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype))
-      query = RMSNorm(head_dim, cfg.normalization_layer_epsilon, name="query_norm", **dtypes)(query)
-      key = RMSNorm(head_dim, cfg.normalization_layer_epsilon, name="key_norm", **dtypes)(key)
-    rope = rotary.layer_rope(cfg, local=self.local)
-    query = rotary.apply_rotary(query, positions, **rope)
-    key = rotary.apply_rotary(key, positions, **rope)
-    (key, value), kv, write_cache = read_cache(
-        self, {"cached_key": key, "cached_value": value}, positions, segment_ids, ring=bool(kv_cache.window(cfg))
-    )
-    out, per_layer = attention.self_attention(
-        query,
-        key,
-        value,
-        segment_ids,
-        positions,
-        sliding_window_size=cfg.sliding_window_size if self.local else 0,
-        query_scale=None if initializers.query_kernel_carries_scale(cfg) else query_pre_attn_scalar(cfg) ** -0.5,
-        with_max_logits=cfg.use_qk_clip,
-        logits_soft_cap=cfg.attn_logits_soft_cap,
-        **kv,
-    )
-    write_cache(out)
-    out = dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out")(out)
-    return attention.with_out_projection(cfg, out, per_layer)
-
-
 def _gemma2_sublayer(
-    cfg: Config, local: bool, suffix: str, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
+    config: Config, local: bool, suffix: str, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """x + norm(attention(norm(x))), then x + norm(mlp(norm(x))), its modules named `<name><suffix>`.
 
   Called inside a compact method: the modules belong to the caller, so a block's
   two sub-layers can share one scope with MaxText's suffixed names.
   """
-  h = norm(cfg, name=f"pre_self_attention_norm{suffix}")(x)
-  h, per_layer = GemmaAttention(cfg, local, name=f"self_attention{suffix}")(h, positions, segment_ids)
-  x = x + norm(cfg, name=f"post_self_attention_norm{suffix}")(h)
-  h = GeGluBlock(cfg, name=f"mlp{suffix}")(norm(cfg, name=f"pre_ffw_norm{suffix}")(x))
-  return x + norm(cfg, name=f"post_ffw_norm{suffix}")(h), per_layer
+  h = norm(config, name=f"pre_self_attention_norm{suffix}")(x)
+  h, per_layer = Attention(config, local, name=f"self_attention{suffix}")(h, positions, segment_ids)
+  x = x + norm(config, name=f"post_self_attention_norm{suffix}")(h)
+  h = GeGluBlock(config, name=f"mlp{suffix}")(norm(config, name=f"pre_ffw_norm{suffix}")(x))
+  return x + norm(config, name=f"post_ffw_norm{suffix}")(h), per_layer
 
 
 class Gemma2Layer(nn.Module):

@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from linen_models.attention import update_cache
+from linen_models.attention import Attention
 from linen_models.embeddings import Embed
 from linen_models.gemma import GeGluBlock
 from linen_models.linears import dense
@@ -23,72 +23,13 @@ from linen_models.normalizations import RMSNorm, norm
 from maxbridge.core import initializers
 from maxbridge.core.config import Config
 from maxbridge.core.families import gemma4
-from maxbridge.ops import attention, mlp, normalization, proportional_rope, quantization, rotary, scaled_router
+from maxbridge.ops import attention, mlp, quantization, scaled_router
 
 Carry = dict
-# Keys, values and the keywords that mask them (`update_cache`): what a KV-shared layer attends over.
-SharedKV = tuple[jax.Array, jax.Array, dict[str, jax.Array]]
 
 
-def _dtypes(cfg: Config) -> dict:
-  return dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype))
-
-
-def _rope(cfg: Config, local: bool, x: jax.Array, positions: jax.Array) -> jax.Array:
-  if local:
-    return rotary.apply_rotary(x, positions, **rotary.layer_rope(cfg, local=True))
-  return proportional_rope.apply_proportional_rotary(
-      x, positions, pairs=gemma4.rotary_pairs(cfg), max_timescale=cfg.rope_max_timescale
-  )
-
-
-class Gemma4Attention(nn.Module):
-  """Grouped-query attention; a `shared` layer has no key/value weights and attends over `shared_kv`."""
-
-  config: Config
-  local: bool
-  shared: bool
-
-  @nn.compact
-  def __call__(
-      self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, shared_kv: SharedKV | None
-  ) -> tuple[jax.Array, SharedKV]:
-    """(output, what it attended over: keys, values and the keywords that mask them, a cache's while decoding)."""
-    cfg = self.config
-    heads = cfg.num_query_heads
-    head_dim = cfg.head_dim if self.local else gemma4.global_head_dim(cfg)
-    kv_heads = cfg.num_kv_heads if self.local else gemma4.global_kv_heads(cfg)
-    eps = cfg.normalization_layer_epsilon
-    query = dense(cfg, (cfg.emb_dim,), (heads, head_dim), ("embed", "q_heads", "kv"), name="query")(x)
-    query = _rope(cfg, self.local, RMSNorm(head_dim, eps, name="query_norm", **_dtypes(cfg))(query), positions)
-    kv = {}
-    if self.shared:
-      key, value, kv = shared_kv
-    else:
-      kv_axes = ("embed", "kv_heads", "kv_head_dim")
-      key = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), kv_axes, name="key")(x)
-      if cfg.share_kv_projections and not self.local:
-        value = key  # before the key's norm and RoPE
-      else:
-        value = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), kv_axes, name="value")(x)
-      key = _rope(cfg, self.local, RMSNorm(head_dim, eps, name="key_norm", **_dtypes(cfg))(key), positions)
-      # The value norm has no scale.
-      value = normalization.rms_norm(value, jnp.ones((head_dim,)), epsilon=eps, dtype=jnp.dtype(cfg.dtype))
-      (key, value), kv = update_cache(
-          self, {"cached_key": key, "cached_value": value}, positions, segment_ids, ring=self.local
-      )
-    out, _ = attention.self_attention(
-        query,
-        key,
-        value,
-        segment_ids,
-        positions,
-        sliding_window_size=cfg.sliding_window_size if self.local else 0,
-        query_scale=1.0,
-        **kv,
-    )
-    out = dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out")(out)
-    return out, (key, value, kv)
+def _dtypes(config: Config) -> dict:
+  return dict(dtype=jnp.dtype(config.dtype), weight_dtype=jnp.dtype(config.weight_dtype))
 
 
 class Gemma4Layer(nn.Module):
@@ -106,11 +47,9 @@ class Gemma4Layer(nn.Module):
     x = carry["x"]
     h = norm(cfg, name="pre_self_attention_norm")(x)
     shared_kv = carry["kv"][kind] if self.shared else None
-    h, key_value = Gemma4Attention(cfg, self.local, self.shared, name="self_attention")(
-        h, positions, segment_ids, shared_kv
-    )
+    h, values = Attention(cfg, self.local, self.shared, name="self_attention")(h, positions, segment_ids, shared_kv)
     if "kv" in carry and not self.shared:
-      carry["kv"] = {**carry["kv"], kind: key_value}
+      carry["kv"] = {**carry["kv"], kind: values[attention.ATTENDED]}
     x = x + norm(cfg, name="post_self_attention_norm")(h)
     h = GeGluBlock(cfg, name="mlp")(norm(cfg, name="pre_ffw_norm")(x))
     if cfg.num_experts > 1:  # the MoE variant: experts beside the MLP, routed by the same input

@@ -10,10 +10,9 @@ live in the decoder (`position_embedder`, `logits_via_embedding`).
 import flax.linen as nn
 import jax
 
-from linen_models.attention import read_cache
+from linen_models.attention import attend
 from linen_models.linears import dense
 from linen_models.normalizations import norm
-from maxbridge.core import initializers
 from maxbridge.core.config import Config
 from maxbridge.ops import attention, mlp
 
@@ -34,12 +33,7 @@ class Gpt3Attention(nn.Module):
         cfg, (cfg.emb_dim,), (3, heads, head_dim), ("embed", "qkv", "heads", "kv"), name="qkv_proj", use_bias=True
     )(x)
     query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    scale = None if initializers.query_kernel_carries_scale(cfg) else head_dim**-0.5
-    (key, value), kv, write_cache = read_cache(self, {"cached_key": key, "cached_value": value}, positions, segment_ids)
-    out, per_layer = attention.self_attention(
-        query, key, value, segment_ids, positions, query_scale=scale, with_max_logits=cfg.use_qk_clip, **kv
-    )
-    write_cache(out)
+    out, per_layer = attend(self, cfg, cfg.family.attention(cfg), query, key, value, positions, segment_ids)
     out = dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out", use_bias=True)(out)
     return attention.with_out_projection(cfg, out, per_layer)
 

@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from linen_models.attention import read_cache
+from linen_models.attention import Attention
 from linen_models.linears import dense
 from linen_models.mixtral import moe_per_layer
 from linen_models.moe import expert_weight
@@ -21,52 +21,9 @@ from linen_models.normalizations import norm
 from maxbridge.core import initializers
 from maxbridge.core.config import Config
 from maxbridge.core.families import gpt_oss
-from maxbridge.ops import attention, kv_cache, mlp, rotary
+from maxbridge.ops import mlp
 from maxbridge.ops import moe as moe_ops
 from maxbridge.ops import quantization
-
-
-class GptOssAttention(nn.Module):
-  """Grouped-query attention with q/k/v/o biases, per-head `sinks`, and this layer's own window (0: full)."""
-
-  config: Config
-  sliding_window_size: int = 0
-
-  @nn.compact
-  def __call__(
-      self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
-  ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    cfg = self.config
-    heads, kv_heads, head_dim = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
-    biased = dict(use_bias=True)
-    query = dense(cfg, (cfg.emb_dim,), (heads, head_dim), ("embed", "q_heads", "kv"), name="query", **biased)(x)
-    kv_axes = ("embed", "kv_heads", "kv_head_dim")
-    key = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), kv_axes, name="key", **biased)(x)
-    value = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), kv_axes, name="value", **biased)(x)
-    sinks = self.param(
-        "sinks", nn.with_logical_partitioning(initializers.placeholder, ("heads",)), (heads,), jnp.dtype(cfg.weight_dtype)
-    )
-    rope = dict(max_timescale=cfg.rope_max_timescale, scaling=rotary.scaling_from_config(cfg))
-    query = rotary.apply_rotary(query, positions, **rope)
-    key = rotary.apply_rotary(key, positions, **rope)
-    (key, value), kv, write_cache = read_cache(
-        self, {"cached_key": key, "cached_value": value}, positions, segment_ids, ring=bool(kv_cache.window(cfg))
-    )
-    out, per_layer = attention.self_attention(
-        query,
-        key,
-        value,
-        segment_ids,
-        positions,
-        sliding_window_size=self.sliding_window_size,
-        query_scale=head_dim**-0.5,
-        with_max_logits=cfg.use_qk_clip,
-        sinks=sinks,
-        **kv,
-    )
-    write_cache(out)
-    out = dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out", **biased)(out)
-    return out, per_layer
 
 
 class GptOssMoE(nn.Module):
@@ -107,16 +64,16 @@ class GptOssMoE(nn.Module):
     )
 
 
-def activation(cfg: Config):
+def activation(config: Config):
   """The experts' clamped SwiGLU; `mlp_activations_limit` 0 clamps nothing."""
   return functools.partial(
-      mlp.clamped_swiglu, alpha=gpt_oss.SWIGLU_ALPHA, limit=cfg.mlp_activations_limit or float("inf")
+      mlp.clamped_swiglu, alpha=gpt_oss.SWIGLU_ALPHA, limit=config.mlp_activations_limit or float("inf")
   )
 
 
 class GptOssDecoderLayer(nn.Module):
   config: Config
-  sliding_window_size: int = 0
+  local: bool = False  # the sliding-window one (`gpt_oss.attention`)
 
   @nn.compact
   def __call__(
@@ -124,7 +81,7 @@ class GptOssDecoderLayer(nn.Module):
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     cfg = self.config
     h = norm(cfg, name="pre_self_attention_layer_norm")(x)
-    attended, per_layer = GptOssAttention(cfg, self.sliding_window_size, name="self_attention")(h, positions, segment_ids)
+    attended, per_layer = Attention(cfg, self.local, name="self_attention")(h, positions, segment_ids)
     x = x + attended
     out, loss = GptOssMoE(cfg, name="MoeBlock_0")(norm(cfg, name="post_self_attention_layer_norm")(x))
     return x + out, {**per_layer, **moe_per_layer(loss)}
@@ -142,8 +99,7 @@ class GptOssBlock(nn.Module):
     cfg = self.config
     losses = []
     for name in gpt_oss.SUBLAYERS:
-      window = 0 if name == gpt_oss.GLOBAL else cfg.sliding_window_size
-      x, values = GptOssDecoderLayer(cfg, window, name=name)(x, positions, segment_ids)
+      x, values = GptOssDecoderLayer(cfg, name != gpt_oss.GLOBAL, name=name)(x, positions, segment_ids)
       losses += [values["moe_lb_losses"]] if "moe_lb_losses" in values else []
     # The block's mean: the decoder's mean over blocks is then the mean over layers.
     return x, {"moe_lb_losses": jnp.mean(jnp.stack(losses))} if losses else {}

@@ -10,49 +10,14 @@ stacks blocks of four layers (`Llama4Block`).
 import flax.linen as nn
 import jax
 
-from linen_models.attention import read_cache
-from linen_models.linears import dense
+from linen_models.attention import Attention
 from linen_models.mixtral import moe_per_layer
 from linen_models.mlp import MlpBlock
 from linen_models.moe import RoutedAndSharedMoE
 from linen_models.normalizations import norm
 from maxbridge.core.config import Config
 from maxbridge.core.families import llama4
-from maxbridge.ops import attention
 from maxbridge.ops import moe as moe_ops
-
-
-class Llama4Attention(nn.Module):
-  """Grouped-query attention: with `rope`, rotated, L2-normed and chunked; without, global and temperature-tuned."""
-
-  config: Config
-  rope: bool = True
-
-  @nn.compact
-  def __call__(
-      self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
-  ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    cfg = self.config
-    heads, kv_heads, head_dim = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
-    query = dense(cfg, (cfg.emb_dim,), (heads, head_dim), ("embed", "q_heads", "kv"), name="query")(x)
-    key = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), name="key")(x)
-    value = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), name="value")(x)
-    query, key = attention.llama4_queries_keys(cfg, self.rope, query, key, positions)
-    # A chunked layer's cache is a ring of one chunk (`llama4._chunk_rings`).
-    new = {"cached_key": key, "cached_value": value}
-    (key, value), kv, write_cache = read_cache(self, new, positions, segment_ids, ring=self.rope)
-    out, per_layer = attention.self_attention(
-        query,
-        key,
-        value,
-        segment_ids,
-        positions,
-        chunk_size=cfg.chunk_attn_window_size if self.rope else 0,
-        query_scale=head_dim**-0.5,
-        **kv,
-    )
-    write_cache(out)
-    return dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out")(out), per_layer
 
 
 class Llama4Layer(nn.Module):
@@ -68,7 +33,7 @@ class Llama4Layer(nn.Module):
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     cfg = self.config
     h = norm(cfg, name="pre_self_attention_layer_norm")(x)
-    attended, per_layer = Llama4Attention(cfg, self.rope, name="self_attention")(h, positions, segment_ids)
+    attended, per_layer = Attention(cfg, self.rope, name="self_attention")(h, positions, segment_ids)
     x = x + attended
     h = norm(cfg, name="post_self_attention_layer_norm")(x)
     if self.moe:

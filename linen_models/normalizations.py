@@ -36,6 +36,14 @@ class ZeroCentredRMSNorm(_Norm):
     return normalization.zero_centred_rms_norm(x, self.vector("scale"), epsilon=self.epsilon, dtype=self.dtype)
 
 
+class AcrossHeadsRMSNorm(_Norm):
+  """OLMo 2's QK-norm: one RMSNorm over a token's [heads, head_dim] together; `scale` is flat, as Hugging Face's."""
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return normalization.rms_norm_across_heads(x, self.vector("scale"), epsilon=self.epsilon, dtype=self.dtype)
+
+
 class LayerNorm(_Norm):
   """GPT-2's: a `scale` that is the multiplier itself, and a `bias`."""
 

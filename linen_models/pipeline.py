@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxbridge.core import families
+from maxbridge.core import pipeline_plan
 from maxbridge.core.config import Config
 from maxbridge.ops import pipeline
 
@@ -17,17 +17,17 @@ from maxbridge.ops import pipeline
 def run(
     layer_class: type[nn.Module],
     params,
-    cfg: Config,
-    plan: families.PipelinePlan,
+    config: Config,
+    plan: pipeline_plan.PipelinePlan,
     x: jax.Array,
     positions: jax.Array,
     segment_ids: jax.Array,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The stack's layers (`params`, layer axis at param_scan_axis) over x: the first plan.layers pipelined, the rest scanned."""
-  params = jax.tree.map(lambda a: jnp.moveaxis(a, cfg.param_scan_axis, 0), nn.meta.unbox(params))
+  params = jax.tree.map(lambda a: jnp.moveaxis(a, config.param_scan_axis, 0), nn.meta.unbox(params))
 
   def layer_fn(layer_params, h, extras):
-    return layer_class(cfg).apply({"params": layer_params}, h, *extras)
+    return layer_class(config).apply({"params": layer_params}, h, *extras)
 
   return pipeline.run_stack(
       layer_fn,
@@ -38,5 +38,5 @@ def run(
       stages=plan.stages,
       microbatches=plan.microbatches,
       repeats=plan.repeats,
-      remat_policy=cfg.remat_policy,
+      remat_policy=config.remat_policy,
   )

@@ -13,16 +13,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from linen_models.attention import read_cache
+from linen_models.attention import Attention
 from linen_models.linears import dense
 from linen_models.mixtral import moe_per_layer
 from linen_models.mlp import MlpBlock
 from linen_models.moe import RoutedMoE
-from linen_models.normalizations import ZeroCentredRMSNorm, norm
+from linen_models.normalizations import norm
 from maxbridge.core import initializers
 from maxbridge.core.config import Config
 from maxbridge.core.families import qwen3_next
-from maxbridge.ops import attention, gated_deltanet, kv_cache, rotary
+from maxbridge.ops import gated_deltanet, kv_cache
 
 STATE, WINDOW = kv_cache.RECURRENT_STATE, kv_cache.CONV_WINDOW  # a DeltaNet layer's decode state
 
@@ -90,35 +90,6 @@ class GatedDeltaNet(nn.Module):
     )
 
 
-class GatedAttention(nn.Module):
-  """Qwen3's attention (per-head query/key norms) with partial RoPE and an output gate sigmoid(gate).
-
-  `query` [D, N, 2H] projects each head's query and its gate together, as Hugging Face's q_proj.
-  """
-
-  config: Config
-
-  @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    cfg = self.config
-    heads, kv_heads, head_dim = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
-    dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype))
-    query_gate = dense(cfg, (cfg.emb_dim,), (heads, 2 * head_dim), ("embed", "q_heads", "kv"), name="query")(x)
-    query, gate = jnp.split(query_gate, 2, axis=-1)
-    key = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), name="key")(x)
-    value = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), name="value")(x)
-    query = ZeroCentredRMSNorm(head_dim, cfg.normalization_layer_epsilon, name="query_norm", **dtypes)(query)
-    key = ZeroCentredRMSNorm(head_dim, cfg.normalization_layer_epsilon, name="key_norm", **dtypes)(key)
-    rope = dict(rotary_dim=qwen3_next.rotary_dim(cfg), max_timescale=cfg.rope_max_timescale)
-    query = rotary.apply_partial_rotary(query, positions, **rope)
-    key = rotary.apply_partial_rotary(key, positions, **rope)
-    (key, value), kv, write_cache = read_cache(self, {"cached_key": key, "cached_value": value}, positions, segment_ids)
-    out, _ = attention.self_attention(query, key, value, segment_ids, positions, query_scale=head_dim**-0.5, **kv)
-    write_cache(out)
-    out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
-    return dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out")(out)
-
-
 class Qwen3NextLayer(nn.Module):
   """x + mixer(norm(x)), then x + experts(norm(x)) + sigmoid(shared_expert_gate(h)) * shared_expert(h)."""
 
@@ -134,7 +105,7 @@ class Qwen3NextLayer(nn.Module):
     if self.linear:
       h = GatedDeltaNet(cfg, name="linear_attention")(h, positions, segment_ids)
     else:
-      h = GatedAttention(cfg, name="self_attention")(h, positions, segment_ids)
+      h, _ = Attention(cfg, name="self_attention")(h, positions, segment_ids)
     x = x + h
     h = norm(cfg, name="post_self_attention_layer_norm")(x)
     routed, loss = RoutedMoE(cfg, cfg.moe_mlp_dim, name="moe_block")(h)

@@ -1,8 +1,12 @@
-"""Llama self-attention: q/k/v projections, RoPE, grouped-query attention, output.
+"""Self-attention, one layer for every family whose parameters are its `query`, `key`, `value` and `out`.
 
-Also Mistral's (sliding_window_size) and Qwen3's (use_qk_norm: per-head
-RMSNorm `query_norm`/`key_norm` before RoPE; the query kernel then cannot
-carry 1/sqrt(head_dim), which the norm would undo, so it is applied at run time).
+What differs by family and kind of layer is data: the family entry's
+`AttentionSpec` (`maxbridge.core.families.attention`: biases, sinks, QK-norm,
+RoPE kind, window or chunk, query scale, soft cap, output gate, shared keys and
+values). The chain is always: projections, QK-norm, RoPE (`ops.attention.turn`),
+the decode cache, `ops.attention.self_attention`, the output gate, the out
+projection. GPT-3's fused `qkv_proj` and DeepSeek's MLA build their own
+projections and share the rest (`attend`).
 
 Decoding: given `nnx.Cache` variables (`maxbridge.models.decoding` adds them to a
 copy of the model), attention reads them and its new keys and values, then
@@ -17,59 +21,136 @@ from flax import nnx
 
 from maxbridge.core import initializers
 from maxbridge.core.config import Config
-from maxbridge.ops import attention, kv_cache, rotary
+from maxbridge.core.families import attention as spec_kinds
+from maxbridge.core.families.attention import AttentionSpec
+from maxbridge.ops import attention, kv_cache, normalization
+from nnx_models import Module
 from nnx_models.linears import dense
-from nnx_models.normalizations import RMSNorm
+from nnx_models.normalizations import AcrossHeadsRMSNorm, RMSNorm, ZeroCentredRMSNorm
+
+_QK_NORMS = {
+    spec_kinds.RMS_NORM: RMSNorm,
+    spec_kinds.ZERO_CENTRED_RMS_NORM: ZeroCentredRMSNorm,
+    spec_kinds.ACROSS_HEADS: AcrossHeadsRMSNorm,
+}
 
 
-class Attention(nnx.Module):
+class Attention(Module):
+  """The family's attention for a `local` (sliding-window or chunked) or full layer; a `kv_shared` layer has no
+  key/value weights and attends over the `shared_kv` it is given (`Family.attention`)."""
 
-  def __init__(self, config: Config, *, rngs: nnx.Rngs):
+  def __init__(self, config: Config, local: bool = False, kv_shared: bool = False, *, rngs: nnx.Rngs):
     cfg = self.config = config
-    dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs)
-    heads, kv_heads, head_dim = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
-    self.query = dense(cfg, (cfg.emb_dim,), (heads, head_dim), ("embed", "q_heads", "kv"), rngs=rngs)
-    self.key = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), rngs=rngs)
-    self.value = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), rngs=rngs)
-    if cfg.use_qk_norm:
-      self.query_norm = RMSNorm(head_dim, cfg.normalization_layer_epsilon, **dtypes)
-      self.key_norm = RMSNorm(head_dim, cfg.normalization_layer_epsilon, **dtypes)
-    self.out = dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), rngs=rngs)
+    spec = self.spec = cfg.family.attention(cfg, local=local, kv_shared=kv_shared)
+    heads, head_dim = cfg.num_query_heads, spec.head_dim
+    biased = dict(use_bias=spec.bias, rngs=rngs)
+    query_width = 2 * head_dim if spec.output_gate else head_dim
+    self.query = dense(cfg, (cfg.emb_dim,), (heads, query_width), ("embed", "q_heads", "kv"), **biased)
+    if spec.qk_norm in _QK_NORMS:
+      self.query_norm = _qk_norm(cfg, spec, heads, rngs)
+    if spec.kv != spec_kinds.SHARED_KV:
+      kv_axes = ("embed", "kv_heads", "kv_head_dim")
+      self.key = dense(cfg, (cfg.emb_dim,), (spec.kv_heads, head_dim), kv_axes, **biased)
+      if spec.kv != spec_kinds.VALUE_IS_KEY:
+        self.value = dense(cfg, (cfg.emb_dim,), (spec.kv_heads, head_dim), kv_axes, **biased)
+      if spec.qk_norm in _QK_NORMS:
+        self.key_norm = _qk_norm(cfg, spec, spec.kv_heads, rngs)
+    if spec.sinks:
+      sinks = initializers.placeholder(rngs.params(), (heads,), jnp.dtype(cfg.weight_dtype))
+      self.sinks = nnx.Param(sinks, out_sharding=("heads",))
+    self.out = dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), **biased)
 
   def __call__(
-      self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
-  ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(output, per-layer values: the per-head max logits when QK-Clip is on)."""
-    cfg = self.config
+      self,
+      x: jax.Array,
+      positions: jax.Array,
+      segment_ids: jax.Array,
+      shared_kv: attention.SharedKV | None = None,
+  ) -> tuple[jax.Array, dict]:
+    """(output, per-layer values: `attend`'s, and the out projection's output for feature distillation)."""
+    cfg, spec = self.config, self.spec
     query = self.query(x)
-    key = self.key(x)
-    value = self.value(x)
-    if cfg.use_qk_norm:
-      query = self.query_norm(query)
-      key = self.key_norm(key)
-    query = rotary.apply_rotary(
-        query, positions, max_timescale=cfg.rope_max_timescale, scaling=rotary.scaling_from_config(cfg)
+    if spec.output_gate:
+      query, gate = jnp.split(query, 2, axis=-1)
+    query = self.query_norm(query) if hasattr(self, "query_norm") else query
+    masking = None
+    if spec.kv == spec_kinds.SHARED_KV:
+      query, _ = attention.turn(spec, cfg, query, None, positions)
+      key, value, masking = shared_kv  # turned, normed and cached by the layer that made them
+    else:
+      key = self.key(x)
+      value = key if spec.kv == spec_kinds.VALUE_IS_KEY else self.value(x)  # before the key's norm and RoPE
+      key = self.key_norm(key) if hasattr(self, "key_norm") else key
+      query, key = attention.turn(spec, cfg, query, key, positions)
+      if spec.value_norm:  # without a scale
+        eps, dtype = cfg.normalization_layer_epsilon, jnp.dtype(cfg.dtype)
+        value = normalization.rms_norm(value, jnp.ones((spec.head_dim,)), epsilon=eps, dtype=dtype)
+    sinks = self.sinks[...] if spec.sinks else None
+    out, values = attend(self, cfg, spec, query, key, value, positions, segment_ids, sinks=sinks, masking=masking)
+    if spec.output_gate:
+      out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
+    return attention.with_out_projection(cfg, self.out(out), values)
+
+
+def _qk_norm(config: Config, spec: AttentionSpec, heads: int, rngs: nnx.Rngs) -> nnx.Module:
+  """The spec's learned QK-norm over [heads, head_dim]."""
+  width = heads * spec.head_dim if spec.qk_norm == spec_kinds.ACROSS_HEADS else spec.head_dim
+  dtypes = dict(dtype=jnp.dtype(config.dtype), weight_dtype=jnp.dtype(config.weight_dtype))
+  return _QK_NORMS[spec.qk_norm](width, config.normalization_layer_epsilon, **dtypes, rngs=rngs)
+
+
+def attend(
+    module: nnx.Module,
+    config: Config,
+    spec: AttentionSpec,
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    sinks: jax.Array | None = None,
+    masking: dict[str, jax.Array] | None = None,
+) -> tuple[jax.Array, dict]:
+  """Turned queries, keys and values -> (attention's output before the out projection, per-layer values).
+
+  Reads and writes `module`'s decode cache when it has one (`read_cache`; for a
+  layer that shares its keys and values, `update_cache`, and the values then
+  hold what it attended over, `ops.attention.ATTENDED`). `masking`: given
+  for the keys and values of an earlier layer (the keywords that mask its
+  read), which this layer neither caches nor writes. The values hold the
+  per-head max logits when QK-Clip is on.
+  """
+  write_cache = lambda out: None  # noqa: E731
+  if masking is not None:
+    kv = masking
+  elif spec.shares_kv:
+    (key, value), kv = update_cache(
+        module, {"cached_key": key, "cached_value": value}, positions, segment_ids, ring=spec.ring_cache
     )
-    key = rotary.apply_rotary(
-        key, positions, max_timescale=cfg.rope_max_timescale, scaling=rotary.scaling_from_config(cfg)
-    )
-    scale = None if initializers.query_kernel_carries_scale(cfg) else cfg.head_dim**-0.5
+  else:
     (key, value), kv, write_cache = read_cache(
-        self, {"cached_key": key, "cached_value": value}, positions, segment_ids, ring=bool(kv_cache.window(cfg))
+        module, {"cached_key": key, "cached_value": value}, positions, segment_ids, ring=spec.ring_cache
     )
-    out, per_layer = attention.self_attention(
-        query,
-        key,
-        value,
-        segment_ids,
-        positions,
-        sliding_window_size=cfg.sliding_window_size,
-        query_scale=scale,
-        with_max_logits=cfg.use_qk_clip,
-        **kv,
-    )
-    write_cache(out)
-    return attention.with_out_projection(cfg, self.out(out), per_layer)
+  out, values = attention.self_attention(
+      query,
+      key,
+      value,
+      segment_ids,
+      positions,
+      kernel=config.attention,
+      sliding_window_size=spec.sliding_window_size,
+      chunk_size=spec.chunk_size,
+      query_scale=spec.query_scale,
+      with_max_logits=config.use_qk_clip,
+      logits_soft_cap=spec.logits_soft_cap,
+      sinks=sinks,
+      **kv,
+  )
+  write_cache(out)
+  if spec.shares_kv and masking is None:
+    values = {**values, attention.ATTENDED: (key, value, kv)}
+  return out, values
 
 
 def update_cache(

@@ -17,12 +17,13 @@ from flax import nnx
 from maxbridge.core import initializers
 from maxbridge.core.config import Config
 from maxbridge.ops import attention, mla
+from nnx_models import Module
 from nnx_models.attention import read_cache
 from nnx_models.linears import dense
 from nnx_models.normalizations import RMSNorm
 
 
-class MLA(nnx.Module):
+class MLA(Module):
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
     cfg = self.config = config
@@ -70,7 +71,15 @@ class MLA(nnx.Module):
     qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     scale = None if initializers.query_kernel_carries_scale(cfg) else qk_head_dim**-0.5
     out, per_layer = attention.self_attention(
-        query, key, value, segment_ids, positions, query_scale=scale, with_max_logits=cfg.use_qk_clip, **kv
+        query,
+        key,
+        value,
+        segment_ids,
+        positions,
+        kernel=cfg.attention,
+        query_scale=scale,
+        with_max_logits=cfg.use_qk_clip,
+        **kv,
     )
     write_cache(out)
     return attention.with_out_projection(cfg, self.out(out), per_layer)

@@ -13,11 +13,12 @@ from flax import nnx
 
 from maxbridge.core import bridge
 from maxbridge.core import canonical
-from maxbridge.core import families
+from maxbridge.core import pipeline_plan
 from maxbridge.core.config import Config
 from maxbridge.ops import linear
 from maxbridge.ops import output_head
 from maxbridge.ops import remat
+from nnx_models import Module
 from nnx_models.deepseek import DeepSeekDenseLayer, DeepSeekMoELayer
 from nnx_models.embeddings import Embed
 from nnx_models.gemma import Gemma2Block, Gemma3Block, Gemma3LocalLayer, GemmaDecoderLayer
@@ -63,7 +64,7 @@ def layer_classes(config: Config) -> dict[str, type[nnx.Module]]:
   return {stack.name: LAYER_CLASSES[stack.kind] for stack in config.family.stacks}
 
 
-class Decoder(nnx.Module):
+class Decoder(Module):
 
   def __init__(self, config: Config, dot_general: linear.DotGeneral = jax.lax.dot_general, *, rngs: nnx.Rngs):
     cfg = self.config = config
@@ -100,7 +101,7 @@ class Decoder(nnx.Module):
     embedded = x  # multi-token prediction embeds later tokens like this, without positions
     if cfg.trainable_position_size:
       x = x + self.position_embedder(positions)
-    plan = families.pipeline_plan(cfg)
+    plan = pipeline_plan.pipeline_plan(cfg)
     if cfg.family.layer_carry:
       x = self.per_layer_inputs(x, tokens)
     per_stack = []
@@ -151,7 +152,7 @@ class Decoder(nnx.Module):
     return logits
 
 
-def _stacked_layers(layer_class, cfg: Config, count: int, rngs: nnx.Rngs, layer_axis: str) -> nnx.Module:
+def _stacked_layers(layer_class, config: Config, count: int, rngs: nnx.Rngs, layer_axis: str) -> nnx.Module:
   """`count` layers, one per split key: parameters stacked on param_scan_axis, other state on axis 0.
 
   The logical axis `layer_axis` ("layers", or the pipeline's `canonical.layer_axis`)
@@ -161,16 +162,16 @@ def _stacked_layers(layer_class, cfg: Config, count: int, rngs: nnx.Rngs, layer_
   @nnx.split_rngs(splits=count)
   @nnx.vmap(
       in_axes=0,
-      out_axes=nnx.StateAxes({nnx.Param: cfg.param_scan_axis, ...: 0}),
+      out_axes=nnx.StateAxes({nnx.Param: config.param_scan_axis, ...: 0}),
       transform_metadata={nnx.PARTITION_NAME: layer_axis},
   )
   def make_layers(rngs: nnx.Rngs) -> nnx.Module:
-    return layer_class(cfg, rngs=rngs)
+    return layer_class(config, rngs=rngs)
 
   return make_layers(rngs)
 
 
-def _layer_step(graphdef: nnx.GraphDef, cfg: Config, positions: jax.Array, segment_ids: jax.Array):
+def _layer_step(graphdef: nnx.GraphDef, config: Config, positions: jax.Array, segment_ids: jax.Array):
   """(params, other state, x) -> (x, per-layer values, other state after the call), as a pure function.
 
   So jax.checkpoint and lax.scan see plain arrays, and what a layer writes
@@ -184,11 +185,11 @@ def _layer_step(graphdef: nnx.GraphDef, cfg: Config, positions: jax.Array, segme
     x, per_layer = layer(x, positions, segment_ids)
     return x, per_layer, nnx.state(layer, nnx.Not(nnx.Param))
 
-  if cfg.remat_policy == "none":
+  if config.remat_policy == "none":
     return step
   # prevent_cse only matters outside scan, where XLA could otherwise merge the
   # recomputation back into the forward pass (the same choice nn.remat gets).
-  return jax.checkpoint(step, policy=remat.checkpoint_policy(cfg.remat_policy), prevent_cse=not cfg.scan_layers)
+  return jax.checkpoint(step, policy=remat.checkpoint_policy(config.remat_policy), prevent_cse=not config.scan_layers)
 
 
 def _has_cache(stack: nnx.Module) -> bool:
@@ -196,18 +197,18 @@ def _has_cache(stack: nnx.Module) -> bool:
   return bool(jax.tree.leaves(nnx.state(stack, nnx.Cache)))
 
 
-def _call_layer(layer: nnx.Module, cfg: Config, x: jax.Array, positions: jax.Array, segment_ids: jax.Array):
+def _call_layer(layer: nnx.Module, config: Config, x: jax.Array, positions: jax.Array, segment_ids: jax.Array):
   graphdef, params, state = nnx.split(layer, nnx.Param, ...)
-  x, per_layer, state = _layer_step(graphdef, cfg, positions, segment_ids)(params, state, x)
+  x, per_layer, state = _layer_step(graphdef, config, positions, segment_ids)(params, state, x)
   nnx.update(layer, state)
   return x, per_layer
 
 
-def _scan_layers(stack: nnx.Module, cfg: Config, x: jax.Array, positions: jax.Array, segment_ids: jax.Array):
+def _scan_layers(stack: nnx.Module, config: Config, x: jax.Array, positions: jax.Array, segment_ids: jax.Array):
   graphdef, params, state = nnx.split(stack, nnx.Param, ...)
-  step = _layer_step(graphdef, cfg, positions, segment_ids)
+  step = _layer_step(graphdef, config, positions, segment_ids)
   # lax.scan walks the leading axis; parameters are stacked on param_scan_axis.
-  params = jax.tree.map(lambda a: jnp.moveaxis(a, cfg.param_scan_axis, 0), params)
+  params = jax.tree.map(lambda a: jnp.moveaxis(a, config.param_scan_axis, 0), params)
 
   def body(x, layer):
     x, per_layer, state = step(*layer, x)

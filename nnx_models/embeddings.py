@@ -6,9 +6,10 @@ from flax import nnx
 
 from maxbridge.core import initializers
 from maxbridge.ops import embedding as embedding_ops
+from nnx_models import Module
 
 
-class Embed(nnx.Module):
+class Embed(Module):
 
   def __init__(
       self,

@@ -12,20 +12,18 @@ block stack on their own (`Gemma3LocalLayer`).
 """
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from maxbridge.core import initializers
 from maxbridge.core.config import Config
 from maxbridge.core.families import gemma, gemma3
-from maxbridge.core.families.gemma import query_pre_attn_scalar
-from maxbridge.ops import attention, kv_cache, mlp, rotary
-from nnx_models.attention import read_cache
+from maxbridge.ops import mlp
+from nnx_models import Module
+from nnx_models.attention import Attention
 from nnx_models.linears import dense
-from nnx_models.normalizations import RMSNorm, norm
+from nnx_models.normalizations import norm
 
 
-class GeGluBlock(nnx.Module):
+class GeGluBlock(Module):
   """wo(gelu_tanh(wi_0 x) * wi_1 x)."""
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
@@ -38,12 +36,12 @@ class GeGluBlock(nnx.Module):
     return self.wo(mlp.gelu_gate(self.wi_0(x), self.wi_1(x)))
 
 
-class GemmaDecoderLayer(nnx.Module):
+class GemmaDecoderLayer(Module):
   """Gemma 1: x + attention(norm(x)), then x + mlp(norm(x)) (MaxText's names; (1 + w) held in the norm scales)."""
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
     self.pre_self_attention_norm = norm(config, rngs=rngs)
-    self.self_attention = GemmaAttention(config, rngs=rngs)
+    self.self_attention = Attention(config, rngs=rngs)
     self.pre_ffw_norm = norm(config, rngs=rngs)
     self.mlp = GeGluBlock(config, rngs=rngs)
 
@@ -53,58 +51,6 @@ class GemmaDecoderLayer(nnx.Module):
     h, per_layer = self.self_attention(self.pre_self_attention_norm(x), positions, segment_ids)
     x = x + h
     return x + self.mlp(self.pre_ffw_norm(x)), per_layer
-
-
-class GemmaAttention(nnx.Module):
-  """Grouped-query attention with soft-capped logits; a `local` layer has the sliding window and its own RoPE.
-
-  With use_qk_norm (Gemma 3), each head's queries and keys are normalised before RoPE.
-  """
-
-  def __init__(self, config: Config, local: bool = False, *, rngs: nnx.Rngs):
-    cfg = self.config = config
-    self.local = local
-    heads, kv_heads, head_dim = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
-    self.query = dense(cfg, (cfg.emb_dim,), (heads, head_dim), ("embed", "q_heads", "kv"), rngs=rngs)
-    self.key = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), rngs=rngs)
-    self.value = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), rngs=rngs)
-    if cfg.use_qk_norm:
-      dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs)
-      self.query_norm = RMSNorm(head_dim, cfg.normalization_layer_epsilon, **dtypes)
-      self.key_norm = RMSNorm(head_dim, cfg.normalization_layer_epsilon, **dtypes)
-    self.out = dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), rngs=rngs)
-
-  def __call__(
-      self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
-  ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    cfg = self.config
-    query, key = self.query(x), self.key(x)
-    if cfg.use_qk_norm:
-      query, key = self.query_norm(query), self.key_norm(key)
-    rope = rotary.layer_rope(cfg, local=self.local)
-    query = rotary.apply_rotary(query, positions, **rope)
-    key = rotary.apply_rotary(key, positions, **rope)
-    (key, value), kv, write_cache = read_cache(
-        self,
-        {"cached_key": key, "cached_value": self.value(x)},
-        positions,
-        segment_ids,
-        ring=bool(kv_cache.window(cfg)),
-    )
-    out, per_layer = attention.self_attention(
-        query,
-        key,
-        value,
-        segment_ids,
-        positions,
-        sliding_window_size=cfg.sliding_window_size if self.local else 0,
-        query_scale=None if initializers.query_kernel_carries_scale(cfg) else query_pre_attn_scalar(cfg) ** -0.5,
-        with_max_logits=cfg.use_qk_clip,
-        logits_soft_cap=cfg.attn_logits_soft_cap,
-        **kv,
-    )
-    write_cache(out)
-    return attention.with_out_projection(cfg, self.out(out), per_layer)
 
 
 _MODULES = (
@@ -121,7 +67,7 @@ def _gemma2_modules(config: Config, local: bool, rngs: nnx.Rngs) -> dict[str, nn
   """One Gemma 2 style layer's modules, by their unsuffixed names (`_MODULES`)."""
   return {
       "pre_self_attention_norm": norm(config, rngs=rngs),
-      "self_attention": GemmaAttention(config, local, rngs=rngs),
+      "self_attention": Attention(config, local, rngs=rngs),
       "post_self_attention_norm": norm(config, rngs=rngs),
       "pre_ffw_norm": norm(config, rngs=rngs),
       "mlp": GeGluBlock(config, rngs=rngs),
@@ -140,7 +86,7 @@ def _gemma2_sublayer(
   return x + m["post_ffw_norm"](h), per_layer
 
 
-class Gemma2Layer(nnx.Module):
+class Gemma2Layer(Module):
   """One Gemma 2 style layer (Gemma 3's; `local`: windowed), with unsuffixed names."""
 
   def __init__(self, config: Config, local: bool = False, *, rngs: nnx.Rngs):
@@ -153,7 +99,7 @@ class Gemma2Layer(nnx.Module):
     return _gemma2_sublayer(self, "", x, positions, segment_ids)
 
 
-class Gemma2Block(nnx.Module):
+class Gemma2Block(Module):
   """A sliding-window layer then a global one: the unit the decoder stacks (`Stack.sublayers`).
 
   MaxText's Gemma2DecoderLayer: one module whose attribute names end in their
@@ -173,7 +119,7 @@ class Gemma2Block(nnx.Module):
     return x, {}
 
 
-class Gemma3Block(nnx.Module):
+class Gemma3Block(Module):
   """Five sliding-window layers then a global one (`gemma3.SUBLAYERS`): the unit the decoder stacks."""
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):

@@ -17,8 +17,9 @@ from flax import nnx
 from maxbridge.core import initializers
 from maxbridge.core.config import Config
 from maxbridge.core.families import gemma4
-from maxbridge.ops import attention, mlp, normalization, proportional_rope, quantization, rotary, scaled_router
-from nnx_models.attention import update_cache
+from maxbridge.ops import attention, mlp, quantization, scaled_router
+from nnx_models import Module
+from nnx_models.attention import Attention
 from nnx_models.embeddings import Embed
 from nnx_models.gemma import GeGluBlock
 from nnx_models.linears import dense
@@ -26,82 +27,20 @@ from nnx_models.moe import add_expert_weight, expert_weight
 from nnx_models.normalizations import RMSNorm, norm
 
 Carry = dict
-# Keys, values and the keywords that mask them (`update_cache`): what a KV-shared layer attends over.
-SharedKV = tuple[jax.Array, jax.Array, dict[str, jax.Array]]
 
 
-def _dtypes(cfg: Config) -> dict:
-  return dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype))
+def _dtypes(config: Config) -> dict:
+  return dict(dtype=jnp.dtype(config.dtype), weight_dtype=jnp.dtype(config.weight_dtype))
 
 
-def _rope(cfg: Config, local: bool, x: jax.Array, positions: jax.Array) -> jax.Array:
-  if local:
-    return rotary.apply_rotary(x, positions, **rotary.layer_rope(cfg, local=True))
-  return proportional_rope.apply_proportional_rotary(
-      x, positions, pairs=gemma4.rotary_pairs(cfg), max_timescale=cfg.rope_max_timescale
-  )
-
-
-class Gemma4Attention(nnx.Module):
-  """Grouped-query attention; a `shared` layer has no key/value weights and attends over `shared_kv`."""
-
-  def __init__(self, config: Config, local: bool, shared: bool, *, rngs: nnx.Rngs):
-    cfg = self.config = config
-    self.local, self.shared = local, shared
-    heads = cfg.num_query_heads
-    head_dim = self.head_dim = cfg.head_dim if local else gemma4.global_head_dim(cfg)
-    kv_heads = cfg.num_kv_heads if local else gemma4.global_kv_heads(cfg)
-    eps = cfg.normalization_layer_epsilon
-    self.query = dense(cfg, (cfg.emb_dim,), (heads, head_dim), ("embed", "q_heads", "kv"), rngs=rngs)
-    self.query_norm = RMSNorm(head_dim, eps, **_dtypes(cfg), rngs=rngs)
-    if not shared:
-      kv_axes = ("embed", "kv_heads", "kv_head_dim")
-      self.key = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), kv_axes, rngs=rngs)
-      if not (cfg.share_kv_projections and not local):
-        self.value = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), kv_axes, rngs=rngs)
-      self.key_norm = RMSNorm(head_dim, eps, **_dtypes(cfg), rngs=rngs)
-    self.out = dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), rngs=rngs)
-
-  def __call__(
-      self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, shared_kv: SharedKV | None
-  ) -> tuple[jax.Array, SharedKV]:
-    """(output, what it attended over: keys, values and the keywords that mask them, a cache's while decoding)."""
-    cfg = self.config
-    query = _rope(cfg, self.local, self.query_norm(self.query(x)), positions)
-    kv = {}
-    if self.shared:
-      key, value, kv = shared_kv
-    else:
-      key = self.key(x)
-      value = self.value(x) if hasattr(self, "value") else key  # before the key's norm and RoPE
-      key = _rope(cfg, self.local, self.key_norm(key), positions)
-      # The value norm has no scale.
-      eps, dtype = cfg.normalization_layer_epsilon, jnp.dtype(cfg.dtype)
-      value = normalization.rms_norm(value, jnp.ones((self.head_dim,)), epsilon=eps, dtype=dtype)
-      (key, value), kv = update_cache(
-          self, {"cached_key": key, "cached_value": value}, positions, segment_ids, ring=self.local
-      )
-    out, _ = attention.self_attention(
-        query,
-        key,
-        value,
-        segment_ids,
-        positions,
-        sliding_window_size=cfg.sliding_window_size if self.local else 0,
-        query_scale=1.0,
-        **kv,
-    )
-    return self.out(out), (key, value, kv)
-
-
-class Gemma4Layer(nnx.Module):
+class Gemma4Layer(Module):
   """One layer: carry -> carry (`Gemma4Carry`)."""
 
   def __init__(self, config: Config, local: bool, shared: bool, *, rngs: nnx.Rngs):
     cfg = self.config = config
     self.local, self.shared = local, shared
     self.pre_self_attention_norm = norm(cfg, rngs=rngs)
-    self.self_attention = Gemma4Attention(cfg, local, shared, rngs=rngs)
+    self.self_attention = Attention(cfg, local, shared, rngs=rngs)
     self.post_self_attention_norm = norm(cfg, rngs=rngs)
     self.pre_ffw_norm = norm(cfg, rngs=rngs)
     self.mlp = GeGluBlock(cfg, rngs=rngs)
@@ -126,9 +65,9 @@ class Gemma4Layer(nnx.Module):
     kind = gemma4.LOCAL if self.local else gemma4.GLOBAL
     x = carry["x"]
     shared_kv = carry["kv"][kind] if self.shared else None
-    h, key_value = self.self_attention(self.pre_self_attention_norm(x), positions, segment_ids, shared_kv)
+    h, values = self.self_attention(self.pre_self_attention_norm(x), positions, segment_ids, shared_kv)
     if "kv" in carry and not self.shared:
-      carry["kv"] = {**carry["kv"], kind: key_value}
+      carry["kv"] = {**carry["kv"], kind: values[attention.ATTENDED]}
     x = x + self.post_self_attention_norm(h)
     h = self.mlp(self.pre_ffw_norm(x))
     if cfg.num_experts > 1:
@@ -143,11 +82,11 @@ class Gemma4Layer(nnx.Module):
     return carry
 
 
-def _param(shape: tuple[int, ...], axes: tuple, cfg: Config, rngs: nnx.Rngs) -> nnx.Param:
-  return nnx.Param(initializers.placeholder(rngs.params(), shape, jnp.dtype(cfg.weight_dtype)), out_sharding=axes)
+def _param(shape: tuple[int, ...], axes: tuple, config: Config, rngs: nnx.Rngs) -> nnx.Param:
+  return nnx.Param(initializers.placeholder(rngs.params(), shape, jnp.dtype(config.weight_dtype)), out_sharding=axes)
 
 
-class Gemma4Router(nnx.Module):
+class Gemma4Router(Module):
   """The router's parameters: `kernel` [D, E], its input's `scale` [D], and `per_expert_scale` [E]."""
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
@@ -157,7 +96,7 @@ class Gemma4Router(nnx.Module):
     self.per_expert_scale = _param((cfg.num_experts,), (None,), cfg, rngs)
 
 
-class Gemma4MoE(nnx.Module):
+class Gemma4MoE(Module):
   """Routed GeGLU experts (`ops.scaled_router`): bare [E, in, out] `wi_0`, `wi_1`, `wo` beside the `gate`."""
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
@@ -186,7 +125,7 @@ class Gemma4MoE(nnx.Module):
     )
 
 
-class Gemma4Block(nnx.Module):
+class Gemma4Block(Module):
   """Five sliding-window layers then a global one (`gemma4.SUBLAYERS`): the unit the decoder stacks."""
 
   shared = False
@@ -207,7 +146,7 @@ class Gemma4KVSharedBlock(Gemma4Block):
   shared = True
 
 
-class Gemma4Carry(nnx.Module):
+class Gemma4Carry(Module):
   """Embedded tokens (and the tokens) -> the carry the layers pass on: {x, layer, per_layer?, kv?}.
 
   per_layer [B, T, layers, width]: (norm(projection(x) / sqrt(emb_dim)) + the

@@ -10,15 +10,15 @@ live in the decoder (`position_embedder`, `logits_via_embedding`).
 import jax
 from flax import nnx
 
-from maxbridge.core import initializers
 from maxbridge.core.config import Config
 from maxbridge.ops import attention, mlp
-from nnx_models.attention import read_cache
+from nnx_models import Module
+from nnx_models.attention import attend
 from nnx_models.linears import dense
 from nnx_models.normalizations import norm
 
 
-class Gpt3Attention(nnx.Module):
+class Gpt3Attention(Module):
   """Multi-head attention (no grouped kv), one fused qkv projection; 1/sqrt(head_dim) at run time."""
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
@@ -36,16 +36,11 @@ class Gpt3Attention(nnx.Module):
     cfg = self.config
     qkv = self.qkv_proj(x)
     query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    scale = None if initializers.query_kernel_carries_scale(cfg) else cfg.head_dim**-0.5
-    (key, value), kv, write_cache = read_cache(self, {"cached_key": key, "cached_value": value}, positions, segment_ids)
-    out, per_layer = attention.self_attention(
-        query, key, value, segment_ids, positions, query_scale=scale, with_max_logits=cfg.use_qk_clip, **kv
-    )
-    write_cache(out)
+    out, per_layer = attend(self, cfg, cfg.family.attention(cfg), query, key, value, positions, segment_ids)
     return attention.with_out_projection(cfg, self.out(out), per_layer)
 
 
-class Gpt3Mlp(nnx.Module):
+class Gpt3Mlp(Module):
   """LayerNorm, then wo(gelu(wi x)), biases on both."""
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
@@ -58,7 +53,7 @@ class Gpt3Mlp(nnx.Module):
     return self.wo(mlp.gelu_tanh(self.wi(self.mlp_layer_norm(x))))
 
 
-class Gpt3DecoderLayer(nnx.Module):
+class Gpt3DecoderLayer(Module):
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
     self.pre_self_attention_norm = norm(config, rngs=rngs)

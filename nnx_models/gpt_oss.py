@@ -16,60 +16,18 @@ from flax import nnx
 from maxbridge.core import initializers
 from maxbridge.core.config import Config
 from maxbridge.core.families import gpt_oss
-from maxbridge.ops import attention, kv_cache, mlp, rotary
+from maxbridge.ops import mlp
 from maxbridge.ops import moe as moe_ops
 from maxbridge.ops import quantization
-from nnx_models.attention import read_cache
+from nnx_models import Module
+from nnx_models.attention import Attention
 from nnx_models.linears import dense
 from nnx_models.mixtral import moe_per_layer
 from nnx_models.moe import add_expert_weight, expert_weight
 from nnx_models.normalizations import norm
 
 
-class GptOssAttention(nnx.Module):
-  """Grouped-query attention with q/k/v/o biases, per-head `sinks`, and this layer's own window (0: full)."""
-
-  def __init__(self, config: Config, sliding_window_size: int = 0, *, rngs: nnx.Rngs):
-    cfg = self.config = config
-    self.window = sliding_window_size
-    heads, kv_heads, head_dim = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
-    kv_axes = ("embed", "kv_heads", "kv_head_dim")
-    biased = dict(use_bias=True, rngs=rngs)
-    self.query = dense(cfg, (cfg.emb_dim,), (heads, head_dim), ("embed", "q_heads", "kv"), **biased)
-    self.key = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), kv_axes, **biased)
-    self.value = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), kv_axes, **biased)
-    self.sinks = nnx.Param(
-        initializers.placeholder(rngs.params(), (heads,), jnp.dtype(cfg.weight_dtype)), out_sharding=("heads",)
-    )
-    self.out = dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), **biased)
-
-  def __call__(
-      self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
-  ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    cfg = self.config
-    rope = dict(max_timescale=cfg.rope_max_timescale, scaling=rotary.scaling_from_config(cfg))
-    query = rotary.apply_rotary(self.query(x), positions, **rope)
-    key = rotary.apply_rotary(self.key(x), positions, **rope)
-    (key, value), kv, write_cache = read_cache(
-        self, {"cached_key": key, "cached_value": self.value(x)}, positions, segment_ids, ring=bool(kv_cache.window(cfg))
-    )
-    out, per_layer = attention.self_attention(
-        query,
-        key,
-        value,
-        segment_ids,
-        positions,
-        sliding_window_size=self.window,
-        query_scale=cfg.head_dim**-0.5,
-        with_max_logits=cfg.use_qk_clip,
-        sinks=self.sinks[...],
-        **kv,
-    )
-    write_cache(out)
-    return self.out(out), per_layer
-
-
-class GptOssMoE(nnx.Module):
+class GptOssMoE(Module):
   """Routed experts: a biased router `gate`, then wo(clamped_swiglu(x wi + wi_bias)) + wo_bias per expert."""
 
   def __init__(
@@ -117,18 +75,18 @@ class GptOssMoE(nnx.Module):
     )
 
 
-def activation(cfg: Config):
+def activation(config: Config):
   """The experts' clamped SwiGLU; `mlp_activations_limit` 0 clamps nothing."""
   return functools.partial(
-      mlp.clamped_swiglu, alpha=gpt_oss.SWIGLU_ALPHA, limit=cfg.mlp_activations_limit or float("inf")
+      mlp.clamped_swiglu, alpha=gpt_oss.SWIGLU_ALPHA, limit=config.mlp_activations_limit or float("inf")
   )
 
 
-class GptOssDecoderLayer(nnx.Module):
+class GptOssDecoderLayer(Module):
 
-  def __init__(self, config: Config, sliding_window_size: int = 0, *, rngs: nnx.Rngs):
+  def __init__(self, config: Config, local: bool = False, *, rngs: nnx.Rngs):
     self.pre_self_attention_layer_norm = norm(config, rngs=rngs)
-    self.self_attention = GptOssAttention(config, sliding_window_size, rngs=rngs)
+    self.self_attention = Attention(config, local, rngs=rngs)  # local: the sliding-window one
     self.post_self_attention_layer_norm = norm(config, rngs=rngs)
     self.MoeBlock_0 = GptOssMoE(config, rngs=rngs)  # pylint: disable=invalid-name
 
@@ -141,13 +99,12 @@ class GptOssDecoderLayer(nnx.Module):
     return x + out, {**per_layer, **moe_per_layer(loss)}
 
 
-class GptOssBlock(nnx.Module):
+class GptOssBlock(Module):
   """A sliding-window layer then a full one: the unit the decoder stacks (`Stack.sublayers`)."""
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
     for name in gpt_oss.SUBLAYERS:
-      window = 0 if name == gpt_oss.GLOBAL else config.sliding_window_size
-      setattr(self, name, GptOssDecoderLayer(config, window, rngs=rngs))
+      setattr(self, name, GptOssDecoderLayer(config, name != gpt_oss.GLOBAL, rngs=rngs))
 
   def __call__(
       self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array

@@ -17,9 +17,10 @@ from maxbridge.core import initializers
 from maxbridge.ops import quantization
 from maxbridge.core.config import Config
 from maxbridge.ops import linear
+from nnx_models import Module
 
 
-class DenseGeneral(nnx.Module):
+class DenseGeneral(Module):
 
   def __init__(
       self,

@@ -13,12 +13,13 @@ import jax
 from flax import nnx
 
 from maxbridge.core.config import Config
+from nnx_models import Module
 from nnx_models.attention import Attention
 from nnx_models.mlp import MlpBlock
 from nnx_models.normalizations import norm
 
 
-class DecoderLayer(nnx.Module):
+class DecoderLayer(Module):
   attention_class: ClassVar[type[nnx.Module]] = Attention
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):

@@ -5,10 +5,11 @@ from flax import nnx
 
 from maxbridge.core.config import Config
 from maxbridge.ops import mlp
+from nnx_models import Module
 from nnx_models.linears import dense
 
 
-class MlpBlock(nnx.Module):
+class MlpBlock(Module):
 
   def __init__(self, config: Config, intermediate_dim: int | None = None, *, rngs: nnx.Rngs):
     cfg = config

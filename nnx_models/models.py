@@ -7,10 +7,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxbridge.core.config import Config
+from nnx_models import Module
 from nnx_models.embeddings import Embed
 
 
-class Transformer(nnx.Module):
+class Transformer(Module):
   """int32 tokens [B, T] -> float32 logits [B, T, V].
 
   `decoder_factory(rngs)` is given by `maxbridge.models.dispatch`: it builds an NNX

@@ -17,6 +17,7 @@ from maxbridge.core.config import Config
 from maxbridge.ops import linear
 from maxbridge.ops import moe as moe_ops
 from maxbridge.ops import quantization
+from nnx_models import Module
 from nnx_models.mlp import MlpBlock
 
 
@@ -47,7 +48,7 @@ def expert_weight(module: nnx.Module, config: Config, name: str):
   return quantization.FrozenExperts(qvalue, scale)
 
 
-class GateLogit(nnx.Module):
+class GateLogit(Module):
   """Router logits x @ kernel [D, E]; with `routed_bias`, DeepSeek's score-correction `bias` [E]."""
 
   def __init__(self, config: Config, dot_general: linear.DotGeneral = jax.lax.dot_general, *, rngs: nnx.Rngs):
@@ -72,7 +73,7 @@ class GateLogit(nnx.Module):
     return logits, bias
 
 
-class RoutedMoE(nnx.Module):
+class RoutedMoE(Module):
 
   def __init__(
       self,
@@ -106,7 +107,7 @@ class RoutedMoE(nnx.Module):
     )
 
 
-class RoutedAndSharedMoE(nnx.Module):
+class RoutedAndSharedMoE(Module):
   """DeepSeek's block: routed experts (`MoeBlock_0`) plus always-on `shared_experts`."""
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):

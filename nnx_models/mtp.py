@@ -13,11 +13,12 @@ from flax import nnx
 
 from maxbridge.core.config import Config
 from maxbridge.ops import mtp, output_head
+from nnx_models import Module
 from nnx_models.linears import dense
 from nnx_models.normalizations import norm
 
 
-class MTPLayer(nnx.Module):
+class MTPLayer(Module):
 
   def __init__(self, config: Config, layer_class: type[nnx.Module], *, rngs: nnx.Rngs):
     cfg = self.config = config
@@ -34,7 +35,7 @@ class MTPLayer(nnx.Module):
     return x, self.head_norm(x)
 
 
-class MTPBlock(nnx.Module):
+class MTPBlock(Module):
   """`mtp_num_layers` modules in sequence: the decoder's last hidden states [B, T, D] -> theirs [K, B, T, D],
   each normed by its module's `head_norm`: what the shared projection reads."""
 
@@ -52,7 +53,7 @@ class MTPBlock(nnx.Module):
     return jnp.stack(out)
 
 
-class MTPDrafter(nnx.Module):
+class MTPDrafter(Module):
   """Module k alone (its own final norm included), then the output head: self-speculative decoding's draft step.
 
   Its parameters are the decoder's own (`mtp/mtp_layer_{k}`, `logits_dense`); given `nnx.Cache` variables,

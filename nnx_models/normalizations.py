@@ -9,9 +9,10 @@ from flax import nnx
 from maxbridge.core import initializers
 from maxbridge.core.config import Config
 from maxbridge.ops import normalization
+from nnx_models import Module
 
 
-class _Norm(nnx.Module):
+class _Norm(Module):
   has_bias: ClassVar[bool] = False
 
   def __init__(
@@ -44,6 +45,13 @@ class ZeroCentredRMSNorm(_Norm):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return normalization.zero_centred_rms_norm(x, self.scale[...], epsilon=self.epsilon, dtype=self.dtype)
+
+
+class AcrossHeadsRMSNorm(_Norm):
+  """OLMo 2's QK-norm: one RMSNorm over a token's [heads, head_dim] together; `scale` is flat, as Hugging Face's."""
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return normalization.rms_norm_across_heads(x, self.scale[...], epsilon=self.epsilon, dtype=self.dtype)
 
 
 class LayerNorm(_Norm):

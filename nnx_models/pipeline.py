@@ -10,15 +10,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxbridge.core import families
+from maxbridge.core import pipeline_plan
 from maxbridge.core.config import Config
 from maxbridge.ops import pipeline
 
 
 def run(
     stack: nnx.Module,
-    cfg: Config,
-    plan: families.PipelinePlan,
+    config: Config,
+    plan: pipeline_plan.PipelinePlan,
     x: jax.Array,
     positions: jax.Array,
     segment_ids: jax.Array,
@@ -26,7 +26,7 @@ def run(
   """The stack's layers over x: the first plan.layers pipelined, the rest scanned; the stack's state is left as it was."""
   graphdef, params, state = nnx.split(stack, nnx.Param, ...)
   # Parameters are stacked on param_scan_axis, other state on axis 0.
-  params = jax.tree.map(lambda a: jnp.moveaxis(a, cfg.param_scan_axis, 0), params)
+  params = jax.tree.map(lambda a: jnp.moveaxis(a, config.param_scan_axis, 0), params)
 
   def layer_fn(layer, h, extras):
     # A fresh module inside this trace; what it writes (a sown value) is dropped.
@@ -41,5 +41,5 @@ def run(
       stages=plan.stages,
       microbatches=plan.microbatches,
       repeats=plan.repeats,
-      remat_policy=cfg.remat_policy,
+      remat_policy=config.remat_policy,
   )

@@ -17,18 +17,19 @@ from flax import nnx
 from maxbridge.core import initializers
 from maxbridge.core.config import Config
 from maxbridge.core.families import qwen3_next
-from maxbridge.ops import attention, gated_deltanet, kv_cache, rotary
-from nnx_models.attention import read_cache
+from maxbridge.ops import gated_deltanet, kv_cache
+from nnx_models import Module
+from nnx_models.attention import Attention
 from nnx_models.linears import dense
 from nnx_models.mixtral import moe_per_layer
 from nnx_models.mlp import MlpBlock
 from nnx_models.moe import RoutedMoE
-from nnx_models.normalizations import ZeroCentredRMSNorm, norm
+from nnx_models.normalizations import norm
 
 STATE, WINDOW = kv_cache.RECURRENT_STATE, kv_cache.CONV_WINDOW  # a DeltaNet layer's decode state
 
 
-class _Weight(nnx.Module):
+class _Weight(Module):
   """One parameter, `kernel` or `scale`: the DeltaNet's convolution kernel and gated norm weight."""
 
   def __init__(self, config: Config, name: str, shape: tuple[int, ...], axes: tuple, *, rngs: nnx.Rngs):
@@ -43,7 +44,7 @@ class _Weight(nnx.Module):
     return getattr(self, self.param_name)[...]
 
 
-class GatedDeltaNet(nnx.Module):
+class GatedDeltaNet(Module):
   """The linear-attention mixer: projections around `ops.gated_deltanet.mixer`."""
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
@@ -88,41 +89,7 @@ class GatedDeltaNet(nnx.Module):
     return self.out_proj(out.astype(jnp.dtype(cfg.dtype)))
 
 
-class GatedAttention(nnx.Module):
-  """Qwen3's attention (per-head query/key norms) with partial RoPE and an output gate sigmoid(gate).
-
-  `query` [D, N, 2H] projects each head's query and its gate together, as Hugging Face's q_proj.
-  """
-
-  def __init__(self, config: Config, *, rngs: nnx.Rngs):
-    cfg = self.config = config
-    heads, kv_heads, head_dim = cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
-    dtypes = dict(dtype=jnp.dtype(cfg.dtype), weight_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs)
-    self.query = dense(cfg, (cfg.emb_dim,), (heads, 2 * head_dim), ("embed", "q_heads", "kv"), rngs=rngs)
-    self.key = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), rngs=rngs)
-    self.value = dense(cfg, (cfg.emb_dim,), (kv_heads, head_dim), ("embed", "kv_heads", "kv_head_dim"), rngs=rngs)
-    self.query_norm = ZeroCentredRMSNorm(head_dim, cfg.normalization_layer_epsilon, **dtypes)
-    self.key_norm = ZeroCentredRMSNorm(head_dim, cfg.normalization_layer_epsilon, **dtypes)
-    self.out = dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), rngs=rngs)
-
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    cfg = self.config
-    query, gate = jnp.split(self.query(x), 2, axis=-1)
-    query = self.query_norm(query)
-    key = self.key_norm(self.key(x))
-    rope = dict(rotary_dim=qwen3_next.rotary_dim(cfg), max_timescale=cfg.rope_max_timescale)
-    query = rotary.apply_partial_rotary(query, positions, **rope)
-    key = rotary.apply_partial_rotary(key, positions, **rope)
-    (key, value), kv, write_cache = read_cache(
-        self, {"cached_key": key, "cached_value": self.value(x)}, positions, segment_ids
-    )
-    out, _ = attention.self_attention(query, key, value, segment_ids, positions, query_scale=cfg.head_dim**-0.5, **kv)
-    write_cache(out)
-    out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
-    return self.out(out)
-
-
-class Qwen3NextLayer(nnx.Module):
+class Qwen3NextLayer(Module):
   """x + mixer(norm(x)), then x + experts(norm(x)) + sigmoid(shared_expert_gate(h)) * shared_expert(h)."""
 
   def __init__(self, config: Config, linear: bool, *, rngs: nnx.Rngs):
@@ -131,7 +98,7 @@ class Qwen3NextLayer(nnx.Module):
     if linear:
       self.linear_attention = GatedDeltaNet(cfg, rngs=rngs)
     else:
-      self.self_attention = GatedAttention(cfg, rngs=rngs)
+      self.self_attention = Attention(cfg, rngs=rngs)
     self.post_self_attention_layer_norm = norm(cfg, rngs=rngs)
     self.moe_block = RoutedMoE(cfg, cfg.moe_mlp_dim, rngs=rngs)
     self.shared_expert = MlpBlock(cfg, cfg.shared_experts * cfg.moe_mlp_dim, rngs=rngs)
@@ -142,15 +109,17 @@ class Qwen3NextLayer(nnx.Module):
       self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     h = self.pre_self_attention_layer_norm(x)
-    mixer = self.linear_attention if self.linear else self.self_attention
-    x = x + mixer(h, positions, segment_ids)
+    if self.linear:
+      x = x + self.linear_attention(h, positions, segment_ids)
+    else:
+      x = x + self.self_attention(h, positions, segment_ids)[0]
     h = self.post_self_attention_layer_norm(x)
     routed, loss = self.moe_block(h)
     shared = jax.nn.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
     return x + routed + shared, moe_per_layer(loss)
 
 
-class Qwen3NextBlock(nnx.Module):
+class Qwen3NextBlock(Module):
   """Three DeltaNet layers then a full-attention one (`qwen3_next.SUBLAYERS`): the unit the decoder stacks."""
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):

@@ -1,6 +1,7 @@
 """The family registry: every preset's family has an entry; nothing outside the registry branches on a family's name."""
 
 import ast
+import re
 import types
 from pathlib import Path
 
@@ -80,6 +81,27 @@ def test_each_backend_has_a_layer_class_for_every_layer_kind():
   kinds = {stack.kind for family in families.REGISTRY for stack in family.stacks}
   assert set(linen_decoders.LAYER_CLASSES) == kinds
   assert set(nnx_decoders.LAYER_CLASSES) == kinds
+
+
+def test_attention_is_written_once_per_backend():
+  """One layer per backend reads the decode cache and calls the kernel; MLA, whose cache is its latent, is the other."""
+  skeleton = re.compile(r"\battention\.self_attention\(|\bread_cache\(|\bupdate_cache\(")
+  for package in ("linen_models", "nnx_models"):
+    writers = sorted(file.name for file in (ROOT / package).glob("*.py") if skeleton.search(file.read_text()))
+    assert writers == ["attention.py", "attention_mla.py"], f"{package}: attention's chain is spelt again in {writers}"
+
+
+def test_every_family_and_kind_of_layer_has_an_attention_spec():
+  for name in ("llama-tiny", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "gemma4-tiny", "gpt-oss-tiny", "llama4-tiny"):
+    config = mb.load_config(name)
+    for local, kv_shared in ((False, False), (True, False), (True, True), (False, True)):
+      spec = config.family.attention(config, local=local, kv_shared=kv_shared)
+      assert spec.head_dim > 0 and spec.kv_heads > 0, (name, local, kv_shared)
+  gemma4 = mb.load_config("gemma4-tiny")
+  assert gemma4.family.attention(gemma4, local=True, kv_shared=True).kv == "shared"
+  llama4 = mb.load_config("llama4-tiny")
+  assert llama4.family.attention(llama4, local=True).chunk_size == llama4.chunk_attn_window_size
+  assert llama4.family.attention(llama4, local=False).rope == "no_rope"
 
 
 def test_a_family_check_returns_messages_and_the_config_raises_them():

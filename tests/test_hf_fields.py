@@ -305,7 +305,7 @@ HONOURED = [
     Case("deepseek_v3", ("q_lora_rank", "tie_word_embeddings"), build={"q_lora_rank": None, "tie_word_embeddings": True}),
     Case("deepseek_v3", ("num_local_experts",), edit={"n_routed_experts": 16, "num_local_experts": 8}),
     Case("olmo2", (*_SIZES, "rope_parameters", "max_position_embeddings")),
-    # Not a field, but Olmo2Attention reads it: projections of heads * 16 from a width of 32.
+    # Not a field, but OLMo 2's attention reads it: projections of heads * 16 from a width of 32.
     Case("olmo2", ("head_dim", "tie_word_embeddings"), build={"head_dim": 16, "tie_word_embeddings": True}),
     Case("olmo2", ("rms_norm_eps",), edit={"rms_norm_eps": DELETE}, expect={"normalization_layer_epsilon": 1e-5}),
     Case("olmo3", (*_SIZES, "sliding_window", "max_position_embeddings"), expect={"sliding_window_size": 3}),

@@ -142,3 +142,10 @@ def test_llama3_scaling_equals_transformers_also_with_no_blending_band(high):
   timescale = 500000.0 ** (np.arange(0, 128, 2) / 128)
   got = 1.0 / np.asarray(rotary.Llama3Scaling(16.0, 1.0, high, 8192)(jnp.asarray(timescale, jnp.float32)))
   np.testing.assert_allclose(got, want.numpy(), rtol=1e-6)
+
+
+def test_a_profile_reads_by_module_on_both_backends(model, tokens):
+  """Linen names each module call (flax_profile); NNX's `nnx_models.Module` names each by its class."""
+  text = jax.jit(model.apply).lower(model.params(), tokens).as_text(debug_info=True)
+  scope = "Attention/dot_product_attention" if model.config.pure_nnx_decoder else "self_attention/dot_product_attention"
+  assert scope in text

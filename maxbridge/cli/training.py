@@ -74,7 +74,7 @@ def _shardings(args: argparse.Namespace) -> int:
 def _compile(args: argparse.Namespace) -> int:
   config = load_config(args.preset, *args.overrides)
   _virtual_devices(args)
-  from maxbridge.core import families
+  from maxbridge.core import pipeline_plan
   from maxbridge.ops import pipeline
   from maxbridge.training import aot
 
@@ -88,7 +88,7 @@ def _compile(args: argparse.Namespace) -> int:
   print(f"  outputs (aliased to inputs):  {result['output_bytes'] / gib:8.2f} GiB per device")
   print(f"  model FLOPs per step:         {result['model_flops']:8.3e} (6 N tokens + attention, all devices)")
   print(f"  XLA cost analysis FLOPs:      {result['flops']:8.3e} per device (a scanned layer counts once)")
-  if plan := families.pipeline_plan(config):
+  if plan := pipeline_plan.pipeline_plan(config):
     bubble = pipeline.bubble_fraction(plan.stages, plan.microbatches, plan.repeats)
     print(
         f"  pipeline: {plan.stages} stages x {plan.repeats} repeats x {plan.per_stage} layers of {plan.stack!r}, "

@@ -69,6 +69,7 @@ class Config:
   scan_layers: bool
   param_scan_axis: int
   remat_policy: str
+  attention: str
   logits_via_embedding: bool
   normalize_embedding_logits: bool
   pure_nnx: bool

@@ -189,6 +189,10 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("decode_sampling_nucleus_p", lambda v: v == -1 or 0 < v <= 1, "in (0, 1], or -1 when unused"),
 )
 
+# MaxText's `attention` values that name a kernel we have (`ops.attention.KERNELS`); its others (flash, cudnn_flash_te,
+# paged, ...) are refused by name until their kernels land.
+ATTENTION_KERNELS = ("autoselected", "dot_product")
+
 _CHOICES: dict[str, tuple[Any, ...]] = {
     "decoder_block": families.DECODER_BLOCKS,
     "routed_score_func": ("", "softmax", "sigmoid"),
@@ -196,6 +200,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "dtype": ("float32", "bfloat16"),
     "weight_dtype": ("float32", "bfloat16"),
     "remat_policy": ("none", "full", "minimal"),
+    "attention": ATTENTION_KERNELS,
     "param_scan_axis": (0, 1),
     "dataset_type": ("embedded", "synthetic", "text", "sft", "grain"),
     "grain_file_type": ("auto", "jsonl", "text", "parquet", "arrayrecord", "arrow"),
@@ -209,285 +214,287 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
 }
 
 
-def validate(cfg: Config) -> None:
+def validate(config: Config) -> None:
   """Raise ConfigError naming the first rule `cfg` breaks; Config runs this on every instance."""
-  for field in dataclasses.fields(cfg):
-    value = getattr(cfg, field.name)
+  for field in dataclasses.fields(config):
+    value = getattr(config, field.name)
     # Config coerces before it validates, so exactly its float keys hold floats here.
     if isinstance(value, float) and not math.isfinite(value):
       raise ConfigError(f"config key {field.name!r} = {value!r} is invalid; it must be a finite number")
   for key, ok, valid in _RULES:
-    value = getattr(cfg, key)
+    value = getattr(config, key)
     if not ok(value):  # written as "not ok" so NaN fails too
       raise ConfigError(f"config key {key!r} = {value!r} is invalid; it must be {valid}")
   for key, choices in _CHOICES.items():
-    value = getattr(cfg, key)
+    value = getattr(config, key)
     if value not in choices:
       listed = ", ".join(repr(c) for c in choices)
       raise ConfigError(f"config key {key!r} = {value!r} is invalid; valid values: {listed}")
-  if cfg.base_num_query_heads % cfg.base_num_kv_heads:
+  if config.base_num_query_heads % config.base_num_kv_heads:
     raise ConfigError(
-        f"base_num_query_heads={cfg.base_num_query_heads} must be a multiple of "
-        f"base_num_kv_heads={cfg.base_num_kv_heads}: each kv head serves an equal group of query heads"
+        f"base_num_query_heads={config.base_num_query_heads} must be a multiple of "
+        f"base_num_kv_heads={config.base_num_kv_heads}: each kv head serves an equal group of query heads"
     )
-  if cfg.max_target_length < 2:
+  if config.max_target_length < 2:
     # One token has no next token to predict: every loss would be over zero targets.
     raise ConfigError(
-        f"max_target_length={cfg.max_target_length} is too short to train on; it must be >= 2 "
+        f"max_target_length={config.max_target_length} is too short to train on; it must be >= 2 "
         "(each token predicts the next)"
     )
-  if cfg.trainable_position_size and cfg.max_target_length > cfg.trainable_position_size:
+  if config.trainable_position_size and config.max_target_length > config.trainable_position_size:
     raise ConfigError(
-        f"max_target_length={cfg.max_target_length} exceeds trainable_position_size="
-        f"{cfg.trainable_position_size}: the learned position table has no row for positions past "
-        f"{cfg.trainable_position_size - 1}; lower max_target_length or raise trainable_position_size"
+        f"max_target_length={config.max_target_length} exceeds trainable_position_size="
+        f"{config.trainable_position_size}: the learned position table has no row for positions past "
+        f"{config.trainable_position_size - 1}; lower max_target_length or raise trainable_position_size"
     )
-  if cfg.load_parameters_path and cfg.load_full_state_path:
+  if config.load_parameters_path and config.load_full_state_path:
     raise ConfigError(
         "load_parameters_path and load_full_state_path are both set: a new run starts from one checkpoint; "
         "set load_parameters_path for its parameters only, or load_full_state_path for parameters, "
         "optimizer state and step"
     )
-  if cfg.process_id >= cfg.num_processes:
-    raise ConfigError(f"process_id={cfg.process_id} must be below num_processes={cfg.num_processes}")
-  _validate_family(cfg)
-  _validate_pipeline(cfg)
-  _validate_context(cfg)
-  _validate_sampling(cfg)
-  _validate_quantization(cfg)
-  _validate_lora(cfg)
-  _validate_mtp(cfg)
-  _validate_diloco(cfg)
-  _validate_feature_distillation(cfg)
-  if cfg.dataset_type == "text" and not cfg.dataset_path:
+  if config.process_id >= config.num_processes:
+    raise ConfigError(f"process_id={config.process_id} must be below num_processes={config.num_processes}")
+  _validate_family(config)
+  _validate_pipeline(config)
+  _validate_context(config)
+  _validate_sampling(config)
+  _validate_quantization(config)
+  _validate_lora(config)
+  _validate_mtp(config)
+  _validate_diloco(config)
+  _validate_feature_distillation(config)
+  if config.dataset_type == "text" and not config.dataset_path:
     raise ConfigError("dataset_type='text' needs dataset_path (a text file to train on)")
-  if cfg.dataset_type == "grain" and not cfg.grain_train_files:
+  if config.dataset_type == "grain" and not config.grain_train_files:
     raise ConfigError("dataset_type='grain' needs grain_train_files (a file, folder or glob of training files)")
-  if cfg.use_dpo and cfg.dataset_type not in ("embedded", "sft", "grain"):
+  if config.use_dpo and config.dataset_type not in ("embedded", "sft", "grain"):
     raise ConfigError(
         f"use_dpo=true reads preference pairs: dataset_type must be 'sft' (prompt/chosen/rejected .jsonl rows "
         f"in dataset_path), 'grain' (such rows in grain_train_files) or 'embedded' (the built-in set), "
-        f"got {cfg.dataset_type!r}"
+        f"got {config.dataset_type!r}"
     )
-  if cfg.use_sft and cfg.dataset_type != "grain":
+  if config.use_sft and config.dataset_type != "grain":
     raise ConfigError(
         f"use_sft=true reads SFT rows through Grain: set dataset_type='grain' (or dataset_type='sft' without "
-        f"use_sft for the in-memory path), got dataset_type={cfg.dataset_type!r}"
+        f"use_sft for the in-memory path), got dataset_type={config.dataset_type!r}"
     )
-  if cfg.use_sft and cfg.use_dpo:
+  if config.use_sft and config.use_dpo:
     raise ConfigError("use_sft=true and use_dpo=true: rows are SFT examples or preference pairs; set one to false")
-  if cfg.use_dpo and cfg.num_vocab_tiling > 1:
+  if config.use_dpo and config.num_vocab_tiling > 1:
     raise ConfigError("use_dpo=true computes full logits for its log-probabilities; set num_vocab_tiling=1")
-  _validate_grpo(cfg)
+  _validate_grpo(config)
 
 
-def _validate_pipeline(cfg: Config) -> None:
+def _validate_pipeline(config: Config) -> None:
   """The pipeline's layers and micro-batches divide (`pipeline_plan`), and what it cannot run is refused."""
   try:
-    plan = pipeline_plan(cfg)
+    plan = pipeline_plan(config)
   except ValueError as error:
     raise ConfigError(str(error)) from None
   if plan is None:
     return
-  if not cfg.scan_layers:
+  if not config.scan_layers:
     raise ConfigError(
-        f"ici_pipeline_parallelism={cfg.ici_pipeline_parallelism} needs scan_layers=true: a pipeline splits the "
+        f"ici_pipeline_parallelism={config.ici_pipeline_parallelism} needs scan_layers=true: a pipeline splits the "
         "stacked layers of a scanned stack into stages"
     )
-  if cfg.use_qwix_quantization:
+  if config.use_qwix_quantization:
     raise ConfigError(
-        f"ici_pipeline_parallelism={cfg.ici_pipeline_parallelism} with use_qwix_quantization=true: Qwix intercepts "
+        f"ici_pipeline_parallelism={config.ici_pipeline_parallelism} with use_qwix_quantization=true: Qwix intercepts "
         "the decoder's layers, which a pipeline runs as pure functions; use AQT (use_qwix_quantization=false)"
     )
 
 
-def _validate_context(cfg: Config) -> None:
+def _validate_context(config: Config) -> None:
   """Context parallelism as maxbridge computes it (`maxbridge.ops.attention`: keys and values gathered)."""
-  if cfg.context_parallel_strategy == "ring":
+  if config.context_parallel_strategy == "ring":
     raise ConfigError(
         "context_parallel_strategy='ring' (ring attention) is not implemented: maxbridge gathers keys and values "
         "over the context axis; set context_parallel_strategy='all_gather'"
     )
-  if cfg.ici_context_parallelism > 1 and cfg.max_target_length % cfg.ici_context_parallelism:
+  if config.ici_context_parallelism > 1 and config.max_target_length % config.ici_context_parallelism:
     raise ConfigError(
-        f"ici_context_parallelism={cfg.ici_context_parallelism} splits each sequence into that many equal pieces: "
-        f"max_target_length={cfg.max_target_length} must be a multiple of it"
+        f"ici_context_parallelism={config.ici_context_parallelism} splits each sequence into that many equal pieces: "
+        f"max_target_length={config.max_target_length} must be a multiple of it"
     )
 
 
-def _validate_sampling(cfg: Config) -> None:
+def _validate_sampling(config: Config) -> None:
   """A `decode_sampling_*` value the chosen strategy would read and cannot use is refused, not decoded greedily."""
-  strategy = cfg.decode_sampling_strategy
-  if strategy != "greedy" and cfg.decode_sampling_temperature == 0:
+  strategy = config.decode_sampling_strategy
+  if strategy != "greedy" and config.decode_sampling_temperature == 0:
     raise ConfigError(
         f"decode_sampling_strategy={strategy!r} divides the logits by decode_sampling_temperature, which is 0: "
         "set a temperature > 0, or decode_sampling_strategy='greedy'"
     )
-  if strategy == "topk" and not 1 <= cfg.decode_sampling_top_k <= cfg.vocab_size:
+  if strategy == "topk" and not 1 <= config.decode_sampling_top_k <= config.vocab_size:
     raise ConfigError(
         f"decode_sampling_strategy='topk' samples among the decode_sampling_top_k most likely tokens: it must be "
-        f"in [1, vocab_size={cfg.vocab_size}], got {cfg.decode_sampling_top_k}"
+        f"in [1, vocab_size={config.vocab_size}], got {config.decode_sampling_top_k}"
     )
-  if strategy == "nucleus" and cfg.decode_sampling_nucleus_p == -1:
+  if strategy == "nucleus" and config.decode_sampling_nucleus_p == -1:
     raise ConfigError(
         "decode_sampling_strategy='nucleus' samples among the most likely tokens holding decode_sampling_nucleus_p "
         "of the probability: set it in (0, 1]"
     )
 
 
-def _validate_grpo(cfg: Config) -> None:
-  if cfg.reward_function not in GRPO_REWARDS and not re.fullmatch(
-      r"[A-Za-z_][\w]*(\.[A-Za-z_]\w*)+", cfg.reward_function
+def _validate_grpo(config: Config) -> None:
+  if config.reward_function not in GRPO_REWARDS and not re.fullmatch(
+      r"[A-Za-z_][\w]*(\.[A-Za-z_]\w*)+", config.reward_function
   ):
     listed = ", ".join(repr(r) for r in GRPO_REWARDS)
     raise ConfigError(
-        f"config key 'reward_function' = {cfg.reward_function!r} is invalid; valid values: {listed}, "
+        f"config key 'reward_function' = {config.reward_function!r} is invalid; valid values: {listed}, "
         "or the dotted path of a Python callable (package.module.function)"
     )
-  if not cfg.use_grpo:
+  if not config.use_grpo:
     return
-  if cfg.use_dpo:
+  if config.use_dpo:
     raise ConfigError("use_grpo=true and use_dpo=true: a run trains one objective; set one of them to false")
-  if cfg.dataset_type != "embedded":
+  if config.dataset_type != "embedded":
     raise ConfigError(
         f"use_grpo=true samples completions of the built-in arithmetic prompts: dataset_type must be 'embedded', "
-        f"got {cfg.dataset_type!r}"
+        f"got {config.dataset_type!r}"
     )
-  if cfg.max_target_length <= cfg.max_prefill_predict_length:
+  if config.max_target_length <= config.max_prefill_predict_length:
     raise ConfigError(
         f"use_grpo=true samples max_target_length - max_prefill_predict_length tokens per completion: "
-        f"max_target_length={cfg.max_target_length} must exceed max_prefill_predict_length="
-        f"{cfg.max_prefill_predict_length}"
+        f"max_target_length={config.max_target_length} must exceed max_prefill_predict_length="
+        f"{config.max_prefill_predict_length}"
     )
-  if cfg.num_vocab_tiling > 1:
+  if config.num_vocab_tiling > 1:
     raise ConfigError("use_grpo=true computes full logits for its log-probabilities; set num_vocab_tiling=1")
-  if cfg.num_processes > 1:
-    raise ConfigError(f"use_grpo=true samples in one process: num_processes={cfg.num_processes} must be 1")
+  if config.num_processes > 1:
+    raise ConfigError(f"use_grpo=true samples in one process: num_processes={config.num_processes} must be 1")
 
 
-def _validate_lora(cfg: Config) -> None:
+def _validate_lora(config: Config) -> None:
   try:
-    re.compile(cfg.lora_module_path)
+    re.compile(config.lora_module_path)
   except re.error as e:
-    raise ConfigError(f"config key 'lora_module_path' = {cfg.lora_module_path!r} is not a regular expression: {e}") from e
-  if cfg.lora_weight_qtype and not cfg.lora_rank:
     raise ConfigError(
-        f"lora_weight_qtype={cfg.lora_weight_qtype!r} quantizes the frozen base of a LoRA run (QLoRA): "
+        f"config key 'lora_module_path' = {config.lora_module_path!r} is not a regular expression: {e}"
+    ) from e
+  if config.lora_weight_qtype and not config.lora_rank:
+    raise ConfigError(
+        f"lora_weight_qtype={config.lora_weight_qtype!r} quantizes the frozen base of a LoRA run (QLoRA): "
         "set lora_rank > 0, or lora_weight_qtype=''"
     )
-  if cfg.lora_weight_qtype and cfg.quantization:
+  if config.lora_weight_qtype and config.quantization:
     raise ConfigError(
-        f"lora_weight_qtype={cfg.lora_weight_qtype!r} with quantization={cfg.quantization!r}: QLoRA stores its "
+        f"lora_weight_qtype={config.lora_weight_qtype!r} with quantization={config.quantization!r}: QLoRA stores its "
         "base quantized and runs the matmuls on the dequantized weights; set quantization=''"
     )
-  if cfg.distill_logits_path and (cfg.num_vocab_tiling > 1 or cfg.eval_interval):
+  if config.distill_logits_path and (config.num_vocab_tiling > 1 or config.eval_interval):
     raise ConfigError(
-        f"distill_logits_path={cfg.distill_logits_path!r} holds the teacher's top-k logits of the training batches, "
+        f"distill_logits_path={config.distill_logits_path!r} holds the teacher's top-k logits of the training batches, "
         "read beside full student logits: set num_vocab_tiling=1 and eval_interval=0 (or distill in the step)"
     )
-  if (cfg.teacher_overrides.strip() or cfg.distill_logits_path) and (cfg.use_dpo or cfg.use_grpo):
+  if (config.teacher_overrides.strip() or config.distill_logits_path) and (config.use_dpo or config.use_grpo):
     raise ConfigError(
         "teacher_overrides (distillation) with use_dpo or use_grpo: each is the run's loss; set teacher_overrides=''"
     )
-  if cfg.lora_rank and cfg.opt_type == "muon":
+  if config.lora_rank and config.opt_type == "muon":
     raise ConfigError(
         "lora_rank > 0 with opt_type=muon: LoRA's adapters are low-rank factors, not the weight matrices Muon "
         "orthogonalises; set opt_type=adamw"
     )
-  if cfg.lora_rank and cfg.use_qk_clip:
+  if config.lora_rank and config.use_qk_clip:
     raise ConfigError(
         "lora_rank > 0 with use_qk_clip=true: QK-Clip rescales the query/key kernels after each update, "
         "which LoRA keeps frozen; set use_qk_clip=false"
     )
-  if cfg.lora_rank and cfg.load_full_state_path:
+  if config.lora_rank and config.load_full_state_path:
     raise ConfigError(
         "lora_rank > 0 with load_full_state_path: a LoRA run starts from base parameters "
         "(load_parameters_path) and a fresh optimizer for its adapters"
     )
 
 
-def _validate_mtp(cfg: Config) -> None:
+def _validate_mtp(config: Config) -> None:
   """Multi-token prediction runs where its logits reach a cross-entropy loss, on a family of single layers."""
-  if cfg.speculative_mtp_tokens > cfg.mtp_num_layers:
+  if config.speculative_mtp_tokens > config.mtp_num_layers:
     raise ConfigError(
-        f"speculative_mtp_tokens={cfg.speculative_mtp_tokens} drafts one token per MTP module, and "
-        f"mtp_num_layers={cfg.mtp_num_layers}: set it to at most {cfg.mtp_num_layers}"
+        f"speculative_mtp_tokens={config.speculative_mtp_tokens} drafts one token per MTP module, and "
+        f"mtp_num_layers={config.mtp_num_layers}: set it to at most {config.mtp_num_layers}"
     )
-  if cfg.mtp_eval_target_module > cfg.mtp_num_layers:
+  if config.mtp_eval_target_module > config.mtp_num_layers:
     raise ConfigError(
-        f"mtp_eval_target_module={cfg.mtp_eval_target_module} names no module: it must be in "
-        f"1..mtp_num_layers={cfg.mtp_num_layers}, or 0 for none"
+        f"mtp_eval_target_module={config.mtp_eval_target_module} names no module: it must be in "
+        f"1..mtp_num_layers={config.mtp_num_layers}, or 0 for none"
     )
-  if not cfg.mtp_num_layers:
+  if not config.mtp_num_layers:
     return
-  stack = families.lookup(cfg.decoder_block).mtp_stack(cfg)
+  stack = families.lookup(config.decoder_block).mtp_stack(config)
   if stack.sublayers:
     raise ConfigError(
-        f"mtp_num_layers={cfg.mtp_num_layers}: decoder_block={cfg.decoder_block!r} stacks blocks of "
+        f"mtp_num_layers={config.mtp_num_layers}: decoder_block={config.decoder_block!r} stacks blocks of "
         f"{len(stack.sublayers)} layers ({', '.join(stack.sublayers)}), and an MTP module holds one decoder layer; "
         "set mtp_num_layers=0"
     )
   plain_loss = "the MTP loss is added to the plain cross-entropy over full logits only"
   refused = (
-      ("num_vocab_tiling > 1", cfg.num_vocab_tiling > 1, plain_loss),
-      ("use_dpo=true", cfg.use_dpo, plain_loss),
-      ("use_grpo=true", cfg.use_grpo, plain_loss),
-      ("distillation (teacher_overrides)", bool(cfg.teacher_overrides or cfg.distill_logits_path), plain_loss),
-      ("use_qk_clip=true", cfg.use_qk_clip, "QK-Clip does not rescale the MTP modules' attention"),
+      ("num_vocab_tiling > 1", config.num_vocab_tiling > 1, plain_loss),
+      ("use_dpo=true", config.use_dpo, plain_loss),
+      ("use_grpo=true", config.use_grpo, plain_loss),
+      ("distillation (teacher_overrides)", bool(config.teacher_overrides or config.distill_logits_path), plain_loss),
+      ("use_qk_clip=true", config.use_qk_clip, "QK-Clip does not rescale the MTP modules' attention"),
   )
   for what, on, why in refused:
     if on:
       raise ConfigError(
-          f"mtp_num_layers={cfg.mtp_num_layers} with {what}: {why}; set mtp_num_layers=0 or turn the other off"
+          f"mtp_num_layers={config.mtp_num_layers} with {what}: {why}; set mtp_num_layers=0 or turn the other off"
       )
 
 
-def _validate_feature_distillation(cfg: Config) -> None:
+def _validate_feature_distillation(config: Config) -> None:
   """distill_beta > 0 makes each attention layer return its out-projection output (`ops.attention.OUT_PROJECTION`),
   MaxText's switch: where that cannot exist or be read, and layer indices outside the model, are refused.
 
   A run's teacher takes its student's distill_beta (`training.distill.load_teacher`), so it captures too; whether
   the teacher has the chosen layers is checked there, against its own depth.
   """
-  if cfg.distill_layer_indices and not cfg.distill_beta:
+  if config.distill_layer_indices and not config.distill_beta:
     raise ConfigError(
-        f"distill_layer_indices={list(cfg.distill_layer_indices)} picks the layers of the feature loss, which "
+        f"distill_layer_indices={list(config.distill_layer_indices)} picks the layers of the feature loss, which "
         "distill_beta=0 turns off: set distill_beta > 0, or distill_layer_indices=null"
     )
-  if not cfg.distill_beta:
+  if not config.distill_beta:
     return
-  if cfg.distill_logits_path:
+  if config.distill_logits_path:
     raise ConfigError(
-        f"distill_beta={cfg.distill_beta} compares the teacher's attention out-projection outputs with the "
+        f"distill_beta={config.distill_beta} compares the teacher's attention out-projection outputs with the "
         "student's, which only a teacher in the step has, never offline logits: set teacher_overrides (not "
         "distill_logits_path), or distill_beta=0"
     )
-  blocks = [stack for stack in families.lookup(cfg.decoder_block).stacks if stack.sublayers]
+  blocks = [stack for stack in families.lookup(config.decoder_block).stacks if stack.sublayers]
   if blocks:
     raise ConfigError(
-        f"distill_beta={cfg.distill_beta} with decoder_block={cfg.decoder_block!r}: the feature loss compares "
+        f"distill_beta={config.distill_beta} with decoder_block={config.decoder_block!r}: the feature loss compares "
         "each decoder layer's attention out-projection output, and this family stacks blocks of "
         f"{len(blocks[0].sublayers)} layers ({', '.join(blocks[0].sublayers)}), which return none per layer "
         "(MaxText reads them from a stack of single layers too); set distill_beta=0"
     )
-  if cfg.ici_pipeline_parallelism > 1 or cfg.dcn_pipeline_parallelism > 1:
+  if config.ici_pipeline_parallelism > 1 or config.dcn_pipeline_parallelism > 1:
     raise ConfigError(
-        f"distill_beta={cfg.distill_beta} with pipeline parallelism: the pipeline combines per-layer values over "
+        f"distill_beta={config.distill_beta} with pipeline parallelism: the pipeline combines per-layer values over "
         "its micro-batches (maxima, means), and the out-projection outputs are per token; set distill_beta=0 or "
         "ici_pipeline_parallelism=dcn_pipeline_parallelism=1"
     )
-  bad = [i for i in cfg.distill_layer_indices if not 0 <= i < cfg.num_decoder_layers]
+  bad = [i for i in config.distill_layer_indices if not 0 <= i < config.num_decoder_layers]
   if bad:
     raise ConfigError(
-        f"distill_layer_indices={list(cfg.distill_layer_indices)}: {bad} outside the model's layers; each must be "
-        f"in 0..{cfg.num_decoder_layers - 1} (num_decoder_layers={cfg.num_decoder_layers}), or null for all"
+        f"distill_layer_indices={list(config.distill_layer_indices)}: {bad} outside the model's layers; each must be "
+        f"in 0..{config.num_decoder_layers - 1} (num_decoder_layers={config.num_decoder_layers}), or null for all"
     )
 
 
-def _validate_diloco(cfg: Config) -> None:
+def _validate_diloco(config: Config) -> None:
   """DiLoCo (`maxbridge.training.diloco`) on the "diloco" mesh axis, with what it cannot combine with refused."""
-  replicas = (cfg.ici_diloco_parallelism, cfg.dcn_diloco_parallelism)
-  if not cfg.enable_diloco:
+  replicas = (config.ici_diloco_parallelism, config.dcn_diloco_parallelism)
+  if not config.enable_diloco:
     if replicas != (1, 1):
       raise ConfigError(
           f"ici_diloco_parallelism={replicas[0]}, dcn_diloco_parallelism={replicas[1]} split the devices into DiLoCo "
@@ -497,12 +504,12 @@ def _validate_diloco(cfg: Config) -> None:
     return
   why = "each DiLoCo replica runs the plain train step on its own copy of the state"
   refused = (
-      ("ici_pipeline_parallelism > 1", cfg.ici_pipeline_parallelism > 1 or cfg.dcn_pipeline_parallelism > 1, why),
-      ("shard_optimizer_over_data=true (ZeRO-1)", cfg.shard_optimizer_over_data, why),
-      ("use_dpo=true", cfg.use_dpo, "DPO's frozen reference is one model, not one per replica"),
-      ("use_grpo=true", cfg.use_grpo, "GRPO samples its batches from one policy, not one per replica"),
-      ("lora_rank > 0", cfg.lora_rank > 0, "the frozen base would be held once per replica"),
-      ("load_full_state_path", bool(cfg.load_full_state_path), "a plain run's state has no per-replica states"),
+      ("ici_pipeline_parallelism > 1", config.ici_pipeline_parallelism > 1 or config.dcn_pipeline_parallelism > 1, why),
+      ("shard_optimizer_over_data=true (ZeRO-1)", config.shard_optimizer_over_data, why),
+      ("use_dpo=true", config.use_dpo, "DPO's frozen reference is one model, not one per replica"),
+      ("use_grpo=true", config.use_grpo, "GRPO samples its batches from one policy, not one per replica"),
+      ("lora_rank > 0", config.lora_rank > 0, "the frozen base would be held once per replica"),
+      ("load_full_state_path", bool(config.load_full_state_path), "a plain run's state has no per-replica states"),
   )
   for what, on, reason in refused:
     if on:
@@ -514,55 +521,57 @@ def _validate_diloco(cfg: Config) -> None:
     )
 
 
-def _validate_family(cfg: Config) -> None:
+def _validate_family(config: Config) -> None:
   """Cross-key rules of the model: those every family shares, then the family's own (its entry's `check`)."""
-  if cfg.use_qk_clip and cfg.use_qk_norm:
+  if config.use_qk_clip and config.use_qk_norm:
     raise ConfigError(
         "use_qk_clip=true with use_qk_norm=true: the query/key RMSNorm undoes any scaling of the "
         "query kernel, and already bounds the logits; set use_qk_clip=false"
     )
-  if cfg.use_qk_clip and cfg.attn_logits_soft_cap:
+  if config.use_qk_clip and config.attn_logits_soft_cap:
     raise ConfigError(
-        f"use_qk_clip=true with attn_logits_soft_cap={cfg.attn_logits_soft_cap}: the soft-cap already bounds "
+        f"use_qk_clip=true with attn_logits_soft_cap={config.attn_logits_soft_cap}: the soft-cap already bounds "
         "every attention logit below it, so QK-Clip's max-logit threshold measures the cap, not the weights; "
         "set use_qk_clip=false"
     )
-  if cfg.rope_high_freq_factor < cfg.rope_low_freq_factor:
+  if config.rope_high_freq_factor < config.rope_low_freq_factor:
     raise ConfigError(
-        f"rope_high_freq_factor={cfg.rope_high_freq_factor} must be at least rope_low_freq_factor="
-        f"{cfg.rope_low_freq_factor}: they bound the band of wavelengths that blends scaled and unscaled"
+        f"rope_high_freq_factor={config.rope_high_freq_factor} must be at least rope_low_freq_factor="
+        f"{config.rope_low_freq_factor}: they bound the band of wavelengths that blends scaled and unscaled"
     )
-  family = families.lookup(cfg.decoder_block)
-  if not family.layer_rope and (cfg.local_rope_max_timescale != -1 or cfg.rope_linear_scaling_factor != 1.0):
+  family = families.lookup(config.decoder_block)
+  if not family.layer_rope and (config.local_rope_max_timescale != -1 or config.rope_linear_scaling_factor != 1.0):
     raise ConfigError(
-        f"local_rope_max_timescale={cfg.local_rope_max_timescale} and rope_linear_scaling_factor="
-        f"{cfg.rope_linear_scaling_factor} give local and global layers their own RoPE (decoder_block='gemma3'); "
-        f"decoder_block={cfg.decoder_block!r} rotates every layer alike: leave them at -1 and 1.0"
+        f"local_rope_max_timescale={config.local_rope_max_timescale} and rope_linear_scaling_factor="
+        f"{config.rope_linear_scaling_factor} give local and global layers their own RoPE (decoder_block='gemma3'); "
+        f"decoder_block={config.decoder_block!r} rotates every layer alike: leave them at -1 and 1.0"
     )
   for other in families.REGISTRY:
     for key, unused in other.own_keys.items():
-      if key not in family.own_keys and getattr(cfg, key) != unused:
+      if key not in family.own_keys and getattr(config, key) != unused:
         raise ConfigError(
-            f"{key}={getattr(cfg, key)!r} is read by decoder_block={other.decoder_blocks[0]!r} only; "
-            f"decoder_block={cfg.decoder_block!r} does not: leave it at {unused!r}"
+            f"{key}={getattr(config, key)!r} is read by decoder_block={other.decoder_blocks[0]!r} only; "
+            f"decoder_block={config.decoder_block!r} does not: leave it at {unused!r}"
         )
-  if cfg.num_experts_per_tok > cfg.num_experts:
-    raise ConfigError(f"num_experts_per_tok={cfg.num_experts_per_tok} must be at most num_experts={cfg.num_experts}")
-  problems = families.lookup(cfg.decoder_block).check(cfg)
+  if config.num_experts_per_tok > config.num_experts:
+    raise ConfigError(
+        f"num_experts_per_tok={config.num_experts_per_tok} must be at most num_experts={config.num_experts}"
+    )
+  problems = families.lookup(config.decoder_block).check(config)
   if problems:
     raise ConfigError("\n".join(problems))
 
 
-def _validate_quantization(cfg: Config) -> None:
-  library = "qwix" if cfg.use_qwix_quantization else "aqt"
+def _validate_quantization(config: Config) -> None:
+  library = "qwix" if config.use_qwix_quantization else "aqt"
   supported = QUANTIZATIONS_BY_LIBRARY[library]
-  if cfg.quantization not in supported:
+  if config.quantization not in supported:
     listed = ", ".join(repr(c) for c in supported)
     raise ConfigError(
-        f"config key 'quantization' = {cfg.quantization!r} is not supported with use_qwix_quantization="
-        f"{str(cfg.use_qwix_quantization).lower()} ({library}); valid values: {listed}"
+        f"config key 'quantization' = {config.quantization!r} is not supported with use_qwix_quantization="
+        f"{str(config.use_qwix_quantization).lower()} ({library}); valid values: {listed}"
     )
-  if cfg.checkpoint_is_quantized and not cfg.quantization:
+  if config.checkpoint_is_quantized and not config.quantization:
     raise ConfigError(
         "checkpoint_is_quantized=true needs the quantization its weights were made with: set quantization "
         f"(one of {', '.join(repr(c) for c in supported if c)})"

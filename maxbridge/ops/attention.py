@@ -10,7 +10,9 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from maxbridge.core import sharding
-from maxbridge.ops import rotary
+from maxbridge.core.families import attention as attention_spec
+from maxbridge.core.families.attention import AttentionSpec
+from maxbridge.ops import proportional_rope, rotary
 from maxbridge.ops.soft_cap import soft_cap
 
 # A large finite negative, not -inf: a fully masked row then gives a uniform
@@ -155,6 +157,11 @@ def softmax_with_sinks(scores: jax.Array, sinks: jax.Array | None) -> jax.Array:
   return jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
 
 
+# The config's `attention` key -> the kernel that computes `dot_product_attention`'s result: the one place a kernel is
+# chosen. "autoselected" (MaxText's default) is the best this platform has.
+KERNELS = {"dot_product": dot_product_attention, "autoselected": dot_product_attention}
+
+
 def self_attention(
     query: jax.Array,
     key: jax.Array | tuple[jax.Array, ...],
@@ -162,6 +169,7 @@ def self_attention(
     segment_ids: jax.Array,
     positions: jax.Array,
     *,
+    kernel: str = "dot_product",
     sliding_window_size: int = 0,
     chunk_size: int = 0,
     query_scale: float | None = None,
@@ -176,9 +184,9 @@ def self_attention(
   While decoding, keys and values are a cache's (and the new tokens', as blocks)
   and carry their own `kv_segment_ids` and `kv_positions` [B, S] (`ops.kv_cache`); by default
   they are the queries'. The values hold the per-head max logits
-  (`decoder/max_logits`) when QK-Clip asks for them.
+  (`decoder/max_logits`) when QK-Clip asks for them. `kernel`: a `KERNELS` name (the config's `attention`).
   """
-  result = dot_product_attention(
+  result = KERNELS[kernel](
       query,
       key,
       value,
@@ -202,6 +210,12 @@ def self_attention(
 # The per-layer value holding an attention layer's output after its out projection [B, T, emb_dim]: what
 # MaxText's feature distillation compares (its attention sows it under this name when distill_beta > 0).
 OUT_PROJECTION = "out_projection_activations"
+
+
+# The per-layer value holding what a layer whose keys and values later layers read attended over (Gemma 4's KV
+# sharing): its keys, values and the keywords that mask them, a cache's while decoding.
+ATTENDED = "attended_kv"
+SharedKV = tuple[jax.Array, jax.Array, dict[str, jax.Array]]
 
 
 def with_out_projection(config, projected: jax.Array, values: dict[str, jax.Array]):
@@ -233,23 +247,34 @@ def l2_norm(x: jax.Array, epsilon: float) -> jax.Array:
   return (x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + epsilon)).astype(x.dtype)
 
 
-def llama4_queries_keys(
-    config, rope: bool, query: jax.Array, key: jax.Array, positions: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-  """Llama 4's queries and keys [B, T, N|K, H] before attention.
+def turn(
+    spec: AttentionSpec, config, query: jax.Array, key: jax.Array | None, positions: jax.Array
+) -> tuple[jax.Array, jax.Array | None]:
+  """Queries [B, T, N, H] and keys [B, T, K, H] (None: an earlier layer's, turned already) as `spec` turns them.
 
-  A RoPE layer (`rope`) rotates them (interleaved pairs, as Hugging Face's
-  complex product; Llama 3.1's scaling) then, with use_qk_norm, L2-normalises
-  them; a NoPE layer leaves keys alone and, with temperature_tuning, scales its
-  queries by `temperature_tuning`.
+  RoPE of `spec.rope`'s kind, then the L2 QK-norm where the spec has it (Llama 4
+  normalises after RoPE), then a NoPE layer's temperature on the queries.
   """
-  if rope:
-    turn = dict(max_timescale=config.rope_max_timescale, interleave=True, scaling=rotary.scaling_from_config(config))
-    query, key = rotary.apply_rotary(query, positions, **turn), rotary.apply_rotary(key, positions, **turn)
-    if config.use_qk_norm:
-      query = l2_norm(query, config.normalization_layer_epsilon)
-      key = l2_norm(key, config.normalization_layer_epsilon)
-  elif config.temperature_tuning:
+  query = _rotate(spec, config, query, positions)
+  key = None if key is None else _rotate(spec, config, key, positions)
+  if spec.qk_norm == attention_spec.L2:
+    query = l2_norm(query, config.normalization_layer_epsilon)
+    key = None if key is None else l2_norm(key, config.normalization_layer_epsilon)
+  if spec.temperature_tuning:
     factor = temperature_tuning(positions, config.temperature_tuning_scale, config.temperature_tuning_floor_scale)
     query = (query * factor).astype(query.dtype)
   return query, key
+
+
+def _rotate(spec: AttentionSpec, config, x: jax.Array, positions: jax.Array) -> jax.Array:
+  if spec.rope == attention_spec.NO_ROPE:
+    return x
+  if spec.rope == attention_spec.PARTIAL_ROPE:
+    return rotary.apply_partial_rotary(x, positions, rotary_dim=spec.rotary_dim, max_timescale=config.rope_max_timescale)
+  if spec.rope == attention_spec.PROPORTIONAL_ROPE:
+    return proportional_rope.apply_proportional_rotary(
+        x, positions, pairs=spec.rotary_pairs, max_timescale=config.rope_max_timescale
+    )
+  interleave = spec.rope == attention_spec.INTERLEAVED_ROPE
+  layer_rope = rotary.layer_rope(config, local=spec.rope == attention_spec.LOCAL_ROPE)
+  return rotary.apply_rotary(x, positions, interleave=interleave, **layer_rope)

@@ -72,10 +72,10 @@ def timed_step(trainer, state, batch):
   return state, time.perf_counter() - start
 
 
-def start(cfg: Config, batch):
+def start(config: Config, batch):
   """(trainer, state after one step, seconds of that first call: trace + compile + one step)."""
-  trainer = recipe.create_trainer(cfg)
-  state, seconds = timed_step(trainer, trainer.init_state(cfg.seed), batch)
+  trainer = recipe.create_trainer(config)
+  state, seconds = timed_step(trainer, trainer.init_state(config.seed), batch)
   return trainer, state, seconds
 
 
@@ -102,8 +102,8 @@ def median_ratio(times: list[float], base: list[float]) -> float:
   return statistics.median(t / b for t, b in zip(times, base))
 
 
-def _first_batch(cfg: Config):
-  return data.make_dataset(cfg, "train", global_batch_size(cfg)).batch(0)
+def _first_batch(config: Config):
+  return data.make_dataset(config, "train", global_batch_size(config)).batch(0)
 
 
 def _scan_setting(configs: dict, combos: list, steps: int, warmup: int, matmul_seconds, matmul_flops: int) -> None:

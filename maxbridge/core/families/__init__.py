@@ -12,10 +12,6 @@ Pure Python (no jax), like the config that validates against it.
 from maxbridge.core.families import deepseek, gemma, gemma3, gemma4, gpt3, gpt_oss, llama, llama4, mixtral, olmo2, olmo3, qwen3_moe, qwen3_next
 from maxbridge.core.families.base import ClipPiece, Family, Stack, query_kernel_carries_scale
 
-# Pipeline planning lives in `maxbridge.core.pipeline_plan`; these two names stay here only until each backend's
-# decoders and pipeline (`families.PipelinePlan`, `families.pipeline_plan`) and the command line import it there.
-from maxbridge.core.pipeline_plan import PipelinePlan, pipeline_plan  # noqa: F401
-
 REGISTRY: tuple[Family, ...] = (
     llama.FAMILY,
     gpt3.FAMILY,

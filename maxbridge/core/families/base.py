@@ -9,6 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping
 
+from maxbridge.core.families import attention
+from maxbridge.core.families.attention import query_kernel_carries_scale  # noqa: F401  (re-exported)
+
 # A `maxbridge.core.config.Config`; that module reads the registry, so this package cannot import it.
 Config = Any
 # Cache entry name -> its per-token shape (`maxbridge.ops.kv_cache` adds the batch and sequence axes).
@@ -98,6 +101,8 @@ class Family:
   # The kind of carry the layers pass on where it is more than the hidden states (Gemma 4's per-layer inputs and
   # shared keys/values): each backend's decoder builds it (`LAYER_CARRIES` in decoders.py) and its layers read it.
   layer_carry: str | None = None
+  # Its layers' attention (`attention.AttentionSpec`), by kind of layer: (config, *, local, kv_shared) -> spec.
+  attention: Callable[..., attention.AttentionSpec] = attention.standard
 
   def layer_stacks(self, config: Config) -> tuple[tuple[str, int], ...]:
     """(stack name, number of layers) of the non-empty stacks, in depth order."""
@@ -108,18 +113,6 @@ class Family:
     """The stack whose layer kind each multi-token prediction module runs: that of the model's last layer."""
     name = self.layer_stacks(config)[-1][0]
     return next(stack for stack in self.stacks if stack.name == name)
-
-
-def query_kernel_carries_scale(config: Config) -> bool:
-  """Whether the query kernel holds attention's 1/sqrt(head_dim), so that attention does not scale at run time.
-
-  MaxText's Llama numerics fold the factor into the query kernel (DESIGN.md).
-  Elsewhere it cannot be folded: query/key norms (Qwen3) would undo it, MLA
-  (DeepSeek) scales by 1/sqrt(nope + rope) at run time as MaxText and Hugging
-  Face do, and GPT-2/3's fused `qkv_proj` has no query kernel of its own. The
-  initializers, the attention layers and the Hugging Face mapping all ask here.
-  """
-  return config.family.query_kernel_carries_scale and not config.use_qk_norm
 
 
 def key_value_cache(config: Config, kv_heads: int | None = None) -> CacheEntries:
@@ -175,4 +168,3 @@ def own_attention(config: Config) -> str | None:
 def broken(*messages: str | None) -> list[str]:
   """The messages of the rules that are broken (the others are None)."""
   return [message for message in messages if message]
-

@@ -156,34 +156,34 @@ def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
   }
 
 
-def _config_to_hf(cfg: Config) -> dict[str, Any]:
-  if cfg.routed_score_func != "sigmoid" or not cfg.routed_bias:
+def _config_to_hf(config: Config) -> dict[str, Any]:
+  if config.routed_score_func != "sigmoid" or not config.routed_bias:
     raise HFError(
         "DeepSeek-V3 routes by sigmoid scores with a correction bias: routed_score_func='sigmoid' "
         "and routed_bias=true are needed for an export"
     )
   return {
-      **common_to_hf(cfg),
-      "moe_intermediate_size": cfg.moe_mlp_dim,
-      "first_k_dense_replace": cfg.first_num_dense_layers,
-      "n_routed_experts": cfg.num_experts,
-      "num_experts_per_tok": cfg.num_experts_per_tok,
-      "n_shared_experts": cfg.shared_experts,
-      "n_group": max(cfg.n_routing_groups, 1),
-      "topk_group": max(cfg.topk_routing_group, 1),
-      "routed_scaling_factor": cfg.routed_scaling_factor,
+      **common_to_hf(config),
+      "moe_intermediate_size": config.moe_mlp_dim,
+      "first_k_dense_replace": config.first_num_dense_layers,
+      "n_routed_experts": config.num_experts,
+      "num_experts_per_tok": config.num_experts_per_tok,
+      "n_shared_experts": config.shared_experts,
+      "n_group": max(config.n_routing_groups, 1),
+      "topk_group": max(config.topk_routing_group, 1),
+      "routed_scaling_factor": config.routed_scaling_factor,
       "norm_topk_prob": True,
-      "q_lora_rank": cfg.q_lora_rank or None,
-      "kv_lora_rank": cfg.kv_lora_rank,
-      "qk_nope_head_dim": cfg.qk_nope_head_dim,
-      "qk_rope_head_dim": cfg.qk_rope_head_dim,
-      "head_dim": cfg.qk_rope_head_dim,  # what transformers sizes its rotary tables by
-      "v_head_dim": cfg.v_head_dim,
+      "q_lora_rank": config.q_lora_rank or None,
+      "kv_lora_rank": config.kv_lora_rank,
+      "qk_nope_head_dim": config.qk_nope_head_dim,
+      "qk_rope_head_dim": config.qk_rope_head_dim,
+      "head_dim": config.qk_rope_head_dim,  # what transformers sizes its rotary tables by
+      "v_head_dim": config.v_head_dim,
       "rope_interleave": True,
-      "num_nextn_predict_layers": cfg.mtp_num_layers,
+      "num_nextn_predict_layers": config.mtp_num_layers,
       "hidden_act": "silu",
       "attention_bias": False,
-      **rope_to_hf(cfg),
+      **rope_to_hf(config),
   }
 
 

@@ -22,6 +22,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Mapping
 
+from maxbridge.core.families import attention as attn
 from maxbridge.core.families import llama
 from maxbridge.core.families.base import (
     Config,
@@ -60,35 +61,35 @@ class Scaled:
 
   factor: Callable[[Config], float]
 
-  def to_ours(self, x, shape, cfg):
-    return x.reshape(shape) * self.factor(cfg)
+  def to_ours(self, x, shape, config):
+    return x.reshape(shape) * self.factor(config)
 
-  def to_hf(self, x, cfg):
-    return x / self.factor(cfg)
+  def to_hf(self, x, config):
+    return x / self.factor(config)
 
 
 @dataclasses.dataclass(frozen=True)
 class PlusOne:
   """Hugging Face's Gemma RMSNorm weight w multiplies by (1 + w); MaxText's scale is that (1 + w)."""
 
-  def to_ours(self, x, shape, cfg):
+  def to_ours(self, x, shape, config):
     return x.reshape(shape) + 1
 
-  def to_hf(self, x, cfg):
+  def to_hf(self, x, config):
     return x - 1
 
 
-def embedding_scale(cfg: Config) -> float:
-  return math.sqrt(cfg.emb_dim)
+def embedding_scale(config: Config) -> float:
+  return math.sqrt(config.emb_dim)
 
 
-def query_pre_attn_scalar(cfg: Config) -> int:
+def query_pre_attn_scalar(config: Config) -> int:
   """What attention divides the query by the square root of (Hugging Face's query_pre_attn_scalar; 0: head_dim)."""
-  return cfg.query_pre_attn_scalar or cfg.head_dim
+  return config.query_pre_attn_scalar or config.head_dim
 
 
-def _query_scale(cfg: Config) -> float:
-  return query_pre_attn_scalar(cfg) ** -0.5
+def _query_scale(config: Config) -> float:
+  return query_pre_attn_scalar(config) ** -0.5
 
 
 _QUERY_RULE = Rule("model.layers.{layer}.self_attn.q_proj.weight", "{layer}/self_attention/query/kernel")
@@ -224,29 +225,29 @@ def _gemma2_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
   }
 
 
-def gemma_common_to_hf(cfg: Config, layers: int) -> dict[str, Any]:
+def gemma_common_to_hf(config: Config, layers: int) -> dict[str, Any]:
   return {
-      **common_to_hf(cfg, layers),
+      **common_to_hf(config, layers),
       "attention_bias": False,
       "use_bidirectional_attention": None,
-      **rope_to_hf(cfg),
+      **rope_to_hf(config),
   }
 
 
-def _gemma_to_hf(cfg: Config) -> dict[str, Any]:
-  return {**gemma_common_to_hf(cfg, cfg.num_decoder_layers), "hidden_act": "gelu_pytorch_tanh"}
+def _gemma_to_hf(config: Config) -> dict[str, Any]:
+  return {**gemma_common_to_hf(config, config.num_decoder_layers), "hidden_act": "gelu_pytorch_tanh"}
 
 
-def _gemma2_to_hf(cfg: Config) -> dict[str, Any]:
-  layers = 2 * cfg.num_decoder_layers
+def _gemma2_to_hf(config: Config) -> dict[str, Any]:
+  layers = 2 * config.num_decoder_layers
   return {
-      **gemma_common_to_hf(cfg, layers),
+      **gemma_common_to_hf(config, layers),
       "hidden_activation": "gelu_pytorch_tanh",
-      "sliding_window": cfg.sliding_window_size,
-      "layer_types": ["sliding_attention", "full_attention"] * cfg.num_decoder_layers,
-      "query_pre_attn_scalar": query_pre_attn_scalar(cfg),
-      "attn_logit_softcapping": cfg.attn_logits_soft_cap or None,
-      "final_logit_softcapping": cfg.final_logits_soft_cap or None,
+      "sliding_window": config.sliding_window_size,
+      "layer_types": ["sliding_attention", "full_attention"] * config.num_decoder_layers,
+      "query_pre_attn_scalar": query_pre_attn_scalar(config),
+      "attn_logit_softcapping": config.attn_logits_soft_cap or None,
+      "final_logit_softcapping": config.final_logits_soft_cap or None,
   }
 
 
@@ -283,9 +284,23 @@ def _gemma2_check(config: Config) -> list[str]:
 MAXTEXT_GEGLU = {"mlp_activations": ["gelu", "linear"]}
 MAXTEXT_GEMMA2 = {**MAXTEXT_GEGLU, "use_post_attn_norm": True, "use_post_ffw_norm": True}
 
+
+def attention(config: Config, *, local: bool = False, kv_shared: bool = False) -> attn.AttentionSpec:
+  """Soft-capped logits, the query scaled by query_pre_attn_scalar; a `local` layer has the window and its RoPE."""
+  del kv_shared
+  return dataclasses.replace(
+      attn.standard(config),
+      sliding_window_size=config.sliding_window_size if local else 0,
+      rope=attn.LOCAL_ROPE if local else attn.ROPE,
+      query_scale=attn.run_time_scale(config, query_pre_attn_scalar(config)),
+      logits_soft_cap=config.attn_logits_soft_cap,
+  )
+
+
 GEMMA = Family(
     decoder_blocks=("gemma",),
     stacks=(Stack("layers", "gemma"),),
+    attention=attention,
     norm="rms_norm",
     query_kernel_carries_scale=True,
     cache_entries=key_value_cache,
@@ -309,6 +324,7 @@ GEMMA = Family(
 GEMMA2 = Family(
     decoder_blocks=("gemma2",),
     stacks=(Stack("layers", "gemma2", sublayers=GEMMA2_SUBLAYERS, suffixed=True),),
+    attention=attention,
     norm="rms_norm",
     query_kernel_carries_scale=True,
     cache_entries=key_value_cache,

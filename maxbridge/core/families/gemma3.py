@@ -29,6 +29,7 @@ from typing import Any, Mapping
 
 from maxbridge.core.families.base import Config, Family, Stack, broken, key_value_cache, query_kernel_clip
 from maxbridge.core.families.gemma import (
+    attention,
     GEMMA2_CONFIG,
     GEMMA2_RULES,
     MAXTEXT_GEMMA2,
@@ -164,24 +165,24 @@ def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
   }
 
 
-def _config_to_hf(cfg: Config) -> dict[str, Any]:
-  if cfg.attn_logits_soft_cap:
+def _config_to_hf(config: Config) -> dict[str, Any]:
+  if config.attn_logits_soft_cap:
     raise HFError(
-        f"attn_logits_soft_cap={cfg.attn_logits_soft_cap} has no Hugging Face gemma3_text equivalent: transformers' "
+        f"attn_logits_soft_cap={config.attn_logits_soft_cap} has no Hugging Face gemma3_text equivalent: transformers' "
         "Gemma3Attention never applies attn_logit_softcapping; export with attn_logits_soft_cap=0"
     )
-  global_rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(cfg.rope_max_timescale)}
-  if cfg.rope_linear_scaling_factor != 1.0:
-    global_rope.update(rope_type="linear", factor=cfg.rope_linear_scaling_factor)
-  local_theta = cfg.local_rope_max_timescale if cfg.local_rope_max_timescale > 0 else cfg.rope_max_timescale
+  global_rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(config.rope_max_timescale)}
+  if config.rope_linear_scaling_factor != 1.0:
+    global_rope.update(rope_type="linear", factor=config.rope_linear_scaling_factor)
+  local_theta = config.local_rope_max_timescale if config.local_rope_max_timescale > 0 else config.rope_max_timescale
   values = {
-      **gemma_common_to_hf(cfg, cfg.num_decoder_layers),
+      **gemma_common_to_hf(config, config.num_decoder_layers),
       "hidden_activation": "gelu_pytorch_tanh",
-      "sliding_window": cfg.sliding_window_size,
-      "layer_types": layer_kinds(cfg.num_decoder_layers),
-      "query_pre_attn_scalar": query_pre_attn_scalar(cfg),
+      "sliding_window": config.sliding_window_size,
+      "layer_types": layer_kinds(config.num_decoder_layers),
+      "query_pre_attn_scalar": query_pre_attn_scalar(config),
       "attn_logit_softcapping": None,
-      "final_logit_softcapping": cfg.final_logits_soft_cap or None,
+      "final_logit_softcapping": config.final_logits_soft_cap or None,
       "use_bidirectional_attention": False,
       "rope_parameters": {
           _LOCAL_KIND: {"rope_type": "default", "rope_theta": float(local_theta)},
@@ -217,6 +218,7 @@ FAMILY = Family(
         Stack("layers", "gemma3", depth=lambda config: config.num_decoder_layers // PATTERN, sublayers=SUBLAYERS),
         Stack("layers_remainder", "gemma3_local", depth=_remainder),
     ),
+    attention=attention,
     norm="rms_norm",
     query_kernel_carries_scale=False,  # the QK-norm would undo it
     cache_entries=key_value_cache,

@@ -36,6 +36,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+from maxbridge.core.families import attention as attn
 from maxbridge.core.families.base import Config, Family, Stack, broken, key_value_cache, query_kernel_clip
 from maxbridge.core.families.gemma import MAXTEXT_GEMMA2, Scaled, embedding_scale, read_common, soft_cap
 from maxbridge.core.families.hf_rules import (
@@ -66,11 +67,11 @@ _LOCAL_KIND, _GLOBAL_KIND = "sliding_attention", "full_attention"  # Hugging Fac
 class ExpertsPart(Part):
   """Part `index` of transformers' experts.gate_up_proj [E, 2F, D] (gate, then up) <-> our wi_0 / wi_1 [E, D, F]."""
 
-  def to_ours(self, x, shape, cfg):
+  def to_ours(self, x, shape, config):
     size = x.shape[1] // self.count
     return x[:, self.index * size : (self.index + 1) * size].swapaxes(1, 2).reshape(shape)
 
-  def to_hf(self, x, cfg):
+  def to_hf(self, x, config):
     return x.swapaxes(1, 2)
 
 
@@ -78,10 +79,10 @@ class ExpertsPart(Part):
 class ExpertsLinear:
   """transformers' experts.down_proj [E, D, F] (each expert's torch Linear weight) <-> our wo [E, F, D]."""
 
-  def to_ours(self, x, shape, cfg):
+  def to_ours(self, x, shape, config):
     return x.swapaxes(1, 2).reshape(shape)
 
-  def to_hf(self, x, cfg):
+  def to_hf(self, x, config):
     return x.swapaxes(1, 2)
 
 
@@ -93,7 +94,7 @@ RULES = (
     Rule(
         "model.embed_tokens_per_layer.weight",
         "decoder/per_layer_inputs/per_layer_token_embedder/embedding",
-        Scaled(lambda cfg: math.sqrt(cfg.hidden_size_per_layer_input)),
+        Scaled(lambda config: math.sqrt(config.hidden_size_per_layer_input)),
     ),
     Rule(
         "model.per_layer_model_projection.weight",
@@ -172,17 +173,17 @@ def layer_kinds(layers: int) -> list[str]:
   return [_GLOBAL_KIND if (i + 1) % PATTERN == 0 else _LOCAL_KIND for i in range(layers)]
 
 
-def global_head_dim(cfg: Config) -> int:
-  return cfg.global_head_dim or cfg.head_dim
+def global_head_dim(config: Config) -> int:
+  return config.global_head_dim or config.head_dim
 
 
-def global_kv_heads(cfg: Config) -> int:
-  return cfg.global_num_kv_heads or cfg.num_kv_heads
+def global_kv_heads(config: Config) -> int:
+  return config.global_num_kv_heads or config.num_kv_heads
 
 
-def rotary_pairs(cfg: Config) -> int:
+def rotary_pairs(config: Config) -> int:
   """How many of a global head's pairs turn (transformers' proportional RoPE: int(proportion x width // 2))."""
-  return int(cfg.global_rope_proportion * global_head_dim(cfg) // 2)
+  return int(config.global_rope_proportion * global_head_dim(config) // 2)
 
 
 def _rope(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -277,46 +278,46 @@ def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
   }
 
 
-def _config_to_hf(cfg: Config) -> dict[str, Any]:
-  full: dict[str, Any] = {"rope_type": "default", "rope_theta": float(cfg.rope_max_timescale)}
-  if cfg.global_rope_proportion != 1.0:
-    full = {**full, "rope_type": "proportional", "partial_rotary_factor": cfg.global_rope_proportion}
-  local_theta = cfg.local_rope_max_timescale if cfg.local_rope_max_timescale > 0 else cfg.rope_max_timescale
+def _config_to_hf(config: Config) -> dict[str, Any]:
+  full: dict[str, Any] = {"rope_type": "default", "rope_theta": float(config.rope_max_timescale)}
+  if config.global_rope_proportion != 1.0:
+    full = {**full, "rope_type": "proportional", "partial_rotary_factor": config.global_rope_proportion}
+  local_theta = config.local_rope_max_timescale if config.local_rope_max_timescale > 0 else config.rope_max_timescale
   values = {
-      **common_to_hf(cfg),
+      **common_to_hf(config),
       "attention_bias": False,
       "use_bidirectional_attention": None,
       "hidden_activation": "gelu_pytorch_tanh",
-      "sliding_window": cfg.sliding_window_size,
-      "layer_types": layer_kinds(cfg.num_decoder_layers),
-      "final_logit_softcapping": cfg.final_logits_soft_cap or None,
+      "sliding_window": config.sliding_window_size,
+      "layer_types": layer_kinds(config.num_decoder_layers),
+      "final_logit_softcapping": config.final_logits_soft_cap or None,
       "rope_parameters": {_LOCAL_KIND: {"rope_type": "default", "rope_theta": float(local_theta)}, _GLOBAL_KIND: full},
-      "attention_k_eq_v": cfg.share_kv_projections,
-      "hidden_size_per_layer_input": cfg.hidden_size_per_layer_input,
-      "vocab_size_per_layer_input": cfg.vocab_size,
-      "num_kv_shared_layers": cfg.num_kv_shared_layers,
-      "enable_moe_block": cfg.num_experts > 1,
+      "attention_k_eq_v": config.share_kv_projections,
+      "hidden_size_per_layer_input": config.hidden_size_per_layer_input,
+      "vocab_size_per_layer_input": config.vocab_size,
+      "num_kv_shared_layers": config.num_kv_shared_layers,
+      "enable_moe_block": config.num_experts > 1,
       "use_double_wide_mlp": False,
   }
-  if cfg.num_experts > 1:
+  if config.num_experts > 1:
     values.update(
-        num_experts=cfg.num_experts, top_k_experts=cfg.num_experts_per_tok, moe_intermediate_size=cfg.moe_mlp_dim
+        num_experts=config.num_experts, top_k_experts=config.num_experts_per_tok, moe_intermediate_size=config.moe_mlp_dim
     )
   # As transformers saves it: the global layers' own head_dim and key/value heads, by zero-padded layer index.
   own = {
-      "head_dim": global_head_dim(cfg),
-      **({"num_key_value_heads": cfg.global_num_kv_heads} if cfg.global_num_kv_heads else {}),
+      "head_dim": global_head_dim(config),
+      **({"num_key_value_heads": config.global_num_kv_heads} if config.global_num_kv_heads else {}),
   }
-  width = len(str(cfg.num_decoder_layers - 1))
+  width = len(str(config.num_decoder_layers - 1))
   values["per_layer_config"] = {
       f"{i:0{width}d}": dict(own) for i, kind in enumerate(values["layer_types"]) if kind == _GLOBAL_KIND
   }
   return values
 
 
-def _global_cache(cfg: Config) -> dict[str, tuple[int, ...]]:
+def _global_cache(config: Config) -> dict[str, tuple[int, ...]]:
   """A global layer's keys and values per token: [global kv heads, global_head_dim] each."""
-  shape = (global_kv_heads(cfg), global_head_dim(cfg))
+  shape = (global_kv_heads(config), global_head_dim(config))
   return {"cached_key": shape, "cached_value": shape}
 
 
@@ -364,6 +365,28 @@ def _window_rings(config: Config) -> dict[str, int]:
   return {name: config.sliding_window_size for name in SUBLAYERS if name != GLOBAL}
 
 
+def attention(config: Config, *, local: bool = False, kv_shared: bool = False) -> attn.AttentionSpec:
+  """Per-head query/key norms, values normed without a scale, scaled by 1; global layers have their own width,
+  key/value heads and proportional RoPE; a `kv_shared` layer reads an earlier layer's keys and values."""
+  if kv_shared:
+    kv = attn.SHARED_KV
+  else:
+    kv = attn.VALUE_IS_KEY if config.share_kv_projections and not local else attn.OWN_KV
+  return attn.AttentionSpec(
+      head_dim=config.head_dim if local else global_head_dim(config),
+      kv_heads=config.num_kv_heads if local else global_kv_heads(config),
+      qk_norm=attn.RMS_NORM,
+      kv=kv,
+      value_norm=True,
+      rope=attn.LOCAL_ROPE if local else attn.PROPORTIONAL_ROPE,
+      rotary_pairs=0 if local else rotary_pairs(config),
+      sliding_window_size=config.sliding_window_size if local else 0,
+      ring_cache=local,
+      query_scale=1.0,
+      shares_kv=True,
+  )
+
+
 FAMILY = Family(
     decoder_blocks=("gemma4",),
     stacks=(
@@ -383,6 +406,7 @@ FAMILY = Family(
             cached=False,  # they read the keys and values of the last earlier layer of their kind
         ),
     ),
+    attention=attention,
     norm="rms_norm",
     query_kernel_carries_scale=False,  # attention scales by 1: the query and key norms set the logits' size
     cache_entries=key_value_cache,

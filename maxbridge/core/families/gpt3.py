@@ -121,24 +121,24 @@ def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
   }
 
 
-def _config_to_hf(cfg: Config) -> dict[str, Any]:
-  if cfg.head_dim * cfg.num_query_heads != cfg.emb_dim:
+def _config_to_hf(config: Config) -> dict[str, Any]:
+  if config.head_dim * config.num_query_heads != config.emb_dim:
     raise HFError(
-        f"GPT-2 needs head_dim * heads == emb_dim; got head_dim={cfg.head_dim}, "
-        f"base_num_query_heads={cfg.num_query_heads}, base_emb_dim={cfg.emb_dim}"
+        f"GPT-2 needs head_dim * heads == emb_dim; got head_dim={config.head_dim}, "
+        f"base_num_query_heads={config.num_query_heads}, base_emb_dim={config.emb_dim}"
     )
   return {
-      "n_embd": cfg.emb_dim,
-      "n_head": cfg.num_query_heads,
-      "n_inner": cfg.mlp_dim,
-      "n_layer": cfg.num_decoder_layers,
-      "vocab_size": cfg.vocab_size,
-      "n_positions": cfg.trainable_position_size,
-      "layer_norm_epsilon": cfg.normalization_layer_epsilon,
+      "n_embd": config.emb_dim,
+      "n_head": config.num_query_heads,
+      "n_inner": config.mlp_dim,
+      "n_layer": config.num_decoder_layers,
+      "vocab_size": config.vocab_size,
+      "n_positions": config.trainable_position_size,
+      "layer_norm_epsilon": config.normalization_layer_epsilon,
       "activation_function": "gelu_new",
       "scale_attn_weights": True,
       "scale_attn_by_inverse_layer_idx": False,
-      "tie_word_embeddings": cfg.logits_via_embedding,
+      "tie_word_embeddings": config.logits_via_embedding,
   }
 
 

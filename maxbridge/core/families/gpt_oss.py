@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from maxbridge.core.families import attention as attn
 from maxbridge.core.families.base import (
     Config,
     Family,
@@ -206,39 +207,39 @@ def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
   }
 
 
-def _rope_to_hf(cfg: Config) -> dict[str, Any]:
-  theta = float(cfg.rope_max_timescale)
+def _rope_to_hf(config: Config) -> dict[str, Any]:
+  theta = float(config.rope_max_timescale)
   parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
-  if cfg.rope_type == "yarn":
+  if config.rope_type == "yarn":
     parameters.update(
         rope_type="yarn",
-        factor=cfg.rope_factor,
-        beta_fast=cfg.beta_fast,
-        beta_slow=cfg.beta_slow,
-        truncate=cfg.rope_truncate,
-        original_max_position_embeddings=cfg.original_max_position_embeddings,
+        factor=config.rope_factor,
+        beta_fast=config.beta_fast,
+        beta_slow=config.beta_slow,
+        truncate=config.rope_truncate,
+        original_max_position_embeddings=config.original_max_position_embeddings,
     )
   return {"rope_parameters": parameters, "rope_scaling": None, "rope_theta": theta}
 
 
-def _config_to_hf(cfg: Config) -> dict[str, Any]:
-  if not cfg.mlp_activations_limit:
+def _config_to_hf(config: Config) -> dict[str, Any]:
+  if not config.mlp_activations_limit:
     raise HFError("mlp_activations_limit=0 (no clamp) has no Hugging Face gpt_oss equivalent: set swiglu's limit > 0")
   hf = {
-      **common_to_hf(cfg),
+      **common_to_hf(config),
       "hidden_act": "silu",
       "attention_bias": True,
-      "sliding_window": cfg.sliding_window_size,
-      "layer_types": _KINDS * (cfg.num_decoder_layers // 2),
-      "num_local_experts": cfg.num_experts,
-      "num_experts_per_tok": cfg.num_experts_per_tok,
+      "sliding_window": config.sliding_window_size,
+      "layer_types": _KINDS * (config.num_decoder_layers // 2),
+      "num_local_experts": config.num_experts,
+      "num_experts_per_tok": config.num_experts_per_tok,
       "swiglu_alpha": SWIGLU_ALPHA,
-      "swiglu_limit": cfg.mlp_activations_limit,
-      "output_router_logits": cfg.load_balance_loss_weight > 0,
-      **_rope_to_hf(cfg),
+      "swiglu_limit": config.mlp_activations_limit,
+      "output_router_logits": config.load_balance_loss_weight > 0,
+      **_rope_to_hf(config),
   }
-  if cfg.load_balance_loss_weight > 0:  # else an imported config's coefficient is kept, and unused
-    hf["router_aux_loss_coef"] = cfg.load_balance_loss_weight
+  if config.load_balance_loss_weight > 0:  # else an imported config's coefficient is kept, and unused
+    hf["router_aux_loss_coef"] = config.load_balance_loss_weight
   return hf
 
 
@@ -273,9 +274,24 @@ def _check(config: Config) -> list[str]:
   return broken(routes_to_experts(config), window, layers, attention, routing, rope, clip)
 
 
+def attention(config: Config, *, local: bool = False, kv_shared: bool = False) -> attn.AttentionSpec:
+  """Biased projections and a sink logit per query head; a `local` layer has the sliding window."""
+  del kv_shared
+  return attn.AttentionSpec(
+      head_dim=config.head_dim,
+      kv_heads=config.num_kv_heads,
+      bias=True,
+      sinks=True,
+      sliding_window_size=config.sliding_window_size if local else 0,
+      ring_cache=attn.ring_cache(config),
+      query_scale=config.head_dim**-0.5,
+  )
+
+
 FAMILY = Family(
     decoder_blocks=("gpt_oss",),
     stacks=(Stack("layers", "gpt_oss", depth=lambda config: config.num_decoder_layers // 2, sublayers=SUBLAYERS),),
+    attention=attention,
     norm="rms_norm",
     query_kernel_carries_scale=False,  # the query bias would need the factor too; attention scales at run time
     cache_entries=key_value_cache,

@@ -38,10 +38,10 @@ class HFError(ValueError):
 class Copy:
   """Same values, same shape (norm scales, embeddings, biases of one axis)."""
 
-  def to_ours(self, x, shape, cfg):
+  def to_ours(self, x, shape, config):
     return x.reshape(shape)
 
-  def to_hf(self, x, cfg):
+  def to_hf(self, x, config):
     return x
 
 
@@ -54,10 +54,10 @@ class Reshape:
 
   in_ndim: int | None = None
 
-  def to_ours(self, x, shape, cfg):
+  def to_ours(self, x, shape, config):
     return x.reshape(shape)
 
-  def to_hf(self, x, cfg):
+  def to_hf(self, x, config):
     if self.in_ndim is None:
       return x.reshape(-1)
     return x.reshape(math.prod(x.shape[: self.in_ndim]), -1)
@@ -72,15 +72,15 @@ class Linear:
   """
 
   in_ndim: int = 1
-  scale: Callable[[Config], float | None] = lambda cfg: None
+  scale: Callable[[Config], float | None] = lambda config: None
 
-  def to_ours(self, x, shape, cfg):
+  def to_ours(self, x, shape, config):
     kernel = x.T.reshape(shape)
-    factor = self.scale(cfg)
+    factor = self.scale(config)
     return kernel if factor is None else kernel * factor
 
-  def to_hf(self, x, cfg):
-    factor = self.scale(cfg)
+  def to_hf(self, x, config):
+    factor = self.scale(config)
     if factor is not None:
       x = x / factor
     return x.reshape(math.prod(x.shape[: self.in_ndim]), -1).T
@@ -94,10 +94,10 @@ class SwappedHalves:
   `projection` reads [hidden_norm(hidden); embedding_norm(embedding)], MaxText's order.
   """
 
-  def to_ours(self, x, shape, cfg):
+  def to_ours(self, x, shape, config):
     return x.T[(_swap(shape[0]),)].reshape(shape)
 
-  def to_hf(self, x, cfg):
+  def to_hf(self, x, config):
     return x[(_swap(x.shape[0]),)].T
 
 
@@ -115,13 +115,13 @@ class Part:
   count: int
   axis: int = -1
 
-  def to_ours(self, x, shape, cfg):
+  def to_ours(self, x, shape, config):
     size = x.shape[self.axis] // self.count
     where = [slice(None)] * x.ndim
     where[self.axis] = slice(self.index * size, (self.index + 1) * size)
     return x[tuple(where)].reshape(shape)
 
-  def to_hf(self, x, cfg):
+  def to_hf(self, x, config):
     return x
 
 
@@ -130,10 +130,10 @@ def _swap(rows: int) -> list[int]:
   return [*range(half, rows), *range(half)]
 
 
-def query_scale(cfg: Config) -> float | None:
+def query_scale(config: Config) -> float | None:
   """`Linear`'s scale for a query kernel: 1/sqrt(head_dim) where the kernel carries it (`query_kernel_carries_scale`)."""
   # Where the kernel cannot carry the factor, attention applies it at run time instead.
-  return cfg.head_dim**-0.5 if query_kernel_carries_scale(cfg) else None
+  return config.head_dim**-0.5 if query_kernel_carries_scale(config) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,12 +202,12 @@ class HFFamily:
   mtp_copies: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
-def family_for_config(cfg: Config) -> HFFamily:
+def family_for_config(config: Config) -> HFFamily:
   """The Hugging Face architecture `cfg` exports as."""
-  for family in cfg.family.hf:
-    if cfg.decoder_block in family.decoder_blocks:
+  for family in config.family.hf:
+    if config.decoder_block in family.decoder_blocks:
       return family
-  raise HFError(f"decoder_block={cfg.decoder_block!r} has no Hugging Face export")
+  raise HFError(f"decoder_block={config.decoder_block!r} has no Hugging Face export")
 
 
 # --- config.json readers: each error names the field -----------------------------------------
@@ -333,27 +333,27 @@ def rope_from_hf(hf: Mapping[str, Any], *, llama3: bool, default_theta: float) -
   return values
 
 
-def common_to_hf(cfg: Config, layers: int | None = None) -> dict[str, Any]:
+def common_to_hf(config: Config, layers: int | None = None) -> dict[str, Any]:
   """The config.json fields every decoder family spells alike (`layers` where a family counts its own)."""
   return {
-      "hidden_size": cfg.emb_dim,
-      "num_attention_heads": cfg.num_query_heads,
-      "num_key_value_heads": cfg.num_kv_heads,
-      "head_dim": cfg.head_dim,
-      "intermediate_size": cfg.mlp_dim,
-      "num_hidden_layers": cfg.num_decoder_layers if layers is None else layers,
-      "vocab_size": cfg.vocab_size,
-      "rms_norm_eps": cfg.normalization_layer_epsilon,
-      "tie_word_embeddings": cfg.logits_via_embedding,
+      "hidden_size": config.emb_dim,
+      "num_attention_heads": config.num_query_heads,
+      "num_key_value_heads": config.num_kv_heads,
+      "head_dim": config.head_dim,
+      "intermediate_size": config.mlp_dim,
+      "num_hidden_layers": config.num_decoder_layers if layers is None else layers,
+      "vocab_size": config.vocab_size,
+      "rms_norm_eps": config.normalization_layer_epsilon,
+      "tie_word_embeddings": config.logits_via_embedding,
   }
 
 
-def rope_to_hf(cfg: Config) -> dict[str, Any]:
-  theta = float(cfg.rope_max_timescale)
+def rope_to_hf(config: Config) -> dict[str, Any]:
+  theta = float(config.rope_max_timescale)
   parameters: dict[str, Any] = {"rope_theta": theta, "rope_type": "default"}
-  if cfg.llama3_rope_scaling:
-    parameters.update(rope_type="llama3", **{theirs: getattr(cfg, ours) for ours, theirs in _LLAMA3_KEYS.items()})
+  if config.llama3_rope_scaling:
+    parameters.update(rope_type="llama3", **{theirs: getattr(config, ours) for ours, theirs in _LLAMA3_KEYS.items()})
   # transformers 4 reads rope_scaling and rope_theta; 5 reads rope_parameters
   # but lets rope_scaling override it, so an imported model's stale one must go.
-  scaling = dict(parameters) if cfg.llama3_rope_scaling else None
+  scaling = dict(parameters) if config.llama3_rope_scaling else None
   return {"rope_parameters": parameters, "rope_scaling": scaling, "rope_theta": theta}

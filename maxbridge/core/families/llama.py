@@ -177,19 +177,19 @@ def config_to_hf(
 ) -> Callable[[Config], dict[str, Any]]:
   """The writer of a Llama-layer config.json; `fixed`: keys it always writes (what the model type cannot vary)."""
 
-  def write(cfg: Config) -> dict[str, Any]:
-    if cfg.use_qk_norm != qk_norm:
-      raise HFError(f"use_qk_norm={cfg.use_qk_norm} has no Hugging Face {model_type} equivalent")
-    if cfg.sliding_window_size and not window:
-      raise HFError(f"sliding_window_size={cfg.sliding_window_size} needs decoder_block='mistral'")
+  def write(config: Config) -> dict[str, Any]:
+    if config.use_qk_norm != qk_norm:
+      raise HFError(f"use_qk_norm={config.use_qk_norm} has no Hugging Face {model_type} equivalent")
+    if config.sliding_window_size and not window:
+      raise HFError(f"sliding_window_size={config.sliding_window_size} needs decoder_block='mistral'")
     hf = {
-        **common_to_hf(cfg),
+        **common_to_hf(config),
         "hidden_act": "silu",
-        **rope_to_hf(cfg),
+        **rope_to_hf(config),
         **(fixed or {}),
     }
     if window:
-      hf["sliding_window"] = cfg.sliding_window_size or None
+      hf["sliding_window"] = config.sliding_window_size or None
     return hf
 
   return write

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from maxbridge.core.families import attention as attn
 from maxbridge.core.families import llama
 from maxbridge.core.families.base import Config, Family, Stack, broken, key_value_cache, query_kernel_clip, routes_to_experts
 from maxbridge.core.families.hf_rules import (
@@ -183,37 +184,37 @@ def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
   }
 
 
-def _config_to_hf(cfg: Config) -> dict[str, Any]:
-  if cfg.shared_experts != 1:
-    raise HFError(f"shared_experts={cfg.shared_experts}: Hugging Face's Llama 4 has one shared expert of moe_mlp_dim")
-  floor = cfg.temperature_tuning_floor_scale
+def _config_to_hf(config: Config) -> dict[str, Any]:
+  if config.shared_experts != 1:
+    raise HFError(f"shared_experts={config.shared_experts}: Hugging Face's Llama 4 has one shared expert of moe_mlp_dim")
+  floor = config.temperature_tuning_floor_scale
   if not float(floor).is_integer():
     raise HFError(f"temperature_tuning_floor_scale={floor} has no Hugging Face equivalent: its floor_scale is an integer")
-  hf = llama.config_to_hf("llama4_text", qk_norm=cfg.use_qk_norm)(cfg)
-  layers = cfg.num_decoder_layers
-  step = cfg.interleave_moe_layer_step
+  hf = llama.config_to_hf("llama4_text", qk_norm=config.use_qk_norm)(config)
+  layers = config.num_decoder_layers
+  step = config.interleave_moe_layer_step
   nope = [int(uses_rope(i % PATTERN)) for i in range(layers)]
   hf.update(
-      intermediate_size=cfg.moe_mlp_dim,
-      intermediate_size_mlp=cfg.mlp_dim,
-      num_local_experts=cfg.num_experts,
-      num_experts_per_tok=cfg.num_experts_per_tok,
+      intermediate_size=config.moe_mlp_dim,
+      intermediate_size_mlp=config.mlp_dim,
+      num_local_experts=config.num_experts,
+      num_experts_per_tok=config.num_experts_per_tok,
       interleave_moe_layer_step=step,
       moe_layers=list(range(step - 1, layers, step)),
-      use_qk_norm=cfg.use_qk_norm,
+      use_qk_norm=config.use_qk_norm,
       no_rope_layer_interval=PATTERN,
       no_rope_layers=nope,
       layer_types=["chunked_attention" if rope else "full_attention" for rope in nope],
-      attention_chunk_size=cfg.chunk_attn_window_size,
-      attn_temperature_tuning=cfg.temperature_tuning,
-      attn_scale=cfg.temperature_tuning_scale,
+      attention_chunk_size=config.chunk_attn_window_size,
+      attn_temperature_tuning=config.temperature_tuning,
+      attn_scale=config.temperature_tuning_scale,
       floor_scale=int(floor),
       attention_bias=False,
       router_jitter_noise=0.0,
-      output_router_logits=cfg.load_balance_loss_weight > 0,
+      output_router_logits=config.load_balance_loss_weight > 0,
   )
-  if cfg.load_balance_loss_weight > 0:  # else an imported config's coefficient is kept, and unused
-    hf["router_aux_loss_coef"] = cfg.load_balance_loss_weight
+  if config.load_balance_loss_weight > 0:  # else an imported config's coefficient is kept, and unused
+    hf["router_aux_loss_coef"] = config.load_balance_loss_weight
   return hf
 
 
@@ -255,6 +256,22 @@ def _check(config: Config) -> list[str]:
   return broken(layers, pattern, steps, chunk, routing, window, clip, routes_to_experts(config))
 
 
+def attention(config: Config, *, local: bool = False, kv_shared: bool = False) -> attn.AttentionSpec:
+  """A `local` layer is chunked, turned by interleaved RoPE and L2-normed (use_qk_norm); the other is NoPE, global
+  and temperature-tuned (temperature_tuning)."""
+  del kv_shared
+  return attn.AttentionSpec(
+      head_dim=config.head_dim,
+      kv_heads=config.num_kv_heads,
+      qk_norm=attn.L2 if local and config.use_qk_norm else None,
+      rope=attn.INTERLEAVED_ROPE if local else attn.NO_ROPE,
+      chunk_size=config.chunk_attn_window_size if local else 0,
+      ring_cache=local,  # a ring of one chunk (`Stack.rings`)
+      query_scale=config.head_dim**-0.5,
+      temperature_tuning=not local and config.temperature_tuning,
+  )
+
+
 FAMILY = Family(
     decoder_blocks=("llama4",),
     stacks=(
@@ -266,6 +283,7 @@ FAMILY = Family(
             rings=_chunk_rings,
         ),
     ),
+    attention=attention,
     norm="rms_norm",
     query_kernel_carries_scale=False,  # the QK-norm of the RoPE layers would undo it
     cache_entries=key_value_cache,

@@ -78,20 +78,20 @@ def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
   }
 
 
-def _config_to_hf(cfg: Config) -> dict[str, Any]:
-  hf = _llama_config_to_hf(cfg)
-  if cfg.routed_score_func or cfg.routed_bias or cfg.routed_scaling_factor != 1.0:
+def _config_to_hf(config: Config) -> dict[str, Any]:
+  hf = _llama_config_to_hf(config)
+  if config.routed_score_func or config.routed_bias or config.routed_scaling_factor != 1.0:
     raise HFError(
         "Mixtral routes by softmax over the top-k logits: routed_score_func='', "
         "routed_bias=false and routed_scaling_factor=1 are needed for an export"
     )
   hf.update(
-      num_local_experts=cfg.num_experts,
-      num_experts_per_tok=cfg.num_experts_per_tok,
-      output_router_logits=cfg.load_balance_loss_weight > 0,
+      num_local_experts=config.num_experts,
+      num_experts_per_tok=config.num_experts_per_tok,
+      output_router_logits=config.load_balance_loss_weight > 0,
   )
-  if cfg.load_balance_loss_weight > 0:  # else an imported config's coefficient is kept, and unused
-    hf["router_aux_loss_coef"] = cfg.load_balance_loss_weight
+  if config.load_balance_loss_weight > 0:  # else an imported config's coefficient is kept, and unused
+    hf["router_aux_loss_coef"] = config.load_balance_loss_weight
   return hf
 
 

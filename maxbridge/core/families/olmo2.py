@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from maxbridge.core.families import attention as attn
 from maxbridge.core.families import llama
 from maxbridge.core.families.base import Config, Family, Stack, key_value_cache, query_kernel_clip
 from maxbridge.core.families.hf_rules import ConfigClass, HFError, HFFamily, Linear, Rule
@@ -48,10 +49,12 @@ CONFIG_CLASS = ConfigClass(
 _write = llama.config_to_hf("olmo2", qk_norm=True, fixed={"attention_bias": False})
 
 
-def _config_to_hf(cfg: Config) -> dict[str, Any]:
-  if cfg.sliding_window_size:
-    raise HFError(f"sliding_window_size={cfg.sliding_window_size}: Hugging Face's olmo2 attends in full on every layer")
-  return _write(cfg)
+def _config_to_hf(config: Config) -> dict[str, Any]:
+  if config.sliding_window_size:
+    raise HFError(
+        f"sliding_window_size={config.sliding_window_size}: Hugging Face's olmo2 attends in full on every layer"
+    )
+  return _write(config)
 
 
 def _check(config: Config) -> list[str]:
@@ -60,9 +63,23 @@ def _check(config: Config) -> list[str]:
   return []
 
 
+def attention(config: Config, *, local: bool = False, kv_shared: bool = False) -> attn.AttentionSpec:
+  """Queries and keys RMS-normed over all their heads together, before RoPE; every layer has the config's window."""
+  del local, kv_shared
+  return attn.AttentionSpec(
+      head_dim=config.head_dim,
+      kv_heads=config.num_kv_heads,
+      qk_norm=attn.ACROSS_HEADS,
+      sliding_window_size=config.sliding_window_size,
+      ring_cache=attn.ring_cache(config),
+      query_scale=config.head_dim**-0.5,
+  )
+
+
 FAMILY = Family(
     decoder_blocks=("olmo2",),
     stacks=(Stack("layers", "olmo2"),),
+    attention=attention,
     norm="rms_norm",
     query_kernel_carries_scale=False,  # the QK-norm would undo it
     cache_entries=key_value_cache,

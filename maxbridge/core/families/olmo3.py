@@ -9,8 +9,10 @@ holds a quarter as many blocks. Every layer caches every token while decoding
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
 
+from maxbridge.core.families import attention as attn
 from maxbridge.core.families import llama, olmo2
 from maxbridge.core.families.base import Config, Family, Stack, broken, key_value_cache, query_kernel_clip
 from maxbridge.core.families.hf_rules import (
@@ -98,11 +100,11 @@ def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
   return {**_olmo2_from_hf(flat), **rope, "sliding_window_size": window}
 
 
-def _config_to_hf(cfg: Config) -> dict[str, Any]:
-  theta = float(cfg.rope_max_timescale)
+def _config_to_hf(config: Config) -> dict[str, Any]:
+  theta = float(config.rope_max_timescale)
   return {
-      **_olmo2_to_hf(cfg),
-      "layer_types": _KINDS * (cfg.num_decoder_layers // 4),
+      **_olmo2_to_hf(config),
+      "layer_types": _KINDS * (config.num_decoder_layers // 4),
       "rope_parameters": {kind: {"rope_type": "default", "rope_theta": theta} for kind in set(_KINDS)},
       "rope_scaling": None,
   }
@@ -122,9 +124,16 @@ def _check(config: Config) -> list[str]:
   return broken(norm, window, layers)
 
 
+def attention(config: Config, *, local: bool = False, kv_shared: bool = False) -> attn.AttentionSpec:
+  """OLMo 2's, the sliding window on the `local` layers only."""
+  del kv_shared
+  return dataclasses.replace(olmo2.attention(config), sliding_window_size=config.sliding_window_size if local else 0)
+
+
 FAMILY = Family(
     decoder_blocks=("olmo3",),
     stacks=(Stack("layers", "olmo3", depth=lambda config: config.num_decoder_layers // 4, sublayers=SUBLAYERS),),
+    attention=attention,
     norm="rms_norm",
     query_kernel_carries_scale=False,  # the QK-norm would undo it
     cache_entries=key_value_cache,

@@ -109,9 +109,9 @@ def every_layer_routes(hf: Mapping[str, Any], decoder_block: str) -> None:
     )
 
 
-def check_unscaled_softmax(cfg: Config, model: str) -> None:
+def check_unscaled_softmax(config: Config, model: str) -> None:
   """Refuses an export that routes otherwise than Hugging Face's Qwen3 MoEs (`model` names the architecture)."""
-  if cfg.routed_bias or cfg.routed_scaling_factor != 1.0:
+  if config.routed_bias or config.routed_scaling_factor != 1.0:
     raise HFError(
         f"{model} routes by a softmax over the experts, unscaled: routed_bias=false and routed_scaling_factor=1 "
         "are needed for an export"
@@ -134,22 +134,22 @@ def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
   }
 
 
-def _config_to_hf(cfg: Config) -> dict[str, Any]:
-  hf = _llama_config_to_hf(cfg)
-  check_unscaled_softmax(cfg, "Qwen3-MoE")
+def _config_to_hf(config: Config) -> dict[str, Any]:
+  hf = _llama_config_to_hf(config)
+  check_unscaled_softmax(config, "Qwen3-MoE")
   hf.update(
-      num_local_experts=cfg.num_experts,
-      num_experts_per_tok=cfg.num_experts_per_tok,
-      moe_intermediate_size=cfg.moe_mlp_dim,
+      num_local_experts=config.num_experts,
+      num_experts_per_tok=config.num_experts_per_tok,
+      moe_intermediate_size=config.moe_mlp_dim,
       # Mixtral's routing ('') is the softmax's top k renormalised.
-      norm_topk_prob=cfg.norm_topk_prob or cfg.routed_score_func == "",
-      use_sliding_window=bool(cfg.sliding_window_size),
+      norm_topk_prob=config.norm_topk_prob or config.routed_score_func == "",
+      use_sliding_window=bool(config.sliding_window_size),
       decoder_sparse_step=1,
       mlp_only_layers=[],
-      output_router_logits=cfg.load_balance_loss_weight > 0,
+      output_router_logits=config.load_balance_loss_weight > 0,
   )
-  if cfg.load_balance_loss_weight > 0:  # else an imported config's coefficient is kept, and unused
-    hf["router_aux_loss_coef"] = cfg.load_balance_loss_weight
+  if config.load_balance_loss_weight > 0:  # else an imported config's coefficient is kept, and unused
+    hf["router_aux_loss_coef"] = config.load_balance_loss_weight
   return hf
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from maxbridge.core.families import attention as attn
 from maxbridge.core.families import qwen3_moe
 from maxbridge.core.families.base import (
     RECURRENT_MIXER,
@@ -108,10 +109,10 @@ def rotary_dim(config: Config) -> int:
 class ConvKernel:
   """torch's depthwise Conv1d weight [C, 1, W] <-> our [W, C]."""
 
-  def to_ours(self, x, shape, cfg):
+  def to_ours(self, x, shape, config):
     return x.reshape(shape[1], shape[0]).T
 
-  def to_hf(self, x, cfg):
+  def to_hf(self, x, config):
     return x.T[:, None, :]
 
 
@@ -250,34 +251,34 @@ def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
   }
 
 
-def _config_to_hf(cfg: Config) -> dict[str, Any]:
-  qwen3_moe.check_unscaled_softmax(cfg, "Qwen3-Next")
-  rope = rope_to_hf(cfg)
-  rope["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
+def _config_to_hf(config: Config) -> dict[str, Any]:
+  qwen3_moe.check_unscaled_softmax(config, "Qwen3-Next")
+  rope = rope_to_hf(config)
+  rope["rope_parameters"]["partial_rotary_factor"] = config.partial_rotary_factor
   hf = {
-      **common_to_hf(cfg),
-      "layer_types": layer_kinds(cfg.num_decoder_layers),
+      **common_to_hf(config),
+      "layer_types": layer_kinds(config.num_decoder_layers),
       "hidden_act": "silu",
       **rope,
       "attention_bias": False,
-      "num_experts": cfg.num_experts,
-      "num_experts_per_tok": cfg.num_experts_per_tok,
-      "moe_intermediate_size": cfg.moe_mlp_dim,
-      "shared_expert_intermediate_size": cfg.shared_experts * cfg.moe_mlp_dim,
+      "num_experts": config.num_experts,
+      "num_experts_per_tok": config.num_experts_per_tok,
+      "moe_intermediate_size": config.moe_mlp_dim,
+      "shared_expert_intermediate_size": config.shared_experts * config.moe_mlp_dim,
       # Mixtral's routing ('') is the softmax's top k renormalised.
-      "norm_topk_prob": cfg.norm_topk_prob or cfg.routed_score_func == "",
+      "norm_topk_prob": config.norm_topk_prob or config.routed_score_func == "",
       "decoder_sparse_step": 1,
       "mlp_only_layers": [],
-      "output_router_logits": cfg.load_balance_loss_weight > 0,
-      "linear_num_key_heads": cfg.gdn_num_key_heads,
-      "linear_num_value_heads": cfg.gdn_num_value_heads,
-      "linear_key_head_dim": cfg.gdn_key_head_dim,
-      "linear_value_head_dim": cfg.gdn_value_head_dim,
-      "linear_conv_kernel_dim": cfg.gdn_conv_kernel_dim,
+      "output_router_logits": config.load_balance_loss_weight > 0,
+      "linear_num_key_heads": config.gdn_num_key_heads,
+      "linear_num_value_heads": config.gdn_num_value_heads,
+      "linear_key_head_dim": config.gdn_key_head_dim,
+      "linear_value_head_dim": config.gdn_value_head_dim,
+      "linear_conv_kernel_dim": config.gdn_conv_kernel_dim,
   }
   hf.pop("rope_theta", None)
-  if cfg.load_balance_loss_weight > 0:  # else an imported config's coefficient is kept, and unused
-    hf["router_aux_loss_coef"] = cfg.load_balance_loss_weight
+  if config.load_balance_loss_weight > 0:  # else an imported config's coefficient is kept, and unused
+    hf["router_aux_loss_coef"] = config.load_balance_loss_weight
   return hf
 
 
@@ -340,6 +341,20 @@ def _no_clip_targets(config: Config) -> dict:
   return {}  # refused by `_check`
 
 
+def attention(config: Config, *, local: bool = False, kv_shared: bool = False) -> attn.AttentionSpec:
+  """Qwen3's per-head query/key norms (zero-centred), partial RoPE, and an output gate projected with the query."""
+  del local, kv_shared
+  return attn.AttentionSpec(
+      head_dim=config.head_dim,
+      kv_heads=config.num_kv_heads,
+      qk_norm=attn.ZERO_CENTRED_RMS_NORM,
+      output_gate=True,
+      rope=attn.PARTIAL_ROPE,
+      rotary_dim=rotary_dim(config),
+      query_scale=config.head_dim**-0.5,
+  )
+
+
 FAMILY = Family(
     decoder_blocks=("qwen3_next",),
     stacks=(
@@ -351,6 +366,7 @@ FAMILY = Family(
             recurrent=tuple(sub for sub in SUBLAYERS if is_linear(sub)),
         ),
     ),
+    attention=attention,
     norm="zero_centred_rms_norm",
     query_kernel_carries_scale=False,  # the QK-norm would undo it
     cache_entries=key_value_cache,

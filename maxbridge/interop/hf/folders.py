@@ -91,16 +91,16 @@ def load_hf(path: str | os.PathLike, *overrides: str, **kwargs: Any) -> tuple[Co
   return cfg, params
 
 
-def abstract_params(cfg: Config) -> dict[str, Any]:
+def abstract_params(config: Config) -> dict[str, Any]:
   """The canonical tree of `cfg`'s model as shapes and dtypes; nothing is computed."""
   # Every flag combination declares this tree; traced in pure Linen whatever the flags (NNX by default).
-  linen = cfg.replace(**dispatch.backend_flags("linen"))
+  linen = config.replace(**dispatch.backend_flags("linen"))
   return LinenModel(linen, dispatch.linen_transformer(linen), dispatch.sample_inputs(linen)).abstract_params()
 
 
 def save_hf(
     params: Mapping[str, Any],
-    cfg: Config,
+    config: Config,
     destination: str | os.PathLike,
     *,
     dtype: str | None = None,
@@ -112,16 +112,18 @@ def save_hf(
   destination = Path(destination)
   refuse_existing(destination)
   if dtype is not None:
-    cfg = cfg.replace(weight_dtype=dtype)
-  out_dtype = jnp.dtype(cfg.weight_dtype)
+    config = config.replace(weight_dtype=dtype)
+  out_dtype = jnp.dtype(config.weight_dtype)
   # The folder must load: config.json says what the tensors are, so they must be what cfg says.
   try:
-    canonical.check(params, abstract_params(cfg), cfg.param_scan_axis)
+    canonical.check(params, abstract_params(config), config.param_scan_axis)
   except ValueError as e:
-    raise ParamsDisagree(f"the parameters do not match their config ({cfg.decoder_block} {cfg.model_name}): {e}") from e
+    raise ParamsDisagree(
+        f"the parameters do not match their config ({config.decoder_block} {config.model_name}): {e}"
+    ) from e
   params32 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), dict(params))
-  tensors = {name: jnp.asarray(value, out_dtype) for name, value in to_hf_tensors(params32, cfg).items()}
-  hf_config = config_to_hf(cfg, base_config)
+  tensors = {name: jnp.asarray(value, out_dtype) for name, value in to_hf_tensors(params32, config).items()}
+  hf_config = config_to_hf(config, base_config)
 
   def write(tmp: Path) -> None:
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})

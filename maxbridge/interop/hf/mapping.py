@@ -31,12 +31,12 @@ def config_from_hf(hf_config: Mapping[str, Any], *overrides: str, **kwargs: Any)
   return load_config(str(BASE_CONFIG), *overrides, **{**values, **kwargs})
 
 
-def config_to_hf(cfg: Config, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def config_to_hf(config: Config, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
   """config.json for `cfg`; keys of `base` (an imported model's original config) are kept."""
-  family = family_for_config(cfg)
-  if cfg.logits_via_embedding and cfg.normalize_embedding_logits != family.normalize_embedding_logits:
+  family = family_for_config(config)
+  if config.logits_via_embedding and config.normalize_embedding_logits != family.normalize_embedding_logits:
     raise HFError(
-        f"normalize_embedding_logits={cfg.normalize_embedding_logits} with a tied head has no Hugging Face "
+        f"normalize_embedding_logits={config.normalize_embedding_logits} with a tied head has no Hugging Face "
         f"{family.model_type} equivalent, which computes it as normalize_embedding_logits="
         f"{family.normalize_embedding_logits}"
     )
@@ -44,15 +44,15 @@ def config_to_hf(cfg: Config, base: Mapping[str, Any] | None = None) -> dict[str
   hf.pop("torch_dtype", None)
   for alias in family.config_class.aliases:  # transformers would read an alias in place of what we write
     hf.pop(alias, None)
-  hf.update(family.config_to_hf(cfg))
+  hf.update(family.config_to_hf(config))
   if family.model_type != "gpt2":  # GPT-2's is n_positions, a model size
     # Not a model size here (max_target_length is a training length): kept from
     # an imported model's config, else the longest sequence this config trains on.
-    hf.setdefault("max_position_embeddings", cfg.max_target_length)
+    hf.setdefault("max_position_embeddings", config.max_target_length)
   hf.update(
       model_type=family.model_type,
       architectures=[family.architecture],
-      dtype=jnp.dtype(cfg.weight_dtype).name,
+      dtype=jnp.dtype(config.weight_dtype).name,
   )
   return hf
 
@@ -63,102 +63,102 @@ def config_to_hf(cfg: Config, base: Mapping[str, Any] | None = None) -> dict[str
 _HEAD, _EMBEDDING = "decoder/logits_dense/kernel", "token_embedder/embedding"
 
 
-def _tied_pair(cfg: Config) -> tuple[str, str]:
+def _tied_pair(config: Config) -> tuple[str, str]:
   """(Hugging Face name of the output projection, of the token embedding) in `cfg`'s family."""
-  names = {rule.ours: rule.hf for rule in family_for_config(cfg).rules}
+  names = {rule.ours: rule.hf for rule in family_for_config(config).rules}
   return names[_HEAD], names[_EMBEDDING]
 
 
-def _stored_head_differs(cfg: Config, tensors: Mapping[str, Any]) -> bool:
+def _stored_head_differs(config: Config, tensors: Mapping[str, Any]) -> bool:
   """Whether a tied `cfg`'s folder also holds an output projection with other values than its embedding."""
-  family = family_for_config(cfg)
+  family = family_for_config(config)
   tensors = {family.normalize_name(name): tensor for name, tensor in tensors.items()}
-  head, embedding = _tied_pair(cfg)
-  if not cfg.logits_via_embedding or head not in tensors or embedding not in tensors:
+  head, embedding = _tied_pair(config)
+  if not config.logits_via_embedding or head not in tensors or embedding not in tensors:
     return False
   head_value, embedding_value = _load(tensors[head]), _load(tensors[embedding])
   return head_value.shape != embedding_value.shape or not bool(jnp.array_equal(head_value, embedding_value))
 
 
-def untie_a_stored_head(cfg: Config, tensors: Mapping[str, Any]) -> Config:
+def untie_a_stored_head(config: Config, tensors: Mapping[str, Any]) -> Config:
   """`cfg` as transformers 5.x reads tie_word_embeddings=true beside a stored lm_head.weight.
 
   It ties the two only where their values are equal; where they differ it
   warns, leaves them untied and computes logits with the stored lm_head.weight.
   """
-  if not _stored_head_differs(cfg, tensors):
-    return cfg
-  head, embedding = _tied_pair(cfg)
+  if not _stored_head_differs(config, tensors):
+    return config
+  head, embedding = _tied_pair(config)
   warnings.warn(
       f"config.json says tie_word_embeddings=true, but {head} differs from {embedding}: read untied, "
       "as transformers does (logits from the stored output projection)",
       stacklevel=2,
   )
-  return cfg.replace(logits_via_embedding=False)
+  return config.replace(logits_via_embedding=False)
 
 
-def _expansions(rule: Rule, cfg: Config) -> list[tuple[int | None, str]]:
+def _expansions(rule: Rule, config: Config) -> list[tuple[int | None, str]]:
   """(Hugging Face layer index, canonical path) pairs a rule can produce: MTP module k is layer
   num_decoder_layers + k - 1, its decoder layer under `layer/` (see `HFFamily.mtp_copies`)."""
   if rule.ours.startswith("{mtp}/"):
-    return _mtp_layers(cfg, rule.ours.removeprefix("{mtp}/"))
+    return _mtp_layers(config, rule.ours.removeprefix("{mtp}/"))
   if "{layer}" not in rule.ours:
     return [(None, rule.ours)]
   under = rule.ours.removeprefix("{layer}/")
   if "{layer}" in under:
     raise ValueError(f"rule {rule.hf} -> {rule.ours}: a canonical template must start with '{{layer}}/'")
-  return list(enumerate(canonical.layer_paths(cfg, under))) + _mtp_layers(cfg, f"layer/{under}")
+  return list(enumerate(canonical.layer_paths(config, under))) + _mtp_layers(config, f"layer/{under}")
 
 
-def _mtp_layers(cfg: Config, under: str) -> list[tuple[int, str]]:
-  first = cfg.num_decoder_layers
-  return [(first + k - 1, f"decoder/mtp/mtp_layer_{k}/{under}") for k in range(1, cfg.mtp_num_layers + 1)]
+def _mtp_layers(config: Config, under: str) -> list[tuple[int, str]]:
+  first = config.num_decoder_layers
+  return [(first + k - 1, f"decoder/mtp/mtp_layer_{k}/{under}") for k in range(1, config.mtp_num_layers + 1)]
 
 
-def _mtp_names(cfg: Config, layer: int) -> list[str]:
+def _mtp_names(config: Config, layer: int) -> list[str]:
   """The Hugging Face names of one MTP layer's own tensors (not its decoder layer's) in `cfg`'s family."""
-  return [rule.hf.format(layer=layer) for rule in family_for_config(cfg).rules if rule.ours.startswith("{mtp}/")]
+  return [rule.hf.format(layer=layer) for rule in family_for_config(config).rules if rule.ours.startswith("{mtp}/")]
 
 
-def stored_mtp_layers(cfg: Config, tensors: Mapping[str, Any]) -> int:
+def stored_mtp_layers(config: Config, tensors: Mapping[str, Any]) -> int:
   """How many MTP modules a folder's tensors hold after `cfg`'s decoder layers (0 for a family that stores none)."""
-  family = family_for_config(cfg)
+  family = family_for_config(config)
   names = {family.normalize_name(name) for name in tensors}
   count = 0
-  while (own := _mtp_names(cfg, cfg.num_decoder_layers + count)) and names.issuperset(own):
+  while (own := _mtp_names(config, config.num_decoder_layers + count)) and names.issuperset(own):
     count += 1
   return count
 
 
-def _mtp_copies(cfg: Config) -> dict[str, str]:
+def _mtp_copies(config: Config) -> dict[str, str]:
   """{an MTP layer's copy: the model's own tensor it holds}, both Hugging Face names, for `cfg`'s MTP layers."""
-  family = family_for_config(cfg)
+  family = family_for_config(config)
   names = {rule.ours: rule.hf for rule in family.rules}
   copies = {}
-  for k in range(1, cfg.mtp_num_layers + 1):
+  for k in range(1, config.mtp_num_layers + 1):
     for copy, ours in family.mtp_copies.items():
-      if ours == _HEAD and cfg.logits_via_embedding:
+      if ours == _HEAD and config.logits_via_embedding:
         ours = _EMBEDDING  # a tied head: the embedding projects
-      copies[copy.format(layer=cfg.num_decoder_layers + k - 1)] = names[ours]
+      copies[copy.format(layer=config.num_decoder_layers + k - 1)] = names[ours]
   return copies
 
 
-def to_hf_tensors(params: Mapping[str, Any], cfg: Config) -> dict[str, Any]:
+def to_hf_tensors(params: Mapping[str, Any], config: Config) -> dict[str, Any]:
   """Canonical tree (scanned or not) -> {Hugging Face name: array}."""
-  flat = canonical.flatten(_unscanned(params, cfg))
-  family = family_for_config(cfg)
+  flat = canonical.flatten(_unscanned(params, config))
+  family = family_for_config(config)
   tensors: dict[str, Any] = {}
   parts: dict[str, dict[int, tuple[Part, Any]]] = {}  # tensors that several rules' `Part`s make up
   used = set()
 
   def put(name: str, transform, value) -> None:
     if isinstance(transform, Part):
-      parts.setdefault(name, {})[transform.index] = (transform, transform.to_hf(value, cfg))
+      parts.setdefault(name, {})[transform.index] = (transform, transform.to_hf(value, config))
     else:
-      tensors[name] = transform.to_hf(value, cfg)
+      tensors[name] = transform.to_hf(value, config)
 
   for rule in family.rules:
-    for layer, path in _expansions(rule, cfg):
+    for layer, path in _expansions(rule, config):
       if path not in flat:
         continue
       used.add(path)
@@ -176,18 +176,18 @@ def to_hf_tensors(params: Mapping[str, Any], cfg: Config) -> dict[str, Any]:
     if sorted(pieces) != list(range(part.count)):
       raise HFError(f"{name}: the canonical tree holds parts {sorted(pieces)} of its {part.count}")
     tensors[name] = jnp.concatenate([pieces[i][1] for i in range(part.count)], axis=part.axis)
-  for copy, original in _mtp_copies(cfg).items():
+  for copy, original in _mtp_copies(config).items():
     tensors[copy] = tensors[original]
   return tensors
 
 
-def expected_hf_shapes(cfg: Config, abstract: Mapping[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
+def expected_hf_shapes(config: Config, abstract: Mapping[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
   """{Hugging Face name: shape} the model of `cfg` (abstract canonical tree) reads."""
-  return jax.eval_shape(lambda p: to_hf_tensors(p, cfg), _unscanned(abstract, cfg))
+  return jax.eval_shape(lambda p: to_hf_tensors(p, config), _unscanned(abstract, config))
 
 
 def from_hf_tensors(
-    tensors: Mapping[str, Any], cfg: Config, abstract: Mapping[str, Any], *, where: str = "folder"
+    tensors: Mapping[str, Any], config: Config, abstract: Mapping[str, Any], *, where: str = "folder"
 ) -> dict[str, Any]:
   """{Hugging Face name: array, or a lazy tensor from `open_hf_tensors`} -> unscanned canonical tree.
 
@@ -195,7 +195,7 @@ def from_hf_tensors(
   model needs but `tensors` lacks, is an error naming it; values are computed
   in float32 and cast to the abstract tree's dtypes.
   """
-  family = family_for_config(cfg)
+  family = family_for_config(config)
   tensors = {family.normalize_name(name): tensor for name, tensor in tensors.items()}
   tensors = {
       name: tensor
@@ -203,16 +203,16 @@ def from_hf_tensors(
       if not any(re.fullmatch(pattern, name) for pattern in family.ignored)
   }
   if family.mtp_copies:  # MTP layers past the config's are left out, as transformers leaves them all out
-    tensors = {name: tensor for name, tensor in tensors.items() if not _beyond_mtp_layers(cfg, name)}
-  if _stored_head_differs(cfg, tensors):
-    head, embedding = _tied_pair(cfg)
+    tensors = {name: tensor for name, tensor in tensors.items() if not _beyond_mtp_layers(config, name)}
+  if _stored_head_differs(config, tensors):
+    head, embedding = _tied_pair(config)
     raise HFError(
         f"config.json says tie_word_embeddings=true, but {where} holds a {head} that differs from {embedding}; "
         "transformers then unties them: read the config with untie_a_stored_head first"
     )
-  expected = expected_hf_shapes(cfg, abstract)
+  expected = expected_hf_shapes(config, abstract)
   given = set(tensors)
-  tied_copy = {"lm_head.weight"} if cfg.logits_via_embedding else set()
+  tied_copy = {"lm_head.weight"} if config.logits_via_embedding else set()
   missing = sorted(set(expected) - given)
   unknown = sorted(given - set(expected) - tied_copy)
   if missing or unknown:
@@ -221,7 +221,7 @@ def from_hf_tensors(
     more = len(missing) + len(unknown) - len(lines)
     lines += [f"  ... and {more} more"] if more > 0 else []
     raise HFError(
-        f"the Hugging Face tensors in {where} do not match a {cfg.decoder_block} model of this "
+        f"the Hugging Face tensors in {where} do not match a {config.decoder_block} model of this "
         "config:\n" + "\n".join(lines)
     )
   shapes = {name: _shape(tensors[name]) for name in expected}
@@ -232,43 +232,43 @@ def from_hf_tensors(
   ]
   if misshaped:
     raise HFError(f"Hugging Face tensors in {where} have the wrong shapes:\n" + "\n".join(misshaped[:20]))
-  for copy, original in _mtp_copies(cfg).items():
+  for copy, original in _mtp_copies(config).items():
     if not bool(jnp.array_equal(_load(tensors[copy]), _load(tensors[original]))):
       raise HFError(
           f"{where}: {copy} differs from {original}, and maxbridge's MTP modules share the model's own "
           "embedding and output head; import with mtp_num_layers=0 to leave the MTP layers out"
       )
 
-  want_flat = canonical.flatten(_unscanned(abstract, cfg))
+  want_flat = canonical.flatten(_unscanned(abstract, config))
   flat = {}
   for rule in family.rules:
-    for layer, path in _expansions(rule, cfg):
+    for layer, path in _expansions(rule, config):
       if path not in want_flat:
         continue
       want = want_flat[path]
       if "{expert}" in rule.hf:
         value = jnp.stack(
             [
-                rule.transform.to_ours(_load(tensors[rule.hf.format(layer=layer, expert=e)]), want.shape[1:], cfg)
+                rule.transform.to_ours(_load(tensors[rule.hf.format(layer=layer, expert=e)]), want.shape[1:], config)
                 for e in range(want.shape[0])
             ]
         )
       else:
-        value = rule.transform.to_ours(_load(tensors[rule.hf.format(layer=layer)]), want.shape, cfg)
+        value = rule.transform.to_ours(_load(tensors[rule.hf.format(layer=layer)]), want.shape, config)
       flat[path] = value.astype(want.dtype)
   return canonical.unflatten(flat)
 
 
-def _beyond_mtp_layers(cfg: Config, name: str) -> bool:
+def _beyond_mtp_layers(config: Config, name: str) -> bool:
   """Whether `name` is a tensor of a Hugging Face layer past the decoder's and the config's MTP layers."""
-  prefix = next(rule.hf for rule in family_for_config(cfg).rules if rule.ours.startswith("{mtp}/")).split("{layer}")[0]
+  prefix = next(rule.hf for rule in family_for_config(config).rules if rule.ours.startswith("{mtp}/")).split("{layer}")[0]
   match = re.match(re.escape(prefix) + r"(\d+)\.", name)
-  return match is not None and int(match.group(1)) >= cfg.num_decoder_layers + cfg.mtp_num_layers
+  return match is not None and int(match.group(1)) >= config.num_decoder_layers + config.mtp_num_layers
 
 
-def _unscanned(tree: Mapping[str, Any], cfg: Config) -> dict[str, Any]:
+def _unscanned(tree: Mapping[str, Any], config: Config) -> dict[str, Any]:
   if canonical.is_scanned(tree):
-    return canonical.unstack_layers(tree, cfg.param_scan_axis)
+    return canonical.unstack_layers(tree, config.param_scan_axis)
   return canonical.unflatten(canonical.flatten(tree))
 
 
