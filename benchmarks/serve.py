@@ -56,11 +56,11 @@ def start(args) -> tuple[subprocess.Popen, str]:
   raise SystemExit("the server did not come up in 300 s")
 
 
-def one(client: openai.OpenAI, prompt: str, new: int) -> tuple[float, list[float], int]:
+def one(client: openai.OpenAI, model: str, prompt: str, new: int) -> tuple[float, list[float], int]:
   """(seconds to the first token, the gaps between later tokens, tokens) of one streamed greedy completion."""
   start = time.perf_counter()
   stamps = []
-  for chunk in client.completions.create(model="m", prompt=prompt, max_tokens=new, temperature=0, stream=True):
+  for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=new, temperature=0, stream=True):
     if chunk.choices[0].finish_reason is None:
       stamps.append(time.perf_counter())
   return stamps[0] - start, list(np.diff(stamps)), len(stamps)
@@ -68,11 +68,12 @@ def one(client: openai.OpenAI, prompt: str, new: int) -> tuple[float, list[float
 
 def run(url: str, clients: int, requests: int, args) -> dict:
   client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+  model = client.models.list().data[0].id  # the server refuses another model's name
   rng = np.random.default_rng(clients)
   prompts = ["".join(chr(c) for c in rng.integers(97, 123, args.prompt)) for _ in range(requests)]
   start = time.perf_counter()
   with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-    results = list(pool.map(lambda p: one(client, p, args.new), prompts))
+    results = list(pool.map(lambda p: one(client, model, p, args.new), prompts))
   wall = time.perf_counter() - start
   ttft = [r[0] for r in results]
   gaps = [g for r in results for g in r[1]]
