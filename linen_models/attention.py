@@ -128,21 +128,7 @@ def attend(
     (key, value), kv, write_cache = read_cache(
         module, {"cached_key": key, "cached_value": value}, positions, segment_ids, ring=spec.ring_cache
     )
-  out, values = attention.self_attention(
-      query,
-      key,
-      value,
-      segment_ids,
-      positions,
-      kernel=config.attention,
-      sliding_window_size=spec.sliding_window_size,
-      chunk_size=spec.chunk_size,
-      query_scale=spec.query_scale,
-      with_max_logits=config.use_qk_clip,
-      logits_soft_cap=spec.logits_soft_cap,
-      sinks=sinks,
-      **kv,
-  )
+  out, values = attention.layer_attention(spec, config, query, key, value, segment_ids, positions, sinks=sinks, **kv)
   write_cache(out)
   if spec.shares_kv and masking is None:
     values = {**values, attention.ATTENDED: (key, value, kv)}

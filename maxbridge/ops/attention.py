@@ -207,6 +207,37 @@ def self_attention(
   return result, {}
 
 
+def layer_attention(
+    spec: AttentionSpec,
+    config,
+    query: jax.Array,
+    key: jax.Array | tuple[jax.Array, ...],
+    value: jax.Array | tuple[jax.Array, ...],
+    segment_ids: jax.Array,
+    positions: jax.Array,
+    *,
+    sinks: jax.Array | None = None,
+    **masking: jax.Array,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """`self_attention` as a layer's spec and the config set it: the kernel (`attention`), window or chunk, query
+  scale, soft cap and QK-Clip's max logits; `masking`, a decode cache's keywords (`ops.kv_cache`)."""
+  return self_attention(
+      query,
+      key,
+      value,
+      segment_ids,
+      positions,
+      kernel=config.attention,
+      sliding_window_size=spec.sliding_window_size,
+      chunk_size=spec.chunk_size,
+      query_scale=spec.query_scale,
+      with_max_logits=config.use_qk_clip,
+      logits_soft_cap=spec.logits_soft_cap,
+      sinks=sinks,
+      **masking,
+  )
+
+
 # The per-layer value holding an attention layer's output after its out projection [B, T, emb_dim]: what
 # MaxText's feature distillation compares (its attention sows it under this name when distill_beta > 0).
 OUT_PROJECTION = "out_projection_activations"
