@@ -106,7 +106,7 @@ def test_bad_remat_policy_lists_valid_ones():
     "override, match",
     [
         ("dtype=float16", "'dtype'.*'float32', 'bfloat16'"),
-        ("attention=flash", "'attention' = 'flash'.*'autoselected', 'dot_product'"),
+        ("attention=cudnn_flash_te", "'attention' = 'cudnn_flash_te'.*'autoselected', 'dot_product', 'flash'"),
         ("param_scan_axis=2", "'param_scan_axis'.*0, 1"),
         ("normalization_layer_epsilon=0", "'normalization_layer_epsilon'.*> 0"),
         ("learning_rate=-1e-3", "'learning_rate'.*>= 0"),

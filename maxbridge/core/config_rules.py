@@ -189,9 +189,10 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("decode_sampling_nucleus_p", lambda v: v == -1 or 0 < v <= 1, "in (0, 1], or -1 when unused"),
 )
 
-# MaxText's `attention` values that name a kernel we have (`ops.attention.KERNELS`); its others (flash, cudnn_flash_te,
-# paged, ...) are refused by name until their kernels land.
-ATTENTION_KERNELS = ("autoselected", "dot_product")
+# MaxText's `attention` values that name a kernel we have (`ops.attention.KERNELS`); its others (cudnn_flash_te,
+# paged, ...) are refused by name until their kernels land. "flash" is, for now, the blockwise kernel on every
+# platform (`ops.flash_attention`): O(T x block) memory instead of the [T, S] scores.
+ATTENTION_KERNELS = ("autoselected", "dot_product", "flash")
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
     "decoder_block": families.DECODER_BLOCKS,

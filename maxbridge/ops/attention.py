@@ -4,6 +4,8 @@ The mask is built from positions, not from array indices, so queries and keys
 may differ in length and offset (a query block against a cache of keys).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ from jax.sharding import PartitionSpec
 from maxbridge.core import sharding
 from maxbridge.core.families import attention as attention_spec
 from maxbridge.core.families.attention import AttentionSpec
-from maxbridge.ops import proportional_rope, rotary
+from maxbridge.ops import flash_attention, proportional_rope, rotary
 from maxbridge.ops.soft_cap import soft_cap
 
 # A large finite negative, not -inf: a fully masked row then gives a uniform
@@ -158,8 +160,13 @@ def softmax_with_sinks(scores: jax.Array, sinks: jax.Array | None) -> jax.Array:
 
 
 # The config's `attention` key -> the kernel that computes `dot_product_attention`'s result: the one place a kernel is
-# chosen. "autoselected" (MaxText's default) is the best this platform has.
-KERNELS = {"dot_product": dot_product_attention, "autoselected": dot_product_attention}
+# chosen. "autoselected" (MaxText's default) is the best this platform has. "flash" is the blockwise kernel
+# (`ops.flash_attention`), handed this module's mask, which it builds per block (it imports nothing from here).
+KERNELS = {
+    "dot_product": dot_product_attention,
+    "autoselected": dot_product_attention,
+    "flash": functools.partial(flash_attention.flash_attention, attention_mask=attention_mask, mask_value=MASK_VALUE),
+}
 
 
 def self_attention(
