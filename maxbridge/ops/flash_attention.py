@@ -4,16 +4,16 @@ The same result as `ops.attention.dot_product_attention`, masks and all, without
 its [T, S] score matrix: queries are taken `block_q` at a time, keys and values
 `block_kv` at a time, and each query block keeps a running row maximum `m`, sum
 `l` and weighted sum of values `acc` as it reads the key blocks (Milakov and
-Gimelshein's online softmax, as FlashAttention uses it). The forward pass saves
-only its output and each row's maximum and sum; the backward pass recomputes
-each block's softmax from them (`jax.custom_vjp`), so memory is O(block_q x block_kv)
-per step and O(T x head_dim) in all.
+Gimelshein's online softmax, as FlashAttention uses it). Besides its inputs, the
+forward pass saves only its output and each row's maximum and sum; the backward
+pass recomputes each block's softmax from them (`jax.custom_vjp`), so memory is
+O(block_q x block_kv) per step and O(T x head_dim) in all.
 
-A block whose every (query, key) pair is masked (above the diagonal of a causal
-mask, outside a window or a chunk, across documents) is not multiplied: its
-masked keys still join a row's softmax at the mask value, as they do in
-`dot_product_attention`, which matters only to a row that sees no key at all
-(there, as there, a uniform average), and is added in closed form.
+A block whose every (query, key) pair is masked (above a causal diagonal,
+outside a window or a chunk, across documents) is not multiplied. Its keys still
+join each row's softmax at the mask value, as in `dot_product_attention`: a
+weight of zero, except in a row that sees no key at all (which there, as here,
+averages every value alike), added in closed form.
 """
 
 import dataclasses
