@@ -6,8 +6,11 @@ in it: the recipes' losses and gradients through its layers (local/global
 blocks, sinks, soft-caps, MoE), at the seed-0 weights, from the trainer's own
 loss path; and Qwix int8's logits. To keep the suite fast, one compile per
 (family, backend) covers the three recipes: their losses are summed into one
-`Loss`, each also compared on its own through its aux value. Where Qwix's two
-backends lower to the same forward program (Gemma 4's do), they run one executable.
+`Loss`, each also compared on its own through its aux value, and the model runs
+once over the rows of all three (`OnePass`): one differentiated pass and one
+reference pass, where each recipe call had its own (three and two). The layers
+see the same rows, packed and segmented as each recipe packs them. Where Qwix's
+two backends lower to the same forward program (Gemma 4's do), they run one executable.
 """
 
 import hashlib
@@ -54,23 +57,89 @@ def forward_logits(model: mb.Model) -> np.ndarray:
   return np.asarray(_EXECUTABLES[key](params))
 
 
+class OnePass:
+  """The forward passes the recipes ask for, run as one: the policy's over the rows of every call, and the
+  reference's over the same rows (so that at step 0 each recipe's reference rows are its policy rows, to the bit).
+
+  `record` runs the recipes once against stand-ins that note each call's rows and answer zeros of the right
+  shapes (that pass computes nothing the loss returns: XLA drops it); `replay` then answers each call with its
+  rows of the two real passes. Each recipe asks the reference for rows it gave the policy, in the same order.
+  """
+
+  def __init__(self, policy, reference):
+    self.policy, self.reference = policy, reference
+    self.calls: list[tuple[str, tuple]] = []  # (recipe, (tokens, positions, segment_ids)) of each policy call
+    self.structure = None
+
+  def record(self, recipe: str):
+    def stand_in(*rows):
+      if self.structure is None:  # one abstract trace: the intermediates do not depend on the rows
+        self.structure = jax.eval_shape(self.policy, *rows)
+      logits, intermediates = self.structure
+      zeros = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), intermediates)
+      return jnp.zeros((*rows[0].shape, logits.shape[-1]), logits.dtype), zeros
+
+    def policy(*rows):
+      self.calls.append((recipe, rows))
+      return stand_in(*rows)
+
+    return policy, stand_in
+
+  def replay(self):
+    rows = [jnp.concatenate([args[i] for _, args in self.calls]) for i in range(3)]
+    policy_logits, intermediates = self.policy(*rows)
+    reference_logits, reference_intermediates = self.reference(*rows)
+    starts, start = [], 0
+    for _, args in self.calls:
+      starts.append(start)
+      start += args[0].shape[0]
+
+    def answers(recipe: str):
+      mine = [(begin, args[0].shape[0]) for begin, (name, args) in zip(starts, self.calls) if name == recipe]
+      asked = {"policy": 0, "reference": 0}
+
+      def answer(kind, logits, inter):
+        def call(*rows):
+          begin, size = mine[asked[kind]]
+          assert rows[0].shape[0] == size, (recipe, kind, rows[0].shape)
+          asked[kind] += 1
+          return logits[begin : begin + size], inter
+
+        return call
+
+      return answer("policy", policy_logits, intermediates), answer(
+          "reference", reference_logits, reference_intermediates
+      )
+
+    return answers
+
+
 class Recipes(Loss):
   """The sum of SFT's, DPO's and GRPO's per-token (DPO: per-pair) losses, each batch under its recipe's prefix;
-  aux holds each recipe's loss."""
+  aux holds each recipe's loss. The model runs once over all three recipes' rows (`OnePass`)."""
 
   batch_keys = tuple(f"{name}/{key}" for name, loss in RECIPES.items() for key in loss.batch_keys)
   frozen = StepPolicy()
 
   def __call__(self, forward, batch, reference=None):
+    parts = {name: {key: batch[f"{name}/{key}"] for key in loss.batch_keys} for name, loss in RECIPES.items()}
+    one_pass = OnePass(forward, reference)
+    for name, loss in RECIPES.items():
+      loss(*_with_forwards(parts[name], one_pass.record(name)))
+    answers = one_pass.replay()
     total, aux = jnp.float32(0.0), {}
     for name, loss in RECIPES.items():
-      part = {key: batch[f"{name}/{key}"] for key in loss.batch_keys}
-      value, terms = loss(forward, part, reference)
+      value, terms = loss(*_with_forwards(parts[name], answers(name)))
       aux[name] = value / terms["tokens"]
       total += aux[name]
       if name == "dpo":
         aux["dpo margins"] = terms["margins"] / terms["tokens"]
     return total, {**aux, "tokens": jnp.float32(1.0)}
+
+
+def _with_forwards(part: dict, forwards) -> tuple:
+  policy, reference = forwards
+  return policy, part, reference
 
 
 def recipe_batches(config: mb.Config) -> dict:
