@@ -4,8 +4,6 @@ The mask is built from positions, not from array indices, so queries and keys
 may differ in length and offset (a query block against a cache of keys).
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,46 +13,8 @@ from maxbridge.core import sharding
 from maxbridge.core.families import attention as attention_spec
 from maxbridge.core.families.attention import AttentionSpec
 from maxbridge.ops import flash_attention, proportional_rope, rotary
+from maxbridge.ops.attention_mask import MASK_VALUE, attention_mask  # noqa: F401  (ops.attention's names)
 from maxbridge.ops.soft_cap import soft_cap
-
-# A large finite negative, not -inf: a fully masked row then gives a uniform
-# softmax instead of NaNs that would poison the gradients.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
-def attention_mask(
-    q_segment_ids: jax.Array,
-    kv_segment_ids: jax.Array,
-    q_positions: jax.Array,
-    kv_positions: jax.Array,
-    sliding_window_size: int = 0,
-    chunk_size: int = 0,
-) -> jax.Array:
-  """Query [B, T] and key [B, S] segment ids and positions -> [B, 1, 1, T, S] boolean.
-
-  Query i sees key j when both are in one segment and kv_pos[j] <= q_pos[i];
-  with `sliding_window_size` W > 0, also q_pos[i] - kv_pos[j] < W (the last
-  W positions, itself included), as Mistral and Hugging Face define it; with
-  `chunk_size` C > 0 (Llama 4's chunked attention), also q_pos[i] // C ==
-  kv_pos[j] // C: positions are cut into chunks of C and no query sees past
-  its chunk's start, as Hugging Face's `create_chunked_causal_mask` does.
-  """
-  for name, q, kv in (("segment_ids", q_segment_ids, kv_segment_ids), ("positions", q_positions, kv_positions)):
-    if q.ndim != 2 or kv.ndim != 2 or q.shape[0] != kv.shape[0]:
-      raise ValueError(f"attention_mask: q_{name} {q.shape} and kv_{name} {kv.shape} must be [B, T] and [B, S]")
-  if q_segment_ids.shape != q_positions.shape or kv_segment_ids.shape != kv_positions.shape:
-    raise ValueError(
-        f"attention_mask: segment ids and positions differ in shape: queries {q_segment_ids.shape} vs "
-        f"{q_positions.shape}, keys {kv_segment_ids.shape} vs {kv_positions.shape}"
-    )
-  distance = q_positions[:, :, None] - kv_positions[:, None, :]  # [B, T, S]
-  visible = distance >= 0
-  if sliding_window_size:
-    visible &= distance < sliding_window_size
-  if chunk_size:
-    visible &= q_positions[:, :, None] // chunk_size == kv_positions[:, None, :] // chunk_size
-  visible &= q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
-  return visible[:, None, None]
 
 
 def dot_product_attention(
@@ -161,11 +121,11 @@ def softmax_with_sinks(scores: jax.Array, sinks: jax.Array | None) -> jax.Array:
 
 # The config's `attention` key -> the kernel that computes `dot_product_attention`'s result: the one place a kernel is
 # chosen. "autoselected" (MaxText's default) is the best this platform has. "flash" is the blockwise kernel
-# (`ops.flash_attention`), handed this module's mask, which it builds per block (it imports nothing from here).
+# (`ops.flash_attention`), which builds the same mask (`ops.attention_mask`) per block.
 KERNELS = {
     "dot_product": dot_product_attention,
     "autoselected": dot_product_attention,
-    "flash": functools.partial(flash_attention.flash_attention, attention_mask=attention_mask, mask_value=MASK_VALUE),
+    "flash": flash_attention.flash_attention,
 }
 
 

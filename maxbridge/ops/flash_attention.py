@@ -19,13 +19,13 @@ averages every value alike), added in closed form.
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from maxbridge.core import sharding
+from maxbridge.ops.attention_mask import MASK_VALUE, attention_mask
 from maxbridge.ops.soft_cap import soft_cap
 
 # Queries and keys per block (each clipped to the sequence's length): a step's scores are
@@ -44,8 +44,6 @@ class _Blocks:
   chunk_size: int
   logits_soft_cap: float
   has_sinks: bool
-  attention_mask: Callable[..., jax.Array]
-  mask_value: float
 
 
 def flash_attention(
@@ -63,8 +61,6 @@ def flash_attention(
     return_max_logits: bool = False,
     logits_soft_cap: float = 0.0,
     sinks: jax.Array | None = None,
-    attention_mask: Callable[..., jax.Array],
-    mask_value: float,
     block_q: int | None = None,
     block_kv: int | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -73,9 +69,8 @@ def flash_attention(
   query [B, T, N, H], key [B, S, K, H] (or a tuple of blocks of one sequence,
   concatenated here), value likewise -> [B, T, N, Hv]; with `return_max_logits`,
   also each head's largest visible score [N] (QK-Clip), without gradient.
-  `attention_mask` and `mask_value` are `ops.attention`'s (`KERNELS` passes them):
-  the mask is built for each (query block, key block) pair from its positions and
-  segment ids. `block_q` and `block_kv` default to `BLOCK_Q` and `BLOCK_KV` (read
+  The mask (`ops.attention_mask`) is built for each (query block, key block) pair
+  from its positions and segment ids. `block_q` and `block_kv` default to `BLOCK_Q` and `BLOCK_KV` (read
   at each call); lengths need not be multiples of them: both are padded, and the
   padding masked. Context parallelism is refused: keys are not gathered here.
   """
@@ -122,8 +117,6 @@ def flash_attention(
         chunk_size,
         logits_soft_cap,
         sinks is not None,
-        attention_mask,
-        mask_value,
     )
     out, max_logits = _flash(
         blocks, query, key, value, sinks_array, q_segment_ids, q_positions, kv_segment_ids, kv_positions
@@ -153,7 +146,7 @@ def _valid(num_blocks: int, block: int, length: int) -> jax.Array:
 
 def _visible(blocks: _Blocks, q_segment_ids, q_positions, q_valid, kv_segment_ids, kv_positions, kv_valid):
   """[B, 1, 1, bq, bk] boolean: which (query, key) pairs of one block pair attend (padding never does)."""
-  visible = blocks.attention_mask(
+  visible = attention_mask(
       q_segment_ids, kv_segment_ids, q_positions, kv_positions, blocks.sliding_window_size, blocks.chunk_size
   )
   return visible & q_valid[:, None] & kv_valid
@@ -163,7 +156,7 @@ def _scores(blocks: _Blocks, query, key, visible, kv_valid) -> tuple[jax.Array, 
   """(raw scores, masked scores) [B, K, G, bq, bk] float32: masked pairs at the mask value, padded keys at -inf
   (no weight at all, whereas a masked key keeps dot_product's weight in a row that sees nothing)."""
   raw = jnp.einsum("BKGTH,BKSH->BKGTS", query, key, preferred_element_type=jnp.float32)
-  masked = jnp.where(visible, soft_cap(raw, blocks.logits_soft_cap), blocks.mask_value)
+  masked = jnp.where(visible, soft_cap(raw, blocks.logits_soft_cap), MASK_VALUE)
   return raw, jnp.where(kv_valid, masked, -jnp.inf)
 
 
@@ -194,7 +187,6 @@ def _forward(blocks: _Blocks, query, key, value, sinks, q_segment_ids, q_positio
   # Each key block's sum of real values: what a fully masked block adds to a row's weighted sum, per unit weight.
   value_sums = jnp.einsum("NBKSH,NS->NBKH", value.astype(jnp.float32), kv_valid.astype(np.float32))
   rows = (batch, num_kv_heads, groups, block_q)
-  mask_value = blocks.mask_value
 
   def query_block(inputs):
     q, q_segment_ids_i, q_positions_i, q_valid = inputs
@@ -210,14 +202,14 @@ def _forward(blocks: _Blocks, query, key, value, sinks, q_segment_ids, q_positio
         p = jnp.exp(s - m_new[..., None])
         rescale = jnp.exp(m - m_new)
         pv = jnp.einsum("BKGTS,BKSH->BKGTH", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        seen = jnp.where(visible, s, mask_value).max(axis=(0, 3, 4))
+        seen = jnp.where(visible, s, MASK_VALUE).max(axis=(0, 3, 4))
         return m_new, l * rescale + p.sum(axis=-1), acc * rescale[..., None] + pv, jnp.maximum(max_logits, seen)
 
       def masked():
-        # Every real key of the block scores the mask value: its weight exp(mask_value - m) is 0 unless the
+        # Every real key of the block scores the mask value: its weight exp(MASK_VALUE - m) is 0 unless the
         # row has seen nothing else yet.
-        m_new = jnp.maximum(m, mask_value)
-        rescale, weight = jnp.exp(m - m_new), jnp.exp(mask_value - m_new)
+        m_new = jnp.maximum(m, MASK_VALUE)
+        rescale, weight = jnp.exp(m - m_new), jnp.exp(MASK_VALUE - m_new)
         acc_new = acc * rescale[..., None] + weight[..., None] * value_sum[:, :, None, None, :]
         return m_new, l * rescale + weight * real_keys_j, acc_new, max_logits
 
@@ -227,7 +219,7 @@ def _forward(blocks: _Blocks, query, key, value, sinks, q_segment_ids, q_positio
       m, l = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, :, None], rows), jnp.ones(rows, jnp.float32)
     else:
       m, l = jnp.full(rows, -jnp.inf), jnp.zeros(rows, jnp.float32)
-    start = (m, l, jnp.zeros((*rows, value_dim), jnp.float32), jnp.full((num_kv_heads, groups), mask_value))
+    start = (m, l, jnp.zeros((*rows, value_dim), jnp.float32), jnp.full((num_kv_heads, groups), MASK_VALUE))
     kv_inputs = (key, value, kv_segment_ids, kv_positions, kv_valid, real_keys, value_sums)
     (m, l, acc, max_logits), _ = jax.lax.scan(key_block, start, kv_inputs)
     return (acc / l[..., None]).astype(value.dtype), (m, l), max_logits
@@ -287,7 +279,7 @@ def _flash_backward(blocks: _Blocks, residuals, cotangents):
 
       def masked():
         # Only a row that saw nothing gives these keys weight (1 / its sum); it reaches values only.
-        weight = jnp.exp(blocks.mask_value - row_max_i) / row_sum_i
+        weight = jnp.exp(MASK_VALUE - row_max_i) / row_sum_i
         d_v_rows = jnp.einsum("BKGT,BKGTH->BKH", weight, d_out_i)[:, :, None, :] * kv_valid_j[:, None]
         return (d_k, d_v + d_v_rows), d_q
 

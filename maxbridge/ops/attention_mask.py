@@ -1,0 +1,46 @@
+"""The attention mask, built from query and key positions and segment ids, and the score masked pairs get.
+
+Its own module so that every kernel (`ops.attention`'s, `ops.flash_attention`'s) builds the same mask.
+"""
+
+import jax
+import jax.numpy as jnp
+
+# A large finite negative, not -inf: a fully masked row then gives a uniform
+# softmax instead of NaNs that would poison the gradients.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def attention_mask(
+    q_segment_ids: jax.Array,
+    kv_segment_ids: jax.Array,
+    q_positions: jax.Array,
+    kv_positions: jax.Array,
+    sliding_window_size: int = 0,
+    chunk_size: int = 0,
+) -> jax.Array:
+  """Query [B, T] and key [B, S] segment ids and positions -> [B, 1, 1, T, S] boolean.
+
+  Query i sees key j when both are in one segment and kv_pos[j] <= q_pos[i];
+  with `sliding_window_size` W > 0, also q_pos[i] - kv_pos[j] < W (the last
+  W positions, itself included), as Mistral and Hugging Face define it; with
+  `chunk_size` C > 0 (Llama 4's chunked attention), also q_pos[i] // C ==
+  kv_pos[j] // C: positions are cut into chunks of C and no query sees past
+  its chunk's start, as Hugging Face's `create_chunked_causal_mask` does.
+  """
+  for name, q, kv in (("segment_ids", q_segment_ids, kv_segment_ids), ("positions", q_positions, kv_positions)):
+    if q.ndim != 2 or kv.ndim != 2 or q.shape[0] != kv.shape[0]:
+      raise ValueError(f"attention_mask: q_{name} {q.shape} and kv_{name} {kv.shape} must be [B, T] and [B, S]")
+  if q_segment_ids.shape != q_positions.shape or kv_segment_ids.shape != kv_positions.shape:
+    raise ValueError(
+        f"attention_mask: segment ids and positions differ in shape: queries {q_segment_ids.shape} vs "
+        f"{q_positions.shape}, keys {kv_segment_ids.shape} vs {kv_positions.shape}"
+    )
+  distance = q_positions[:, :, None] - kv_positions[:, None, :]  # [B, T, S]
+  visible = distance >= 0
+  if sliding_window_size:
+    visible &= distance < sliding_window_size
+  if chunk_size:
+    visible &= q_positions[:, :, None] // chunk_size == kv_positions[:, None, :] // chunk_size
+  visible &= q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
+  return visible[:, None, None]
