@@ -14,6 +14,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from maxbridge.core import canonical
 from maxbridge.core.families import query_kernel_carries_scale  # re-exported: the attention layers ask here
@@ -137,20 +138,28 @@ def rules(options: InitOptions) -> tuple[tuple[str, Initializer], ...]:
   )
 
 
-def initializer_for(path: str, options: InitOptions) -> Initializer:
-  for pattern, init in rules(options):
+def rule_index(path: str, options: InitOptions) -> int:
+  """The index in `rules(options)` of the first pattern `path` (unscanned) matches."""
+  for index, (pattern, _) in enumerate(rules(options)):
     if fnmatch.fnmatchcase(path, pattern):
-      return init
+      return index
   raise KeyError(f"no initializer rule matches parameter {path!r}; add one to initializers.rules")
 
 
+def initializer_for(path: str, options: InitOptions) -> Initializer:
+  return rules(options)[rule_index(path, options)][1]
+
+
 def key_for(seed: int | jax.Array, path: str) -> jax.Array:
-  # crc32 is stable across processes (Python's hash() is salted).
-  return jax.random.fold_in(jax.random.key(seed), zlib.crc32(path.encode()))
+  return jax.random.fold_in(jax.random.key(seed), _salt(path))
+
+
+def _salt(path: str) -> int:
+  return zlib.crc32(path.encode())  # stable across processes (Python's hash() is salted)
 
 
 def init_params(abstract: dict, seed: int | jax.Array, options: InitOptions) -> dict:
-  """Canonical parameters for the abstract tree; scanned layers are the unscanned ones stacked."""
+  """Canonical parameters for the abstract tree, traceable; scanned layers are the unscanned ones stacked."""
   axis = options.param_scan_axis
   scanned = canonical.is_scanned(abstract)
   per_layer = canonical.unstack_layers(abstract, axis) if scanned else abstract
@@ -162,11 +171,56 @@ def init_params(abstract: dict, seed: int | jax.Array, options: InitOptions) -> 
   return canonical.stack_layers(tree, axis) if scanned else tree
 
 
-@functools.lru_cache(maxsize=32)
 def jitted_init(spec: tuple, options: InitOptions, shardings: tuple | None = None) -> Callable:
-  """`init_params` compiled for one tree (`spec`: (path, shape, dtype name) per leaf), into `shardings` (one per
-  leaf; None: the default device). Cached: every flag combination of a model, and every trainer of it on one
-  mesh, runs this one program (its random draws are most of a small model's start-up compile)."""
-  abstract = canonical.unflatten({path: jax.ShapeDtypeStruct(shape, dtype) for path, shape, dtype in spec})
-  out = None if shardings is None else canonical.unflatten({path: s for (path, *_), s in zip(spec, shardings)})
-  return jax.jit(lambda seed: init_params(abstract, seed, options), out_shardings=out)
+  """`init_params`' values for one tree (`spec`: (path, shape, dtype name) per leaf), compiled a draw at a time, into
+  `shardings` (one per leaf; None: the default device).
+
+  Not one program for the tree: XLA's compile time grows with the number of leaves drawn (27 s for gemma4-tiny's
+  190 on a CPU, most of its start-up), while a leaf's draw is one small program per initializer, shape and
+  sharding, shared by every layer and model that has them. The values are bit-identical to `init_params` traced
+  whole (tests/test_ops.py). A scanned leaf is drawn a layer at a time, each layer in the stack's sharding less its
+  layer axis, then stacked: at most twice one leaf's bytes, never a whole leaf on one device.
+  """
+  axis = options.param_scan_axis
+
+  def init(seed) -> dict:
+    flat = {}
+    for index, (path, shape, dtype) in enumerate(spec):
+      sharding = None if shardings is None else shardings[index]
+      if not canonical.is_stacked(path):
+        flat[path] = _draw(path, shape, dtype, options, sharding, seed)
+        continue
+      layer_shape = shape[:axis] + shape[axis + 1 :]
+      layer_sharding = None if sharding is None else _without_axis(sharding, axis, len(shape))
+      layers = [
+          _draw(canonical.layer_path(path, layer), layer_shape, dtype, options, layer_sharding, seed)
+          for layer in range(shape[axis])
+      ]
+      flat[path] = _stacking(len(layers), axis, sharding)(*layers)
+    return canonical.unflatten(flat)
+
+  return init
+
+
+def _draw(path: str, shape: tuple, dtype: str, options: InitOptions, sharding, seed) -> jax.Array:
+  return _drawing(rule_index(path, options), shape, dtype, options, sharding)(seed, np.uint32(_salt(path)))
+
+
+@functools.lru_cache(maxsize=None)
+def _drawing(rule: int, shape: tuple, dtype: str, options: InitOptions, sharding) -> Callable:
+  initializer = rules(options)[rule][1]
+
+  def draw(seed, salt):
+    return initializer(jax.random.fold_in(jax.random.key(seed), salt), shape, jnp.dtype(dtype))
+
+  return jax.jit(draw, out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
+def _stacking(count: int, axis: int, sharding) -> Callable:
+  return jax.jit(lambda *layers: jnp.stack(layers, axis=axis), out_shardings=sharding)
+
+
+def _without_axis(sharding: jax.sharding.NamedSharding, axis: int, ndim: int) -> jax.sharding.NamedSharding:
+  spec = list(sharding.spec) + [None] * (ndim - len(sharding.spec))
+  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:axis], *spec[axis + 1 :]))

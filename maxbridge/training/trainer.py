@@ -151,7 +151,7 @@ class Trainer(abc.ABC):
     return self.trainable.saves_params
 
   def _initial_params(self, seed) -> dict:
-    """The canonical initial parameters, each in its sharding (on one device: create_model's program)."""
+    """The canonical initial parameters, each in its sharding (on one device: create_model's draws)."""
     spec = tuple((path, leaf.shape, leaf.dtype.name) for path, leaf in canonical.flatten(self.abstract_params).items())
     shardings = None
     if self.mesh.size > 1:
@@ -283,8 +283,8 @@ class Trainer(abc.ABC):
 
   def init_state(self, seed: int):
     """The initial state, created directly in its shardings (never whole on one device)."""
-    # Two programs. The parameters' (initializers.jitted_init) is one per model and mesh, shared by every trainer,
-    # backend and create_model: its random draws were most of the compile time of a small model's initial state.
+    # The parameters' draws (initializers.jitted_init) are shared by every trainer, backend and create_model that
+    # draws a leaf of their shape and sharding; then one program builds the state around them.
     with sharding.active(self.mesh, self.rules):
       return jax.jit(self._init, out_shardings=self.state_shardings)(self._initial_params(seed), seed)
 
