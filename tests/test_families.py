@@ -1,5 +1,5 @@
-"""Every decoder family agrees with Linen: scanned in all 8 flag combinations, unscanned as pure NNX (x remat: one
-family per stack shape).
+"""Every decoder family agrees with Linen: scanned, pure NNX and the bridged mixes that put each kind of bridge
+around its layers; unscanned as pure NNX (x remat: one family per stack shape).
 
 The bridged mixes wrap a whole stack (ToLinen / ToNNX) whatever its layers, and
 tests/test_parity.py runs all 8 unscanned on llama; a family's own layers meet
@@ -132,6 +132,20 @@ def forward_program(model: mb.Model) -> str:
   return digest.hexdigest()
 
 
+# The bridges a mixed combination (pure_nnx, enable_nnx, pure_nnx_decoder) puts around a family's layers
+# (models/dispatch.py): ToLinen around the NNX decoder (0,0,1), (1,0,1); ToNNX around the Linen decoder (0,1,0),
+# (1,1,0); ToLinen around the NNX model (0,1,0), (0,1,1); ToNNX around the Linen model (1,0,0), (1,0,1).
+# (1,0,1) and (0,1,0) between them put all four around every family, each nested in the other kind. The other
+# four combinations hold only bridges those two hold; they take turns over the families, so each still runs on
+# three or four families, and all eight on llama (tests/test_parity.py).
+COVERING_MIXES = [(True, False, True), (False, True, False)]
+TURNS = [(False, False, True), (False, True, True), (True, False, False), (True, True, False)]
+
+
+def bridged_mixes(preset: str) -> list[tuple[bool, bool, bool]]:
+  return [*COVERING_MIXES, TURNS[FAMILIES.index(preset) % len(TURNS)]]
+
+
 @pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unscanned"])
 @pytest.mark.parametrize("preset, remat_policy", MATRIX)
 def test_every_flag_combination_matches_pure_linen(preset, scan_layers, remat_policy):
@@ -143,7 +157,7 @@ def test_every_flag_combination_matches_pure_linen(preset, scan_layers, remat_po
   # Per decoder backend (pure_nnx_decoder), the forward program whose logits and gradients matched the reference's.
   compared = {False: forward_program(reference)} if scan_layers else {}
   pure_nnx = (True, True, True)  # compared first: the bridged mixes of its decoder then trace to its program
-  mixes = [flags for flags in FLAG_COMBINATIONS[1:] if flags != pure_nnx] if scan_layers else []
+  mixes = bridged_mixes(preset) if scan_layers else []
   failures = []
   for flags in [pure_nnx, *mixes]:
     model = matrix_model(preset, flags, **setting)
@@ -174,6 +188,17 @@ def test_scanned_parameters_are_the_unscanned_layers_stacked(preset):
   stacked = canonical.stack_layers(unscanned.params(), scanned.config.param_scan_axis)
   assert not tree_differences(stacked, scanned.params(), 0.0)
   np.testing.assert_allclose(scanned.logits(TOKENS), unscanned.logits(TOKENS), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("preset, scan_layers", [("deepseek3-tiny", True), ("qwen3-next-tiny", False)])
+def test_drawing_a_leaf_at_a_time_gives_the_whole_tree_draw_bit_for_bit(preset, scan_layers):
+  # create_model draws leaf by leaf (initializers.jitted_init); init_params traced as one program is the definition.
+  # DeepSeek: two stacks of scanned layers, experts; Qwen3-Next: zero-centred norms, the DeltaNet's own rules.
+  config = family_config(preset, scan_layers=scan_layers)
+  model = mb.create_model(config, seed=3)
+  options = initializers.InitOptions.from_config(config)
+  whole = jax.jit(lambda seed: initializers.init_params(model.abstract_params(), seed, options))(3)
+  assert not tree_differences(model.params(), whole, 0.0)
 
 
 def test_sliding_window_mask_sees_the_last_w_positions_of_its_segment():
