@@ -268,14 +268,15 @@ def test_export_loads_in_transformers_and_reimports_the_same_tree(reference, moe
 
 PRESET = "gemma4-tiny"
 FEATURES = dict(per_device_batch_size=2, max_target_length=16)
-# LoRA acts on the canonical tree, whatever the layers: its training row runs one block (half the compile; the
-# path check reads both stacks, and the recipes' rows train the KV-shared block).
+# Tiling, LoRA and AQT act on the head and the canonical tree's kernels, whatever the layers: their rows run one block
+# (half the compile; the KV-shared block's layers hold a subset of its kernels). LoRA's path check reads both stacks,
+# and the recipes' rows (test_family_recipes.py) and the matrix (test_families.py) run the KV-shared block.
 ONE_BLOCK = dict(base_num_decoder_layers=6, num_kv_shared_layers=0, **FEATURES)
 
 
 def test_vocab_tiling_on_nnx_gives_untiled_linens_loss_and_gradients():
   """The tiled head soft-caps and scales the tied table's logits as the untiled one does."""
-  assert_tiled_nnx_matches_untiled_linen(PRESET, **FEATURES)
+  assert_tiled_nnx_matches_untiled_linen(PRESET, **ONE_BLOCK)
 
 
 def test_lora_default_path_adapts_every_projection_and_trains_alike_on_both_backends():
@@ -304,7 +305,7 @@ def test_lora_default_path_adapts_every_projection_and_trains_alike_on_both_back
 def test_aqt_int8_quantizes_alike_on_both_backends():
   """AQT quantizes every dense projection, the per-layer inputs' too (the routed experts of gemma4-moe-tiny stay
   float, as every family's: README's Gemma 4 paragraph)."""
-  float_logits, linen, nnx = int8_logits(PRESET)
+  float_logits, linen, nnx = int8_logits(PRESET, **ONE_BLOCK)
   assert np.all(np.isfinite(linen))
   assert np.abs(linen - float_logits).max() > 1e-3  # int8 rounding moves the logits past float noise
   np.testing.assert_allclose(nnx, linen, atol=1e-6, rtol=0)
