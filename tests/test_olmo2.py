@@ -21,7 +21,7 @@ from maxbridge.models import lora  # noqa: E402
 from maxbridge.ops import normalization  # noqa: E402
 from conftest import LINEN  # noqa: E402
 from hf_family import BACKENDS, TOKENS, Saved, assert_matches_transformers, assert_same_tree  # noqa: E402
-from hf_family import export_and_reimport, family_config, int8_logits, tiled_and_untiled_grads  # noqa: E402
+from hf_family import assert_tiled_nnx_matches_untiled_linen, export_and_reimport, family_config, int8_logits  # noqa: E402
 from hf_family import TINY  # noqa: E402
 from hf_family import highest_precision  # noqa: E402,F401 (an autouse fixture)
 from test_hf import LOGITS_TOL, max_diff  # noqa: E402
@@ -130,16 +130,12 @@ PRESETS = ["olmo2-tiny", "olmo3-tiny"]
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("backend", list(BACKENDS))
-def test_vocab_tiling_gives_the_untiled_loss_and_gradients(preset, backend):
-  flags = BACKENDS[backend]
-  overrides = dict(z_loss_multiplier=1e-3, per_device_batch_size=2, max_target_length=16)
-  (want_loss, want), (loss, grads) = tiled_and_untiled_grads(preset, flags, **overrides)
-  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-  for path in want:
-    # Tiles sum in another order: float32 noise relative to the leaf's largest gradient.
-    atol = 1e-6 * float(np.max(np.abs(want[path])))
-    np.testing.assert_allclose(grads[path], want[path], rtol=1e-4, atol=atol, err_msg=path)
+def test_vocab_tiling_on_nnx_gives_untiled_linens_loss_and_gradients(preset):
+  assert_tiled_nnx_matches_untiled_linen(preset, per_device_batch_size=2, max_target_length=16)
+
+
+# OLMo 3's block holds OLMo 2's layers, windowed: its run adapts every kernel OLMo 2's would.
+LORA_PRESETS = ["olmo3-tiny"]
 
 
 @pytest.fixture(scope="module")
@@ -156,14 +152,14 @@ def lora_runs(tmp_path_factory):
       enable_checkpointing=False,
   )
   runs = {}
-  for preset in PRESETS:
+  for preset in LORA_PRESETS:
     for backend, flags in BACKENDS.items():
       config = family_config(preset, flags, base_output_directory=str(tmp_path_factory.mktemp(backend)), **run)
       runs[preset, backend] = [record["loss"] for record in mb.train(config, progress=False)]
   return runs
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", LORA_PRESETS)
 def test_lora_trains_alike_on_both_backends(lora_runs, preset):
   linen, nnx = lora_runs[preset, "linen"], lora_runs[preset, "nnx"]
   assert all(np.isfinite(linen)) and linen[-1] < linen[0], linen
