@@ -21,26 +21,24 @@ from maxbridge.core import canonical  # noqa: E402
 from multidevice_checks import BACKENDS, STEPS, config, single_device_mesh, train  # noqa: E402
 from maxbridge.training import recipe  # noqa: E402
 
-# preset -> (data, fsdp, tensor, expert) on 8 devices
+# preset -> (data, fsdp, tensor, expert) on 8 devices: what each family brings that the sharding rules meet, once.
+# Left to others: Qwen3-MoE's experts (multidevice_checks.py, with Mixtral's and DeepSeek's), and the families whose
+# layers add no parameter kind or cross-head reduction beyond these (OLMo 3: OLMo 2's layers windowed; Gemma 1/2:
+# Gemma 3's layers without its QK-norm, in fewer kinds of block).
 MESHES = {
-    "qwen3-moe-tiny": (1, 2, 2, 2),
-    "gpt-oss-tiny": (1, 2, 2, 2),
-    "olmo2-tiny": (1, 4, 2, 1),
-    "olmo3-tiny": (1, 4, 2, 1),
-    "gemma-tiny": (1, 4, 2, 1),
-    "gemma2-tiny": (1, 4, 2, 1),
-    "gemma3-tiny": (1, 4, 2, 1),
-    "llama4-tiny": (1, 2, 2, 2),
+    "gpt-oss-tiny": (1, 2, 2, 2),  # sinks (per head, over tensor), biases, fused gate/up experts with biases
+    "olmo2-tiny": (1, 4, 2, 1),  # its QK-norm spans every head of a token: a reduction across tensor's shards
+    "gemma3-tiny": (1, 4, 2, 1),  # local/global blocks of six and a remainder stack, QK-norm, tied head
+    "llama4-tiny": (1, 2, 2, 2),  # a shared expert beside routed ones, alternating dense and MoE layers
     # Its 8 experts over expert=2; tensor=2 splits the DeltaNet's 2 key / 4 value heads and the attention's heads.
     "qwen3-next-tiny": (1, 2, 2, 2),
     # A dense MLP and 4 routed experts (over expert=2) in every layer, per-layer inputs, a wider global layer.
     "gemma4-moe-tiny": (1, 2, 2, 2),
 }
-# gemma-tiny has one KV head (multi-query, as gemma-2b), gemma4-moe-tiny's global layers one too: two, so that
-# tensor=2 can split them. gemma4-moe-tiny: one block (5 local layers and a global one) and no KV-shared
-# block, whose layers hold a subset of the same kernels: 12 layers cost twice the compile (~80 s more CPU).
+# gemma4-moe-tiny's global layers have one KV head: two, so that tensor=2 can split them. One block (5 local layers
+# and a global one) and no KV-shared block, whose layers hold a subset of the same kernels: 12 layers cost twice
+# the compile (~80 s more CPU).
 OVERRIDES = {
-    "gemma-tiny": dict(base_num_kv_heads=2),
     "gemma4-moe-tiny": dict(global_num_kv_heads=2, base_num_decoder_layers=6, num_kv_shared_layers=0),
 }
 # The routed experts' first kernel: gpt-oss and Llama 4 fuse gate and up (wi); Qwen3-MoE keeps wi_0 and wi_1.
