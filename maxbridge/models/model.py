@@ -233,13 +233,27 @@ def flat_intermediates(tree: Mapping[str, Any]) -> dict[str, jax.Array]:
   return flat
 
 
+def _abstract_variables(module: nn.Module, sample_inputs: tuple) -> dict:
+  """The module's variables as shapes: a trace of its whole forward pass, so kept per equal module and input shapes
+  (every model, trainer and engine of one config builds an equal Linen module; its boxes are never edited)."""
+  shapes = tuple(None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype) for x in sample_inputs)
+  try:
+    return _abstract_variables_of(module, shapes)
+  except TypeError:  # a module with an unhashable field: traced each time
+    return jax.eval_shape(module.init, jax.random.key(0), *shapes)
+
+
+@functools.lru_cache(maxsize=64)
+def _abstract_variables_of(module: nn.Module, shapes: tuple) -> dict:
+  return jax.eval_shape(module.init, jax.random.key(0), *shapes)
+
+
 class LinenModel(Model):
   """A Linen top-level module and its parameters (held here: Linen modules hold none)."""
 
   def __init__(self, config: Config, module: nn.Module, sample_inputs: tuple, **kwargs):
     super().__init__(config, module, **kwargs)
-    variables = jax.eval_shape(module.init, jax.random.key(0), *sample_inputs)
-    self._boxed = variables["params"]
+    self._boxed = _abstract_variables(module, sample_inputs)["params"]
     self._params: Params | None = None
 
   def abstract_params(self) -> Params:
