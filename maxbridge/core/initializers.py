@@ -178,7 +178,7 @@ def jitted_init(spec: tuple, options: InitOptions, shardings: tuple | None = Non
   Not one program for the tree: XLA's compile time grows with the number of leaves drawn (27 s for gemma4-tiny's
   190 on a CPU, most of its start-up), while a leaf's draw is one small program per initializer, shape and
   sharding, shared by every layer and model that has them. The values are bit-identical to `init_params` traced
-  whole (tests/test_ops.py). A scanned leaf is drawn a layer at a time, each layer in the stack's sharding less its
+  whole (tests/test_families.py). A scanned leaf is drawn a layer at a time, each layer in the stack's sharding less its
   layer axis, then stacked: at most twice one leaf's bytes, never a whole leaf on one device.
   """
   axis = options.param_scan_axis
