@@ -78,7 +78,7 @@ def decode(preset: str, flags) -> dict:
 
 # Every family on NNX. On Linen, whose one attention layer reads and writes the cache for every family
 # (linen_models/attention.py), each kind of attention once: a family is left out where another in the list has its
-# attention's cache path and more (Qwen3's QK-norm in Gemma 3's; Mixtral and Qwen3-MoE: their dense twins' attention;
+# attention's cache path and more (Qwen3's QK-norm in Gemma 3's; Mixtral's and Qwen3-MoE's attention is Mistral's and Qwen3's;
 # OLMo 2's in OLMo 3's, windowed; Gemma's query scale in Gemma 2's and 3's, its single KV head in Gemma 4's global
 # layers).
 LINEN_FAMILIES = tuple(
