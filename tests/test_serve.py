@@ -255,9 +255,11 @@ def test_bad_requests_get_400_naming_the_field(server):
   assert [m.id for m in client.models.list().data] == ["llama-tiny-hf"]
 
 
-def _post(url: str, body: bytes) -> tuple[int, dict]:
-  """POST as it is sent, for bodies the openai client would not send (its JSON refuses NaN); (status, JSON)."""
-  request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+def _post(url: str, body: bytes | dict, path: str = "/v1/completions") -> tuple[int, dict]:
+  """POST as it is sent, for bodies the openai client would not send (its JSON refuses NaN) or routes it does not
+  know (vLLM's /tokenize); (status, JSON)."""
+  body = json.dumps(body).encode() if isinstance(body, dict) else body
+  request = urllib.request.Request(url + path, body, {"Content-Type": "application/json"})
   try:
     with urllib.request.urlopen(request, timeout=60) as response:
       return response.status, json.loads(response.read())
@@ -290,6 +292,31 @@ def test_out_of_range_fields_and_huge_bodies_get_4xx_and_the_server_goes_on(serv
   assert status == 404 and json.loads(answer)["error"]["type"] == "not_found_error", answer
   assert client.completions.create(**greedy).choices[0].text == want
   assert _get(server.url + "/health")[0] == 200
+
+
+def test_tokenize_and_detokenize_as_vllm(server):
+  # vLLM's tokenizer endpoints over the completions' own tokenizer: equal ids give equal greedy continuations.
+  status, out = _post(server.url, {"model": MODEL, "prompt": PROMPTS[2]}, "/tokenize")
+  assert (status, out) == (200, {"count": 5, "max_model_len": 64, "tokens": [3, 3, 3, 3, 44], "token_strs": None})
+  by_text = server.client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=4, temperature=0)
+  by_ids = server.client.completions.create(model=MODEL, prompt=out["tokens"], max_tokens=4, temperature=0)
+  assert by_ids.choices[0].text == by_text.choices[0].text and by_ids.usage.prompt_tokens == out["count"]
+  assert _post(server.url, {"tokens": out["tokens"]}, "/detokenize") == (200, {"prompt": PROMPTS[2]})
+  chat = {"messages": [{"role": "user", "content": "w8 w9"}]}
+  assert _post(server.url, chat, "/tokenize")[1]["tokens"] == [1, 8, 9, 2, 3]  # TEMPLATE, as the chat renders it
+  assert _post(server.url, {**chat, "add_generation_prompt": False}, "/tokenize")[1]["tokens"] == [1, 8, 9, 2]
+  status, info = _get(server.url + "/tokenizer_info")
+  assert (status, json.loads(info)) == (200, {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": TEMPLATE})
+  for path, body in [("/tokenize", {"prompt": "w5"}), ("/detokenize", {"tokens": [5]})]:
+    status, answer = _post(server.url, {**body, "model": "other"}, path)
+    assert (status, answer["error"]["param"]) == (400, "model"), answer
+    assert "'other' is not served here; this server serves 'llama-tiny-hf'" in answer["error"]["message"]
+  status, answer = _post(server.url, {"tokens": [5, 256, -1]}, "/detokenize")
+  assert (status, answer["error"]["param"]) == (400, "tokens"), answer
+  assert answer["error"]["message"] == "tokens: token id 256 (at index 1) is outside the vocabulary [0, 256)"
+  for body, field in [({"prompt": "w5", "messages": chat["messages"]}, "prompt"), ({"tokens": ["w5"]}, "tokens.0")]:
+    status, answer = _post(server.url, body, "/tokenize" if "prompt" in body else "/detokenize")
+    assert (status, answer["error"]["param"]) == (400, field), answer
 
 
 def test_sigterm_finishes_what_is_in_flight_and_exits_0(server):

@@ -9,12 +9,17 @@ from maxbridge.serving import scheduler as sched
 MAX_REQUEST_BYTES = 8 * 2**20  # a long context's text several times over; larger bodies answer 413
 
 
-class Body(pydantic.BaseModel):
-  """Fields both endpoints share; strict, so a wrong type is refused rather than coerced. Unknown fields are ignored."""
+class Strict(pydantic.BaseModel):
+  """Every body: strict, so a wrong type is refused rather than coerced. Unknown fields are ignored."""
 
   # Python's JSON reads the non-standard NaN and Infinity, and 1e999 as infinity: no float field takes them.
   model_config = pydantic.ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
   model: str | None = None
+
+
+class Body(Strict):
+  """Fields both completion endpoints share."""
+
   max_tokens: int | None = pydantic.Field(default=None, ge=1)
   temperature: float = pydantic.Field(default=1.0, ge=0, le=2)  # OpenAI's range
   top_p: float = pydantic.Field(default=1.0, gt=0, le=1)
@@ -41,6 +46,20 @@ class ChatBody(Body):
   max_completion_tokens: int | None = pydantic.Field(default=None, ge=1)
   logprobs: bool = False
   top_logprobs: int | None = pydantic.Field(default=None, ge=0, le=sched.MAX_LOGPROBS)
+
+
+class TokenizeBody(Strict):
+  """vLLM's /tokenize: a completion's `prompt`, or a chat's `messages` rendered as /v1/chat/completions renders them."""
+
+  prompt: str | None = None
+  messages: list[Message] | None = pydantic.Field(default=None, min_length=1)
+  add_special_tokens: bool = True
+  add_generation_prompt: bool = True
+  return_token_strs: bool = False
+
+
+class DetokenizeBody(Strict):
+  tokens: list[int]
 
 
 class Refusal(Exception):

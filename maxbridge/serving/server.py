@@ -2,7 +2,8 @@
 
 Endpoints: POST /v1/completions and /v1/chat/completions (streamed as
 server-sent events, one chunk per token, or whole), GET /v1/models, /health
-and /metrics (Prometheus text). One thread owns the engine
+and /metrics (Prometheus text), and vLLM's tokenizer endpoints: POST /tokenize
+and /detokenize, GET /tokenizer_info (over the tokenizer the completions use). One thread owns the engine
 (`scheduler.Scheduler`: continuous batching); the event loop only validates,
 queues and relays (tokenizing and chat templates run on worker threads).
 
@@ -55,6 +56,8 @@ class Codec:
   eos_ids: tuple[int, ...] = ()
   chat_template: str | None = None
   special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)  # bos_token, eos_token for the template
+  settings: dict = dataclasses.field(default_factory=dict)  # tokenizer_config.json, for /tokenizer_info
+  tokenizer_class: str = "unknown"
 
   @classmethod
   def from_folder(cls, encode, decode, folder: Path) -> "Codec":
@@ -78,7 +81,11 @@ class Codec:
       special[key] = value.get("content", "") if isinstance(value, dict) else (value or "")
     eos = read("generation_config.json").get("eos_token_id", read("config.json").get("eos_token_id"))
     eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-    return cls(encode, decode, eos, template, special)
+    # The class transformers would load (the CLI reads tokenizer.json when there is one, else takes UTF-8 bytes).
+    kind = settings.get("tokenizer_class") or (
+        "PreTrainedTokenizerFast" if (folder / "tokenizer.json").is_file() else "ByteTokenizer"
+    )
+    return cls(encode, decode, eos, template, special, settings, kind)
 
 
 class Metrics:
@@ -152,6 +159,9 @@ def build_app(
   app.post("/v1/completions")(routes.completions)
   app.post("/v1/chat/completions")(routes.chat)
   app.get("/v1/models")(routes.models)
+  app.post("/tokenize")(routes.tokenize)
+  app.post("/detokenize")(routes.detokenize)
+  app.get("/tokenizer_info")(routes.tokenizer_info)
   app.get("/health")(routes.health)
   app.get("/metrics")(routes.metrics_text)
   return app, scheduler
@@ -248,7 +258,7 @@ class _Routes:
   async def chat(self, body: api.ChatBody, request: fastapi.Request):
     codec = self.codec
     self._check_model(body)
-    prompt = await asyncio.to_thread(self._chat_prompt, body)
+    prompt = await asyncio.to_thread(self._chat_prompt, body.messages)
     k = (body.top_logprobs or 0) if body.logprobs else None
     params = self._sampling(body, prompt, body.max_completion_tokens or body.max_tokens, None, k)
     events = await self._run(request, prompt, params, "/v1/chat/completions")
@@ -307,6 +317,26 @@ class _Routes:
     card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "maxbridge", "max_model_len": self.limit}
     return {"object": "list", "data": [card]}
 
+  # vLLM's tokenizer endpoints, on the codec the completions use: /tokenize's tokens are what they would feed.
+
+  async def tokenize(self, body: api.TokenizeBody):
+    self._check_model(body)
+    if (body.prompt is None) == (body.messages is None):
+      raise api.Refusal(400, "give either prompt (text) or messages (a chat), not both or neither", "prompt")
+    if body.return_token_strs:  # the codec decodes ids to text; it has no token strings to give
+      raise api.Refusal(
+          400, "return_token_strs: this server has no token strings; /detokenize one id at a time", "return_token_strs"
+      )
+    tokens = await asyncio.to_thread(self._tokenize, body)
+    return {"count": len(tokens), "max_model_len": self.limit, "tokens": tokens, "token_strs": None}
+
+  async def detokenize(self, body: api.DetokenizeBody):
+    self._check_model(body)
+    return {"prompt": await asyncio.to_thread(self._detokenize, body.tokens)}
+
+  async def tokenizer_info(self):
+    return _tokenizer_info(self.codec)
+
   async def health(self):
     if self.scheduler.error is not None:
       return api.error_response(503, f"the decode loop failed: {self.scheduler.error}")
@@ -324,12 +354,38 @@ class _Routes:
   def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
       return self.codec.encode(prompt)
-    vocab = self.config.vocab_size
-    if any(not 0 <= t < vocab for t in prompt):
-      raise api.Refusal(400, f"prompt: token ids must be in [0, vocab_size={vocab})", "prompt")
+    self._check_ids(prompt, "prompt")
     return list(prompt)
 
-  def _chat_prompt(self, body: api.ChatBody) -> list[int]:
+  def _tokenize(self, body: api.TokenizeBody) -> list[int]:
+    if body.messages is not None:
+      tokens = self._chat_prompt(body.messages, body.add_generation_prompt)
+    else:
+      tokens = self._completion_prompt(body.prompt)
+    # The codec's encode adds the tokenizer's special tokens (as the completions feed them) and cannot leave them
+    # out: refused, unless it adds none, rather than answered with tokens the caller asked to be without.
+    if not body.add_special_tokens and self.codec.encode(""):
+      raise api.Refusal(
+          400,
+          f"add_special_tokens: this server's tokenizer always adds {self.codec.encode('')} (as its completions "
+          "encode a prompt); send add_special_tokens true",
+          "add_special_tokens",
+      )
+    return tokens
+
+  def _detokenize(self, tokens: list[int]) -> str:
+    self._check_ids(tokens, "tokens")
+    return self.codec.decode(tokens)
+
+  def _check_ids(self, tokens: list[int], field: str) -> None:
+    vocab = self.config.vocab_size
+    bad = next((i for i, t in enumerate(tokens) if not 0 <= t < vocab), None)
+    if bad is not None:
+      raise api.Refusal(
+          400, f"{field}: token id {tokens[bad]} (at index {bad}) is outside the vocabulary [0, {vocab})", field
+      )
+
+  def _chat_prompt(self, messages: list[api.Message], add_generation_prompt: bool = True) -> list[int]:
     if self.template is None:
       raise api.Refusal(
           400,
@@ -339,7 +395,9 @@ class _Routes:
       )
     try:
       text = self.template.render(
-          messages=[m.model_dump() for m in body.messages], add_generation_prompt=True, **self.codec.special_tokens
+          messages=[m.model_dump() for m in messages],
+          add_generation_prompt=add_generation_prompt,
+          **self.codec.special_tokens,
       )
     except jinja2.exceptions.TemplateError as e:
       raise api.Refusal(400, f"the chat template refused these messages: {e}", "messages") from e
@@ -417,6 +475,22 @@ class _Routes:
           scheduler.cancel(job)
 
     return stream()
+
+
+def _tokenizer_info(codec: Codec) -> dict:
+  """/tokenizer_info as vLLM answers it: the tokenizer's settings (tokenizer_config.json, less its file paths;
+  added tokens as their text), its class, and the chat template the server renders."""
+
+  def plain(value):
+    if isinstance(value, dict):
+      return value["content"] if isinstance(value.get("content"), str) else {k: plain(v) for k, v in value.items()}
+    return [plain(v) for v in value] if isinstance(value, list) else value
+
+  info = {k: plain(v) for k, v in codec.settings.items() if k not in ("vocab_file", "merges_file")}
+  info["tokenizer_class"] = codec.tokenizer_class
+  if codec.chat_template:
+    info["chat_template"] = codec.chat_template
+  return info
 
 
 def _chat_template(source: str | None):
