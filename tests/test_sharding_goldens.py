@@ -46,13 +46,29 @@ def _moe(config: mb.Config) -> bool:
 
 _FEW = ("llama-tiny", "deepseek3-tiny", "llama3.1-70b")
 
+# Other sizes of a family a real-size preset covers on every mesh (same rules, other shapes): fsdp8, fsdp2-expert4.
+_OTHER_SIZES = frozenset(
+    (
+        *("llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b", "llama3-405b", "llama3.1-405b", "llama3.3-70b"),
+        *("gemma-7b", "gemma2-27b", "gemma3-12b", "gemma3-27b", "gpt3-175b", "gpt3-22b", "gpt3-6b", "gpt3-52k"),
+        *("mixtral-8x22b", "qwen3-30b-a3b-base", "qwen3-480b-a35b", "olmo3-32b", "olmo3-7b-pt", "llama4-17b-16e"),
+        *("qwen3-0.6b", "qwen3-1.7b", "qwen3-1.7b-base", "qwen3-4b", "qwen3-4b-base", "qwen3-4b-thinking-2507"),
+        *("qwen3-8b-base", "qwen3-14b", "qwen3-14b-base", "qwen3-32b"),
+    )
+)
+
+
+def _every_mesh(config: mb.Config) -> bool:
+  return config.model_name not in _OTHER_SIZES
+
+
 # name -> (the mesh's overrides, which presets it applies to, judged on the preset's config). A plan the config
 # refuses (a pipeline over too few layers, a split that does not divide) is kept as the error it raises.
 MESHES = {
     "fsdp8": ({"ici_fsdp_parallelism": 8}, lambda config: True),
-    "fsdp4-tensor2": ({"ici_fsdp_parallelism": 4, "ici_tensor_parallelism": 2}, lambda config: True),
+    "fsdp4-tensor2": ({"ici_fsdp_parallelism": 4, "ici_tensor_parallelism": 2}, _every_mesh),
     "fsdp2-expert4": ({"ici_fsdp_parallelism": 2, "ici_expert_parallelism": 4}, _moe),
-    "stage2-fsdp4": ({"ici_pipeline_parallelism": 2, "ici_fsdp_parallelism": 4}, lambda config: True),
+    "stage2-fsdp4": ({"ici_pipeline_parallelism": 2, "ici_fsdp_parallelism": 4}, _every_mesh),
     # ZeRO-1 and context parallelism change few rules: a dense, an MLA and a real-size preset show them.
     "data2-fsdp4-zero1": (
         {"ici_data_parallelism": 2, "ici_fsdp_parallelism": 4, "shard_optimizer_over_data": True},
