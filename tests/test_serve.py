@@ -319,6 +319,63 @@ def test_tokenize_and_detokenize_as_vllm(server):
     assert (status, answer["error"]["param"]) == (400, field), answer
 
 
+def test_echo_scores_the_prompt_with_the_models_own_logits(server, folder):
+  # What lm-evaluation-harness sends to score a multiple-choice answer: the prompt echoed with its logprobs.
+  client, text, tokens = server.client, "w5 w9 w200 w17 w3", [5, 9, 200, 17, 3]
+  scored = client.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True, logprobs=2)
+  (choice,) = scored.choices
+  assert (choice.text, choice.finish_reason, scored.usage.completion_tokens) == (text, "length", 0)
+  lp = choice.logprobs
+  assert lp.tokens == text.split() and lp.text_offset == [0, 2, 4, 8, 11]
+  assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing comes before the first token
+  flags = pretrained.backend_overrides(server.backend)
+  config, params = pretrained.load_pretrained(folder, *OVERRIDES, *BACKEND_OVERRIDES[server.backend], **flags)
+  logits = dispatch.create_model(config, params=params).logits(np.int32([tokens]))[0, :-1]
+  want = np.asarray(jax.nn.log_softmax(logits.astype(np.float32), axis=-1))
+  np.testing.assert_allclose(lp.token_logprobs[1:], want[np.arange(4), tokens[1:]], atol=1e-5)
+  for row, top in zip(want, lp.top_logprobs[1:]):
+    best = np.argsort(-row)[:2]
+    assert list(top) == [f"w{t}" for t in best]
+    np.testing.assert_allclose(list(top.values()), row[best], atol=1e-5)
+  # With tokens to generate, the completion's come after the prompt's: text and logprobs.
+  plain = client.completions.create(model=MODEL, prompt=text, max_tokens=3, temperature=0, logprobs=1).choices[0]
+  echoed = client.completions.create(
+      model=MODEL, prompt=tokens, max_tokens=3, temperature=0, logprobs=1, echo=True
+  ).choices[0]
+  assert echoed.text == text + plain.text
+  assert echoed.logprobs.tokens == text.split() + plain.logprobs.tokens
+  np.testing.assert_allclose(echoed.logprobs.token_logprobs[1:5], lp.token_logprobs[1:], atol=1e-5)
+  np.testing.assert_allclose(echoed.logprobs.token_logprobs[5:], plain.logprobs.token_logprobs, atol=1e-5)
+  assert echoed.logprobs.text_offset[5:] == [len(text) + o for o in plain.logprobs.text_offset]
+  with pytest.raises(openai.BadRequestError, match="echo: not with stream"):
+    client.completions.create(model=MODEL, prompt=text, max_tokens=2, echo=True, stream=True)
+  with pytest.raises(openai.BadRequestError, match="max_tokens: 0 generates nothing"):
+    client.completions.create(model=MODEL, prompt=text, max_tokens=0)
+
+
+def test_several_prompts_as_text_or_token_ids(server):
+  client = server.client
+  greedy = {
+      p: client.completions.create(model=MODEL, prompt=p, max_tokens=3, temperature=0).choices[0].text
+      for p in PROMPTS[:2]
+  }
+  for prompt in [PROMPTS[:2], [[5, 9, 200], [17]]]:
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, n=2)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]  # prompt i's choice j is i * n + j
+    assert [c.text for c in out.choices] == [greedy[PROMPTS[0]]] * 2 + [greedy[PROMPTS[1]]] * 2
+    assert out.usage.prompt_tokens == 4 and out.usage.completion_tokens == 12
+  stream = client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=3, temperature=0, stream=True)
+  texts = ["", ""]
+  for chunk in stream:
+    texts[chunk.choices[0].index] += chunk.choices[0].text
+  assert texts == [greedy[PROMPTS[0]], greedy[PROMPTS[1]]]
+  with pytest.raises(openai.BadRequestError, match=r"prompt.1: token id 300 \(at index 1\) is outside the vocabulary"):
+    client.completions.create(model=MODEL, prompt=[[5], [17, 300]], max_tokens=2)
+  with pytest.raises(openai.BadRequestError, match=r"prompt: token id -1 \(at index 0\)"):
+    client.completions.create(model=MODEL, prompt=[-1, 5], max_tokens=2)
+  assert server.busy() == 0
+
+
 def test_sigterm_finishes_what_is_in_flight_and_exits_0(server):
   # The module's last test on each server: it ends it.
   stream = server.client.completions.create(model=MODEL, prompt="w5", max_tokens=40, temperature=0, stream=True)

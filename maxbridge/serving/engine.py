@@ -95,6 +95,14 @@ def sample_slots(logits: jax.Array, sampling: SlotSampling, positions: jax.Array
   return sampling_ops.sample_rows(logits, keys, sampling.temperature, sampling.top_k, sampling.top_p)
 
 
+def score_tokens(logits: jax.Array, tokens: jax.Array, top: int):
+  """logits [N, V] and the tokens that followed them [N] -> (each token's float32 log-probability [N], the `top`
+  largest log-probabilities [N, top] and their ids [N, top])."""
+  logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  values, ids = jax.lax.top_k(logprobs, min(top, logprobs.shape[-1]))
+  return jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0], values, ids
+
+
 def _is_axes(x) -> bool:
   return isinstance(x, tuple) and all(isinstance(name, (str, type(None))) for name in x)
 
@@ -170,6 +178,7 @@ class Engine:
     self._generate = jax.jit(
         self._generate_impl, donate_argnums=(1,), static_argnames=("advance",), out_shardings=(state, tokens, None)
     )
+    self._score_prompt = jax.jit(self._score_prompt_impl, static_argnames=("top",))
     self._generate_steps = jax.jit(
         self._generate_steps_impl,
         donate_argnums=(1,),
@@ -278,6 +287,25 @@ class Engine:
     of nearby lengths share one compiled prefill.
     """
     return self._prefiller.one(tokens, true_length, existing_prefix, params, rng, num_samples=0)
+
+  def score_prompt(self, tokens, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One prompt (int [T]) scored by the served weights: (the float32 log-probability of each token after
+    the ones before it [T-1]; the `top` most likely tokens' log-probabilities and ids at each of those
+    positions [T-1, top]), as echo with logprobs reports a prompt.
+
+    One forward pass without a cache, the prompt padded as `prefill` pads it (padding comes after every real
+    token, so no causal position sees it): nearby lengths share one compile.
+    """
+    tokens = self._prefiller.check_prompt(tokens)
+    padded = self._prefiller.pad(tokens)
+    scores = self._score_prompt(self._params(None), padded, np.int32(len(tokens)), top=top)
+    return tuple(np.asarray(a)[: len(tokens) - 1] for a in scores)
+
+  def _score_prompt_impl(self, params, tokens, length, *, top: int):
+    offsets = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    segment_ids = (offsets < length).astype(jnp.int32)  # padding: segment 0, as in `prefill`
+    logits = self.model.apply(self._weights(params), tokens[None], offsets[None], segment_ids[None])[0]
+    return score_tokens(logits[:-1], tokens[1:], top)
 
   def prefill_multisampling(
       self, tokens, true_length: int | None = None, num_samples: int = 1, *, params: Params | None = None, rng=None

@@ -31,8 +31,11 @@ class Body(Strict):
 
 
 class CompletionBody(Body):
-  prompt: str | list[int]
+  # One prompt (text or token ids) or several, as OpenAI's; each gets n choices, in order.
+  prompt: str | list[str] | list[int] | list[list[int]]
+  max_tokens: int | None = pydantic.Field(default=None, ge=0)  # 0 with echo: score the prompt, generate nothing
   logprobs: int | None = pydantic.Field(default=None, ge=0, le=sched.MAX_LOGPROBS)
+  echo: bool = False
 
 
 class Message(pydantic.BaseModel):

@@ -18,6 +18,7 @@ between) it gives up: `error` is set and `submit` refuses.
 
 import collections
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxbridge.serving.engine import Engine, SlotSampling, sample_slots
+from maxbridge.serving.engine import Engine, SlotSampling, sample_slots, score_tokens
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class Scheduler:
     self._draining = self._stopped = False
     self._thread = threading.Thread(target=self._run, name="maxbridge-decode", daemon=True)
     self._sample_first = jax.jit(sample_slots)
-    self._top_logprobs = jax.jit(_top_logprobs)
+    self._top_logprobs = jax.jit(functools.partial(score_tokens, top=MAX_LOGPROBS))
     self._sampling = SlotSampling(
         np.zeros(len(self.slots), np.float32),
         np.zeros(len(self.slots), np.int32),
@@ -339,7 +340,7 @@ class Scheduler:
     self._deliver(live, np.asarray(tokens), None if scores is None else tuple(map(np.asarray, scores)), slots)
 
   def _deliver(self, choices: list[_Choice], tokens: np.ndarray, scores, rows) -> None:
-    """Each choice's new token (row `rows[i]` of `tokens` and of `scores`, `_top_logprobs`' arrays): emitted as
+    """Each choice's new token (row `rows[i]` of `tokens` and of `scores`, `score_tokens`' arrays): emitted as
     text, and its slot freed when that token ends the choice."""
     self._count("generated_tokens", len(choices))
     now = time.monotonic()
@@ -443,10 +444,3 @@ def _ended(request: Request, index: int) -> FinishEvent:
 
 def _rows(params: SamplingParams) -> tuple:
   return (np.float32(params.temperature), np.int32(params.top_k), np.float32(params.top_p), np.uint32(params.seed))
-
-
-def _top_logprobs(logits, tokens):
-  """(log p of `tokens` [B], the MAX_LOGPROBS largest log p [B, K], their token ids [B, K]) under `logits` [B, V]."""
-  logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  values, ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logprobs.shape[-1]))
-  return jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0], values, ids

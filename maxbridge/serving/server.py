@@ -23,6 +23,7 @@ answers the rest 503 and exits 0.
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import secrets
@@ -208,9 +209,13 @@ class _Routes:
   async def completions(self, body: api.CompletionBody, request: fastapi.Request):
     codec = self.codec
     self._check_model(body)
-    prompt = await asyncio.to_thread(self._completion_prompt, body.prompt)
-    params = self._sampling(body, prompt, body.max_tokens, 16, body.logprobs)
-    events = await self._run(request, prompt, params, "/v1/completions")
+    if body.echo and body.stream:  # the prompt's scores would come before any token: not a stream's shape
+      raise api.Refusal(400, "echo: not with stream: true; ask for the whole completion", "echo")
+    if body.max_tokens == 0 and not body.echo:
+      raise api.Refusal(400, "max_tokens: 0 generates nothing; it is for echo: true (scoring the prompt)", "max_tokens")
+    prompts = await asyncio.to_thread(self._completion_prompts, body.prompt)
+    params = [self._sampling(body, prompt, body.max_tokens, 16, body.logprobs) for prompt in prompts]
+    n, endpoint = body.n, "/v1/completions"
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
 
@@ -225,6 +230,7 @@ class _Routes:
       }
 
     if body.stream:
+      events = await self._run(request, prompts, params, endpoint)
 
       async def chunks():
         async for event in events:
@@ -235,24 +241,30 @@ class _Routes:
           yield {**head, "choices": [choice]}
 
       return _sse(chunks())
-    out = await _whole(request, events)
-    choices = [{"index": i, "text": "", "logprobs": None, "finish_reason": None} for i in range(params.n)]
-    counts = [0] * params.n
-    for event in out:
-      choice = choices[event.index]
-      choice["text"] += event.text
-      if isinstance(event, sched.TokenEvent):
-        counts[event.index] += 1
-        if event.logprob is not None:
-          lp = choice["logprobs"] or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-          one = logprobs(event)
-          for key in ("tokens", "token_logprobs", "top_logprobs"):
-            lp[key] += one[key]
-          lp["text_offset"].append(len(choice["text"]) - len(event.text))
-          choice["logprobs"] = lp
-      else:
-        choice["finish_reason"] = event.reason
-    usage = {"prompt_tokens": len(prompt), "completion_tokens": sum(counts), "total_tokens": len(prompt) + sum(counts)}
+    # Choice i * n + j is prompt i's j-th; with echo it starts with the prompt (and its scores).
+    choices = [{"index": c, "text": "", "logprobs": None, "finish_reason": "length"} for c in range(n * len(prompts))]
+    if body.echo:
+      echoes = await asyncio.to_thread(self._echoes, body.prompt, prompts, body.logprobs)
+      for choice in choices:
+        choice["text"], choice["logprobs"] = echoes[choice["index"] // n]
+    counts = [0] * len(choices)
+    if body.max_tokens != 0:
+      for event in await _whole(request, await self._run(request, prompts, params, endpoint)):
+        choice = choices[event.index]
+        choice["text"] += event.text
+        if isinstance(event, sched.TokenEvent):
+          counts[event.index] += 1
+          if event.logprob is not None:
+            lp = choice["logprobs"] or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            one = logprobs(event)
+            for key in ("tokens", "token_logprobs", "top_logprobs"):
+              lp[key] += one[key]
+            lp["text_offset"].append(len(choice["text"]) - len(event.text))
+            choice["logprobs"] = lp
+        else:
+          choice["finish_reason"] = event.reason
+    asked = sum(map(len, prompts))
+    usage = {"prompt_tokens": asked, "completion_tokens": sum(counts), "total_tokens": asked + sum(counts)}
     return {**head, "choices": choices, "usage": usage}
 
   async def chat(self, body: api.ChatBody, request: fastapi.Request):
@@ -261,7 +273,7 @@ class _Routes:
     prompt = await asyncio.to_thread(self._chat_prompt, body.messages)
     k = (body.top_logprobs or 0) if body.logprobs else None
     params = self._sampling(body, prompt, body.max_completion_tokens or body.max_tokens, None, k)
-    events = await self._run(request, prompt, params, "/v1/chat/completions")
+    events = await self._run(request, [prompt], [params], "/v1/chat/completions")
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
 
@@ -351,11 +363,30 @@ class _Routes:
 
   # The prompt's tokens, made on a worker thread: a long text must not hold up every other request's events.
 
-  def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
+  def _completion_prompt(self, prompt: str | list[int], field: str = "prompt") -> list[int]:
     if isinstance(prompt, str):
       return self.codec.encode(prompt)
-    self._check_ids(prompt, "prompt")
+    self._check_ids(prompt, field)
     return list(prompt)
+
+  def _completion_prompts(self, prompt) -> list[list[int]]:
+    """The token ids of each prompt a completion gives: one text or id list, or a list of them."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+      return [self._completion_prompt(prompt)]
+    if not prompt:
+      raise api.Refusal(400, "the prompt is empty: give at least one token", "prompt")
+    return [self._completion_prompt(p, f"prompt.{i}") for i, p in enumerate(prompt)]
+
+  def _echoes(self, given, prompts: list[list[int]], k: int | None) -> list[tuple[str, dict | None]]:
+    """Each prompt's echo: its text (as given, or its ids decoded) and, with logprobs, its tokens' scores by the
+    served model (one forward pass each, on this worker thread)."""
+    texts = [given] if isinstance(given, str) else given if isinstance(given[0], str) else [None] * len(prompts)
+    out = []
+    for text, tokens in zip(texts, prompts):
+      text = self.codec.decode(tokens) if text is None else text
+      scores = None if k is None else self.engine.score_prompt(tokens, min(sched.MAX_LOGPROBS, self.config.vocab_size))
+      out.append((text, None if scores is None else _prompt_logprobs(self.codec.decode, tokens, scores, k)))
+    return out
 
   def _tokenize(self, body: api.TokenizeBody) -> list[int]:
     if body.messages is not None:
@@ -415,7 +446,7 @@ class _Routes:
           "prompt",
       )
     room = limit - len(prompt)
-    max_tokens = max_tokens or default_tokens or room
+    max_tokens = (default_tokens or room) if max_tokens is None else max_tokens
     if max_tokens > room:
       raise api.Refusal(
           400,
@@ -441,23 +472,41 @@ class _Routes:
         logprobs=logprobs,
     )
 
-  async def _run(self, request: fastapi.Request, prompt: list[int], params: sched.SamplingParams, endpoint: str):
-    """Queues the request; yields the scheduler's events until every choice finishes; cancels if abandoned."""
+  async def _run(
+      self,
+      request: fastapi.Request,
+      prompts: list[list[int]],
+      params: list[sched.SamplingParams],
+      endpoint: str,
+  ):
+    """Queues one request a prompt; yields the scheduler's events (prompt i's choice j as index i * n + j) until
+    every choice finishes; cancels them all if abandoned."""
     scheduler = self.scheduler
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
-    job = sched.Request(prompt, params, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+
+    def emitter(offset: int):
+      def emit(event):
+        event = dataclasses.replace(event, index=event.index + offset) if offset else event
+        loop.call_soon_threadsafe(events.put_nowait, event)
+
+      return emit
+
+    jobs = [sched.Request(prompt, p, emitter(i * p.n)) for i, (prompt, p) in enumerate(zip(prompts, params))]
     try:
-      scheduler.submit(job)
-    except sched.QueueFull as e:
-      raise api.Refusal(429, f"{e}; retry later", headers={"Retry-After": "1"}) from e
-    except sched.Draining as e:
+      for job in jobs:
+        scheduler.submit(job)
+    except (sched.QueueFull, sched.Draining) as e:
+      for job in jobs:  # all or none: the ones queued already would run for nobody
+        scheduler.cancel(job)
+      if isinstance(e, sched.QueueFull):
+        raise api.Refusal(429, f"{e}; retry later", headers={"Retry-After": "1"}) from e
       raise api.Refusal(503, str(e)) from e
     # Counted when queued: the status line of a stream is sent before its end (a failure is counted again).
     self.metrics.requests.labels(endpoint, "200").inc()
 
     async def stream():
-      left = params.n
+      left = sum(p.n for p in params)
       try:
         while left:
           event = await events.get()
@@ -472,9 +521,25 @@ class _Routes:
           yield event
       finally:
         if left:
-          scheduler.cancel(job)
+          for job in jobs:
+            scheduler.cancel(job)
 
     return stream()
+
+
+def _prompt_logprobs(decode, tokens: list[int], scores, k: int) -> dict:
+  """An echoed prompt's `logprobs`, as vLLM's: each token with its log-probability after the ones before it and
+  the k likeliest there; the first token has none (nothing comes before it). `scores`: `Engine.score_prompt`'s.
+  text_offset counts the characters of the tokens before, as vLLM's."""
+  chosen, values, ids = scores
+  pieces = [decode([t]) for t in tokens]
+  top = [{decode([t]): v for t, v in zip(ids[i, :k].tolist(), values[i, :k].tolist())} for i in range(len(chosen))]
+  return {
+      "tokens": pieces,
+      "token_logprobs": [None, *chosen.tolist()],
+      "top_logprobs": [None, *top],
+      "text_offset": list(itertools.accumulate(map(len, pieces[:-1]), initial=0)),
+  }
 
 
 def _tokenizer_info(codec: Codec) -> dict:
