@@ -339,9 +339,9 @@ def test_echo_scores_the_prompt_with_the_models_own_logits(server, folder):
     np.testing.assert_allclose(list(top.values()), row[best], atol=1e-5)
   # With tokens to generate, the completion's come after the prompt's: text and logprobs.
   plain = client.completions.create(model=MODEL, prompt=text, max_tokens=3, temperature=0, logprobs=1).choices[0]
-  echoed = client.completions.create(
-      model=MODEL, prompt=tokens, max_tokens=3, temperature=0, logprobs=1, echo=True
-  ).choices[0]
+  both = client.completions.create(model=MODEL, prompt=tokens, max_tokens=3, temperature=0, logprobs=1, echo=True, n=2)
+  echoed = both.choices[0]
+  assert both.choices[1].text == echoed.text and both.choices[1].logprobs.tokens == echoed.logprobs.tokens
   assert echoed.text == text + plain.text
   assert echoed.logprobs.tokens == text.split() + plain.logprobs.tokens
   np.testing.assert_allclose(echoed.logprobs.token_logprobs[1:5], lp.token_logprobs[1:], atol=1e-5)

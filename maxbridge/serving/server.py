@@ -246,7 +246,9 @@ class _Routes:
     if body.echo:
       echoes = await asyncio.to_thread(self._echoes, body.prompt, prompts, body.logprobs)
       for choice in choices:
-        choice["text"], choice["logprobs"] = echoes[choice["index"] // n]
+        text, scored = echoes[choice["index"] // n]
+        # Each choice its own lists: its completion's logprobs are appended to them.
+        choice["text"], choice["logprobs"] = text, scored and {key: list(v) for key, v in scored.items()}
     counts = [0] * len(choices)
     if body.max_tokens != 0:
       for event in await _whole(request, await self._run(request, prompts, params, endpoint)):
