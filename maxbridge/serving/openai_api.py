@@ -28,6 +28,17 @@ class Body(Strict):
   stop: str | list[str] | None = None
   seed: int | None = None
   stream: bool = False
+  # OpenAI's, which the sampler does not do: read so that a request asking for them is refused by name
+  # (`unsupported`) rather than answered as if they had been applied.
+  logit_bias: dict[str, float] | None = None
+  presence_penalty: float = pydantic.Field(default=0.0, ge=-2, le=2)
+  frequency_penalty: float = pydantic.Field(default=0.0, ge=-2, le=2)
+
+  def unsupported(self) -> str | None:
+    """The first field set to something this server does not do, or None."""
+    if self.logit_bias:
+      return "logit_bias"
+    return next((f for f in ("presence_penalty", "frequency_penalty") if getattr(self, f)), None)
 
 
 class CompletionBody(Body):
@@ -36,6 +47,10 @@ class CompletionBody(Body):
   max_tokens: int | None = pydantic.Field(default=None, ge=0)  # 0 with echo: score the prompt, generate nothing
   logprobs: int | None = pydantic.Field(default=None, ge=0, le=sched.MAX_LOGPROBS)
   echo: bool = False
+  best_of: int | None = pydantic.Field(default=None, ge=1)
+
+  def unsupported(self) -> str | None:
+    return super().unsupported() or ("best_of" if self.best_of not in (None, 1) else None)
 
 
 class Message(pydantic.BaseModel):

@@ -359,9 +359,12 @@ class _Routes:
   async def metrics_text(self):
     return responses.Response(prometheus_client.generate_latest(self.metrics.registry), media_type="text/plain")
 
-  def _check_model(self, body: api.Body) -> None:
+  def _check_model(self, body: api.Strict) -> None:
     if body.model is not None and body.model != self.model_name:
       raise api.Refusal(400, f"model: {body.model!r} is not served here; this server serves {self.model_name!r}", "model")
+    field = body.unsupported() if isinstance(body, api.Body) else None
+    if field is not None:
+      raise api.Refusal(400, f"{field}: not supported by this server; leave it out (or at its default)", field)
 
   # The prompt's tokens, made on a worker thread: a long text must not hold up every other request's events.
 
