@@ -34,6 +34,14 @@ def test_no_core_module_imports_converters():
   assert not offenders, f"these modules import converters: {offenders}"
 
 
+def test_no_source_file_is_over_600_lines():
+  # A room a reader can take in at once (ARCHITECTURE.md): a file that grows past this splits by what it holds.
+  root = MAXBRIDGE.parent
+  files = [*MAXBRIDGE.rglob("*.py"), *(root / "linen_models").rglob("*.py"), *(root / "nnx_models").rglob("*.py")]
+  long = {str(f.relative_to(root)): n for f in files if (n := len(f.read_text().splitlines())) > 600}
+  assert files and not long, f"over 600 lines: {long}"
+
+
 def test_loading_a_checkpoint_from_the_core_does_not_load_converters():
   code = "import sys, maxbridge.interop.pretrained, maxbridge.core.checkpointing, maxbridge.training.loop; print('converters' in sys.modules)"
   assert _run(code) == "False"

@@ -29,6 +29,7 @@ from maxbridge.interop.hf import folders
 from maxbridge.interop import pretrained
 from maxbridge.models import dispatch
 from maxbridge.ops import sampling
+from maxbridge.serving import codec as codec_lib
 from maxbridge.serving import engine as engine_lib
 from maxbridge.serving import scheduler as sched
 from maxbridge.serving import server as server_lib
@@ -438,7 +439,7 @@ def failing(folder):
   model = dispatch.create_model(config, params=params)
   engine = FailingEngine(engine_lib.Engine(model.config, model=model))
   tokenizer = pretrained.load_tokenizer(folder, config.vocab_size)
-  codec = server_lib.Codec.from_folder(lambda text: tokenizer.encode(text).ids, tokenizer.decode, folder)
+  codec = codec_lib.Codec.from_folder(lambda text: tokenizer.encode(text).ids, tokenizer.decode, folder)
   sock = server_lib.bind("127.0.0.1", 0)
   url, raised = f"http://127.0.0.1:{sock.getsockname()[1]}", []
 

@@ -99,12 +99,12 @@ def _serve(args: argparse.Namespace) -> int:
   from pathlib import Path
 
   from maxbridge.interop import pretrained
-  from maxbridge.serving import engine, server
+  from maxbridge.serving import codec, engine, server
 
   sock = server.bind(args.host, args.port)  # a port in use fails now, not after the model loads and the banner
   model = _load_model(args)
   encode, decode = _tokenizer(args.source, model.config.vocab_size)
-  codec = server.Codec.from_folder(encode, decode, pretrained.tokenizer_folder(args.source) or Path(args.source))
+  codec = codec.Codec.from_folder(encode, decode, pretrained.tokenizer_folder(args.source) or Path(args.source))
   serving = engine.Engine(model.config, model=model)
   port = sock.getsockname()[1]  # --port 0: the one the system chose
   print(

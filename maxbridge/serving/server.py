@@ -31,116 +31,33 @@ import socket
 import threading
 import time
 import uuid
-from pathlib import Path
-from typing import Callable
 
 import fastapi
-import jinja2.sandbox
+import jinja2
 import prometheus_client
 import uvicorn
 from fastapi import responses
 from starlette import exceptions as starlette_exceptions
 
+from maxbridge.serving import codec as codec_lib
 from maxbridge.serving import engine as engine_lib
+from maxbridge.serving import metrics as metrics_lib
 from maxbridge.serving import openai_api as api
 from maxbridge.serving import scheduler as sched
 
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class Codec:
-  """Text <-> tokens for the server: the model's tokenizer (or bytes), its end-of-sequence ids and chat template."""
-
-  encode: Callable[[str], list[int]]
-  decode: Callable[[list[int]], str]
-  eos_ids: tuple[int, ...] = ()
-  chat_template: str | None = None
-  special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)  # bos_token, eos_token for the template
-  settings: dict = dataclasses.field(default_factory=dict)  # tokenizer_config.json, for /tokenizer_info
-  tokenizer_class: str = "unknown"
-
-  @classmethod
-  def from_folder(cls, encode, decode, folder: Path) -> "Codec":
-    """With the chat template and special tokens of `folder`'s tokenizer_config.json and the end-of-sequence ids
-    of its generation_config.json or config.json, as Hugging Face folders hold them (each optional)."""
-
-    def read(name: str) -> dict:
-      path = folder / name
-      try:
-        return json.loads(path.read_text()) if path.is_file() else {}
-      except (OSError, ValueError) as e:
-        raise ValueError(f"{path} is not readable JSON: {e}") from e
-
-    settings = read("tokenizer_config.json")
-    template = settings.get("chat_template")
-    if isinstance(template, list):  # named templates: the default one
-      template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    special = {}
-    for key in ("bos_token", "eos_token"):
-      value = settings.get(key)
-      special[key] = value.get("content", "") if isinstance(value, dict) else (value or "")
-    eos = read("generation_config.json").get("eos_token_id", read("config.json").get("eos_token_id"))
-    eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-    # The class transformers would load (the CLI reads tokenizer.json when there is one, else takes UTF-8 bytes).
-    kind = settings.get("tokenizer_class") or (
-        "PreTrainedTokenizerFast" if (folder / "tokenizer.json").is_file() else "ByteTokenizer"
-    )
-    return cls(encode, decode, eos, template, special, settings, kind)
-
-
-class Metrics:
-  """The server's Prometheus metrics, in a registry of its own (several servers may share a process in tests)."""
-
-  def __init__(self, slots: int):
-    self.registry = prometheus_client.CollectorRegistry()
-    r = self.registry
-    self.requests = prometheus_client.Counter(
-        "maxbridge_requests", "requests answered, by endpoint and status", ["endpoint", "status"], registry=r
-    )
-    self._gauges = {
-        "queue_depth": prometheus_client.Gauge("maxbridge_queue_depth", "requests waiting for a slot", registry=r),
-        "slots_busy": prometheus_client.Gauge("maxbridge_slots_busy", "decode slots holding a request", registry=r),
-    }
-    prometheus_client.Gauge("maxbridge_slots", "decode slots in all", registry=r).set(slots)
-    self._counters = {
-        "generated_tokens": prometheus_client.Counter(
-            "maxbridge_generated_tokens", "tokens generated (rate() gives tokens/s)", registry=r
-        ),
-        "decode_steps": prometheus_client.Counter("maxbridge_decode_steps", "engine decode steps", registry=r),
-    }
-    self._histograms = {
-        "ttft": prometheus_client.Histogram(
-            "maxbridge_time_to_first_token_seconds", "from admission to the queue to the first token", registry=r
-        ),
-        "slot_occupancy": prometheus_client.Histogram(
-            "maxbridge_slot_occupancy",
-            "busy slots per decode step: above 1, requests share steps (continuous batching)",
-            buckets=[b + 0.5 for b in range(slots)],
-            registry=r,
-        ),
-    }
-
-  def set(self, name, value):
-    self._gauges[name].set(value)
-
-  def inc(self, name, value):
-    self._counters[name].inc(value)
-
-  def observe(self, name, value):
-    self._histograms[name].observe(value)
-
-
 def build_app(
     engine: engine_lib.Engine,
-    codec: Codec,
+    codec: codec_lib.Codec,
     *,
     model_name: str,
     max_queue: int = 64,
     max_request_bytes: int = api.MAX_REQUEST_BYTES,
 ) -> tuple[fastapi.FastAPI, sched.Scheduler]:
   """The FastAPI app and its scheduler (started with the app, stopped with it)."""
-  metrics = Metrics(engine.max_concurrent_decodes)
+  metrics = metrics_lib.Metrics(engine.max_concurrent_decodes)
   scheduler = sched.Scheduler(engine, codec.decode, eos_ids=codec.eos_ids, max_queue=max_queue, metrics=metrics)
   routes = _Routes(engine, codec, scheduler, metrics, model_name)
 
@@ -175,12 +92,17 @@ class _Routes:
   """
 
   def __init__(
-      self, engine: engine_lib.Engine, codec: Codec, scheduler: sched.Scheduler, metrics: Metrics, model_name: str
+      self,
+      engine: engine_lib.Engine,
+      codec: codec_lib.Codec,
+      scheduler: sched.Scheduler,
+      metrics: metrics_lib.Metrics,
+      model_name: str,
   ):
     self.engine, self.codec, self.scheduler, self.metrics, self.model_name = engine, codec, scheduler, metrics, model_name
     self.config = engine.config
     self.limit = engine.position_limit or self.config.max_target_length
-    self.template = _chat_template(codec.chat_template)
+    self.template = codec_lib.chat_template(codec.chat_template)
 
   async def invalid(self, request, exc):
     first = exc.errors()[0]
@@ -349,7 +271,7 @@ class _Routes:
     return {"prompt": await asyncio.to_thread(self._detokenize, body.tokens)}
 
   async def tokenizer_info(self):
-    return _tokenizer_info(self.codec)
+    return self.codec.tokenizer_info()
 
   async def health(self):
     if self.scheduler.error is not None:
@@ -547,35 +469,6 @@ def _prompt_logprobs(decode, tokens: list[int], scores, k: int) -> dict:
   }
 
 
-def _tokenizer_info(codec: Codec) -> dict:
-  """/tokenizer_info as vLLM answers it: the tokenizer's settings (tokenizer_config.json, less its file paths;
-  added tokens as their text), its class, and the chat template the server renders."""
-
-  def plain(value):
-    if isinstance(value, dict):
-      return value["content"] if isinstance(value.get("content"), str) else {k: plain(v) for k, v in value.items()}
-    return [plain(v) for v in value] if isinstance(value, list) else value
-
-  info = {k: plain(v) for k, v in codec.settings.items() if k not in ("vocab_file", "merges_file")}
-  info["tokenizer_class"] = codec.tokenizer_class
-  if codec.chat_template:
-    info["chat_template"] = codec.chat_template
-  return info
-
-
-def _chat_template(source: str | None):
-  if not source:
-    return None
-  # As transformers renders chat templates: a sandbox, trimmed blocks, raise_exception for the template's checks.
-  env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-  def raise_exception(message):
-    raise jinja2.exceptions.TemplateError(message)
-
-  env.globals["raise_exception"] = raise_exception
-  return env.from_string(source)
-
-
 async def _whole(request: fastapi.Request, events):
   """All of a request's events, cancelling it when the client disconnects before they are in."""
   out = []
@@ -663,7 +556,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(
     engine: engine_lib.Engine,
-    codec: Codec,
+    codec: codec_lib.Codec,
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
