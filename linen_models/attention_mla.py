@@ -4,7 +4,8 @@ Queries: `query`, or with `q_lora_rank` > 0 the low-rank path `wq_a` -> `q_norm`
 -> `wq_b`. Keys and values: `wkv_a` to a latent (plus one shared rope key part),
 `kv_norm`, `wkv_b` up to every head's [key nope | value]. `wq_b` and `wkv_b`
 are whole kernels [rank, heads, dims], as QK-Clip needs them. The softmax
-scale 1/sqrt(nope + rope) is applied at run time (as MaxText and Hugging Face do).
+scale 1/sqrt(nope + rope) (with YaRN, times mscale^2: `ops.mla.softmax_scale`) is applied at
+run time (as MaxText and Hugging Face do); YaRN's frequencies turn the rope parts (`ops.mla.rope`).
 The latent norms keep DeepSeek's own epsilon (`ops.mla.LATENT_NORM_EPSILON`).
 A decode cache keeps the normed latent and the rotated rope key, not the
 expanded keys and values; every read expands the whole cache with `wkv_b`.
@@ -41,12 +42,12 @@ class MLA(nn.Module):
       low_rank = dense(cfg, (cfg.emb_dim,), (cfg.q_lora_rank,), ("embed", "q_lora_up_proj"), name="wq_a")(x)
       low_rank = RMSNorm(cfg.q_lora_rank, name="q_norm", **norm)(low_rank)
       query = dense(cfg, (cfg.q_lora_rank,), (heads, qk_head_dim), ("q_lora", "q_heads", "kv"), name="wq_b")(low_rank)
-    query = mla.rope_query(query, positions, nope_dim=cfg.qk_nope_head_dim, max_timescale=cfg.rope_max_timescale)
+    query = mla.rope_query(query, positions, nope_dim=cfg.qk_nope_head_dim, **mla.rope(cfg))
     latent_dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     latent = dense(cfg, (cfg.emb_dim,), (latent_dim,), ("embed", "kv_lora_up_proj"), name="wkv_a")(x)
     latent, key_rope = jnp.split(latent, [cfg.kv_lora_rank], axis=-1)
     latent = RMSNorm(cfg.kv_lora_rank, name="kv_norm", **norm)(latent)
-    key_rope = mla.rope_key(key_rope, positions, max_timescale=cfg.rope_max_timescale)
+    key_rope = mla.rope_key(key_rope, positions, **mla.rope(cfg))
     (latent, key_rope), kv, write_cache = read_cache(
         self, {"cached_latent": latent, "cached_key_rope": key_rope}, positions, segment_ids
     )
@@ -57,7 +58,7 @@ class MLA(nn.Module):
         mla.latent_key_value(wkv_b(part), rope, nope_dim=cfg.qk_nope_head_dim) for part, rope in zip(latent, key_rope)
     ]
     key, value = zip(*blocks)
-    scale = None if initializers.query_kernel_carries_scale(cfg) else qk_head_dim**-0.5
+    scale = None if initializers.query_kernel_carries_scale(cfg) else mla.softmax_scale(cfg)
     out, per_layer = attention.self_attention(
         query,
         key,

@@ -57,6 +57,10 @@ PUBLISHED = {
     "qwen3-32b": 32_800_000_000,  # Qwen's card: 32.8B
     "qwen3-30b-a3b-base": 30_500_000_000,  # Qwen's card: 30.5B
     "qwen3-480b-a35b": 480_000_000_000,  # Qwen3-Coder-480B-A35B's card: 480B
+    # deepseek-ai/DeepSeek-V3's safetensors less its multi-token prediction module (685B with it: 671B of main
+    # model, 14B of MTP, its README); MaxText's file, as the preset, has no MTP module.
+    "deepseek3-671b": 671_026_419_200,
+    "kimi-k2-1t": 1_040_000_000_000,  # the Kimi K2 technical report: 1.04T total
 }
 
 
@@ -69,38 +73,9 @@ def test_a_maxtext_preset_loads_by_its_maxtext_name_with_its_published_size(pres
   assert count == pytest.approx(PUBLISHED[preset], rel=0.02), f"{preset}: {count:,} parameters"
 
 
-# MaxText's deepseek3-671b.yml's shapes. Not a preset: our deepseek block has plain RoPE only, and MaxText's
-# file sets rope_type=yarn (with mscale on MLA's softmax scale); the plan below depends on shapes alone.
-_DEEPSEEK3_671B = """
-decoder_block: deepseek
-base_emb_dim: 7168
-base_num_query_heads: 128
-base_num_kv_heads: 128
-head_dim: 192
-base_mlp_dim: 18432
-moe_mlp_dim: 2048
-base_num_decoder_layers: 61
-first_num_dense_layers: 3
-vocab_size: 129280
-num_experts: 256
-num_experts_per_tok: 8
-shared_experts: 1
-routed_score_func: sigmoid
-routed_bias: true
-routed_scaling_factor: 2.5
-q_lora_rank: 1536
-kv_lora_rank: 512
-qk_nope_head_dim: 128
-qk_rope_head_dim: 64
-v_head_dim: 128
-"""
-
-
-def test_deepseek3_671b_trains_on_256_chips_of_95_gib_with_experts_split(tmp_path, capsys):
-  path = tmp_path / "deepseek3-671b.yml"
-  path.write_text(_DEEPSEEK3_671B)
+def test_deepseek3_671b_trains_on_256_chips_of_95_gib_with_experts_split(capsys):
   mesh = ["ici_fsdp_parallelism=16", "ici_expert_parallelism=16"]
-  assert cli.main(["shardings", "--devices", "256", str(path), *mesh]) == 0
+  assert cli.main(["shardings", "--devices", "256", "deepseek3-671b", *mesh]) == 0
   out = capsys.readouterr().out
   per_device = {
       label: int(value.replace(",", ""))

@@ -64,6 +64,8 @@ class Config:
   beta_fast: float
   beta_slow: float
   rope_truncate: bool
+  rope_attention_scaling: bool
+  mscale: float
   local_rope_max_timescale: int
   rope_linear_scaling_factor: float
   scan_layers: bool

@@ -138,6 +138,7 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("rope_factor", lambda v: v >= 1, ">= 1 (how many times slower the longest wavelengths turn)"),
     ("beta_fast", lambda v: 0 < v < float("inf"), "a finite number > 0 (yarn: rotations)"),
     ("beta_slow", lambda v: 0 < v < float("inf"), "a finite number > 0 (yarn: rotations)"),
+    ("mscale", lambda v: 0 <= v < float("inf"), "a finite number >= 0 (deepseek yarn; 0: no softmax rescaling)"),
     ("mlp_activations_limit", lambda v: 0 <= v < float("inf"), "a finite number >= 0 (0: no clamp)"),
     ("rope_low_freq_factor", _positive, "> 0"),
     ("local_rope_max_timescale", lambda v: v == -1 or v > 0, "a positive integer, or -1 for rope_max_timescale"),

@@ -3,7 +3,17 @@
 Each query/key head is [nope | rope]: the first `nope_dim` features carry no
 position; the last ones are rotated, in DeepSeek's interleaved pair layout.
 Keys share one rope part across heads (it comes from the latent projection).
+
+With `rope_type=yarn` (DeepSeek-V3, Kimi-K2) the rope part turns at YaRN's
+frequencies (`rotary.YarnScaling`), as transformers' DeepseekV3; the rotated
+parts are multiplied by YaRN's 0.1 ln(factor) + 1 only where
+`rope_attention_scaling` asks (MaxText's key), and the softmax scale
+1/sqrt(nope + rope) by mscale(factor, `mscale`)^2 (Hugging Face's
+`mscale_all_dim`).
 """
+
+import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -15,16 +25,63 @@ from maxbridge.ops import rotary
 LATENT_NORM_EPSILON = 1e-6
 
 
-def rope_query(query: jax.Array, positions: jax.Array, *, nope_dim: int, max_timescale: float) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class MLAYarnScaling(rotary.YarnScaling):
+  """YaRN's frequencies; the rotated parts are multiplied by its attention factor only where `scale_rotated`
+  (MaxText's rope_attention_scaling: false for DeepSeek-V3, whose Hugging Face factor mscale / mscale_all_dim is 1)."""
+
+  scale_rotated: bool = False
+
+  @property
+  def attention_factor(self) -> float:
+    return super().attention_factor if self.scale_rotated else 1.0
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+  """DeepSeek's (and transformers' `yarn_get_mscale`) 0.1 * mscale * ln(factor) + 1; 1 where factor <= 1."""
+  return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def rope(config) -> dict:
+  """`rope_query`'s and `rope_key`'s RoPE arguments for a config: theta, and YaRN where rope_type=yarn."""
+  scaling = None
+  if config.rope_type == "yarn":
+    yarn = rotary.scaling_from_config(config)
+    scaling = MLAYarnScaling(**dataclasses.asdict(yarn), scale_rotated=config.rope_attention_scaling)
+  return dict(max_timescale=config.rope_max_timescale, scaling=scaling)
+
+
+def softmax_scale(config) -> float:
+  """1/sqrt(nope + rope), times mscale(rope_factor, mscale)^2 with YaRN (transformers' `yarn_apply_mscale`,
+  DeepSeek's `softmax_scale`); mscale=0 leaves it unscaled."""
+  scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+  if config.rope_type == "yarn" and config.mscale:
+    scale *= yarn_mscale(config.rope_factor, config.mscale) ** 2
+  return scale
+
+
+def rope_query(
+    query: jax.Array,
+    positions: jax.Array,
+    *,
+    nope_dim: int,
+    max_timescale: float,
+    scaling: MLAYarnScaling | None = None,
+) -> jax.Array:
   """query [B, T, N, nope + rope] -> the same with its rope part rotated."""
-  nope, rope = jnp.split(query, [nope_dim], axis=-1)
-  rope = rotary.apply_rotary(rope, positions, max_timescale=max_timescale, interleave=True)
-  return jnp.concatenate([nope, rope], axis=-1)
+  nope, rope_part = jnp.split(query, [nope_dim], axis=-1)
+  rope_part = rotary.apply_rotary(rope_part, positions, max_timescale=max_timescale, interleave=True, scaling=scaling)
+  return jnp.concatenate([nope, rope_part], axis=-1)
 
 
-def rope_key(key_rope: jax.Array, positions: jax.Array, *, max_timescale: float) -> jax.Array:
+def rope_key(
+    key_rope: jax.Array, positions: jax.Array, *, max_timescale: float, scaling: MLAYarnScaling | None = None
+) -> jax.Array:
   """The shared key rope part [B, T, rope], rotated by `positions` [B, T] (what a decode cache keeps)."""
-  return rotary.apply_rotary(key_rope[:, :, None, :], positions, max_timescale=max_timescale, interleave=True)[:, :, 0]
+  rotated = rotary.apply_rotary(
+      key_rope[:, :, None, :], positions, max_timescale=max_timescale, interleave=True, scaling=scaling
+  )
+  return rotated[:, :, 0]
 
 
 def latent_key_value(key_value: jax.Array, rotated_key_rope: jax.Array, *, nope_dim: int) -> tuple[jax.Array, jax.Array]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 from maxbridge.core.families import llama
@@ -15,10 +16,10 @@ from maxbridge.core.families.base import (
     broken,
     no_grouped_query_attention,
     own_attention,
-    own_positions,
     routes_to_experts,
 )
 from maxbridge.core.families.hf_rules import (
+    CONFIG_FILE,
     common_to_hf,
     ConfigClass,
     HFError,
@@ -33,6 +34,7 @@ from maxbridge.core.families.hf_rules import (
     require,
     require_one_of,
     rope_from_hf,
+    rope_parameters,
     rope_to_hf,
 )
 
@@ -112,6 +114,78 @@ CONFIG_CLASS = ConfigClass(
 )
 
 
+def _yarn_mscale(factor: float, mscale: float) -> float:
+  """transformers' `yarn_get_mscale` (as `ops.mla.yarn_mscale`, which the layers use; core cannot import ops)."""
+  return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def _rope_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
+  """Our RoPE keys: default RoPE, or YaRN as transformers' DeepseekV3 reads it (`_compute_yarn_parameters` for the
+  frequencies and the cos/sin factor, `yarn_apply_mscale` for the softmax scale)."""
+  parameters, source = rope_parameters(hf, CONFIG_CLASS.default_theta)
+  if parameters["rope_type"] != "yarn":
+    return rope_from_hf(hf, llama3=False, default_theta=CONFIG_CLASS.default_theta)
+  values = rope_from_hf({**hf, source: {**parameters, "rope_type": "default"}}, llama3=False, default_theta=0)
+  given = hf.get(source) or {}
+  # transformers fills these in from max_position_embeddings; DeepSeek-V3's and Kimi-K2's config.json give both.
+  for key in ("factor", "original_max_position_embeddings"):
+    if given.get(key) is None:
+      raise HFError(f"{CONFIG_FILE}: {source} of rope_type 'yarn' has no {key!r}, which maxbridge needs")
+  factor = get_float(given, "factor")
+  truncate = parameters.get("truncate", True)
+  if not isinstance(truncate, bool):
+    raise HFError(f"{CONFIG_FILE}: {source}.truncate={truncate!r} must be true or false")
+  # transformers' `or` and truthiness: a 0 or null reads as its default.
+  mscale = get_float(parameters, "mscale", 0.0)
+  all_dim = get_float(parameters, "mscale_all_dim", 0.0)
+  if parameters.get("attention_factor") is not None:
+    attention_factor = get_float(parameters, "attention_factor")
+  elif mscale and all_dim:
+    attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim)
+  else:
+    attention_factor = _yarn_mscale(factor, 1.0)
+  # MaxText's rope_attention_scaling: the rotated parts times 1 (false) or yarn's 0.1 ln(factor) + 1 (true).
+  scaled = not math.isclose(attention_factor, 1.0, rel_tol=1e-12)
+  if scaled and not math.isclose(attention_factor, _yarn_mscale(factor, 1.0), rel_tol=1e-12):
+    raise HFError(
+        f"{CONFIG_FILE}: {source} scales YaRN's cos/sin by {attention_factor!r} (attention_factor, or mscale over "
+        f"mscale_all_dim); maxbridge's MLA scales them by 1 or by 0.1 * ln(factor) + 1 = {_yarn_mscale(factor, 1.0)!r}"
+    )
+  return {
+      **values,
+      "rope_type": "yarn",
+      "rope_factor": factor,
+      "beta_fast": float(parameters.get("beta_fast") or 32),
+      "beta_slow": float(parameters.get("beta_slow") or 1),
+      "rope_truncate": truncate,
+      "original_max_position_embeddings": get_int(given, "original_max_position_embeddings"),
+      "rope_attention_scaling": scaled,
+      "mscale": all_dim,
+  }
+
+
+def _rope_to_hf(config: Config) -> dict[str, Any]:
+  if config.rope_type != "yarn":
+    return rope_to_hf(config)
+  theta = float(config.rope_max_timescale)
+  parameters: dict[str, Any] = {
+      "rope_type": "yarn",
+      "rope_theta": theta,
+      "factor": config.rope_factor,
+      "original_max_position_embeddings": config.original_max_position_embeddings,
+      "beta_fast": config.beta_fast,
+      "beta_slow": config.beta_slow,
+      "truncate": config.rope_truncate,
+      # The softmax scale's mscale; the cos/sin factor is mscale / mscale_all_dim where both are given, else
+      # 0.1 ln(factor) + 1 (or attention_factor where given).
+      "mscale_all_dim": config.mscale,
+  }
+  if not config.rope_attention_scaling:
+    parameters.update({"mscale": config.mscale} if config.mscale else {"attention_factor": 1.0})
+  # DeepSeek's own config.json spells it rope_scaling, which transformers 4 reads (5 reads either).
+  return {"rope_parameters": parameters, "rope_scaling": dict(parameters), "rope_theta": theta}
+
+
 def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
   hf = CONFIG_CLASS.read(raw)
   require_one_of(hf, "hidden_act", ("silu", "swish"))
@@ -136,8 +210,7 @@ def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
       "first_num_dense_layers": get_int(hf, "first_k_dense_replace"),
       "vocab_size": get_int(hf, "vocab_size"),
       "normalization_layer_epsilon": get_float(hf, "rms_norm_eps"),
-      # MLA's RoPE has no Llama 3.1 scaling here, and transformers scales attention for any other type.
-      **rope_from_hf(hf, llama3=False, default_theta=CONFIG_CLASS.default_theta),
+      **_rope_from_hf(hf),
       "logits_via_embedding": get_bool(hf, "tie_word_embeddings"),
       "num_experts": get_int(hf, "n_routed_experts"),
       "num_experts_per_tok": get_int(hf, "num_experts_per_tok"),
@@ -183,7 +256,7 @@ def _config_to_hf(config: Config) -> dict[str, Any]:
       "num_nextn_predict_layers": config.mtp_num_layers,
       "hidden_act": "silu",
       "attention_bias": False,
-      **rope_to_hf(config),
+      **_rope_to_hf(config),
   }
 
 
@@ -223,6 +296,15 @@ def _routing_groups(config: Config) -> str | None:
   return None
 
 
+def _mla_rope(config: Config) -> str | None:
+  if config.rope_type not in ("default", "yarn"):
+    return (
+        f"rope_type={config.rope_type!r}: decoder_block='deepseek' turns MLA's rope parts by plain RoPE or YaRN: "
+        "set rope_type='default' or 'yarn'"
+    )
+  return None
+
+
 def _check(config: Config) -> list[str]:
   dense_layers = odd_rope = None
   if config.first_num_dense_layers > config.base_num_decoder_layers:
@@ -233,7 +315,7 @@ def _check(config: Config) -> list[str]:
   if config.qk_rope_head_dim % 2:
     odd_rope = f"qk_rope_head_dim={config.qk_rope_head_dim} must be even (RoPE rotates pairs)"
   return broken(
-      own_positions(config),
+      _mla_rope(config),
       routes_to_experts(config),
       no_grouped_query_attention(config),
       own_attention(config),
