@@ -118,3 +118,20 @@ def test_a_family_check_returns_messages_and_the_config_raises_them():
   with pytest.raises(mb.ConfigError) as raised:
     mb.load_config("gpt3-tiny", **faults)
   assert str(raised.value) == "\n".join(messages)
+
+
+OWN_KEYS = [
+    (family.decoder_blocks[0], key, default) for family in families.REGISTRY for key, default in family.own_keys.items()
+]
+
+
+@pytest.mark.parametrize("block, key, default", OWN_KEYS, ids=[f"{block}.{key}" for block, key, _ in OWN_KEYS])
+def test_a_familys_own_key_set_for_another_family_is_refused_by_name(block, key, default):
+  # Read by `block`'s layers only: another family would silently ignore it.
+  other = "llama-tiny" if block != "llama2" else "gemma-tiny"
+  if isinstance(default, bool):
+    off = not default
+  else:  # a valid value other than the default
+    off = abs(default) + 1 if isinstance(default, int) else (default / 2 if default else 0.5)
+  with pytest.raises(mb.ConfigError, match=rf"{key}=.* is read by decoder_block='{block}' only"):
+    mb.load_config(other, **{key: off})

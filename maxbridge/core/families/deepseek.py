@@ -349,4 +349,6 @@ FAMILY = Family(
         ),
     ),
     check=_check,
+    # MLA's YaRN only (other families' YaRN always scales the cos/sin and leaves the softmax scale).
+    own_keys={"mscale": 1.0, "rope_attention_scaling": False},
 )
