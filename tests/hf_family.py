@@ -21,7 +21,7 @@ from maxbridge.interop import pretrained
 from maxbridge.training import data, recipe
 from conftest import LINEN, LINEN_FLAGS
 from test_hf import LOGITS_TOL, max_diff, randomize
-from test_vocab_tiling import _assert_grads_close, _batch, _grads
+from test_vocab_tiling import _batch, _grads
 
 NNX = (True, True, True)
 BACKENDS = {"linen": LINEN, "nnx": NNX}
@@ -113,17 +113,6 @@ def tiled_and_untiled_grads(preset: str, flags, **overrides):
   want, grads = canonical.flatten(want), canonical.flatten(grads)
   assert sorted(grads) == sorted(want)
   return (want_loss, want), (loss, grads)
-
-
-def assert_tiling_matches_untiled_linen(preset: str) -> None:
-  """num_vocab_tiling=4 on each backend gives untiled Linen's loss and gradients."""
-  untiled = family_config(preset, LINEN)
-  batch = _batch(untiled)
-  want_loss, want = _grads(untiled, batch)
-  for flags in (LINEN, NNX):
-    loss, grads = _grads(family_config(preset, flags, num_vocab_tiling=4), batch)
-    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-    _assert_grads_close(grads, want, rtol=1e-5)
 
 
 def assert_tiled_nnx_matches_untiled_linen(preset: str, **overrides) -> None:

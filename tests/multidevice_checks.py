@@ -147,9 +147,10 @@ def main():
   print(EXPERTS_MARKER, file=sys.stderr, flush=True)
   report["experts"] = {}
   for preset in ("mixtral-tiny", "deepseek3-tiny", "qwen3-moe-tiny"):
+    # One reference: Linen on one device (NNX's equal forward pass and gradients there are the parity matrix's).
+    one = recipe.create_trainer(config(BACKENDS["linen"], preset=preset), single_device_mesh())
+    _, report["experts"][f"{preset}/linen@1"] = train(one, STEPS)
     for name in ("linen", "nnx"):
-      one = recipe.create_trainer(config(BACKENDS[name], preset=preset), single_device_mesh())
-      _, report["experts"][f"{preset}/{name}@1"] = train(one, STEPS)
       trainer = recipe.create_trainer(config(BACKENDS[name], (1, 2, 1, 4), preset=preset))
       state, report["experts"][f"{preset}/{name}@1x2x1x4"] = train(trainer, STEPS)
       report["experts"][f"{preset}/{name}/specs"] = {

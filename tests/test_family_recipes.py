@@ -185,6 +185,12 @@ def _sublayer_scale(preset: str, path: str, grads: dict) -> float:
   return max(float(np.max(np.abs(grad))) for other, grad in grads.items() if other.startswith(sublayer))
 
 
+# gemma4-tiny's KV-shared block holds a subset of the first block's kernels and reads the first block's keys and
+# values: the recipes' losses and Qwix (which intercepts each matmul by its module) meet nothing new there, and the
+# matrix (test_families.py) compares its forward pass and gradients on both backends. One block halves the row.
+OVERRIDES = {"gemma4-tiny": dict(base_num_decoder_layers=6, num_kv_shared_layers=0)}
+
+
 @pytest.fixture(autouse=True)
 def highest_precision():
   with jax.default_matmul_precision("highest"):
@@ -193,7 +199,10 @@ def highest_precision():
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_sft_dpo_and_grpo_losses_and_gradients_agree_on_linen_and_nnx(preset):
-  config = {name: family_config(preset, flags, max_target_length=LENGTH) for name, flags in BACKENDS.items()}
+  config = {
+      name: family_config(preset, flags, max_target_length=LENGTH, **OVERRIDES.get(preset, {}))
+      for name, flags in BACKENDS.items()
+  }
   batch = recipe_batches(config["linen"])
   (linen, linen_grads), (nnx, nnx_grads) = (recipe_losses_and_grads(config[name], batch) for name in BACKENDS)
   # At the start the policy is its reference: DPO's margins are 0, its loss log 2 (plus, in the MoE families,
@@ -213,16 +222,10 @@ def test_sft_dpo_and_grpo_losses_and_gradients_agree_on_linen_and_nnx(preset):
   assert max(float(np.abs(grad).max()) for grad in linen_grads.values()) > 1e-3
 
 
-# Qwix intercepts each matmul by its module: gemma4-tiny's KV-shared block holds a subset of the first block's.
-QWIX_OVERRIDES = {"gemma4-tiny": dict(base_num_decoder_layers=6, num_kv_shared_layers=0)}
-
-
 @pytest.mark.parametrize("preset", PRESETS)
 def test_qwix_int8_logits_agree_on_linen_and_nnx_and_move_off_float(preset):
   def logits(flags, **overrides):
-    return forward_logits(
-        mb.create_model(family_config(preset, flags, **QWIX_OVERRIDES.get(preset, {}), **overrides), seed=0)
-    )
+    return forward_logits(mb.create_model(family_config(preset, flags, **OVERRIDES.get(preset, {}), **overrides), seed=0))
 
   linen, nnx = (logits(flags, quantization="int8", use_qwix_quantization=True) for flags in BACKENDS.values())
   assert np.all(np.isfinite(linen))

@@ -28,7 +28,7 @@ from maxbridge.ops import rotary  # noqa: E402
 from test_hf import LOGITS_TOL, max_diff  # noqa: E402
 from conftest import LINEN  # noqa: E402
 from hf_family import NNX, TOKENS, Saved, assert_matches_transformers, assert_same_tree  # noqa: E402
-from hf_family import assert_tiling_matches_untiled_linen, export_and_reimport, family_config  # noqa: E402
+from hf_family import export_and_reimport, family_config  # noqa: E402
 from hf_family import int8_logits, train_steps  # noqa: E402
 from hf_family import TINY  # noqa: E402
 from hf_family import highest_precision  # noqa: E402,F401 (an autouse fixture)
@@ -223,10 +223,6 @@ def test_real_size_presets_build_abstractly(preset):
 
 
 # --- features -------------------------------------------------------------------------------------
-
-
-def test_vocab_tiling_gives_the_untiled_loss_and_gradients_on_both_backends():
-  assert_tiling_matches_untiled_linen(PRESET)
 
 
 @pytest.mark.parametrize("flags", [LINEN, NNX], ids=["linen", "nnx"])

@@ -21,7 +21,7 @@ from maxbridge.models import lora  # noqa: E402
 from maxbridge.ops import normalization  # noqa: E402
 from conftest import LINEN  # noqa: E402
 from hf_family import BACKENDS, TOKENS, Saved, assert_matches_transformers, assert_same_tree  # noqa: E402
-from hf_family import assert_tiled_nnx_matches_untiled_linen, export_and_reimport, family_config, int8_logits  # noqa: E402
+from hf_family import export_and_reimport, family_config, int8_logits  # noqa: E402
 from hf_family import TINY  # noqa: E402
 from hf_family import highest_precision  # noqa: E402,F401 (an autouse fixture)
 from test_hf import LOGITS_TOL, max_diff  # noqa: E402
@@ -127,11 +127,6 @@ def test_qk_clip_and_a_missing_qk_norm_are_refused_with_the_reason(overrides, ma
 # --- features on both backends, OLMo 2 and OLMo 3 ------------------------------------------------
 
 PRESETS = ["olmo2-tiny", "olmo3-tiny"]
-
-
-@pytest.mark.parametrize("preset", PRESETS)
-def test_vocab_tiling_on_nnx_gives_untiled_linens_loss_and_gradients(preset):
-  assert_tiled_nnx_matches_untiled_linen(preset, per_device_batch_size=2, max_target_length=16)
 
 
 # OLMo 3's block holds OLMo 2's layers, windowed: its run adapts every kernel OLMo 2's would.
