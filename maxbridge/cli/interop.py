@@ -40,7 +40,8 @@ def _add_export_hf(verbs) -> None:
   p = verbs.add_parser(
       "export-hf",
       help="export a checkpoint as a Hugging Face folder",
-      description="Writes DESTINATION/config.json + model.safetensors, which transformers loads. "
+      description="Writes DESTINATION/config.json + model.safetensors, which transformers loads, with the "
+      "checkpoint's tokenizer files (those a run or import-hf keeps beside its config.yml). "
       "Exit 0 done, 2 error (nothing written).",
   )
   p.add_argument("source", help="checkpoint or run directory (with its config.yml)")

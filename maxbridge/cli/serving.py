@@ -1,7 +1,6 @@
 """`maxbridge generate` and `serve`: a model decoded by `mb.Engine`, once or behind an HTTP server."""
 
 import argparse
-import sys
 
 from maxbridge.cli.args import CONFIG_HELP, Verb, add_overrides, count, tolerance
 from maxbridge.core.config import load_config
@@ -12,7 +11,9 @@ def _add_generate(verbs) -> None:
       "generate",
       help="generate text from a checkpoint, Hugging Face folder or preset",
       description="Samples as mb.Engine does, by the decode_sampling_* keys (greedy by default). Uses SOURCE's "
-      "tokenizer.json (via the tokenizers package) when there is one, else UTF-8 bytes as tokens. A preset gives a randomly initialised model.",
+      "tokenizer.json (a Hugging Face folder's, or the one a run trained with tokenizer_path keeps beside its "
+      "config.yml), or tokenizer_path=FOLDER when given; without one, UTF-8 bytes as tokens (with a warning). "
+      "A preset gives a randomly initialised model.",
   )
   p.add_argument("source", help="Hugging Face folder, checkpoint or run directory, preset or YAML config")
   p.add_argument("--prompt", default="", help="text to continue")
@@ -42,8 +43,8 @@ def _add_generate(verbs) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
   model = _load_model(args)
-  encode, decode = _tokenizer(args.source, model.config.vocab_size)
-  prompt = encode(args.prompt)
+  text = model_tokenizer(args, model.config.vocab_size)
+  prompt = text.encode(args.prompt)
   if not prompt:
     raise ValueError("--prompt is empty: give at least one token to continue")
   new_tokens = args.max_new_tokens
@@ -61,7 +62,7 @@ def _generate(args: argparse.Namespace) -> int:
   if args.seed is not None:
     config = config.replace(seed=args.seed)  # the parameters are made already: this seeds sampling alone
   continuation = engine.generate_continuation(config, model, prompt, new_tokens)
-  print(decode([*prompt, *(int(t) for t in continuation)]))
+  print(text.decode([*prompt, *(int(t) for t in continuation)]))
   return 0
 
 
@@ -98,13 +99,11 @@ def _add_serve(verbs) -> None:
 def _serve(args: argparse.Namespace) -> int:
   from pathlib import Path
 
-  from maxbridge.interop import pretrained
-  from maxbridge.serving import codec, engine, server
+  from maxbridge.serving import engine, server
 
   sock = server.bind(args.host, args.port)  # a port in use fails now, not after the model loads and the banner
   model = _load_model(args)
-  encode, decode = _tokenizer(args.source, model.config.vocab_size)
-  codec = codec.Codec.from_folder(encode, decode, pretrained.tokenizer_folder(args.source) or Path(args.source))
+  codec = serve_codec(args, model_tokenizer(args, model.config.vocab_size))
   serving = engine.Engine(model.config, model=model)
   port = sock.getsockname()[1]  # --port 0: the one the system chose
   print(
@@ -152,29 +151,21 @@ def _load_model(args: argparse.Namespace):
   return dispatch.create_model(config, params=checkpointing.load_params(path)[0] if path else None)
 
 
-def _tokenizer(source: str, vocab_size: int):
-  """(encode, decode): tokenizer.json through `tokenizers` when the source has one, else bytes."""
+def model_tokenizer(args: argparse.Namespace, vocab_size: int):
+  """The model's tokenizer (`pretrained.model_tokenizer`): SOURCE's, or a tokenizer_path= override, which is used
+  (refused when its ids do not fit vocab_size; `tokenizer_path=` empty: bytes)."""
   from maxbridge.interop import pretrained
 
-  folder = pretrained.tokenizer_folder(source)
-  if folder is not None:
-    try:
-      import tokenizers  # noqa: F401  (whether it is installed: load_tokenizer reads with it)
-    except ImportError:
-      print(
-          f"maxbridge generate: {folder}/tokenizer.json found but the tokenizers package is "
-          "missing; using byte-level tokens",
-          file=sys.stderr,
-      )
-    else:
-      tokenizer = pretrained.load_tokenizer(folder, vocab_size)
-      return (
-          lambda text: tokenizer.encode(text).ids,
-          lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
-      )
-  if vocab_size < 256:
-    raise ValueError(f"no tokenizer.json in {source} and vocab_size={vocab_size} is too small for byte tokens")
-  return (
-      lambda text: list(text.encode("utf-8")),
-      lambda ids: bytes(t for t in ids if t < 256).decode("utf-8", errors="replace"),
-  )
+  given = [o.split("=", 1)[1] for o in args.overrides if o.split("=", 1)[0].strip() == "tokenizer_path"]
+  return pretrained.model_tokenizer(args.source, vocab_size, given[-1].strip() if given else None)
+
+
+def serve_codec(args: argparse.Namespace, text):
+  """What `serve` encodes and decodes with: `text` (`model_tokenizer`), with the chat template, special tokens and
+  end-of-sequence ids of its folder (SOURCE's, for bytes)."""
+  from pathlib import Path
+
+  from maxbridge.serving import codec
+
+  folder = text.folder or Path(args.source)
+  return codec.Codec.from_folder(text.encode, text.decode, folder)

@@ -9,8 +9,10 @@ Hugging Face folder (`export_hf`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -89,8 +91,9 @@ def export_hf(
   except folders.ParamsDisagree as e:
     given = f"config={config!r}" if config is not None else "its config.yml"
     raise HFError(f"{source}: {given} does not describe its checkpoint; nothing was written. {e}") from e
-  if folder is not None:
-    folders.copy_tokenizer_files(folder, out)
+  tokenizer = tokenizer_folder(source) or folder  # the run's (or import-hf's) tokenizer files, beside config.yml
+  if tokenizer is not None:
+    folders.copy_tokenizer_files(tokenizer, out)
   return out
 
 
@@ -129,15 +132,59 @@ def load_pretrained(
 
 
 def tokenizer_folder(path: str | os.PathLike) -> Path | None:
-  """The folder holding `path`'s tokenizer.json: the Hugging Face folder, or beside config.yml."""
+  """The folder holding `path`'s tokenizer.json: `path` itself (a Hugging Face folder, a run), or the folder of the
+  config.yml its checkpoint belongs to (a run copies its `tokenizer_path` files there as it starts; import-hf
+  copies the Hugging Face folder's)."""
   path = Path(path)
   if (path / "tokenizer.json").is_file():
     return path
   try:
-    _, folder = sidecar(path)
+    config_file = checkpointing.find_config(checkpointing.resolve(path)[0])
   except (ValueError, OSError):
     return None
-  return folder if folder is not None and (folder / "tokenizer.json").is_file() else None
+  return config_file.parent if config_file is not None and (config_file.parent / "tokenizer.json").is_file() else None
+
+
+@dataclasses.dataclass(frozen=True)
+class TextTokenizer:
+  """Text <-> token ids of a model: its tokenizer.json (`tokenizer`, a `tokenizers.Tokenizer`), or UTF-8 bytes as
+  ids 0..255 (`tokenizer` None, the byte fallback). `folder` holds its files (tokenizer_config.json, chat
+  template), None for bytes."""
+
+  tokenizer: Any = None
+  folder: Path | None = None
+
+  def encode(self, text: str) -> list[int]:
+    return list(text.encode("utf-8")) if self.tokenizer is None else self.tokenizer.encode(text).ids
+
+  def decode(self, ids) -> str:
+    if self.tokenizer is None:
+      return bytes(int(t) for t in ids if 0 <= t < 256).decode("utf-8", errors="replace")
+    return self.tokenizer.decode([int(t) for t in ids], skip_special_tokens=False)
+
+
+def model_tokenizer(source: str | os.PathLike, vocab_size: int, tokenizer_path: str | None = None) -> TextTokenizer:
+  """The one tokenizer of the model at `source`, as generate, serve and `Engine.from_pretrained` use it.
+
+  `tokenizer_path` given (a folder, or "" for bytes) overrides it, refused when its ids do not fit
+  `vocab_size`. Else the tokenizer.json of `source` (`tokenizer_folder`: a Hugging Face folder's, or the one a
+  run copied beside its config.yml); a model without one is read as UTF-8 bytes, with a warning saying so.
+  """
+  if tokenizer_path:
+    key = f"tokenizer_path={tokenizer_path!r}"
+    return TextTokenizer(load_tokenizer(tokenizer_path, vocab_size, key=key), Path(tokenizer_path))
+  folder = None if tokenizer_path is not None else tokenizer_folder(source)
+  if folder is not None:
+    return TextTokenizer(load_tokenizer(folder, vocab_size, key=f"{source}'s tokenizer"), folder)
+  if vocab_size < 256:
+    raise ValueError(f"no tokenizer.json in {source} and vocab_size={vocab_size} is too small for byte tokens")
+  if tokenizer_path is None:
+    warnings.warn(
+        f"{source} has no tokenizer (no tokenizer.json in it or beside its config.yml): falling back to UTF-8 "
+        "bytes as token ids 0..255 (the byte fallback); give tokenizer_path=FOLDER to use a tokenizer",
+        stacklevel=2,
+    )
+  return TextTokenizer()
 
 
 def load_tokenizer(folder: str | os.PathLike, vocab_size: int | None = None, key: str = "tokenizer"):

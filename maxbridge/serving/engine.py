@@ -110,6 +110,8 @@ def _is_axes(x) -> bool:
 class Engine:
   """Prefill, insert and generate over `per_device_batch_size` slots per device; see the module docstring."""
 
+  tokenizer = None  # the model's `pretrained.TextTokenizer`, as `from_pretrained` finds it
+
   def __init__(
       self,
       config: Config,
@@ -196,16 +198,24 @@ class Engine:
     `adapters`: a LoRA run (or its checkpoints) trained on `path`, served
     beside it unmerged (its fingerprint checked; a QLoRA run's base is
     dequantized as training saw it).
+
+    `engine.tokenizer` (`pretrained.TextTokenizer`: `.encode(text)`, `.decode(ids)`) is the model's own, as
+    `maxbridge generate` and `serve` use it: the folder's tokenizer.json, or the one a run (the adapters' run
+    first) keeps beside its config.yml; `tokenizer_path=` overrides it. Without one, UTF-8 bytes, with a warning.
     """
     if adapters is None:
       model = pretrained.from_pretrained(path, backend=backend, **overrides)
-      return cls(model.config, model=model)
-    base_config, params, tree, run_config = pretrained.base_and_adapters(path, adapters)
-    keys = ("lora_rank", "lora_alpha", "lora_module_path", "lora_weight_qtype")
-    config = base_config.replace(
-        **pretrained.backend_overrides(backend), **{key: getattr(run_config, key) for key in keys}
-    )
-    return cls(config.replace(**overrides) if overrides else config, params, adapters=tree)
+      engine = cls(model.config, model=model)
+    else:
+      base_config, params, tree, run_config = pretrained.base_and_adapters(path, adapters)
+      keys = ("lora_rank", "lora_alpha", "lora_module_path", "lora_weight_qtype")
+      config = base_config.replace(
+          **pretrained.backend_overrides(backend), **{key: getattr(run_config, key) for key in keys}
+      )
+      engine = cls(config.replace(**overrides) if overrides else config, params, adapters=tree)
+    source = adapters if adapters is not None and pretrained.tokenizer_folder(adapters) else path
+    engine.tokenizer = pretrained.model_tokenizer(source, engine.config.vocab_size, overrides.get("tokenizer_path"))
+    return engine
 
   def _adapters(self, adapters: Params) -> Params:
     """`adapters` checked against this engine's model and config, unrolled and sharded as their kernels."""

@@ -6,12 +6,13 @@ or GRPO's completions sampled from the policy as it trains (`Sampled`). Each
 its folder, and what each step logged: DPO and GRPO hold the frozen starting
 policy (`FrozenReference`), distillation checks and records its teacher
 (`TeacherReference`), LoRA checks and records the base its adapters train on
-(`LoraBase`), QK-Clip logs the largest attention logit (`MaxLogits`). What a
-feature does inside a step is the trainer's: its policy, loss and after-update
-hook.
+(`LoraBase`), QK-Clip logs the largest attention logit (`MaxLogits`), and the
+run keeps a copy of its tokenizer (`RunTokenizer`). What a feature does inside
+a step is the trainer's: its policy, loss and after-update hook.
 """
 
 import dataclasses
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -21,6 +22,7 @@ import jax
 
 from maxbridge.core import canonical, checkpointing, files
 from maxbridge.core.config import Config
+from maxbridge.interop.hf import folders
 from maxbridge.models import lora
 from maxbridge.training import data, distill
 from maxbridge.training.posttrain import grpo
@@ -231,3 +233,42 @@ class MaxLogits(Hook):
   def record(self, metrics: dict, record: dict) -> None:
     if "maxima" in metrics:
       record["max_logits"] = float(metrics["maxima"]["max_logits"].max())
+
+
+def tokenizer_fingerprint(folder: Path | None) -> dict[str, str]:
+  """{file name: sha256} of the tokenizer files (`folders.TOKENIZER_FILES`) in `folder`; {} for None (bytes)."""
+  if folder is None:
+    return {}
+  return {
+      name: hashlib.sha256((folder / name).read_bytes()).hexdigest()
+      for name in folders.TOKENIZER_FILES
+      if (folder / name).is_file()
+  }
+
+
+class RunTokenizer(Hook):
+  """The run's tokenizer, one for the model: `tokenizer_path`'s files (tokenizer.json, tokenizer_config.json, a
+  chat template) copied into the run folder as it first writes, where generate, serve, `Engine.from_pretrained`
+  and export-hf read them (`pretrained.tokenizer_folder`). A resume whose `tokenizer_path` files differ from the
+  run's copy (by fingerprint, even with restart_data_on_resume: the model's embeddings are of its ids) is refused
+  before anything changes, naming the file. (A run without tokenizer_path reads bytes and keeps no tokenizer.)"""
+
+  def start(self, run: Run) -> None:
+    self.source = Path(run.config.tokenizer_path) if run.config.tokenizer_path else None
+    if self.source is None or not (run.run_dir / "tokenizer.json").is_file():
+      # A new run or a byte-token one (a tokenizer.json copied in by hand stays), or one from before runs kept
+      # their tokenizer: `open` copies it.
+      return
+    ours, given = tokenizer_fingerprint(run.run_dir), tokenizer_fingerprint(self.source)
+    for name in sorted(ours.keys() | given.keys()):
+      if ours.get(name) != given.get(name):
+        digest = lambda prints: f"sha256 {prints[name][:16]}" if name in prints else "no such file"  # noqa: E731
+        raise checkpointing.CheckpointError(
+            f"{run.run_dir}: it trained with the tokenizer copied into it as it started, and {run.run_dir / name} "
+            f"({digest(ours)}) differs from {self.source / name} ({digest(given)}); resume with tokenizer_path "
+            "holding the files the run started with (its copy is in its folder), or start a new run_name"
+        )
+
+  def open(self, run_dir: Path) -> None:
+    if self.source is not None and not (run_dir / "tokenizer.json").exists():
+      folders.copy_tokenizer_files(self.source, run_dir)

@@ -115,7 +115,7 @@ def create_hooks(config: Config, trainer: Trainer) -> tuple[hooks.Data | hooks.S
   GRPO samples its batches from the policy; a loss that reads the frozen
   starting policy (DPO's, GRPO's) holds it and checks it on resume, as
   distillation its teacher; LoRA checks the base it resumes on; QK-Clip logs
-  the largest attention logit.
+  the largest attention logit; the run keeps (and on resume checks) its tokenizer.
   """
   source = hooks.Sampled(config, trainer) if config.use_grpo else hooks.Data(config)
   run_hooks: list[hooks.Hook] = []
@@ -127,4 +127,5 @@ def create_hooks(config: Config, trainer: Trainer) -> tuple[hooks.Data | hooks.S
     run_hooks.append(hooks.LoraBase())
   if config.use_qk_clip:
     run_hooks.append(hooks.MaxLogits())
+  run_hooks.append(hooks.RunTokenizer())  # the run keeps its tokenizer_path's files, checked on resume
   return source, run_hooks

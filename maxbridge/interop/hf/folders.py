@@ -165,10 +165,13 @@ def write_atomically(destination: str | os.PathLike, write: Callable[[Path], Non
 
 # --- maxbridge checkpoints <-> Hugging Face folders ----------------------------------------
 
-# Copied along by import-hf and export-hf, so `maxbridge generate` finds the tokenizer.
+# Copied along by import-hf and export-hf (and into a run folder from its tokenizer_path as it starts), so
+# `maxbridge generate` and `serve` find the tokenizer.
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
     "special_tokens_map.json",
     "generation_config.json",
     "vocab.json",
