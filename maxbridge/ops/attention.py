@@ -4,6 +4,8 @@ The mask is built from positions, not from array indices, so queries and keys
 may differ in length and offset (a query block against a cache of keys).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,31 +70,67 @@ def dot_product_attention(
       key, value = jnp.concatenate(key, axis=1), jnp.concatenate(value, axis=1)
       query, key, value, kv_segment_ids, kv_positions = _gather_context(query, key, value, kv_segment_ids, kv_positions)
       key, value = (key,), (value,)
-    if query_scale is not None:
-      query = query * jnp.asarray(query_scale, query.dtype)
-    query = query.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    # Batch and head axes first in every product (query [B, K, G, T, H], keys
-    # and values [B, K, S, H]), as a decode cache stores them (`ops.kv_cache`,
-    # keys transposed): it is then read where it lies, not copied.
-    query = query.transpose(0, 2, 3, 1, 4)
-    key, value = [jnp.moveaxis(k, 1, 2) for k in key], [jnp.moveaxis(v, 1, 2) for v in value]
-    scores = [jnp.einsum("BKGTH,BKSH->BKGTS", query, k).astype(jnp.float32) for k in key]
-    scores = jnp.concatenate(scores, axis=-1)
-    scores = soft_cap(scores, logits_soft_cap)
-    mask = attention_mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions, sliding_window_size, chunk_size)
-    scores = jnp.where(mask, scores, MASK_VALUE)
-    weights = softmax_with_sinks(scores, sinks).astype(value[0].dtype)
-    starts = np.cumsum([v.shape[2] for v in value])[:-1]
-    out = [jnp.einsum("BKGTS,BKSH->BKGTH", w, v) for w, v in zip(jnp.split(weights, starts, axis=-1), value)]
-    out = sum(out[1:], out[0])
-    out = out.transpose(0, 3, 1, 2, 4).reshape(batch, length, num_heads, value[0].shape[-1])
+    out, max_logits = _attend(
+        query,
+        key,
+        value,
+        q_segment_ids,
+        kv_segment_ids,
+        q_positions,
+        kv_positions,
+        sinks,
+        sliding_window_size=sliding_window_size,
+        chunk_size=chunk_size,
+        query_scale=query_scale,
+        logits_soft_cap=logits_soft_cap,
+    )
     out = sharding.constrain(out, ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
-    if not return_max_logits:
-      return out
-    # Masked scores are MASK_VALUE already, below any real one; a head whose
-    # every pair is masked reports MASK_VALUE.
-    max_logits = jnp.max(jax.lax.stop_gradient(scores), axis=(0, 3, 4)).reshape(num_heads)
-    return out, max_logits
+    return (out, max_logits) if return_max_logits else out
+
+
+# Jitted for its trace: every layer, backend and model that attends with the same shapes and settings reuses one
+# traced program, and its derivatives (tracing, not XLA, is most of a small model's compile). What reads the active
+# mesh (`sharding`) stays outside, where a cached trace cannot go stale.
+@functools.partial(jax.jit, static_argnames=("sliding_window_size", "chunk_size", "query_scale", "logits_soft_cap"))
+def _attend(
+    query,
+    key,
+    value,
+    q_segment_ids,
+    kv_segment_ids,
+    q_positions,
+    kv_positions,
+    sinks,
+    *,
+    sliding_window_size,
+    chunk_size,
+    query_scale,
+    logits_soft_cap,
+):
+  batch, length, num_heads, head_dim = query.shape
+  num_kv_heads = key[0].shape[2]
+  if query_scale is not None:
+    query = query * jnp.asarray(query_scale, query.dtype)
+  query = query.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
+  # Batch and head axes first in every product (query [B, K, G, T, H], keys
+  # and values [B, K, S, H]), as a decode cache stores them (`ops.kv_cache`,
+  # keys transposed): it is then read where it lies, not copied.
+  query = query.transpose(0, 2, 3, 1, 4)
+  key, value = [jnp.moveaxis(k, 1, 2) for k in key], [jnp.moveaxis(v, 1, 2) for v in value]
+  scores = [jnp.einsum("BKGTH,BKSH->BKGTS", query, k).astype(jnp.float32) for k in key]
+  scores = jnp.concatenate(scores, axis=-1)
+  scores = soft_cap(scores, logits_soft_cap)
+  mask = attention_mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions, sliding_window_size, chunk_size)
+  scores = jnp.where(mask, scores, MASK_VALUE)
+  weights = softmax_with_sinks(scores, sinks).astype(value[0].dtype)
+  starts = np.cumsum([v.shape[2] for v in value])[:-1]
+  out = [jnp.einsum("BKGTS,BKSH->BKGTH", w, v) for w, v in zip(jnp.split(weights, starts, axis=-1), value)]
+  out = sum(out[1:], out[0])
+  out = out.transpose(0, 3, 1, 2, 4).reshape(batch, length, num_heads, value[0].shape[-1])
+  # Masked scores are MASK_VALUE already, below any real one; a head whose
+  # every pair is masked reports MASK_VALUE.
+  max_logits = jnp.max(jax.lax.stop_gradient(scores), axis=(0, 3, 4)).reshape(num_heads)
+  return out, max_logits
 
 
 def _gather_context(query, key, value, kv_segment_ids, kv_positions):

@@ -1,5 +1,6 @@
 """RMSNorm as in MaxText/Llama: x * rsqrt(mean(x^2) + eps) * scale."""
 
+import functools
 import jax
 import jax.numpy as jnp
 
@@ -16,10 +17,15 @@ def _rms_normalized(x: jax.Array, epsilon: float) -> jax.Array:
   return x32 * jax.lax.rsqrt(mean_square + epsilon)
 
 
+# Jitted for its trace, as `attention._attend`: every norm of one shape reuses it. The constraint stays outside.
+@functools.partial(jax.jit, static_argnames=("epsilon", "dtype"))
+def _scaled_rms_norm(x: jax.Array, scale: jax.Array, epsilon: float, dtype: jnp.dtype) -> jax.Array:
+  return _rms_normalized(x, epsilon).astype(dtype) * scale.astype(dtype)
+
+
 def rms_norm(x: jax.Array, scale: jax.Array, *, epsilon: float, dtype: jnp.dtype) -> jax.Array:
   with jax.named_scope("rms_norm"):
-    y = _rms_normalized(x, epsilon).astype(dtype)
-    return sharding.constrain(y * scale.astype(dtype), _ACTIVATION_AXES)
+    return sharding.constrain(_scaled_rms_norm(x, scale, epsilon, jnp.dtype(dtype)), _ACTIVATION_AXES)
 
 
 def zero_centred_rms_norm(x: jax.Array, scale: jax.Array, *, epsilon: float, dtype: jnp.dtype) -> jax.Array:

@@ -1,6 +1,7 @@
 """Rotary position embeddings in the Llama "rotate_half" layout, with Llama 3.1's, YaRN's and linear frequency scaling."""
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -142,6 +143,8 @@ def scaling_from_config(config) -> Llama3Scaling | YarnScaling | None:
   )
 
 
+# Jitted for its trace, as `attention._attend`: queries and keys of every layer reuse it (it reads no mesh).
+@functools.partial(jax.jit, static_argnames=("max_timescale", "min_timescale", "interleave", "scaling"))
 def apply_rotary(
     x: jax.Array,
     positions: jax.Array,
