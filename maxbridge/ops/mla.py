@@ -13,11 +13,11 @@ parts are multiplied by YaRN's 0.1 ln(factor) + 1 only where
 """
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 
+from maxbridge.core.families import attention as attention_spec
 from maxbridge.ops import rotary
 
 # DeepSeek's reference code and Hugging Face build the latent RMSNorms (q_norm,
@@ -37,11 +37,6 @@ class MLAYarnScaling(rotary.YarnScaling):
     return super().attention_factor if self.scale_rotated else 1.0
 
 
-def yarn_mscale(factor: float, mscale: float) -> float:
-  """DeepSeek's (and transformers' `yarn_get_mscale`) 0.1 * mscale * ln(factor) + 1; 1 where factor <= 1."""
-  return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
-
-
 def rope(config) -> dict:
   """`rope_query`'s and `rope_key`'s RoPE arguments for a config: theta, and YaRN where rope_type=yarn."""
   scaling = None
@@ -56,7 +51,7 @@ def softmax_scale(config) -> float:
   DeepSeek's `softmax_scale`); mscale=0 leaves it unscaled."""
   scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
   if config.rope_type == "yarn" and config.mscale:
-    scale *= yarn_mscale(config.rope_factor, config.mscale) ** 2
+    scale *= attention_spec.yarn_mscale(config.rope_factor, config.mscale) ** 2
   return scale
 
 

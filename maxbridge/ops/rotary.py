@@ -7,6 +7,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from maxbridge.core.families import attention as attention_spec
+
 
 @dataclasses.dataclass(frozen=True)
 class Llama3Scaling:
@@ -87,7 +89,7 @@ class YarnScaling:
 
   @property
   def attention_factor(self) -> float:
-    return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+    return attention_spec.yarn_mscale(self.factor)
 
 
 @dataclasses.dataclass(frozen=True)

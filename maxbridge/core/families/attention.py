@@ -13,6 +13,7 @@ Pure Python, like the rest of the registry.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 Config = Any  # `maxbridge.core.config.Config` (which reads the registry, so cannot be imported here)
@@ -93,6 +94,12 @@ def query_kernel_carries_scale(config: Config) -> bool:
 def run_time_scale(config: Config, width: int) -> float | None:
   """1/sqrt(`width`), or None where the query kernel carries it."""
   return None if query_kernel_carries_scale(config) else width**-0.5
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+  """YaRN's 0.1 * mscale * ln(factor) + 1, 1 where factor <= 1 (transformers' `yarn_get_mscale`): the factor on the
+  rotated queries and keys (`ops.rotary.YarnScaling`), and DeepSeek's on the softmax scale (`ops.mla`)."""
+  return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def ring_cache(config: Config) -> bool:

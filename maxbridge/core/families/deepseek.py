@@ -6,6 +6,7 @@ import math
 from typing import Any, Mapping
 
 from maxbridge.core.families import llama
+from maxbridge.core.families.attention import yarn_mscale
 from maxbridge.core.families.base import (
     CacheEntries,
     ClipPiece,
@@ -114,11 +115,6 @@ CONFIG_CLASS = ConfigClass(
 )
 
 
-def _yarn_mscale(factor: float, mscale: float) -> float:
-  """transformers' `yarn_get_mscale` (as `ops.mla.yarn_mscale`, which the layers use; core cannot import ops)."""
-  return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
-
-
 def _rope_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
   """Our RoPE keys: default RoPE, or YaRN as transformers' DeepseekV3 reads it (`_compute_yarn_parameters` for the
   frequencies and the cos/sin factor, `yarn_apply_mscale` for the softmax scale)."""
@@ -141,15 +137,15 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
   if parameters.get("attention_factor") is not None:
     attention_factor = get_float(parameters, "attention_factor")
   elif mscale and all_dim:
-    attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim)
+    attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
   else:
-    attention_factor = _yarn_mscale(factor, 1.0)
+    attention_factor = yarn_mscale(factor, 1.0)
   # MaxText's rope_attention_scaling: the rotated parts times 1 (false) or yarn's 0.1 ln(factor) + 1 (true).
   scaled = not math.isclose(attention_factor, 1.0, rel_tol=1e-12)
-  if scaled and not math.isclose(attention_factor, _yarn_mscale(factor, 1.0), rel_tol=1e-12):
+  if scaled and not math.isclose(attention_factor, yarn_mscale(factor, 1.0), rel_tol=1e-12):
     raise HFError(
         f"{CONFIG_FILE}: {source} scales YaRN's cos/sin by {attention_factor!r} (attention_factor, or mscale over "
-        f"mscale_all_dim); maxbridge's MLA scales them by 1 or by 0.1 * ln(factor) + 1 = {_yarn_mscale(factor, 1.0)!r}"
+        f"mscale_all_dim); maxbridge's MLA scales them by 1 or by 0.1 * ln(factor) + 1 = {yarn_mscale(factor, 1.0)!r}"
     )
   return {
       **values,
