@@ -52,6 +52,8 @@ setup(
             "transformers>=5.23.0",
             # tests/test_serve.py talks to `maxbridge serve` as a user would, with the official client.
             "openai>=3.57.0",
+            # tests/test_eval_harness.py scores a task through `maxbridge serve` as evaluators do.
+            "lm-eval[api]>=0.4.13",
             *SERVE,
         ],
         "serve": SERVE,

@@ -110,6 +110,17 @@ def test_serve_encodes_with_the_runs_tokenizer_and_chat_template(setup):
   assert serving.serve_codec(args, serving.model_tokenizer(args, 256)).encode("w3 w250") == [3, 250]
 
 
+def test_the_served_codec_adds_the_tokenizers_bos_unless_told_not_to(tmp_path):
+  # lm-evaluation-harness tokenizes a context and its continuation on the server with add_special_tokens false.
+  folder = _word_tokenizer(tmp_path / "bos", WORDS)
+  tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+  tokenizer.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+  tokenizer.save(str(folder / "tokenizer.json"))
+  args = argparse.Namespace(source=str(folder), overrides=[])
+  codec = serving.serve_codec(args, serving.model_tokenizer(args, 256))
+  assert codec.encode("the dog") == [1, 3, 9] and codec.encode("the dog", add_special_tokens=False) == [3, 9]
+
+
 def test_export_hf_and_import_hf_carry_the_tokenizer(setup, tmp_path):
   _, _, run_dir, tok, _ = setup
   assert cli.main(["export-hf", str(run_dir), str(tmp_path / "hf")]) == 0

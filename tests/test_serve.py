@@ -1,10 +1,8 @@
 """`maxbridge serve` as a user runs it: a real server subprocess per backend, driven by the official `openai` client.
 
-The model is llama-tiny with random weights, written as a Hugging Face folder
-with a word-level tokenizer (w0..w255, one word per token, so text and tokens
-map one to one and equal text means equal tokens) and a chat template. The
-tests of a failing decode loop serve in this process instead, over an engine
-whose steps fail when told to.
+The model and its word-level tokenizer are `served.write_folder`'s. The tests of
+a failing decode loop serve in this process instead, over an engine whose steps
+fail when told to.
 """
 
 import concurrent.futures
@@ -13,8 +11,6 @@ import json
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -25,7 +21,6 @@ import numpy as np
 import pytest
 
 from maxbridge import cli
-from maxbridge.interop.hf import folders
 from maxbridge.interop import pretrained
 from maxbridge.models import dispatch
 from maxbridge.ops import sampling
@@ -33,67 +28,30 @@ from maxbridge.serving import codec as codec_lib
 from maxbridge.serving import engine as engine_lib
 from maxbridge.serving import scheduler as sched
 from maxbridge.serving import server as server_lib
-from conftest import tiny_config
+import served
+from served import MODEL, TEMPLATE, get as _get
 
 openai = pytest.importorskip("openai")
-tokenizers = pytest.importorskip("tokenizers")
 
 SLOTS = 4
 QUEUE = 12
 OVERRIDES = [f"per_device_batch_size={SLOTS}", "max_target_length=64", "max_prefill_predict_length=32"]
 # The NNX server also stores its KV cache int8: `maxbridge generate` gets the same keys, so greedy still agrees.
 BACKEND_OVERRIDES = {"linen": [], "nnx": ["quantize_kvcache=true"]}
-TEMPLATE = "{% for m in messages %}w1 {{ m.content }} w2 {% endfor %}{% if add_generation_prompt %}w3{% endif %}"
-MODEL = "llama-tiny-hf"  # the folder's name, the served model's
 PROMPTS = ["w5 w9 w200", "w17", "w3 w3 w3 w3 w44", "w250 w1 w7"]
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-  path = tmp_path_factory.mktemp("serve") / MODEL
-  model = dispatch.create_model(tiny_config())
-  folders.save_hf(model.params(), model.config, path)
-  tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
-  tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-  tokenizer.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
-  tokenizer.save(str(path / "tokenizer.json"))
-  (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
-  return path
+  return served.write_folder(tmp_path_factory.mktemp("serve"))
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _get(url: str) -> tuple[int, str]:
-  try:
-    with urllib.request.urlopen(url, timeout=10) as response:
-      return response.status, response.read().decode()
-  except urllib.error.HTTPError as e:
-    return e.code, e.read().decode()
-
-
-class Server:
+class Server(served.Server):
+  """The served model, its official `openai` client and what /metrics and /health say."""
 
   def __init__(self, folder, backend: str):
-    self.port = _free_port()
-    self.url = f"http://127.0.0.1:{self.port}"
-    argv = [sys.executable, "-m", "maxbridge.cli", "serve", str(folder), "--backend", backend, "--port", str(self.port)]
-    argv += ["--max-queue", str(QUEUE), "--shutdown-timeout", "10", *OVERRIDES, *BACKEND_OVERRIDES[backend]]
-    self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-      if self.process.poll() is not None:
-        raise RuntimeError(f"the server exited {self.process.returncode}: {self.process.stdout.read()}")
-      try:
-        if _get(self.url + "/health")[0] == 200:
-          break
-      except OSError:
-        time.sleep(0.2)
-    else:
-      raise TimeoutError("the server did not come up in 120 s")
+    args = ["--max-queue", str(QUEUE), "--shutdown-timeout", "10", *OVERRIDES, *BACKEND_OVERRIDES[backend]]
+    super().__init__(folder, backend, *args)
     self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
   def metric(self, name: str) -> float:
@@ -102,11 +60,6 @@ class Server:
 
   def busy(self) -> int:
     return json.loads(_get(self.url + "/health")[1])["slots_busy"]
-
-  def stop(self):
-    if self.process.poll() is None:
-      self.process.kill()
-      self.process.wait()
 
 
 @pytest.fixture(scope="module", params=["linen", "nnx"])
@@ -307,7 +260,10 @@ def test_tokenize_and_detokenize_as_vllm(server):
   assert _post(server.url, chat, "/tokenize")[1]["tokens"] == [1, 8, 9, 2, 3]  # TEMPLATE, as the chat renders it
   assert _post(server.url, {**chat, "add_generation_prompt": False}, "/tokenize")[1]["tokens"] == [1, 8, 9, 2]
   status, info = _get(server.url + "/tokenizer_info")
-  assert (status, json.loads(info)) == (200, {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": TEMPLATE})
+  # The special tokens are named though the folder sets none: lm-evaluation-harness takes the server's
+  # tokenizer only when /tokenizer_info has an eos_token key.
+  want = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": TEMPLATE, "bos_token": None, "eos_token": None}
+  assert (status, json.loads(info)) == (200, want)
   for path, body in [("/tokenize", {"prompt": "w5"}), ("/detokenize", {"tokens": [5]})]:
     status, answer = _post(server.url, {**body, "model": "other"}, path)
     assert (status, answer["error"]["param"]) == (400, "model"), answer
@@ -438,8 +394,8 @@ def failing(folder):
   config, params = pretrained.load_pretrained(folder, *OVERRIDES, **pretrained.backend_overrides("linen"))
   model = dispatch.create_model(config, params=params)
   engine = FailingEngine(engine_lib.Engine(model.config, model=model))
-  tokenizer = pretrained.load_tokenizer(folder, config.vocab_size)
-  codec = codec_lib.Codec.from_folder(lambda text: tokenizer.encode(text).ids, tokenizer.decode, folder)
+  text = pretrained.TextTokenizer(pretrained.load_tokenizer(folder, config.vocab_size), folder)
+  codec = codec_lib.Codec.from_folder(text.encode, text.decode, folder)
   sock = server_lib.bind("127.0.0.1", 0)
   url, raised = f"http://127.0.0.1:{sock.getsockname()[1]}", []
 

@@ -154,8 +154,11 @@ class TextTokenizer:
   tokenizer: Any = None
   folder: Path | None = None
 
-  def encode(self, text: str) -> list[int]:
-    return list(text.encode("utf-8")) if self.tokenizer is None else self.tokenizer.encode(text).ids
+  def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    """`text`'s ids, with the special tokens its tokenizer adds (a BOS, say) unless `add_special_tokens` is False."""
+    if self.tokenizer is None:
+      return list(text.encode("utf-8"))
+    return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
   def decode(self, ids) -> str:
     if self.tokenizer is None:

@@ -12,7 +12,7 @@ import jinja2.sandbox
 class Codec:
   """Text <-> tokens for the server: the model's tokenizer (or bytes), its end-of-sequence ids and chat template."""
 
-  encode: Callable[[str], list[int]]
+  encode: Callable[..., list[int]]  # (text, add_special_tokens=True) -> ids, as `pretrained.TextTokenizer.encode`
   decode: Callable[[list[int]], str]
   eos_ids: tuple[int, ...] = ()
   chat_template: str | None = None
@@ -58,6 +58,8 @@ class Codec:
       return [plain(v) for v in value] if isinstance(value, list) else value
 
     info = {k: plain(v) for k, v in self.settings.items() if k not in ("vocab_file", "merges_file")}
+    for key, text in self.special_tokens.items():  # named even when unset, as vLLM does (clients test for the key)
+      info.setdefault(key, text or None)
     info["tokenizer_class"] = self.tokenizer_class
     if self.chat_template:
       info["chat_template"] = self.chat_template

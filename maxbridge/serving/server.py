@@ -316,20 +316,18 @@ class _Routes:
     return out
 
   def _tokenize(self, body: api.TokenizeBody) -> list[int]:
-    if body.messages is not None:
-      tokens = self._chat_prompt(body.messages, body.add_generation_prompt)
-    else:
-      tokens = self._completion_prompt(body.prompt)
-    # The codec's encode adds the tokenizer's special tokens (as the completions feed them) and cannot leave them
-    # out: refused, unless it adds none, rather than answered with tokens the caller asked to be without.
+    if body.prompt is not None:  # lm-evaluation-harness encodes a context and its continuation without specials
+      return self.codec.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    # A rendered chat is encoded as the chat endpoint feeds it, specials added: refused, unless the tokenizer adds
+    # none, rather than answered with tokens the caller asked to be without.
     if not body.add_special_tokens and self.codec.encode(""):
       raise api.Refusal(
           400,
-          f"add_special_tokens: this server's tokenizer always adds {self.codec.encode('')} (as its completions "
-          "encode a prompt); send add_special_tokens true",
+          f"add_special_tokens: this server's tokenizer adds {self.codec.encode('')} to a chat (as the chat "
+          "endpoint encodes it); send add_special_tokens true with messages",
           "add_special_tokens",
       )
-    return tokens
+    return self._chat_prompt(body.messages, body.add_generation_prompt)
 
   def _detokenize(self, tokens: list[int]) -> str:
     self._check_ids(tokens, "tokens")
