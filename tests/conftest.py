@@ -11,12 +11,15 @@ import tempfile
 # time. XLA's own passes (fusion, SPMD partitioning) run as always, and the suite's tolerances hold at -O0 as at
 # -O3 (the one exact comparison that does not, the pipeline schedule's, compiles at -O3). Set before JAX's CPU
 # client starts, here and in each xdist worker (each imports this file first). A run that names a level keeps it:
-# `make test-newest` runs XLA's default (-O3), as users do. The multi-device scripts set their own flags
-# (`fast_compile.py`).
-from fast_compile import LLVM_O0  # a constant; imports no JAX
+# `make test-newest` runs XLA's default (-O3), as users do. MAXBRIDGE_FAST_COMPILE=1 (`make test`'s first pass)
+# adds XLA CPU's elemental emitters, which halve compile time again, to all but the tests marked
+# `fusion_emitters` (its second pass runs those at -O0 alone; see fast_compile.py). The multi-device scripts set
+# their own flags.
+from fast_compile import ELEMENTAL, FAST_COMPILE, LLVM_O0  # constants; imports no JAX
 
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {LLVM_O0}".strip()
+  flags = FAST_COMPILE if os.environ.get("MAXBRIDGE_FAST_COMPILE") == "1" else LLVM_O0
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest
@@ -74,6 +77,16 @@ try:
   _LIBC = ctypes.CDLL("libc.so.6")  # glibc (Linux); elsewhere nothing is trimmed
 except OSError:
   _LIBC = None
+
+
+@pytest.fixture(autouse=True)
+def _fusion_emitters(request):
+  """A test marked `fusion_emitters` fails at once, saying why, where its process compiles with elemental ones."""
+  if request.node.get_closest_marker("fusion_emitters") and ELEMENTAL in os.environ.get("XLA_FLAGS", ""):
+    pytest.fail(
+        f"marked fusion_emitters: its exact comparison needs XLA CPU's default emitters, but XLA_FLAGS has "
+        f"{ELEMENTAL} (run it without MAXBRIDGE_FAST_COMPILE=1, as `make test`'s second pass does)"
+    )
 
 
 @pytest.fixture(scope="module", autouse=True)
