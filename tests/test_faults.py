@@ -211,14 +211,23 @@ def test_training_without_checkpointing_on_an_existing_run_keeps_its_history(tra
   assert checkpointing.Checkpointer(run / "checkpoints").all_steps() == [1, 2], "nothing saved"
 
 
-def test_starting_over_a_history_without_checkpoints_is_refused(tmp_path):
-  run = tmp_path / "run"
-  run.mkdir()
-  (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss": 5.0}) + "\n")
+def test_a_run_killed_before_its_first_checkpoint_starts_again_keeping_its_files_aside(trained, tmp_path):
+  # kill -9 before the first save commits: the attempt's metrics and config are there, no checkpoint.
+  run = _copy(trained, tmp_path)
+  shutil.rmtree(run / "checkpoints")
   before = _snapshot(run)
-  with pytest.raises(checkpointing.CheckpointError, match="holds 1 steps of an earlier run.*no checkpoint"):
-    _train(tmp_path, enable_checkpointing=False)
+  with pytest.raises(ValueError, match="no files match dataset_path"):  # a start that fails changes nothing
+    _train(tmp_path, dataset_type="text", dataset_path=str(tmp_path / "nowhere"))
   assert _snapshot(run) == before
+  records = _train(tmp_path)
+  assert [r["step"] for r in records] == [0, 1, 2] and _metrics_steps(run) == [0, 1, 2]
+  assert _snapshot(run / "aborted" / "1") == before, "the earlier attempt's files, moved aside unchanged"
+  assert checkpointing.Checkpointer(run / "checkpoints").latest_step() == 3
+  # Without checkpointing too, and a second time: the next number.
+  _train(tmp_path, enable_checkpointing=False, name="plain")
+  _train(tmp_path, enable_checkpointing=False, name="plain")
+  assert sorted(p.name for p in (tmp_path / "plain" / "aborted").iterdir()) == ["1"]
+  assert _metrics_steps(tmp_path / "plain" / "aborted" / "1") == _metrics_steps(tmp_path / "plain") == [0, 1, 2]
 
 
 def test_a_new_run_with_bad_data_creates_nothing(tmp_path):

@@ -150,3 +150,17 @@ def run_lock(run_dir: str | os.PathLike) -> Iterator[None]:
     if made is not None:
       with contextlib.suppress(OSError):  # a new base folder that nothing else was written into
         made.rmdir()
+
+
+def set_aside(run_dir: str | os.PathLike, keep: str | os.PathLike) -> Path:
+  """Moves what an attempt left in `run_dir` (its metrics, config, features' files), all but `keep`, into the next
+  `run_dir/aborted/N` (1, 2, ...): a new attempt starts clean, and nothing of the old one is lost or mixed in."""
+  run_dir, keep = Path(run_dir), Path(keep)
+  parent = run_dir / "aborted"
+  taken = [int(p.name) for p in parent.iterdir() if p.name.isdigit()] if parent.is_dir() else []
+  aside = parent / str(max(taken, default=0) + 1)
+  aside.mkdir(parents=True)
+  for entry in run_dir.iterdir():
+    if entry not in (keep, parent):
+      entry.rename(aside / entry.name)  # one rename each, on the same file system: never half-copied
+  return aside

@@ -290,12 +290,11 @@ def _train(
     metrics_path = run_dir / "metrics.jsonl"
     # Every process decides the same: the run folder is shared (orbax saves into it collectively).
     history = MetricsLog.read(metrics_path, report=primary)
-    if history and not start:
-      raise checkpointing.CheckpointError(
-          f"{metrics_path} holds {len(history)} steps of an earlier run, but {checkpoints} has no checkpoint "
-          "to resume from: training from step 0 would rewrite that history. Choose a new run_name, or move "
-          "metrics.jsonl away"
-      )
+    # An earlier attempt that saved no checkpoint (killed early, or not checkpointing) is set aside once this one
+    # has started (`_open_run`), so that a failed start leaves the folder as it was.
+    earlier = len(history) if not start else 0
+    if earlier:
+      history = []
     resumed = bool(start)
     initial = functools.partial(initial_state, config, trainer)
     if resumed:
@@ -343,7 +342,7 @@ def _train(
       if step == start:
         # The first step compiled and ran (a step that cannot be built fails above): the run has
         # started, and from here on it writes into its folder.
-        log = _open_run(config, run_dir, history, start, saving, primary, features)
+        log = _open_run(config, run_dir, history, start, saving, primary, features, earlier)
       loss = float(metrics["loss"])
       if not math.isfinite(loss):
         raise TrainingDiverged(f"loss is {loss} at step {step}; training stopped")
@@ -388,10 +387,27 @@ def _train(
 
 
 def _open_run(
-    config: Config, run_dir: Path, history: list[str], start: int, saving, primary: bool, features: list[hooks.Hook]
+    config: Config,
+    run_dir: Path,
+    history: list[str],
+    start: int,
+    saving,
+    primary: bool,
+    features: list[hooks.Hook],
+    earlier: int = 0,
 ):
   """Writes the run's config.yml (and its features' files: the fingerprint of a model it is fixed to) and makes its
-  folders; returns its metrics log (None off the primary)."""
+  folders; returns its metrics log (None off the primary). `earlier`: the steps an attempt that saved no checkpoint
+  logged, whose files are first moved aside."""
+  if earlier and primary:
+    aside = files.set_aside(run_dir, keep=run_dir / "checkpoints")
+    logging.warning(
+        "%s: the earlier attempt logged %d steps but saved no checkpoint; started again from step 0, its files "
+        "kept in %s",
+        run_dir,
+        earlier,
+        aside,
+    )
   run_dir.mkdir(parents=True, exist_ok=True)
   if saving:
     Path(saving.directory).mkdir(exist_ok=True)
