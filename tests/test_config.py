@@ -113,6 +113,9 @@ def test_bad_remat_policy_lists_valid_ones():
         ("gradient_accumulation_steps=0", "'gradient_accumulation_steps'.*positive"),
         ("dataset_type=parquet", "'dataset_type'.*'embedded', 'synthetic', 'text'"),
         ("dataset_type=text", "dataset_type='text' needs dataset_path"),
+        ("seed=-1", r"'seed' = -1 is invalid; it must be an integer in \[0, 2\*\*32\)"),
+        # Module 63 of a 64-token sequence would predict nothing (and 100 took minutes to compile).
+        ("mtp_num_layers=100", "mtp_num_layers=100 exceeds max_target_length - 2 = 62"),
     ],
 )
 def test_impossible_values_name_the_key_and_what_is_valid(override, match):

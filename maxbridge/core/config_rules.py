@@ -86,6 +86,8 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ),
     ("num_processes", _positive, "a positive integer"),
     ("process_id", lambda v: v >= 0, ">= 0"),
+    # numpy's generators and Grain's shuffles take no negative seed; 32 bits as MaxText's seeds.
+    ("seed", lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)"),
     (
         "learning_rate_schedule_steps",
         lambda v: v == -1 or v > 0,
@@ -242,6 +244,14 @@ def validate(config: Config) -> None:
     raise ConfigError(
         f"max_target_length={config.max_target_length} is too short to train on; it must be >= 2 "
         "(each token predicts the next)"
+    )
+  if config.mtp_num_layers > config.max_target_length - 2:
+    # Module k predicts the token k + 1 ahead of each position: past this every position of a module is masked,
+    # and its layers (each one more to compile) train on nothing.
+    raise ConfigError(
+        f"mtp_num_layers={config.mtp_num_layers} exceeds max_target_length - 2 = {config.max_target_length - 2}: "
+        f"module k predicts the token k + 1 ahead, so a module past that has no target in a "
+        f"{config.max_target_length}-token sequence; lower mtp_num_layers"
     )
   if config.trainable_position_size and config.max_target_length > config.trainable_position_size:
     raise ConfigError(
