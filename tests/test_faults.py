@@ -524,6 +524,15 @@ def test_generate_refuses_bad_values_and_warns_past_max_target_length(model):
     model.generate(list(range(60)), 6)
 
 
+def test_a_run_of_short_sequences_is_read_with_a_prefill_that_fits_unless_one_is_named(trained):
+  # The run as if trained with max_target_length=32, under the default prefill of 32: no room to generate.
+  config, _ = pretrained.load_pretrained(trained, "max_target_length=32")
+  assert (config.max_target_length, config.max_prefill_predict_length) == (32, 16)
+  named, _ = pretrained.load_pretrained(trained, "max_target_length=32", "max_prefill_predict_length=32")
+  with pytest.raises(ValueError, match=r"max_prefill_predict_length=32 must be in \[1, max_target_length=32\)"):
+    mb.Engine(named)
+
+
 def test_compare_refuses_negative_or_nan_tolerances(trained, capsys):
   for atol in (-1.0, float("nan")):
     with pytest.raises(converters.ConversionError, match="atol=.* must be a finite number >= 0"):

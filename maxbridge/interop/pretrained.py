@@ -125,10 +125,19 @@ def load_pretrained(
   if folders.is_hf_folder(path):
     if config is not None:
       raise HFError(f"{path} is a Hugging Face folder: its config.json describes the model; drop config={config!r}")
-    return folders.load_hf(path, *overrides, **kwargs)
-  if Path(path).exists():
-    return load_checkpoint(path, *overrides, config=config, **kwargs)
-  raise FileNotFoundError(f"{path}: no such Hugging Face folder or maxbridge checkpoint")
+    cfg, params = folders.load_hf(path, *overrides, **kwargs)
+  elif Path(path).exists():
+    cfg, params = load_checkpoint(path, *overrides, config=config, **kwargs)
+  else:
+    raise FileNotFoundError(f"{path}: no such Hugging Face folder or maxbridge checkpoint")
+  named = "max_prefill_predict_length" in kwargs or any(
+      o.split("=", 1)[0].strip() == "max_prefill_predict_length" for o in overrides
+  )
+  if not named and cfg.max_prefill_predict_length >= cfg.max_target_length:
+    # A run trained on short sequences (max_target_length=32 under the default prefill of 32) has no room to
+    # generate: half its length is the prompt's. A prefill the user names is theirs, and refused where it cannot fit.
+    cfg = cfg.replace(max_prefill_predict_length=max(1, cfg.max_target_length // 2))
+  return cfg, params
 
 
 def tokenizer_folder(path: str | os.PathLike) -> Path | None:
