@@ -119,6 +119,8 @@ def test_the_served_codec_adds_the_tokenizers_bos_unless_told_not_to(tmp_path):
   args = argparse.Namespace(source=str(folder), overrides=[])
   codec = serving.serve_codec(args, serving.model_tokenizer(args, 256))
   assert codec.encode("the dog") == [1, 3, 9] and codec.encode("the dog", add_special_tokens=False) == [3, 9]
+  assert codec.token_strs([1, 3, 9]) == ["<s>", "the", "dog"]
+  assert pretrained.TextTokenizer().token_strs([104, 233]) == ["h", "é"]  # bytes: one Latin-1 character each
 
 
 def test_export_hf_and_import_hf_carry_the_tokenizer(setup, tmp_path):

@@ -256,6 +256,8 @@ def test_tokenize_and_detokenize_as_vllm(server):
   by_ids = server.client.completions.create(model=MODEL, prompt=out["tokens"], max_tokens=4, temperature=0)
   assert by_ids.choices[0].text == by_text.choices[0].text and by_ids.usage.prompt_tokens == out["count"]
   assert _post(server.url, {"tokens": out["tokens"]}, "/detokenize") == (200, {"prompt": PROMPTS[2]})
+  named = _post(server.url, {"prompt": PROMPTS[2], "return_token_strs": True}, "/tokenize")[1]
+  assert named["token_strs"] == PROMPTS[2].split()  # each id's string in the vocabulary
   chat = {"messages": [{"role": "user", "content": "w8 w9"}]}
   assert _post(server.url, chat, "/tokenize")[1]["tokens"] == [1, 8, 9, 2, 3]  # TEMPLATE, as the chat renders it
   assert _post(server.url, {**chat, "add_generation_prompt": False}, "/tokenize")[1]["tokens"] == [1, 8, 9, 2]

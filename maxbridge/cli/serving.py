@@ -168,4 +168,4 @@ def serve_codec(args: argparse.Namespace, text):
   from maxbridge.serving import codec
 
   folder = text.folder or Path(args.source)
-  return codec.Codec.from_folder(text.encode, text.decode, folder)
+  return codec.Codec.from_folder(text.encode, text.decode, folder, text.token_strs)

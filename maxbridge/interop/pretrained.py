@@ -169,6 +169,13 @@ class TextTokenizer:
       return list(text.encode("utf-8"))
     return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+  def token_strs(self, ids) -> list[str]:
+    """Each id's own string in the vocabulary (byte-level BPE's "Ġthe"); for bytes, the byte as one Latin-1
+    character, so that every id has one."""
+    if self.tokenizer is None:
+      return [bytes([int(t)]).decode("latin-1") if 0 <= t < 256 else "" for t in ids]
+    return [self.tokenizer.id_to_token(int(t)) or "" for t in ids]
+
   def decode(self, ids) -> str:
     if self.tokenizer is None:
       return bytes(int(t) for t in ids if 0 <= t < 256).decode("utf-8", errors="replace")

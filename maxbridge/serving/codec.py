@@ -19,9 +19,10 @@ class Codec:
   special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)  # bos_token, eos_token for the template
   settings: dict = dataclasses.field(default_factory=dict)  # tokenizer_config.json, for /tokenizer_info
   tokenizer_class: str = "unknown"
+  token_strs: Callable[[list[int]], list[str]] | None = None  # /tokenize's return_token_strs
 
   @classmethod
-  def from_folder(cls, encode, decode, folder: Path) -> "Codec":
+  def from_folder(cls, encode, decode, folder: Path, token_strs=None) -> "Codec":
     """With the chat template and special tokens of `folder`'s tokenizer_config.json and the end-of-sequence ids
     of its generation_config.json or config.json, as Hugging Face folders hold them (each optional)."""
 
@@ -46,7 +47,7 @@ class Codec:
     kind = settings.get("tokenizer_class") or (
         "PreTrainedTokenizerFast" if (folder / "tokenizer.json").is_file() else "ByteTokenizer"
     )
-    return cls(encode, decode, eos, template, special, settings, kind)
+    return cls(encode, decode, eos, template, special, settings, kind, token_strs)
 
   def tokenizer_info(self) -> dict:
     """/tokenizer_info as vLLM answers it: the tokenizer's settings (tokenizer_config.json, less its file paths;

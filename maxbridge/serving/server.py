@@ -259,12 +259,11 @@ class _Routes:
     self._check_model(body)
     if (body.prompt is None) == (body.messages is None):
       raise api.Refusal(400, "give either prompt (text) or messages (a chat), not both or neither", "prompt")
-    if body.return_token_strs:  # the codec decodes ids to text; it has no token strings to give
-      raise api.Refusal(
-          400, "return_token_strs: this server has no token strings; /detokenize one id at a time", "return_token_strs"
-      )
+    if body.return_token_strs and self.codec.token_strs is None:
+      raise api.Refusal(400, "return_token_strs: this server's codec has no token strings", "return_token_strs")
     tokens = await asyncio.to_thread(self._tokenize, body)
-    return {"count": len(tokens), "max_model_len": self.limit, "tokens": tokens, "token_strs": None}
+    strs = self.codec.token_strs(tokens) if body.return_token_strs else None
+    return {"count": len(tokens), "max_model_len": self.limit, "tokens": tokens, "token_strs": strs}
 
   async def detokenize(self, body: api.DetokenizeBody):
     self._check_model(body)
