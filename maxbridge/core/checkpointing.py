@@ -401,9 +401,13 @@ class CheckpointReader:
   trees, and restoring one leaf of a large tree through it re-plans the whole
   tree for every array. Other checkpoints are read through orbax's restore,
   one leaf at a time (PLACEHOLDER for the rest).
+
+  params_only: `leaves` holds the parameters alone; the optimizer state and
+  step are not mapped, so any optimizer's state (or one this package does not
+  know) is no obstacle to reading a model.
   """
 
-  def __init__(self, path: str | os.PathLike):
+  def __init__(self, path: str | os.PathLike, *, params_only: bool = False):
     self.items, self.step = resolve(path)
     self._handler = ocp.PyTreeCheckpointHandler()
     try:
@@ -417,7 +421,7 @@ class CheckpointReader:
     self.stored = layouts.flatten_tree(self.tree)
     try:
       self.layout = layouts.detect(self.stored)
-      self._normal = layouts.normal_paths(self.stored, self.layout)
+      self._normal = layouts.normal_paths(self.stored, self.layout, params_only=params_only)
     except layouts.LayoutError as e:
       raise CheckpointError(f"{self.items}: {e}") from e
     self._stored_path = {normal: stored for stored, normal in self._normal.items()}
@@ -549,7 +553,7 @@ _PARAMS = "params/params/"  # where a train state's parameters lie, as normal pa
 def stored_params(path: str | os.PathLike) -> dict:
   """The canonical parameter tree of a checkpoint (see `load_params`) as `jax.ShapeDtypeStruct`s, from its
   metadata alone: enough to check a model against it before reading any array."""
-  reader = CheckpointReader(path)
+  reader = CheckpointReader(path, params_only=True)
   flat = {p[len(_PARAMS) :]: reader.stored_leaf(p) for p in reader.leaves if p.startswith(_PARAMS)}
   return canonical.unflatten({p: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for p, leaf in flat.items()})
 
@@ -561,9 +565,9 @@ def load_params(path: str | os.PathLike, *, dtype: Any = None) -> tuple[dict, Ch
   taken) in any layout: ours, MaxText's Linen or NNX checkpoints, params-only
   decode checkpoints. The tree is as stored, scanned or not; give it to
   `Model.load_params` (which stacks or unstacks it to fit the model). Reads
-  parameters only, one array at a time.
+  parameters only, one array at a time; the optimizer state is not even parsed.
   """
-  reader = CheckpointReader(path)
+  reader = CheckpointReader(path, params_only=True)
   tree = canonical.unflatten({p[len(_PARAMS) :]: reader.read(p) for p in reader.leaves if p.startswith(_PARAMS)})
   if dtype is not None:
     tree = layouts.cast_floating(tree, dtype)

@@ -8,6 +8,14 @@ layout (this project's own checkpoints), and written from it:
     opt_state/<i>/count
     step                                   int32
 
+The optimizer state is whatever tree the optimizer keeps (AdamW's chain above;
+Muon's `opt_state/inner_states/adam/inner_state/0/mu/params/<T>`, a partition
+of chains): any path below `opt_state/` is kept as it is, save that a leaf
+shaped like a parameter gets Linen's `params` level above `<T>`. A numbered
+level (a tuple: Linen keeps it as a list, NNX as a dict of ints) is a level of
+all-digit keys. Readers that need only the parameters never look below
+`opt_state/` (`normal_paths(..., params_only=True)`).
+
 The layouts this module reads and writes:
 
     linen   {"params": {"params": T}, "opt_state": [adam, None, schedule], "step": int32}
@@ -184,8 +192,12 @@ def _fix_leaf(path: str, wrapped: bool) -> str:
 # --- stored paths <-> normal paths ----------------------------------------------
 
 
-def normal_paths(flat: Mapping[str, Any], layout: Layout) -> dict[str, str]:
-  """{stored path: normal path} for every leaf of `flat` (ignored subtrees left out)."""
+def normal_paths(flat: Mapping[str, Any], layout: Layout, *, params_only: bool = False) -> dict[str, str]:
+  """{stored path: normal path} for every leaf of `flat` (ignored subtrees left out).
+
+  params_only: the parameters alone; the optimizer state and step are left out unread, so a reader of
+  parameters works whatever the optimizer kept.
+  """
   root = {NNX: "model", LINEN: "params", CANONICAL: None}[layout.kind]
   mapping, params = {}, set()
   for path in flat:
@@ -196,6 +208,8 @@ def normal_paths(flat: Mapping[str, Any], layout: Layout) -> dict[str, str]:
       param = _param_path(path, root, layout.value_wrappers, layout.single_params_level)
       mapping[path] = f"params/params/{param}"
       params.add(param)
+  if params_only:
+    return mapping
   for path in flat:
     if path in mapping or path.split("/")[0] in layout.ignored:
       continue
@@ -210,19 +224,21 @@ def _optimizer_path(path: str, layout: Layout, params: set[str]) -> str:
     parts = parts[1:]
   if parts == ["step"]:
     return "step"
-  if parts[0] != "opt_state" or len(parts) < 3 or not parts[1].isdigit():
-    expected = "optimizer/opt_state/<i>/..., optimizer/step" if layout.kind == NNX else "opt_state/<i>/..., step"
+  if parts[0] != "opt_state":
+    expected = "optimizer/opt_state/..., optimizer/step" if layout.kind == NNX else "opt_state/..., step"
     raise LayoutError(f"unexpected path {path} in a {layout.kind} checkpoint; expected {expected}")
-  index, rest = parts[1], parts[2:]
+  rest = parts[1:]
+  # The optimizer's own structure (a chain's indices, a partition's labels, its fields) is kept as it is: only a
+  # leaf shaped like a parameter is recognised, by ending in a parameter's path.
   for split in range(len(rest)):
     if "/".join(rest[split:]) in params:
-      # A leaf shaped like a parameter (Adam's mu, nu): Linen keeps a
-      # {"params": ...} collection level above the tree, NNX does not.
+      # Linen keeps a {"params": ...} collection level above the tree (its optimizer sees the variables), NNX
+      # does not (its optimizer sees the model's State).
       head = rest[:split]
       if head and head[-1] == "params":
         head = head[:-1]
-      return "/".join(["opt_state", index, *head, "params", *rest[split:]])
-  return "/".join(["opt_state", index, *rest])
+      return "/".join(["opt_state", *head, "params", *rest[split:]])
+  return "/".join(["opt_state", *rest])
 
 
 def layout_path(normal: str, kind: str) -> str:
@@ -242,9 +258,9 @@ def layout_path(normal: str, kind: str) -> str:
 
 
 def _is_params_level(parts: list[str], i: int) -> bool:
-  # The Linen {"params": ...} level of an optimizer leaf shaped like a
-  # parameter: the first "params" below opt_state/<i>/<field>.
-  return parts[i] == "params" and i >= 3 and "params" not in parts[2:i]
+  # The Linen {"params": ...} level of an optimizer leaf shaped like a parameter: the first "params" below
+  # opt_state/ (`_optimizer_path` puts one there, and only there).
+  return parts[i] == "params" and i >= 1 and "params" not in parts[1:i]
 
 
 def layout_dtype(normal: str, dtype: Any, kind: str) -> np.dtype:
@@ -255,8 +271,8 @@ def layout_dtype(normal: str, dtype: Any, kind: str) -> np.dtype:
 def build_tree(normal_flat: Mapping[str, Any], kind: str) -> dict:
   """Normal leaves -> the nested tree `kind` stores (leaves as given; see `layout_dtype`).
 
-  Linen's optimizer state is a list with None for empty states; NNX's is a
-  dict keyed by the int index of each non-empty state.
+  A numbered level of the optimizer state (a chain's tuple) is a list in Linen, with None for empty states;
+  in NNX a dict keyed by the int index of each non-empty state, as `nnx.to_pure_dict` gives it.
   """
   tree: dict = {}
   for normal, leaf in normal_flat.items():
@@ -266,11 +282,27 @@ def build_tree(normal_flat: Mapping[str, Any], kind: str) -> dict:
       node = node.setdefault(parent, {})
     node[name] = leaf
   if kind == LINEN and "opt_state" in tree:
-    chain = tree["opt_state"]
-    tree["opt_state"] = [chain.get(str(i)) for i in range(max(map(int, chain)) + 1)]
+    tree["opt_state"] = _numbered(tree["opt_state"], _as_list)
   if kind == NNX and "opt_state" in tree.get("optimizer", {}):
-    tree["optimizer"]["opt_state"] = {int(k): v for k, v in tree["optimizer"]["opt_state"].items()}
+    tree["optimizer"]["opt_state"] = _numbered(tree["optimizer"]["opt_state"], _int_keys)
   return tree
+
+
+def _as_list(node: dict) -> list:
+  return [node.get(str(i)) for i in range(max(map(int, node)) + 1)]
+
+
+def _int_keys(node: dict) -> dict:
+  return {int(k): v for k, v in node.items()}
+
+
+def _numbered(node: Any, numbered) -> Any:
+  """`node` with each level of all-digit keys made `numbered(level)`; a parameter tree below a Linen "params"
+  level is left as it is (its keys are a model's, not an optimizer's)."""
+  if not isinstance(node, dict):
+    return node
+  node = {k: v if k == "params" else _numbered(v, numbered) for k, v in node.items()}
+  return numbered(node) if node and all(k.isdigit() for k in node) else node
 
 
 def normalize(tree: Any, layout: Layout | None = None) -> dict:
