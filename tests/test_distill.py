@@ -1,6 +1,7 @@
 """Distillation (teacher_overrides): alpha * T^2 * KL(teacher || student) + (1 - alpha) * cross-entropy, in the step."""
 
 import json
+import types
 
 import jax
 import numpy as np
@@ -389,7 +390,10 @@ def test_offline_logits_with_k_the_whole_vocabulary_train_as_the_teacher_in_the_
   assert trainer.loss.teacher is None  # no teacher is built, read or run
   # `maxbridge compile` lowers on these (the file's k, any batch), reading no logits.
   assert distill.offline_shapes(offline, 8)["teacher_values"].shape == (8, config.max_target_length, 256)
-  batch = {**data.make_dataset(offline, "train", 4).batch(0), **distill.OfflineLogits(offline, 4).batch(0)}
+  batch = {
+      **data.make_dataset(offline, "train", 4).batch(0),
+      **distill.OfflineLogits(offline, 4, data.make_dataset(offline, "train", 4)).batch(0),
+  }
   state, metrics = trainer.train_step(trainer.init_state(0), batch)
   got = dict(metrics={key: np.asarray(value) for key, value in metrics.items()}, params=trainer.params(state))
   np.testing.assert_allclose(got["metrics"]["distill_kl"], steps["half"]["metrics"]["distill_kl"], rtol=1e-5)
@@ -400,13 +404,72 @@ def test_offline_logits_written_for_other_batches_or_another_vocabulary_are_refu
   config = steps["self"]["config"]
   out = distill.write_logits(config, tmp_path / "logits", top_k=8, steps=2, rows=4)
   offline = config.replace(distill_logits_path=str(out))
+  batches = data.make_dataset(offline, "train", 4)
   with pytest.raises(ConfigError, match=rf"distill_logits_path={out} was written for other batches: steps 2 \(the run"):
-    distill.OfflineLogits(offline, 4)
+    distill.OfflineLogits(offline, 4, batches)
   with pytest.raises(ConfigError, match=r"rows 4 \(the run's: 8\); steps 2"):
     hooks.Data(offline)  # the run's own source: 8 rows a step on one device
   with pytest.raises(ConfigError, match=r"vocab_size 256 \(the run's: 512\)"):
-    distill.OfflineLogits(offline.replace(vocab_size=512, steps=2), 4)
+    distill.OfflineLogits(offline.replace(vocab_size=512, steps=2), 4, batches)
   with pytest.raises(ConfigError, match=rf"distill_logits_path={tmp_path}: no meta.json"):
-    distill.OfflineLogits(offline.replace(distill_logits_path=str(tmp_path)), 4)
+    distill.OfflineLogits(offline.replace(distill_logits_path=str(tmp_path)), 4, batches)
   with pytest.raises(FileExistsError, match="exists"):
     distill.write_logits(config, out, top_k=8, steps=2, rows=4)
+
+
+def _tamper(folder, **changes):
+  meta = json.loads((folder / "meta.json").read_text())
+  for key, value in changes.items():
+    if value is None:
+      del meta[key]
+    else:
+      meta[key] = value
+  (folder / "meta.json").write_text(json.dumps(meta))
+
+
+def test_offline_logits_of_another_seed_or_dataset_are_refused_naming_each_key_and_both_values(steps, tmp_path):
+  config = steps["self"]["config"].replace(steps=2)
+  out = distill.write_logits(config, tmp_path / "logits", top_k=8, steps=2, rows=8)
+  offline = config.replace(distill_logits_path=str(out))
+  source = hooks.Data(offline)  # the run's own source, 8 rows a step on one device: the settings agree
+  assert source.batch(1, None)[0]["teacher_values"].shape == (8, config.max_target_length, 8)
+  with pytest.raises(
+      ConfigError, match=rf"distill_logits_path={out} was written for other batches: seed 0 \(the run's: 7\)"
+  ):
+    hooks.Data(offline.replace(seed=7))
+  with pytest.raises(ConfigError, match=r"dataset_type 'embedded' \(the run's: 'synthetic'\)"):
+    hooks.Data(offline.replace(dataset_type="synthetic"))
+  # Every key that shapes the batches is recorded and compared: those a resume may not change, and the seed.
+  assert set(hooks.Data.fixed_keys) | {"seed", "max_target_length", "vocab_size"} <= set(distill.PROVENANCE_KEYS)
+  batches = data.make_dataset(offline, "train", 8)
+  recorded = json.loads((out / "meta.json").read_text())["data"]
+  for key in distill.PROVENANCE_KEYS:
+    _tamper(out, data={**recorded, key: "elsewhere"})
+    with pytest.raises(ConfigError, match=rf"{key} 'elsewhere' \(the run's: "):
+      distill.OfflineLogits(offline, 8, batches)
+  _tamper(out, data=recorded)
+  # A Grain source, read once in order, is checked step by step as the loop reads it.
+  grain_like = distill.OfflineLogits(offline, 8, types.SimpleNamespace(stateful=True))
+  grain_like.check_tokens(1, batches.batch(1))
+  with pytest.raises(ConfigError, match=r"the tokens of step 1 \(the first of the run's that differs\)"):
+    grain_like.check_tokens(1, data.make_dataset(offline.replace(seed=7), "train", 8).batch(1))
+  # Logits written before the record: refused, naming what is missing.
+  _tamper(out, data=None, tokens_sha256=None)
+  with pytest.raises(ConfigError, match=r"does not record 'data' or 'tokens_sha256' .* write them again"):
+    hooks.Data(offline)
+
+
+def test_offline_logits_of_another_file_or_of_a_file_changed_in_place_are_refused(steps, tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  for name, word in (("a.jsonl", "alpha"), ("b.jsonl", "beta")):
+    (tmp_path / name).write_text("".join(json.dumps({"text": f"{word} {i} " * 9}) + "\n" for i in range(40)))
+  config = steps["self"]["config"].replace(steps=2, dataset_type="text", dataset_path="a.jsonl")
+  out = distill.write_logits(config, tmp_path / "logits", top_k=8, steps=2, rows=8)
+  # The same file spelled from another directory is the same data.
+  offline = config.replace(distill_logits_path=str(out), dataset_path=str(tmp_path / "a.jsonl"))
+  hooks.Data(offline)
+  with pytest.raises(ConfigError, match=r"dataset_path '\S+/a.jsonl' \(the run's: '\S+/b.jsonl'\)"):
+    hooks.Data(offline.replace(dataset_path=str(tmp_path / "b.jsonl")))
+  (tmp_path / "a.jsonl").write_text((tmp_path / "b.jsonl").read_text())
+  with pytest.raises(ConfigError, match=r"the tokens of step 0 \(the first of the run's that differs\) have sha256"):
+    hooks.Data(offline)

@@ -35,6 +35,21 @@ from maxbridge.training.posttrain import dpo, sft
 # Dataset carries whatever keys its rows have.
 BATCH_KEYS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
 SPLITS = ("train", "eval")
+# The config keys that say which rows a run reads, besides its seed and the batches' shape: one list, which a resume
+# may not change (`hooks.Data.fixed_keys`) and offline distillation logits record (`distill.write_logits`).
+DATA_KEYS = (
+    "dataset_type",
+    "dataset_path",
+    "tokenizer_path",
+    "grain_train_files",
+    "grain_eval_files",
+    "grain_file_type",
+    "data_columns",
+    "add_bos",
+    "add_eos",
+    "use_sft",
+    "grain_shuffle_buffer_size",
+)
 DATASET_TYPES = ("embedded", "synthetic", "text", "sft", "grain")
 
 # Every EVAL_EVERY-th document (index % EVAL_EVERY == 0) is held out for eval.

@@ -43,6 +43,7 @@ is `kl_top_k`, on the teacher's top k renormalised.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -338,10 +339,40 @@ def _check_feature_teacher(config: Config, teacher: Config) -> None:
 # token ids (int32), [B, T, K].
 OFFLINE_KEYS = ("teacher_values", "teacher_indices")
 _META = "meta.json"
+# What the batches the logits were written for are a function of, recorded in meta.json's "data" and compared with
+# a student's: the keys a resume may not change either (`data.DATA_KEYS`, the one list), and the seed (the order
+# rows are read in, the synthetic rows), the row length and the vocabulary, which a resume keeps by other means.
+# The rows per step are meta.json's "rows".
+PROVENANCE_KEYS = (*data.DATA_KEYS, "seed", "max_target_length", "vocab_size")
+# What the teacher read of each batch, fingerprinted per step (meta.json's "tokens_sha256"): the logits are a
+# function of these alone, so equal keys over a file replaced in place are still caught.
+_TEACHER_INPUTS = ("inputs", "inputs_position", "inputs_segmentation")
 
 
 def _step_file(folder: Path, step: int) -> Path:
   return folder / f"step_{step:08d}.npz"
+
+
+def _recorded(config: Config) -> dict[str, Any]:
+  """`PROVENANCE_KEYS` as meta.json holds them. A value naming an existing file or folder is its absolute path, so
+  the same data spelled relative to another directory is the same; other values go through JSON (tuples as lists)."""
+  values = {}
+  for key in PROVENANCE_KEYS:
+    value = getattr(config, key)
+    if isinstance(value, str) and value and os.path.exists(value):
+      value = os.path.abspath(value)
+    values[key] = json.loads(json.dumps(value))
+  return values
+
+
+def tokens_sha256(batch: dict[str, np.ndarray]) -> str:
+  """The fingerprint of what a teacher reads of `batch` (its token ids, positions and segments) as int32."""
+  digest = hashlib.sha256()
+  for key in _TEACHER_INPUTS:
+    value = np.ascontiguousarray(batch[key], np.int32)
+    digest.update(f"{key}{value.shape}".encode())
+    digest.update(value.tobytes())
+  return digest.hexdigest()
 
 
 def write_logits(config: Config, destination: str | os.PathLike, *, top_k: int, steps: int, rows: int) -> Path:
@@ -350,7 +381,8 @@ def write_logits(config: Config, destination: str | os.PathLike, *, top_k: int, 
 
   The batches are a pure function of the config (its data keys and seed) and
   the step, so a run of `config` with `distill_logits_path=destination` reads
-  the logits of exactly the batches it trains on.
+  the logits of exactly the batches it trains on. `meta.json` records those keys
+  (`PROVENANCE_KEYS`) and each step's `tokens_sha256`, which `OfflineLogits` checks.
   """
   destination = Path(destination)
   if destination.exists():
@@ -369,9 +401,11 @@ def write_logits(config: Config, destination: str | os.PathLike, *, top_k: int, 
 
   tmp = files.temp_dir_beside(destination, "distill-logits")
   try:
+    fingerprints = []
     for step in range(steps):
       batch = dataset.batch(step)
-      values, indices = top(params, batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+      fingerprints.append(tokens_sha256(batch))
+      values, indices = top(params, *(batch[key] for key in _TEACHER_INPUTS))
       np.savez(_step_file(tmp, step), teacher_values=np.asarray(values), teacher_indices=np.asarray(indices))
     meta = {
         "steps": steps,
@@ -380,6 +414,8 @@ def write_logits(config: Config, destination: str | os.PathLike, *, top_k: int, 
         "max_target_length": config.max_target_length,
         "vocab_size": config.vocab_size,
         "teacher": teacher.source,
+        "data": _recorded(config),
+        "tokens_sha256": fingerprints,
     }
     (tmp / _META).write_text(json.dumps(meta, indent=2) + "\n")
     os.rename(tmp, destination)
@@ -409,20 +445,64 @@ def offline_shapes(config: Config, rows: int) -> dict[str, jax.ShapeDtypeStruct]
 
 class OfflineLogits:
   """Reads a run's teacher logits from `distill_logits_path`; refuses, naming the path, a folder written for
-  other batches (fewer steps, other rows or length) or another vocabulary."""
+  other batches (fewer steps, other rows or length, another vocabulary, any other of `PROVENANCE_KEYS`, or other
+  tokens at a step) or one that does not record what it was written for."""
 
-  def __init__(self, config: Config, rows: int):
+  def __init__(self, config: Config, rows: int, dataset):
+    """`dataset`: the run's training batches (`data.make_dataset`'s), whose tokens the logits must be of."""
     self.path = Path(config.distill_logits_path)
     meta = _read_meta(self.path)
-    want = {"rows": rows, "max_target_length": config.max_target_length, "vocab_size": config.vocab_size}
-    bad = [f"{key} {meta.get(key)} (the run's: {value})" for key, value in want.items() if meta.get(key) != value]
+    # Refused rather than warned about: a folder written before meta.json recorded its data cannot be shown to
+    # belong to this run, and on other batches the student trains silently on the wrong targets for the whole run
+    # (a warning scrolls by in its log), while writing the logits again costs one teacher pass per step.
+    missing = [key for key in ("data", "tokens_sha256") if key not in meta]
+    if missing:
+      raise ConfigError(
+          f"distill_logits_path={self.path}: its {_META} does not record {' or '.join(map(repr, missing))} (what "
+          "data and tokens the logits were written for: written by an earlier maxbridge), so nothing shows they are "
+          "of this run's batches; write them again with `maxbridge distill-logits` for this run's config"
+      )
+    bad = [] if meta.get("rows") == rows else [f"rows {meta.get('rows')} (the run's: {rows})"]
     if meta.get("steps", 0) < config.steps:
       bad.append(f"steps {meta.get('steps')} (the run trains {config.steps})")
+    ours = _recorded(config)
+    bad += [
+        f"{key} {meta['data'].get(key)!r} (the run's: {ours[key]!r})"
+        for key in PROVENANCE_KEYS
+        if meta["data"].get(key) != ours[key]
+    ]
+    self._refuse(bad)
+    self.fingerprints = meta["tokens_sha256"]
+    # An in-memory dataset is a pure function of the step: every step the run trains is checked now, before the
+    # first. A Grain dataset is read once, in order: each step as the loop reads it (`check_tokens`).
+    self.checked = not dataset.stateful
+    if self.checked:
+      for step in range(config.steps):
+        self._check(step, tokens_sha256(dataset.batch(step)))
+
+  def _refuse(self, bad: list[str]) -> None:
     if bad:
       raise ConfigError(
           f"distill_logits_path={self.path} was written for other batches: {'; '.join(bad)}; write it again with "
           "`maxbridge distill-logits` for this run's config"
       )
+
+  def _check(self, step: int, fingerprint: str) -> None:
+    if step < len(self.fingerprints) and self.fingerprints[step] != fingerprint:
+      written = self.fingerprints[step][:12]
+      self._refuse(
+          [
+              f"the tokens of step {step} (the first of the run's that differs) have sha256 {written}... (the run's: "
+              f"{fingerprint[:12]}...), though the recorded data keys agree: has the data changed in place?"
+          ]
+      )
+
+  def check_tokens(self, step: int, rows: dict[str, np.ndarray], process_count: int = 1) -> None:
+    """Refuses `step`'s `rows` (what the run's source just read) unless they are the tokens the logits were
+    written for; a no-op where `__init__` checked every step. A process of several holds only its share of a
+    Grain batch, and the fingerprint is of the whole: its recorded keys alone were checked."""
+    if not self.checked and process_count == 1:
+      self._check(step, tokens_sha256(rows))
 
   def batch(self, step: int, process_index: int = 0, process_count: int = 1) -> dict[str, np.ndarray]:
     """The teacher's entries of `step`'s batch, this process's contiguous rows (as `data` slices them)."""

@@ -44,19 +44,7 @@ class Data:
 
   # What the run reads: fixed on resume (another value would go on from a step on other data), but with
   # restart_data_on_resume (the new data from its start).
-  fixed_keys = (
-      "dataset_type",
-      "dataset_path",
-      "tokenizer_path",
-      "grain_train_files",
-      "grain_eval_files",
-      "grain_file_type",
-      "data_columns",
-      "add_bos",
-      "add_eos",
-      "use_sft",
-      "grain_shuffle_buffer_size",
-  )
+  fixed_keys = data.DATA_KEYS
   # Every key it reads, and the train step never does.
   source_keys = (*fixed_keys, "sft_train_on_completion_only", "grain_worker_count", "grain_skip_damaged_records")
 
@@ -67,13 +55,16 @@ class Data:
     self.train = data.make_dataset(config, "train", global_batch_size(config), *where)
     self.eval = data.make_dataset(config, "eval", global_batch_size(config), *where) if config.eval_interval else None
     # Distillation from offline logits: the teacher's top-k of each training batch, joined to its rows.
-    self.logits = distill.OfflineLogits(config, global_batch_size(config)) if config.distill_logits_path else None
+    self.logits = (
+        distill.OfflineLogits(config, global_batch_size(config), self.train) if config.distill_logits_path else None
+    )
 
   def batch(self, step: int, state) -> tuple[dict, dict]:
     """(this process's rows of `step`, entries for the step's record)."""
     del state
     rows = self.train.batch(step, jax.process_index(), jax.process_count())
     if self.logits is not None:
+      self.logits.check_tokens(step, rows, jax.process_count())
       rows = {**rows, **self.logits.batch(step, jax.process_index(), jax.process_count())}
     damaged = getattr(self.train, "damaged", 0)  # grain_skip_damaged_records: those skipped so far (this process)
     return rows, ({"damaged_records": damaged} if damaged else {})
