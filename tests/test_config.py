@@ -1,8 +1,11 @@
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 import yaml
 
+from maxbridge.core import config_keys
 from maxbridge.core.config import BASE_CONFIG, Config, ConfigError, available_presets, load_config
 
 
@@ -200,3 +203,19 @@ def test_a_sampling_value_its_strategy_cannot_use_is_refused_not_decoded_greedil
     load_config("llama-tiny", *overrides)
   # The same keys are fine where the strategy does not read them (greedy reads none).
   load_config("llama-tiny", "decode_sampling_temperature=0", "decode_sampling_top_k=0")
+
+
+MODEL_FAMILIES = "# --- model families (MaxText names; each preset in models/ sets its own) ---"
+
+
+def test_every_key_of_the_model_sections_is_fixed_on_resume_or_said_not_to_change_the_model():
+  # A new model key must be classified: a resume that changes it is refused (MODEL_KEYS), or it is named as one
+  # that changes how the model runs, not what it computes (HOW_NOT_WHAT).
+  text, section, keys = Path(BASE_CONFIG).read_text(), None, []
+  for line in text.splitlines():
+    if line.startswith("# ---"):
+      section = line
+    elif section in ("# --- model ---", MODEL_FAMILIES) and (found := re.match(r"^([a-z_0-9]+):", line)):
+      keys.append(found.group(1))
+  assert len(keys) > 60
+  assert not [k for k in keys if (k in config_keys.MODEL_KEYS) == (k in config_keys.HOW_NOT_WHAT)]

@@ -177,9 +177,7 @@ def test_a_first_signal_is_held_for_the_step_boundary_and_a_second_stops_at_once
 def test_a_resume_that_does_not_fit_leaves_the_run_folder_byte_identical(trained, tmp_path):
   run = _copy(trained, tmp_path)
   before = _snapshot(run)
-  with pytest.raises(
-      checkpointing.CheckpointError, match=r"decoder_norm/scale has shape \(64,\), the model expects \(32,\)"
-  ):
+  with pytest.raises(checkpointing.CheckpointError, match=r"fixed when it started \(base_emb_dim: 64 -> 32\)"):
     _train(tmp_path, base_emb_dim=32)
   assert _snapshot(run) == before
 
@@ -599,6 +597,27 @@ def test_a_resume_that_changes_how_checkpoints_read_is_refused_naming_the_key(tm
     _train(tmp_path, "fixed", **resumed)
   assert {name: (run_dir / name).read_bytes() for name in before} == before, "the refused resume rewrote the run"
   _train(tmp_path, "fixed", **started)  # the run's own values resume it
+
+
+@pytest.mark.parametrize(
+    "resumed, named",
+    [
+        (dict(rope_max_timescale=500000), "rope_max_timescale: 10000 -> 500000"),
+        (dict(normalization_layer_epsilon=1e-3), "normalization_layer_epsilon: 1e-05 -> 0.001"),
+        (dict(head_dim=32), "head_dim: 16 -> 32"),  # named, not a list of paths whose shapes differ
+        (dict(logits_via_embedding=True), "logits_via_embedding: False -> True"),
+        (dict(opt_type="muon"), "opt_type: 'adamw' -> 'muon'"),
+    ],
+    ids=["rope", "epsilon", "head-dim", "tied-head", "optimizer"],
+)
+def test_a_resume_that_changes_what_the_model_computes_is_refused_naming_the_key(trained, tmp_path, resumed, named):
+  # Readers rebuild the model from config.yml, which keeps the run's first values: such a resume would train one
+  # model and export another.
+  run = _copy(trained, tmp_path)
+  before = _snapshot(run)
+  with pytest.raises(checkpointing.CheckpointError, match=rf"fixed when it started \({re.escape(named)}[;)]"):
+    _train(tmp_path, **resumed)
+  assert _snapshot(run) == before
 
 
 def test_a_resume_appends_its_changes_to_the_config_history_and_keeps_config_yml(trained, tmp_path):

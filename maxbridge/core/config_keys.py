@@ -32,6 +32,44 @@ def _unknown(key: Any, keys: Collection[str]) -> str:
   return f"unknown config key {key!r}; {hint}"
 
 
+# Keys of base.yml's model sections that change how the model runs or is stored, its label or its training, not
+# what it computes: free on resume (the layout keys, scan_layers and param_scan_axis, are fixed as such).
+HOW_NOT_WHAT = frozenset(
+    {
+        *("model_name", "override_model_config", "max_target_length", "dtype", "weight_dtype"),
+        *("scan_layers", "param_scan_axis", "remat_policy", "attention", "sparse_matmul", "gdn_chunk_size"),
+        *("pure_nnx", "enable_nnx", "pure_nnx_decoder", "seed", "load_balance_loss_weight"),
+    }
+)
+
+
+# What a model computes: the keys of base.yml's model sections and every family's own (`Family.own_keys`), less
+# `HOW_NOT_WHAT`. A resume may not change them (`recipe.FIXED_KEYS`): config.yml, which every reader (generate,
+# serve, export-hf, from_pretrained) rebuilds the model from, keeps the values the run started with.
+MODEL_KEYS: tuple[str, ...] = tuple(
+    dict.fromkeys(
+        (
+            "decoder_block",
+            *("base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim", "base_mlp_dim"),
+            *("base_num_decoder_layers", "vocab_size", "normalization_layer_epsilon"),
+            *("rope_max_timescale", "rope_type", "rope_use_scale", "rope_factor", "rope_low_freq_factor"),
+            *("rope_high_freq_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "rope_truncate"),
+            *("rope_attention_scaling", "mscale", "local_rope_max_timescale", "rope_linear_scaling_factor"),
+            *("logits_via_embedding", "normalize_embedding_logits"),
+            *("sliding_window_size", "use_qk_norm", "attn_logits_soft_cap", "final_logits_soft_cap"),
+            *("query_pre_attn_scalar", "trainable_position_size", "num_experts", "num_experts_per_tok", "moe_mlp_dim"),
+            *("shared_experts", "routed_score_func", "routed_bias", "routed_scaling_factor", "norm_topk_prob"),
+            *("mlp_activations_limit", "n_routing_groups", "topk_routing_group", "first_num_dense_layers"),
+            *("chunk_attn_window_size", "nope_layer_interval", "interleave_moe_layer_step", "temperature_tuning"),
+            *("temperature_tuning_scale", "temperature_tuning_floor_scale", "global_head_dim", "global_num_kv_heads"),
+            *("global_rope_proportion", "share_kv_projections", "hidden_size_per_layer_input"),
+            *("num_kv_shared_layers", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim"),
+            *("v_head_dim", "partial_rotary_factor", "gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_head_dim"),
+            *("gdn_value_head_dim", "gdn_conv_kernel_dim"),
+            *(key for family in families.REGISTRY for key in family.own_keys if key not in HOW_NOT_WHAT),
+        )
+    )
+)
 # MaxText keys (its base.yml) that change where a run logs, profiles or stores
 # things, never what it computes: a MaxText YAML may carry them, and they are ignored.
 _MAXTEXT_IGNORED = frozenset(

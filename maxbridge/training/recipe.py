@@ -10,6 +10,7 @@ import functools
 
 from jax.sharding import Mesh
 
+from maxbridge.core import config_keys
 from maxbridge.core.config import Config, ConfigError
 from maxbridge.models import dispatch, lora
 from maxbridge.models.model import LinenModel
@@ -29,14 +30,15 @@ LOSSES: tuple[type[Loss], ...] = (
     CrossEntropy,
 )
 
-# Keys fixed when a run starts that its checkpoints' shapes do not show, each feature's own, in the order a refused
-# resume names them: how the trees are laid out (scan_layers), LoRA's adapters and their scale, quantization, what
+# Keys fixed when a run starts, each feature's own, in the order a refused resume names them: what the model computes
+# and which optimizer it trains with, how the trees are laid out (scan_layers), LoRA's adapters and their scale, quantization, what
 # the run optimises (each loss's: its curve would change meaning mid-run), DiLoCo's replicas, and what it learns
 # from (its batch sources'). Resuming with another value would read the same bytes as another model, fail with a
-# list of paths that does not say why, or go on from a step on other data. (A change of the model's shape is refused
-# by the restore, naming the first path whose shape differs.) The other keys (learning rate, steps, logging, the
+# list of paths that does not say why, or go on from a step on other data. The other keys (learning rate, steps, logging, the
 # backend flags) may change on resume, as in MaxText.
 FIXED_KEYS = (
+    *config_keys.MODEL_KEYS,  # what the model computes, which every reader takes from config.yml
+    "opt_type",  # what the optimizer state holds
     "scan_layers",
     "param_scan_axis",
     *LoraAdapters.fixed_keys,
