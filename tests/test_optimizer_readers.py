@@ -18,7 +18,7 @@ import converters
 import maxbridge as mb
 from maxbridge import cli
 from maxbridge.core import canonical, checkpointing, layouts
-from conftest import LINEN_FLAGS
+from conftest import LINEN_FLAGS, tiny_config
 
 NNX_ARGS = ["pure_nnx=true", "enable_nnx=true", "pure_nnx_decoder=true"]
 # A leaf only a partition of chains has: the Muon half's momentum of a scanned attention kernel.
@@ -29,8 +29,7 @@ MUON_LEAF = "opt_state/inner_states/muon/inner_state/0/mu/params/decoder/layers/
 def run(tmp_path_factory) -> Path:
   """A 2-step Muon run (llama-tiny, Linen, scanned) with checkpoints at steps 1 and 2."""
   base = tmp_path_factory.mktemp("muon")
-  config = mb.load_config(
-      "llama-tiny",
+  config = tiny_config(
       base_output_directory=str(base),
       run_name="muon",
       opt_type="muon",
@@ -38,7 +37,6 @@ def run(tmp_path_factory) -> Path:
       per_device_batch_size=2,
       checkpoint_period=1,
       eval_interval=0,
-      **LINEN_FLAGS,
   )
   mb.train(config, progress=False)
   return base / "muon"

@@ -3,7 +3,7 @@
 import argparse
 
 from maxbridge.cli.args import CONFIG_HELP, Verb, add_overrides, count, tolerance
-from maxbridge.core.config import load_config
+from maxbridge.core.config import load_config, override_values
 
 
 def _add_generate(verbs) -> None:
@@ -156,8 +156,7 @@ def model_tokenizer(args: argparse.Namespace, vocab_size: int):
   (refused when its ids do not fit vocab_size; `tokenizer_path=` empty: bytes)."""
   from maxbridge.interop import pretrained
 
-  given = [o.split("=", 1)[1] for o in args.overrides if o.split("=", 1)[0].strip() == "tokenizer_path"]
-  return pretrained.model_tokenizer(args.source, vocab_size, given[-1].strip() if given else None)
+  return pretrained.model_tokenizer(args.source, vocab_size, override_values(args.overrides).get("tokenizer_path"))
 
 
 def serve_codec(args: argparse.Namespace, text):

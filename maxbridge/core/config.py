@@ -439,6 +439,11 @@ def _parse_override(text: str) -> tuple[str, str]:
   return key.strip(), value.strip()
 
 
+def override_values(overrides) -> dict[str, str]:
+  """`key=value` overrides as {key: value string}, the last of a key winning, as `load_config` applies them."""
+  return dict(map(_parse_override, overrides))
+
+
 def available_presets() -> list[str]:
   """Names accepted by load_config, one per file in configs/models/."""
   return sorted(p.stem for p in PRESET_DIR.glob("*.yml"))
@@ -482,7 +487,7 @@ def load_config(preset_or_path: str | None = None, *overrides: str, **kwargs: An
     raise ConfigError(f"{BASE_CONFIG} and Config disagree on keys: {drift}")
 
   path = _resolve(preset_or_path)
-  raw, given = _read_yaml(path), dict(map(_parse_override, overrides))
+  raw, given = _read_yaml(path), override_values(overrides)
   # The decoder_block the config will have: some MaxText keys' accepted value is its family's.
   block = str(kwargs.get("decoder_block", given.get("decoder_block", raw.get("decoder_block", values["decoder_block"]))))
   model = config_keys.known_only(raw, _FIELD_TYPES, source=str(path), decoder_block=block)

@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from maxbridge.core import canonical, checkpointing, layouts
-from maxbridge.core.config import Config, load_config
+from maxbridge.core.config import Config, load_config, override_values
 from maxbridge.interop.hf import folders
 from maxbridge.interop.hf.families import HF_CONFIG_SIDECAR, HFError
 from maxbridge.models import dispatch
@@ -130,9 +130,7 @@ def load_pretrained(
     cfg, params = load_checkpoint(path, *overrides, config=config, **kwargs)
   else:
     raise FileNotFoundError(f"{path}: no such Hugging Face folder or maxbridge checkpoint")
-  named = "max_prefill_predict_length" in kwargs or any(
-      o.split("=", 1)[0].strip() == "max_prefill_predict_length" for o in overrides
-  )
+  named = "max_prefill_predict_length" in {**kwargs, **override_values(overrides)}
   if not named and cfg.max_prefill_predict_length >= cfg.max_target_length:
     # A run trained on short sequences (max_target_length=32 under the default prefill of 32) has no room to
     # generate: half its length is the prompt's. A prefill the user names is theirs, and refused where it cannot fit.
