@@ -1,6 +1,8 @@
 from setuptools import find_packages, setup
 
 # `maxbridge serve` (maxbridge/serving/server.py): the ASGI stack, chat templates, Prometheus metrics.
+# `maxbridge compile compile_topology=v5p-8`: libtpu, the TPU compiler, at the version this jax pins (jax's extra).
+TPU = ["jax[tpu]>=0.10.2"]
 SERVE = ["fastapi>=0.165.0", "uvicorn>=0.54.0", "jinja2>=3.1.6", "prometheus_client>=0.26.0"]
 
 setup(
@@ -54,9 +56,12 @@ setup(
             "openai>=3.57.0",
             # tests/test_eval_harness.py scores a task through `maxbridge serve` as evaluators do.
             "lm-eval[api]>=0.4.13",
+            # tests/test_topology.py compiles for TPU topologies on this host, as users check a fit.
+            *TPU,
             *SERVE,
         ],
         "serve": SERVE,
+        "tpu": TPU,
         # `make lint` / `make format`; exact, so formatting never drifts between machines.
         # import-linter: the layer contracts in pyproject.toml (see ARCHITECTURE.md).
         "dev": ["pyink==26.5.1", "ruff==0.17.6", "import-linter==2.17"],

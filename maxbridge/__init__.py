@@ -1,7 +1,25 @@
 """maxbridge: one decoder-only transformer in Flax Linen and Flax NNX, behind three flags."""
 
+import glob
 import importlib
+import os
 import typing
+
+
+def _quiet_libtpu_off_tpu() -> None:
+  """Keeps a run on a host without TPUs as it is when libtpu is installed (`maxbridge[tpu]`, which compiles for
+  a TPU topology from any host): JAX tries every installed plugin when its backends start, and libtpu, finding
+  no TPU VM metadata to name its workers and chip, logs errors to stderr. A TPU VM's metadata would name them;
+  here they are named for it. A host with a Google PCI device (0x1ae0, a TPU) is left to libtpu."""
+  for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+    with open(vendor) as f:
+      if f.read().strip() == "0x1ae0":
+        return
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
+
+
+_quiet_libtpu_off_tpu()
 
 # Public name -> the module defining it, imported on first use: `import
 # maxbridge.core.config` (the command line's first step) must not start JAX.

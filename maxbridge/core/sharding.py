@@ -168,6 +168,13 @@ def axis_size(axis: str) -> int:
   return 1 if current is None else current[0].shape[axis]
 
 
+def platform() -> str:
+  """The platform a step is compiled for: the active mesh's devices' ("tpu" when compiling for a TPU topology
+  from a CPU host, see `training.topology`), else JAX's default backend."""
+  current = _ACTIVE.get()
+  return jax.default_backend() if current is None else current[0].devices.flat[0].platform
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[Any]) -> jax.Array:
   """Constrains an activation by logical names; a no-op outside `active` (plain inference).
 
