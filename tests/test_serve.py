@@ -335,19 +335,6 @@ def test_several_prompts_as_text_or_token_ids(server):
   assert server.busy() == 0
 
 
-def test_sampling_fields_the_server_does_not_do_get_400_naming_them(server):
-  client, ask = server.client, dict(model=MODEL, prompt="w5", max_tokens=2)
-  for field, value in [("logit_bias", {"5": 100}), ("presence_penalty", 0.5), ("frequency_penalty", -1), ("best_of", 3)]:
-    with pytest.raises(openai.BadRequestError, match=f"{field}: not supported by this server") as refused:
-      client.completions.create(**ask, **{field: value})
-    assert refused.value.body["param"] == field
-  with pytest.raises(openai.BadRequestError, match="presence_penalty: not supported"):
-    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}], presence_penalty=1)
-  # At their defaults they ask for nothing: answered.
-  defaults = dict(logit_bias={}, presence_penalty=0, frequency_penalty=0.0, best_of=1)
-  assert client.completions.create(**ask, temperature=0, **defaults).usage.completion_tokens == 2
-
-
 def test_sigterm_finishes_what_is_in_flight_and_exits_0(server):
   # The module's last test on each server: it ends it.
   stream = server.client.completions.create(model=MODEL, prompt="w5", max_tokens=40, temperature=0, stream=True)

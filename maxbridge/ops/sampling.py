@@ -75,3 +75,33 @@ def sample_rows(
     return jnp.where(temperature > 0, drawn, greedy)
 
   return jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, logits)
+
+
+def penalize_rows(
+    logits: jax.Array,
+    counts: jax.Array | None,
+    presence: jax.Array,
+    frequency: jax.Array,
+    bias_ids: jax.Array,
+    bias_values: jax.Array,
+) -> jax.Array:
+  """logits [B, V] -> float32 [B, V] with OpenAI's logit_bias, presence_penalty and frequency_penalty, row b by its own.
+
+  Row b: logits + bias_values[b] at bias_ids[b] (pad with value 0), minus
+  presence[b] where counts[b] > 0 and frequency[b] * counts[b]; counts [B, V]
+  are the tokens row b generated so far (None: none yet). When no row asks
+  for any of them the arithmetic is skipped (`lax.cond`): a step of plain
+  requests pays for one reduction over the settings, not a pass over [B, V].
+  """
+  logits = logits.astype(jnp.float32)
+
+  def adjust(logits):
+    if counts is not None:
+      seen = counts.astype(jnp.float32)
+      logits = logits - presence[:, None] * (seen > 0) - frequency[:, None] * seen
+    return logits.at[jnp.arange(logits.shape[0])[:, None], bias_ids].add(bias_values)
+
+  active = jnp.any(bias_values != 0)
+  if counts is not None:
+    active |= jnp.any(presence != 0) | jnp.any(frequency != 0)
+  return jax.lax.cond(active, adjust, lambda logits: logits, logits)

@@ -72,7 +72,10 @@ class DecodeState(NamedTuple):
   cache: Params
   tokens: jax.Array  # int32 [slots]
   next_pos: jax.Array  # int32 [slots]
-  logits: jax.Array  # float32 [slots, V]: the logits each slot's last token was sampled from
+  logits: jax.Array  # float32 [slots, V]: the model's logits each slot's last token was sampled from
+  # int32 [slots, V]: how often each slot generated each token since its insert (its first token included), which
+  # presence_penalty and frequency_penalty read. Kept whole on the device: a step adds one per slot, in place.
+  counts: jax.Array
 
 
 class SlotSampling(NamedTuple):
@@ -87,10 +90,28 @@ class SlotSampling(NamedTuple):
   top_k: jax.Array  # int32 [slots]; 0 keeps every token
   top_p: jax.Array  # float32 [slots]; 1 keeps every token
   seed: jax.Array  # uint32 [slots]
+  # OpenAI's penalties and logit_bias (`sampling_ops.penalize_rows`); None, or zeros: none.
+  presence: jax.Array | None = None  # float32 [slots]
+  frequency: jax.Array | None = None  # float32 [slots]
+  bias_ids: jax.Array | None = None  # int32 [slots, MAX_LOGIT_BIAS]
+  bias_values: jax.Array | None = None  # float32 [slots, MAX_LOGIT_BIAS]; 0 where a slot has fewer
 
 
-def sample_slots(logits: jax.Array, sampling: SlotSampling, positions: jax.Array) -> jax.Array:
-  """logits [B, V] -> int32 [B], row b by sampling's row b, keyed by its seed and positions[b]."""
+MAX_LOGIT_BIAS = 300  # entries of one request's logit_bias (OpenAI's limit): one compiled shape serves all
+
+
+def sample_slots(
+    logits: jax.Array, sampling: SlotSampling, positions: jax.Array, counts: jax.Array | None = None
+) -> jax.Array:
+  """logits [B, V] -> int32 [B], row b by sampling's row b, keyed by its seed and positions[b].
+
+  With penalties or bias in `sampling`, from the logits they adjust, by the tokens each row generated so far
+  (`counts` [B, V]; None: none yet, a request's first token).
+  """
+  if sampling.presence is not None:
+    logits = sampling_ops.penalize_rows(
+        logits, counts, sampling.presence, sampling.frequency, sampling.bias_ids, sampling.bias_values
+    )
   keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.key(seed), pos))(sampling.seed, positions)
   return sampling_ops.sample_rows(logits, keys, sampling.temperature, sampling.top_k, sampling.top_p)
 
@@ -152,6 +173,7 @@ class Engine:
         ),
         slots,
         slots,
+        sharding.named_sharding(self.mesh, ("cache_batch", None), rules),
         sharding.named_sharding(self.mesh, ("cache_batch", None), rules),
     )
     sharding.check_divisible(self._abstract_decode_state(), self._state_shardings)
@@ -362,6 +384,7 @@ class Engine:
         jax.ShapeDtypeStruct((slots,), jnp.int32),
         jax.ShapeDtypeStruct((slots,), jnp.int32),
         jax.ShapeDtypeStruct((slots, self.config.vocab_size), jnp.float32),
+        jax.ShapeDtypeStruct((slots, self.config.vocab_size), jnp.int32),
     )
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
@@ -407,7 +430,7 @@ class Engine:
     return slots
 
   def _insert_impl(self, prefix, state, slots):
-    cache, tokens, next_pos, logits = state
+    cache, tokens, next_pos, logits, counts = state
     prefix_cache = self._prefiller.unstacked(prefix.cache)
     for i, slot in enumerate(slots):  # traced slots: one compiled insert per number of slots
       cache = jax.tree.map(
@@ -415,10 +438,12 @@ class Engine:
           cache,
           prefix_cache,
       )
-      tokens = tokens.at[slot].set(prefix.token[i] if prefix.token.ndim else prefix.token)
+      token = prefix.token[i] if prefix.token.ndim else prefix.token
+      tokens = tokens.at[slot].set(token)
       next_pos = next_pos.at[slot].set(prefix.next_pos)
       logits = logits.at[slot].set(prefix.logits)
-    return DecodeState(cache, tokens, next_pos, logits)
+      counts = counts.at[slot].set(0).at[slot, token].add(1)  # the first token is generated, not prompt
+    return DecodeState(cache, tokens, next_pos, logits, counts)
 
   def generate(
       self, decode_state: DecodeState, *, params: Params | None = None, rng=None, sampling: SlotSampling | None = None
@@ -454,12 +479,16 @@ class Engine:
     return (*self._step(self._weights(params), state, rng, sampling), carried)
 
   def _step(self, params, state, rng, sampling=None):
-    cache, tokens, next_pos, _ = state
+    cache, tokens, next_pos, _, counts = state
     ones = jnp.ones_like(tokens)[:, None]
     logits, cache = self.model.cached_forward(params, cache, tokens[:, None], next_pos[:, None], ones)
     logits = logits[:, 0]
-    new = self._sample(logits, rng) if sampling is None else sample_slots(logits, sampling, next_pos)
-    return DecodeState(cache, new, jnp.where(next_pos > 0, next_pos + 1, 0), logits), new  # idle slots stay idle
+    new = self._sample(logits, rng) if sampling is None else sample_slots(logits, sampling, next_pos, counts)
+    counts = counts.at[jnp.arange(new.shape[0]), new].add(1)
+    # The state keeps the model's logits, not the penalized ones: logprobs report them, as vLLM's default
+    # (logprobs_mode="raw_logprobs": before temperature, penalties and logit_bias) does.
+    state = DecodeState(cache, new, jnp.where(next_pos > 0, next_pos + 1, 0), logits, counts)  # idle slots stay idle
+    return state, new
 
   def generate_steps(
       self, decode_state: DecodeState, num_steps: int, *, params: Params | None = None, rng=None

@@ -1,10 +1,13 @@
 """The OpenAI API's side of `maxbridge serve`: request bodies with every field bounded, errors in OpenAI's shape,
 and the limit on a request's size."""
 
+from typing import Annotated
+
 import pydantic
 from fastapi import responses
 
 from maxbridge.serving import scheduler as sched
+from maxbridge.serving.engine import MAX_LOGIT_BIAS
 
 MAX_REQUEST_BYTES = 8 * 2**20  # a long context's text several times over; larger bodies answer 413
 
@@ -28,17 +31,17 @@ class Body(Strict):
   stop: str | list[str] | None = None
   seed: int | None = None
   stream: bool = False
-  # OpenAI's, which the sampler does not do: read so that a request asking for them is refused by name
-  # (`unsupported`) rather than answered as if they had been applied.
-  logit_bias: dict[str, float] | None = None
+  # OpenAI's ranges. logit_bias: token id (a string, as JSON keys are) -> a bias added to its logit; the ids are
+  # checked against the vocabulary by the server, which knows it.
+  logit_bias: dict[str, Annotated[float, pydantic.Field(ge=-100, le=100)]] | None = pydantic.Field(
+      default=None, max_length=MAX_LOGIT_BIAS
+  )
   presence_penalty: float = pydantic.Field(default=0.0, ge=-2, le=2)
   frequency_penalty: float = pydantic.Field(default=0.0, ge=-2, le=2)
 
   def unsupported(self) -> str | None:
     """The first field set to something this server does not do, or None."""
-    if self.logit_bias:
-      return "logit_bias"
-    return next((f for f in ("presence_penalty", "frequency_penalty") if getattr(self, f)), None)
+    return None
 
 
 class CompletionBody(Body):

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxbridge.serving.engine import Engine, SlotSampling, sample_slots, score_tokens
+from maxbridge.serving.engine import MAX_LOGIT_BIAS, Engine, SlotSampling, sample_slots, score_tokens
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,9 @@ class SamplingParams:
   seed: int = 0
   stop: tuple[str, ...] = ()
   logprobs: int | None = None  # alternatives per token, or None for no log-probabilities
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), at most MAX_LOGIT_BIAS
 
 
 @dataclasses.dataclass
@@ -112,11 +115,16 @@ class Scheduler:
     self._thread = threading.Thread(target=self._run, name="maxbridge-decode", daemon=True)
     self._sample_first = jax.jit(sample_slots)
     self._top_logprobs = jax.jit(functools.partial(score_tokens, top=MAX_LOGPROBS))
+    slots = len(self.slots)
     self._sampling = SlotSampling(
-        np.zeros(len(self.slots), np.float32),
-        np.zeros(len(self.slots), np.int32),
-        np.ones(len(self.slots), np.float32),
-        np.zeros(len(self.slots), np.uint32),
+        np.zeros(slots, np.float32),
+        np.zeros(slots, np.int32),
+        np.ones(slots, np.float32),
+        np.zeros(slots, np.uint32),
+        np.zeros(slots, np.float32),
+        np.zeros(slots, np.float32),
+        np.zeros((slots, MAX_LOGIT_BIAS), np.int32),
+        np.zeros((slots, MAX_LOGIT_BIAS), np.float32),
     )
     self._device_sampling = None  # the arrays above on the device, remade only when a slot's request changes
     self._pending_release: list[int] = []  # slots of finished choices, freed in the engine before the next step
@@ -212,7 +220,7 @@ class Scheduler:
         self.error, self._stopped = error, True
       self.slots = [None] * len(self.slots)
       self._admitted, self._admitting, self._pending_release = [], 0, []
-      self._sampling.temperature[:] = 0
+      self._idle(range(len(self.slots)))
       self._device_sampling = None
       self._gauge("slots_busy", 0)
       self._cond.notify_all()
@@ -408,8 +416,7 @@ class Scheduler:
       self._pending_release.append(choice.slot)
       self.slots[choice.slot] = None
     if self._pending_release:
-      for slot in self._pending_release:  # idle slots decode greedily: no sort for them
-        self._sampling.temperature[slot] = 0
+      self._idle(self._pending_release)
       self._device_sampling = None
       state = self.engine.release(state, self._pending_release)
       self._pending_release = []
@@ -417,6 +424,14 @@ class Scheduler:
       with self._cond:
         self._cond.notify_all()
     return state
+
+  def _idle(self, slots) -> None:
+    # Idle slots decode greedily, unpenalized: a step with no request asking for either skips the sort and the
+    # penalties (`lax.cond`).
+    for slot in slots:
+      for column in (self._sampling.temperature, self._sampling.presence, self._sampling.frequency):
+        column[slot] = 0
+      self._sampling.bias_values[slot] = 0
 
   # --- metrics ----------------------------------------------------------------------------------
 
@@ -443,4 +458,18 @@ def _ended(request: Request, index: int) -> FinishEvent:
 
 
 def _rows(params: SamplingParams) -> tuple:
-  return (np.float32(params.temperature), np.int32(params.top_k), np.float32(params.top_p), np.uint32(params.seed))
+  """One slot's row of each `SlotSampling` column."""
+  bias_ids = np.zeros(MAX_LOGIT_BIAS, np.int32)
+  bias_values = np.zeros(MAX_LOGIT_BIAS, np.float32)
+  for i, (token, value) in enumerate(params.logit_bias):
+    bias_ids[i], bias_values[i] = token, value
+  return (
+      np.float32(params.temperature),
+      np.int32(params.top_k),
+      np.float32(params.top_p),
+      np.uint32(params.seed),
+      np.float32(params.presence_penalty),
+      np.float32(params.frequency_penalty),
+      bias_ids,
+      bias_values,
+  )

@@ -340,6 +340,23 @@ class _Routes:
           400, f"{field}: token id {tokens[bad]} (at index {bad}) is outside the vocabulary [0, {vocab})", field
       )
 
+  def _logit_bias(self, bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as (token id, bias) pairs; its values' range and size are checked by `api.Body`."""
+    pairs = {}
+    for key, value in bias.items():
+      try:
+        token = int(key)
+      except ValueError:
+        raise api.Refusal(400, f"logit_bias: key {key!r} is not a token id", "logit_bias") from None
+      if not 0 <= token < self.config.vocab_size:
+        raise api.Refusal(
+            400,
+            f"logit_bias: token id {token} is outside the vocabulary [0, {self.config.vocab_size})",
+            "logit_bias",
+        )
+      pairs[token] = value  # "7" and "07" name one token: the later wins, as a JSON object's repeated key
+    return tuple(pairs.items())
+
   def _chat_prompt(self, messages: list[api.Message], add_generation_prompt: bool = True) -> list[int]:
     if self.template is None:
       raise api.Refusal(
@@ -394,6 +411,9 @@ class _Routes:
         seed=secrets.randbits(32) if body.seed is None else body.seed % 2**32,
         stop=tuple(s for s in stop if s),
         logprobs=logprobs,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        logit_bias=self._logit_bias(body.logit_bias or {}),
     )
 
   async def _run(
