@@ -271,7 +271,9 @@ def test_a_maxtext_yaml_reports_each_ignored_key_by_name(tmp_path):
 
 def test_a_maxtext_yaml_with_keys_that_change_the_numbers_is_refused_key_by_key(tmp_path):
   path = tmp_path / "maxtext.yml"
-  path.write_text(MAXTEXT_YAML + "mlp_activations_extra: 1\nfused_qkv: true\nfloat32_logits: true\ndropout_rate: 0.1\n")
+  path.write_text(
+      MAXTEXT_YAML + "mlp_activations_extra: 1\nfused_qkv: true\nfloat32_qk_product: true\ndropout_rate: 0.1\n"
+  )
   with pytest.raises(ConfigError) as error:
     mb.load_config(str(path))
   message = str(error.value)
@@ -279,7 +281,7 @@ def test_a_maxtext_yaml_with_keys_that_change_the_numbers_is_refused_key_by_key(
   for line in (
       "unknown config key 'mlp_activations_extra'",
       "MaxText key 'fused_qkv' = True is not supported; maxbridge computes only fused_qkv=False",
-      "unknown config key 'float32_logits'",
+      "unknown config key 'float32_qk_product'",
       "MaxText key 'dropout_rate' = 0.1 is not supported",
   ):
     assert line in message, message

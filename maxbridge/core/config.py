@@ -72,6 +72,7 @@ class Config:
   param_scan_axis: int
   remat_policy: str
   attention: str
+  float32_logits: bool
   logits_via_embedding: bool
   normalize_embedding_logits: bool
   pure_nnx: bool

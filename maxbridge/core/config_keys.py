@@ -37,8 +37,8 @@ def _unknown(key: Any, keys: Collection[str]) -> str:
 HOW_NOT_WHAT = frozenset(
     {
         *("model_name", "override_model_config", "max_target_length", "dtype", "weight_dtype"),
-        *("scan_layers", "param_scan_axis", "remat_policy", "attention", "sparse_matmul", "gdn_chunk_size"),
-        *("pure_nnx", "enable_nnx", "pure_nnx_decoder", "seed", "load_balance_loss_weight"),
+        *("scan_layers", "param_scan_axis", "remat_policy", "attention", "float32_logits", "sparse_matmul"),
+        *("gdn_chunk_size", "pure_nnx", "enable_nnx", "pure_nnx_decoder", "seed", "load_balance_loss_weight"),
     }
 )
 

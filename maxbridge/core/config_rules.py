@@ -192,9 +192,9 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("decode_sampling_nucleus_p", lambda v: v == -1 or 0 < v <= 1, "in (0, 1], or -1 when unused"),
 )
 
-# MaxText's `attention` values that name a kernel we have (`ops.attention.KERNELS`); its others (cudnn_flash_te,
-# paged, ...) are refused by name until their kernels land. "flash" is, for now, the blockwise kernel on every
-# platform (`ops.flash_attention`): O(T x block) memory instead of the [T, S] scores.
+# MaxText's `attention` values that name a kernel we have (`ops.attention.choose_kernel`); its others
+# (cudnn_flash_te, paged, ...) are refused by name until their kernels land. "flash" is splash attention on a TPU,
+# cuDNN's on a GPU and the blockwise kernel on a CPU: O(T x block) memory instead of the [T, S] scores.
 ATTENTION_KERNELS = ("autoselected", "dot_product", "flash")
 
 _CHOICES: dict[str, tuple[Any, ...]] = {

@@ -162,6 +162,12 @@ def active(mesh: Mesh, rules: tuple) -> Iterator[None]:
     _ACTIVE.reset(token)
 
 
+def current() -> tuple[Mesh, tuple] | None:
+  """The (mesh, rules) of `active` while a step is traced, None outside: for ops that place their own shards
+  (`ops.splash_attention`'s shard_map)."""
+  return _ACTIVE.get()
+
+
 def axis_size(axis: str) -> int:
   """The size of mesh axis `axis` while a step is traced (see `active`); 1 outside."""
   current = _ACTIVE.get()

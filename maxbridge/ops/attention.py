@@ -5,6 +5,7 @@ may differ in length and offset (a query block against a cache of keys).
 """
 
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ from jax.sharding import PartitionSpec
 from maxbridge.core import sharding
 from maxbridge.core.families import attention as attention_spec
 from maxbridge.core.families.attention import AttentionSpec
-from maxbridge.ops import flash_attention, proportional_rope, rotary
+from maxbridge.ops import cudnn_attention, flash_attention, proportional_rope, rotary, splash_attention
 from maxbridge.ops.attention_mask import MASK_VALUE, attention_mask  # noqa: F401  (ops.attention's names)
 from maxbridge.ops.soft_cap import soft_cap
 
@@ -34,6 +35,7 @@ def dot_product_attention(
     return_max_logits: bool = False,
     logits_soft_cap: float = 0.0,
     sinks: jax.Array | None = None,
+    float32_logits: bool = True,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """query [B, T, N, H], key [B, S, K, H], value [B, S, K, Hv] -> [B, T, N, Hv].
 
@@ -58,6 +60,9 @@ def dot_product_attention(
   sequence (a decode cache and the new tokens, `ops.kv_cache.read_first`),
   masked by the segment ids and positions of all S = sum(S_i): each block is
   read where it lies, one product per block, and no [B, S, ...] copy is made.
+
+  `float32_logits` (MaxText's key): the scores, their soft cap and softmax in float32; False keeps them in the
+  query's dtype, as MaxText's default does (half the bytes of the [T, S] scores in bfloat16).
   """
   if not isinstance(key, tuple):
     key, value = (key,), (value,)
@@ -83,6 +88,7 @@ def dot_product_attention(
         chunk_size=chunk_size,
         query_scale=query_scale,
         logits_soft_cap=logits_soft_cap,
+        float32_logits=float32_logits,
     )
     out = sharding.constrain(out, ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
     return (out, max_logits) if return_max_logits else out
@@ -91,7 +97,9 @@ def dot_product_attention(
 # Jitted for its trace: every layer, backend and model that attends with the same shapes and settings reuses one
 # traced program, and its derivatives (tracing, not XLA, is most of a small model's compile). What reads the active
 # mesh (`sharding`) stays outside, where a cached trace cannot go stale.
-@functools.partial(jax.jit, static_argnames=("sliding_window_size", "chunk_size", "query_scale", "logits_soft_cap"))
+@functools.partial(
+    jax.jit, static_argnames=("sliding_window_size", "chunk_size", "query_scale", "logits_soft_cap", "float32_logits")
+)
 def _attend(
     query,
     key,
@@ -106,6 +114,7 @@ def _attend(
     chunk_size,
     query_scale,
     logits_soft_cap,
+    float32_logits,
 ):
   batch, length, num_heads, head_dim = query.shape
   num_kv_heads = key[0].shape[2]
@@ -117,7 +126,8 @@ def _attend(
   # keys transposed): it is then read where it lies, not copied.
   query = query.transpose(0, 2, 3, 1, 4)
   key, value = [jnp.moveaxis(k, 1, 2) for k in key], [jnp.moveaxis(v, 1, 2) for v in value]
-  scores = [jnp.einsum("BKGTH,BKSH->BKGTS", query, k).astype(jnp.float32) for k in key]
+  scores = [jnp.einsum("BKGTH,BKSH->BKGTS", query, k) for k in key]
+  scores = [s.astype(jnp.float32) for s in scores] if float32_logits else scores
   scores = jnp.concatenate(scores, axis=-1)
   scores = soft_cap(scores, logits_soft_cap)
   mask = attention_mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions, sliding_window_size, chunk_size)
@@ -129,7 +139,7 @@ def _attend(
   out = out.transpose(0, 3, 1, 2, 4).reshape(batch, length, num_heads, value[0].shape[-1])
   # Masked scores are MASK_VALUE already, below any real one; a head whose
   # every pair is masked reports MASK_VALUE.
-  max_logits = jnp.max(jax.lax.stop_gradient(scores), axis=(0, 3, 4)).reshape(num_heads)
+  max_logits = jnp.max(jax.lax.stop_gradient(scores), axis=(0, 3, 4)).reshape(num_heads).astype(jnp.float32)
   return out, max_logits
 
 
@@ -153,18 +163,55 @@ def softmax_with_sinks(scores: jax.Array, sinks: jax.Array | None) -> jax.Array:
   """Softmax of scores [B, K, G, T, S] over S, with per-head sink logits [K * G] in each denominator (or none)."""
   if sinks is None:
     return jax.nn.softmax(scores, axis=-1)
-  sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, *scores.shape[1:3], 1, 1), (*scores.shape[:-1], 1))
+  sink = jnp.broadcast_to(sinks.astype(scores.dtype).reshape(1, *scores.shape[1:3], 1, 1), (*scores.shape[:-1], 1))
   return jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
 
 
-# The config's `attention` key -> the kernel that computes `dot_product_attention`'s result: the one place a kernel is
-# chosen. "autoselected" (MaxText's default) is the best this platform has. "flash" is the blockwise kernel
-# (`ops.flash_attention`), which builds the same mask (`ops.attention_mask`) per block.
+# The config's `attention` key -> the kernel that computes `dot_product_attention`'s result on a CPU. "flash" is
+# the blockwise kernel (`ops.flash_attention`), which builds the same mask (`ops.attention_mask`) per block.
 KERNELS = {
     "dot_product": dot_product_attention,
     "autoselected": dot_product_attention,
     "flash": flash_attention.flash_attention,
 }
+# Each accelerator's flash kernel: (module, with `unsupported`, the kernel).
+ACCELERATED = {
+    "tpu": (splash_attention, splash_attention.splash_attention),
+    "gpu": (cudnn_attention, cudnn_attention.cudnn_attention),
+}
+# MaxText's autoselected reads dot_product below this many queries: a kernel's blocks would be mostly padding.
+MIN_KERNEL_LENGTH = 128
+
+
+def choose_kernel(name: str, platform: str, *, float32_logits: bool = True) -> Callable[..., jax.Array]:
+  """The config's `attention` name on the platform a step is compiled for (`sharding.platform`) -> the kernel,
+  called with `dot_product_attention`'s arguments: the one place a kernel is chosen.
+
+  dot_product is always the einsum. flash is Pallas splash attention on a TPU, cuDNN's on a GPU, the blockwise
+  kernel elsewhere; an accelerator's refuses what it cannot express, naming it. autoselected, as MaxText's: the
+  accelerator's kernel where it applies (at least `MIN_KERNEL_LENGTH` queries, nothing it refuses), else
+  dot_product, and dot_product on a CPU. A decode step (a short query against a cache) reads dot_product on an
+  accelerator, as MaxText's does.
+  """
+  dot_product = functools.partial(KERNELS["dot_product"], float32_logits=float32_logits)
+  if name == "dot_product" or (name == "autoselected" and platform not in ACCELERATED):
+    return dot_product
+  if platform not in ACCELERATED:
+    return KERNELS[name]
+  module, kernel = ACCELERATED[platform]
+
+  def accelerated(query, key, value, **options):
+    if isinstance(key, tuple) and len(key) == 1:  # no cache: the layer's own keys
+      key, value = key[0], value[0]
+    if isinstance(key, tuple) or key.shape[1] != query.shape[1]:
+      return dot_product(query, key, value, **options)
+    if name == "autoselected" and (
+        query.shape[1] < MIN_KERNEL_LENGTH or module.unsupported(query, key, value, **options)
+    ):
+      return dot_product(query, key, value, **options)
+    return kernel(query, key, value, **options)
+
+  return accelerated
 
 
 def self_attention(
@@ -183,15 +230,17 @@ def self_attention(
     sinks: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
     kv_positions: jax.Array | None = None,
+    float32_logits: bool = True,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Attention of a sequence over itself: (output, the per-layer values a decoder layer returns).
 
   While decoding, keys and values are a cache's (and the new tokens', as blocks)
   and carry their own `kv_segment_ids` and `kv_positions` [B, S] (`ops.kv_cache`); by default
   they are the queries'. The values hold the per-head max logits
-  (`decoder/max_logits`) when QK-Clip asks for them. `kernel`: a `KERNELS` name (the config's `attention`).
+  (`decoder/max_logits`) when QK-Clip asks for them. `kernel`: the config's `attention`, chosen for the platform
+  the step is compiled for (`choose_kernel`); `float32_logits`, MaxText's key (`dot_product_attention`).
   """
-  result = KERNELS[kernel](
+  result = choose_kernel(kernel, sharding.platform(), float32_logits=float32_logits)(
       query,
       key,
       value,
@@ -224,8 +273,8 @@ def layer_attention(
     sinks: jax.Array | None = None,
     **masking: jax.Array,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """`self_attention` as a layer's spec and the config set it: the kernel (`attention`), window or chunk, query
-  scale, soft cap and QK-Clip's max logits; `masking`, a decode cache's keywords (`ops.kv_cache`)."""
+  """`self_attention` as a layer's spec and the config set it: the kernel (`attention`, `float32_logits`), window
+  or chunk, query scale, soft cap and QK-Clip's max logits; `masking`, a decode cache's keywords (`ops.kv_cache`)."""
   return self_attention(
       query,
       key,
@@ -239,6 +288,7 @@ def layer_attention(
       with_max_logits=config.use_qk_clip,
       logits_soft_cap=spec.logits_soft_cap,
       sinks=sinks,
+      float32_logits=config.float32_logits,
       **masking,
   )
 
