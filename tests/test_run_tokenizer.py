@@ -20,7 +20,7 @@ from maxbridge.cli import serving
 from maxbridge.core import checkpointing
 from maxbridge.core.config import load_config
 from maxbridge.interop import pretrained
-from maxbridge.training import loop, recipe
+from maxbridge.training import hooks, loop, recipe
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -130,6 +130,23 @@ def test_export_hf_and_import_hf_carry_the_tokenizer(setup, tmp_path):
     assert (tmp_path / "hf" / name).read_bytes() == (tok / name).read_bytes(), name
   assert cli.main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
   assert pretrained.model_tokenizer(tmp_path / "back", 256).encode("the mat") == [3, 8]
+
+
+def test_serve_and_generate_on_an_imported_folder_use_its_tokenizer(setup, tmp_path, capsys):
+  # A Hugging Face folder with a tokenizer (export-hf's, here), imported: the checkpoint keeps the same files.
+  _, _, run_dir, tok, _ = setup
+  assert cli.main(["export-hf", str(run_dir), str(tmp_path / "hf")]) == 0
+  assert cli.main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 0
+  prints = hooks.tokenizer_fingerprint(tmp_path / "imported")
+  assert {name: prints.get(name) for name in ("tokenizer.json", "tokenizer_config.json")} == hooks.tokenizer_fingerprint(
+      tok
+  )
+  args = argparse.Namespace(source=str(tmp_path / "imported"), overrides=[])
+  codec = serving.serve_codec(args, serving.model_tokenizer(args, 256))
+  assert codec.encode("the dog ran") == [3, 9, 10] and codec.chat_template == TEMPLATE
+  words = _generate(capsys, tmp_path / "imported", PROMPT, "--backend", "nnx")
+  assert words[:3] == PROMPT.split() and set(words) <= set(WORDS), words  # the run's words, not bytes
+  assert words == _generate(capsys, run_dir, PROMPT, "--backend", "nnx")
 
 
 def test_a_model_without_a_tokenizer_warns_once_naming_the_byte_fallback(setup, tmp_path):
