@@ -18,7 +18,7 @@ import maxbridge as mb
 from maxbridge import cli
 from maxbridge.cli import serving
 from maxbridge.core import checkpointing
-from maxbridge.core.config import load_config
+from maxbridge.core.config import ConfigError, load_config
 from maxbridge.interop import pretrained
 from maxbridge.training import hooks, loop, recipe
 
@@ -176,3 +176,38 @@ def test_a_resume_with_other_tokenizer_files_is_refused_naming_the_file(setup):
   assert [r["step"] for r in records] == [1]
   run_dir = Path(overrides["base_output_directory"], "resumed")
   assert (run_dir / "tokenizer.json").read_bytes() == (tok / "tokenizer.json").read_bytes()
+
+
+def test_a_run_fine_tuned_from_an_imported_folder_keeps_its_tokenizer(setup, tmp_path, capsys):
+  # import-hf keeps the Hugging Face folder's tokenizer; a run from its checkpoint without tokenizer_path takes it
+  # as its own (copied, checked on resume), and tokenizes its data with it: one tokenizer for the model.
+  overrides, trainer, run_dir, _, _ = setup
+  assert cli.main(["export-hf", str(run_dir), str(tmp_path / "hf")]) == 0
+  assert cli.main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 0
+  imported = tmp_path / "imported"
+  tuned = {
+      **overrides,
+      "tokenizer_path": "",
+      "load_parameters_path": str(imported / "0" / "items"),
+      "base_output_directory": str(tmp_path / "runs"),
+      "run_name": "tuned",
+  }
+  config = load_config("llama-tiny", **tuned)
+  assert hooks.inherited_tokenizer(config) == ("load_parameters_path", imported)
+  source = hooks.Data(config)  # the documents in the model's words (ids < 15), not bytes
+  try:
+    assert int(np.max(source.train.batch(0, 0, 1)["inputs"])) < len(WORDS)
+  finally:
+    source.close()
+  loop.train(config, trainer=trainer, progress=False)
+  tuned_dir = tmp_path / "runs" / "tuned"
+  prints = hooks.tokenizer_fingerprint(imported)
+  assert prints and hooks.tokenizer_fingerprint(tuned_dir) == prints
+  with warnings.catch_warnings():
+    warnings.filterwarnings("error", ".*byte fallback")
+    assert mb.Engine.from_pretrained(tuned_dir).tokenizer.folder == tuned_dir
+    words = _generate(capsys, tuned_dir, PROMPT)
+  assert words[:3] == PROMPT.split() and set(words) <= set(WORDS), words  # the model's words, not bytes
+  # Data that is bytes whatever the tokenizer is refused for that model, naming the folder.
+  with pytest.raises(ConfigError, match=f"tokenizer in {imported}.*byte tokens"):
+    hooks.data_config(load_config("llama-tiny", **{**tuned, "dataset_type": "sft", "use_sft": False}))

@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
+from absl import logging
 
 from maxbridge.core import canonical, checkpointing, files
-from maxbridge.core.config import Config
+from maxbridge.core.config import Config, ConfigError
+from maxbridge.interop import pretrained
 from maxbridge.interop.hf import folders
 from maxbridge.models import lora
 from maxbridge.training import data, distill
@@ -49,6 +51,7 @@ class Data:
   source_keys = (*fixed_keys, "sft_train_on_completion_only", "grain_worker_count", "grain_skip_damaged_records")
 
   def __init__(self, config: Config):
+    config = data_config(config)  # without tokenizer_path, the text is tokenized as the model it starts from was
     # A Grain dataset reads only this process's share; the in-memory ones read all and slice each batch.
     where = (jax.process_index(), jax.process_count())
     self.restart = config.restart_data_on_resume
@@ -237,15 +240,72 @@ def tokenizer_fingerprint(folder: Path | None) -> dict[str, str]:
   }
 
 
+# The keys naming the model a new run starts from, in the order the loop reads them (a full state wins).
+START_KEYS = ("load_full_state_path", "load_parameters_path")
+
+
+def inherited_tokenizer(config: Config) -> tuple[str, Path] | None:
+  """(the key, the folder) of the tokenizer a run without `tokenizer_path` takes from the model it starts from:
+  the tokenizer.json beside the config.yml of the checkpoint load_full_state_path or load_parameters_path names
+  (import-hf keeps a Hugging Face folder's there, a run its own `tokenizer_path`'s: `pretrained.tokenizer_folder`).
+  None with tokenizer_path (the run's own), or when the model it starts from has none (a seed's, a byte-token run's)."""
+  if config.tokenizer_path:
+    return None
+  key = next((key for key in START_KEYS if getattr(config, key)), None)
+  folder = None if key is None else pretrained.tokenizer_folder(getattr(config, key))
+  return None if folder is None else (key, folder)
+
+
+def _byte_text(config: Config) -> str | None:
+  """What of `config`'s batches is UTF-8 bytes as token ids whatever tokenizer_path says, or None (text a
+  tokenizer_path tokenizes, or token ids: synthetic)."""
+  if config.use_grpo:
+    return "use_grpo=true samples from byte-token prompts"
+  if config.dataset_type == "grain":
+    return None
+  if config.use_dpo or config.dataset_type == "sft":
+    which = "use_dpo=true" if config.use_dpo else "dataset_type='sft'"
+    return None if config.dataset_path else f"the built-in set of {which} (no dataset_path) is byte tokens"
+  if config.dataset_type in ("text", "embedded"):
+    return f"dataset_type={config.dataset_type!r} reads byte tokens"
+  return None
+
+
+def data_config(config: Config) -> Config:
+  """`config` as its data reads it: without tokenizer_path, with the tokenizer of the model the run starts from
+  (`inherited_tokenizer`), so that the run trains on the ids the model and its serving read. Data that is bytes
+  whatever the tokenizer (`_byte_text`) is refused for such a model: its embeddings are of the tokenizer's ids."""
+  inherited = inherited_tokenizer(config)
+  if inherited is None:
+    return config
+  key, folder = inherited
+  byte_text = _byte_text(config)
+  if byte_text is not None:
+    raise ConfigError(
+        f"{key}={getattr(config, key)!r} is a model trained with the tokenizer in {folder}, and {byte_text} (UTF-8 "
+        "bytes as ids 0..255), which that model does not read: train it on text its tokenizer encodes "
+        "(dataset_type='grain', or 'sft' with dataset_path), or on dataset_type='synthetic'"
+    )
+  return config.replace(tokenizer_path=str(folder))
+
+
 class RunTokenizer(Hook):
   """The run's tokenizer, one for the model: `tokenizer_path`'s files (tokenizer.json, tokenizer_config.json, a
   chat template) copied into the run folder as it first writes, where generate, serve, `Engine.from_pretrained`
-  and export-hf read them (`pretrained.tokenizer_folder`). A resume whose `tokenizer_path` files differ from the
-  run's copy (by fingerprint, even with restart_data_on_resume: the model's embeddings are of its ids) is refused
-  before anything changes, naming the file. (A run without tokenizer_path reads bytes and keeps no tokenizer.)"""
+  and export-hf read them (`pretrained.tokenizer_folder`). Without tokenizer_path, the tokenizer of the model the
+  run starts from (`inherited_tokenizer`: an import-hf folder's, a run's) is the run's, copied and checked the same
+  way (its data reads it too: `data_config`). A resume whose tokenizer files differ from the run's copy (by
+  fingerprint, even with restart_data_on_resume: the model's embeddings are of its ids) is refused before anything
+  changes, naming the file. (A run without either reads bytes and keeps no tokenizer.)"""
 
   def start(self, run: Run) -> None:
     self.source = Path(run.config.tokenizer_path) if run.config.tokenizer_path else None
+    given_by, advice = "tokenizer_path", "tokenizer_path holding the files the run started with"
+    inherited = inherited_tokenizer(run.config)
+    if inherited is not None:
+      key, self.source = inherited
+      given_by, advice = f"{key}'s", f"{key} naming a model whose folder holds the files the run started with"
+      logging.info("%s: no tokenizer_path; the run's tokenizer is %s's, from %s", run.run_dir, key, self.source)
     if self.source is None or not (run.run_dir / "tokenizer.json").is_file():
       # A new run or a byte-token one (a tokenizer.json copied in by hand stays), or one from before runs kept
       # their tokenizer: `open` copies it.
@@ -256,8 +316,8 @@ class RunTokenizer(Hook):
         digest = lambda prints: f"sha256 {prints[name][:16]}" if name in prints else "no such file"  # noqa: E731
         raise checkpointing.CheckpointError(
             f"{run.run_dir}: it trained with the tokenizer copied into it as it started, and {run.run_dir / name} "
-            f"({digest(ours)}) differs from {self.source / name} ({digest(given)}); resume with tokenizer_path "
-            "holding the files the run started with (its copy is in its folder), or start a new run_name"
+            f"({digest(ours)}) differs from {self.source / name} ({digest(given)}, {given_by}); resume with "
+            f"{advice} (its copy is in its folder), or start a new run_name"
         )
 
   def open(self, run_dir: Path) -> None:
