@@ -10,12 +10,15 @@ def _quiet_libtpu_off_tpu() -> None:
   """Keeps a run on a host without TPUs as it is when libtpu is installed (`maxbridge[tpu]`, which compiles for
   a TPU topology from any host): JAX tries every installed plugin when its backends start, and libtpu, finding
   no TPU VM metadata to name its workers and chip, logs errors to stderr. A TPU VM's metadata would name them;
-  here they are named for it. A host with a Google PCI device (0x1ae0, a TPU) is left to libtpu."""
+  here they are named for it (any chip: a compile names its own slice). A host with a Google PCI device (0x1ae0, a TPU) is left to libtpu.
+  """
   for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
     with open(vendor) as f:
       if f.read().strip() == "0x1ae0":
         return
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  # libtpu's lockfile guards a host's chips; with none, it would only keep two compiles apart.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
 
 

@@ -4,7 +4,7 @@ import argparse
 import os
 
 from maxbridge.cli.args import Verb, add_overrides, count
-from maxbridge.core.config import load_config
+from maxbridge.core.config import ConfigError, load_config
 
 
 def _add_train(verbs) -> None:
@@ -60,34 +60,75 @@ def _virtual_devices(args: argparse.Namespace) -> None:
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 
 
-def _shardings(args: argparse.Namespace) -> int:
-  config = load_config(args.preset, *args.overrides)
+def _one_target(config, args: argparse.Namespace) -> None:
+  if config.compile_topology and args.devices:
+    raise ConfigError(f"--devices={args.devices} and compile_topology={config.compile_topology}: name one")
+
+
+def _devices(config, args: argparse.Namespace) -> int:
+  """The devices a plan is for: compile_topology's chips, --devices, or this host's."""
+  _one_target(config, args)
+  if config.compile_topology:
+    from maxbridge.training import topology
+
+    return topology.target(config).chips
   import jax
 
+  return args.devices or jax.device_count()
+
+
+def _shardings(args: argparse.Namespace) -> int:
+  config = load_config(args.preset, *args.overrides)
   from maxbridge.training import aot
 
-  # The plan needs shapes only: --devices sizes an abstract mesh, no virtual devices.
-  print(aot.sharding_table(config, args.devices or jax.device_count()))
+  # The plan needs shapes only: --devices or compile_topology sizes an abstract mesh, no devices.
+  print(aot.sharding_table(config, _devices(config, args)))
   return 0
 
 
 def _compile(args: argparse.Namespace) -> int:
   config = load_config(args.preset, *args.overrides)
+  _one_target(config, args)
   _virtual_devices(args)
   from maxbridge.core import pipeline_plan
   from maxbridge.ops import pipeline
-  from maxbridge.training import aot
+  from maxbridge.training import aot, topology
 
-  result = aot.compile_train_step(config)
+  target = topology.target(config) if config.compile_topology else None
+  try:
+    result = aot.compile_train_step(config)
+  except Exception as e:
+    if target is None or (sizes := topology.out_of_memory(e)) is None:
+      raise
+    needed, available = sizes
+    print(
+        f"does not fit: the train step of {config.model_name} on {target.name} needs {needed / 2**30:.2f} GiB of HBM "
+        f"per chip, {available / 2**30:.2f} GiB available ({(needed - available) / 2**30:.2f} GiB over). "
+        f"The TPU compiler: {str(e).splitlines()[0]}"
+    )
+    return 1
   gib = 2**30
   mesh = " x ".join(f"{k}={v}" for k, v in result["mesh"].items())
-  print(f"compiled the train step of {config.model_name} for {result['devices']} devices ({mesh})")
+  where = (
+      f"{target.name} ({result['devices']} chips, {result['device_kind']})" if target else f"{result['devices']} devices"
+  )
+  print(f"compiled the train step of {config.model_name} for {where} ({mesh})")
   print(f"  parameters + optimizer state: {result['state_bytes'] / gib:8.2f} GiB per device")
   print(f"  arguments:                    {result['argument_bytes'] / gib:8.2f} GiB per device")
   print(f"  temporaries:                  {result['temp_bytes'] / gib:8.2f} GiB per device")
   print(f"  outputs (aliased to inputs):  {result['output_bytes'] / gib:8.2f} GiB per device")
+  print(f"  peak:                         {result['peak_bytes'] / gib:8.2f} GiB per device")
+  if result["host_bytes"]:
+    print(f"  host memory (offloaded):      {result['host_bytes'] / gib:8.2f} GiB per device")
   print(f"  model FLOPs per step:         {result['model_flops']:8.3e} (6 N tokens + attention, all devices)")
   print(f"  XLA cost analysis FLOPs:      {result['flops']:8.3e} per device (a scanned layer counts once)")
+  print(f"  XLA cost analysis bytes:      {result['bytes_accessed']:8.3e} accessed per device")
+  if target:
+    seconds = topology.roofline_seconds(target, result["model_flops"] / result["devices"], result["bytes_accessed"])
+    print(
+        f"  roofline step time:           {seconds:8.3f} s ({target.chip.bf16_tflops:.0f} TFLOP/s bf16, "
+        f"{target.chip.hbm_gbps:.0f} GB/s HBM, {target.chip.hbm_gib:.0f} GiB HBM per chip)"
+    )
   if plan := pipeline_plan.pipeline_plan(config):
     bubble = pipeline.bubble_fraction(plan.stages, plan.microbatches, plan.repeats)
     print(

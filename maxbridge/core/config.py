@@ -227,6 +227,10 @@ class Config:
   num_pipeline_repeats: int
   num_pipeline_microbatches: int
   pipeline_parallel_layers: int
+  compile_topology: str
+  compile_topology_num_slices: int
+  parameter_memory_host_offload: bool
+  optimizer_memory_host_offload: bool
   shard_optimizer_over_data: bool
   enable_diloco: bool
   diloco_sync_period: int

@@ -85,6 +85,7 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         for key in ("num_pipeline_repeats", "num_pipeline_microbatches", "pipeline_parallel_layers")
     ),
     ("num_processes", _positive, "a positive integer"),
+    ("compile_topology_num_slices", _positive, "a positive integer"),
     ("process_id", lambda v: v >= 0, ">= 0"),
     # numpy's generators and Grain's shuffles take no negative seed; 32 bits as MaxText's seeds.
     ("seed", lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)"),
@@ -203,7 +204,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "rope_type": ("default", "llama3.1", "yarn"),
     "dtype": ("float32", "bfloat16"),
     "weight_dtype": ("float32", "bfloat16"),
-    "remat_policy": ("none", "full", "minimal"),
+    "remat_policy": ("none", "full", "minimal", "minimal_offloaded"),
     "attention": ATTENTION_KERNELS,
     "param_scan_axis": (0, 1),
     "dataset_type": ("embedded", "synthetic", "text", "sft", "grain"),

@@ -8,6 +8,8 @@ import jax
 POLICIES = {
     "full": None,
     "minimal": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    # MaxText's "minimal_offloaded": what "minimal" saves, held in host memory until the backward pass reads it.
+    "minimal_offloaded": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
 
 

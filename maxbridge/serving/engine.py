@@ -73,8 +73,7 @@ class DecodeState(NamedTuple):
   tokens: jax.Array  # int32 [slots]
   next_pos: jax.Array  # int32 [slots]
   logits: jax.Array  # float32 [slots, V]: the model's logits each slot's last token was sampled from
-  # int32 [slots, V]: how often each slot generated each token since its insert (its first token included), which
-  # presence_penalty and frequency_penalty read. Kept whole on the device: a step adds one per slot, in place.
+  # int32 [slots, V]: each token's count among a slot's generated ones (presence and frequency penalties read it)
   counts: jax.Array
 
 
@@ -485,8 +484,7 @@ class Engine:
     logits = logits[:, 0]
     new = self._sample(logits, rng) if sampling is None else sample_slots(logits, sampling, next_pos, counts)
     counts = counts.at[jnp.arange(new.shape[0]), new].add(1)
-    # The state keeps the model's logits, not the penalized ones: logprobs report them, as vLLM's default
-    # (logprobs_mode="raw_logprobs": before temperature, penalties and logit_bias) does.
+    # The model's logits, not the penalized ones: logprobs report them, as vLLM's default (raw_logprobs).
     state = DecodeState(cache, new, jnp.where(next_pos > 0, next_pos + 1, 0), logits, counts)  # idle slots stay idle
     return state, new
 

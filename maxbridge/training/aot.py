@@ -14,7 +14,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from maxbridge.core import canonical, sharding
 from maxbridge.core.config import Config
-from maxbridge.training import distill, recipe
+from maxbridge.training import distill, recipe, topology
 
 # The groups of a train state's arrays, in the order the table lists them.
 GROUPS = ("parameters", "optimizer state", "step", "replicas")
@@ -131,15 +131,23 @@ def model_flops(config: Config, num_params: int, tokens: int) -> float:
 
 
 def compile_train_step(config: Config) -> dict:
-  """Lowers and compiles the train step on abstract, sharded inputs; returns its costs."""
-  trainer = recipe.create_trainer(config)
+  """Lowers and compiles the train step on abstract, sharded inputs; returns its costs per device.
+
+  Over this host's devices, or with `compile_topology` over a TPU slice's
+  (`training.topology`). A step too big for the slice's HBM raises the TPU
+  compiler's error (`topology.out_of_memory` reads it).
+  """
+  mesh = None
+  if config.compile_topology:
+    mesh = sharding.create_mesh(config, topology.devices(topology.target(config)))
+  trainer = recipe.create_trainer(config, mesh)
   sharding.check_divisible(trainer.abstract_state(), trainer.state_shardings)
   state = jax.tree.map(
       lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
       trainer.abstract_state(),
       trainer.state_shardings,
   )
-  rows = config.per_device_batch_size * jax.device_count() * config.gradient_accumulation_steps
+  rows = config.per_device_batch_size * trainer.mesh.size * config.gradient_accumulation_steps
   shapes = {key: jax.ShapeDtypeStruct((rows, config.max_target_length), np.int32) for key in trainer.loss.batch_keys}
   if config.distill_logits_path:  # the teacher's top-k logits come with each batch
     shapes.update(distill.offline_shapes(config, rows))
@@ -155,12 +163,16 @@ def compile_train_step(config: Config) -> dict:
   num_params = sum(math.prod(leaf.shape) for leaf in canonical.flatten(trainer.abstract_params).values())
   return {
       "model_flops": model_flops(config, num_params, tokens),
-      "devices": jax.device_count(),
+      "devices": trainer.mesh.size,
+      "device_kind": trainer.mesh.devices.flat[0].device_kind,
       "mesh": dict(zip(sharding.MESH_AXES, trainer.mesh.devices.shape)),
       "argument_bytes": memory.argument_size_in_bytes,
       "output_bytes": memory.output_size_in_bytes,
       "temp_bytes": memory.temp_size_in_bytes,
       "alias_bytes": memory.alias_size_in_bytes,
+      "peak_bytes": memory.peak_memory_in_bytes,
+      "host_bytes": memory.host_argument_size_in_bytes + memory.host_temp_size_in_bytes,
       "state_bytes": _state_bytes_per_device(trainer),
       "flops": float(cost.get("flops", float("nan"))) if cost else float("nan"),
+      "bytes_accessed": float(cost.get("bytes accessed", float("nan"))) if cost else float("nan"),
   }

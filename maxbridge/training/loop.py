@@ -28,7 +28,7 @@ from tqdm import tqdm
 from maxbridge.core import canonical, checkpointing, files, layouts, sharding
 from maxbridge.training import data, hooks
 from maxbridge.ops import quantization
-from maxbridge.core.config import Config
+from maxbridge.core.config import Config, ConfigError
 from maxbridge.training import recipe
 from maxbridge.training.hooks import global_batch_size  # noqa: F401  (callers' name for it: loop.global_batch_size)
 
@@ -259,6 +259,11 @@ def _train(
     config: Config, trainer, until_step: int | None, progress: bool, stop: _StopSignals, held: contextlib.ExitStack
 ) -> list[dict]:
   end = config.steps if until_step is None else min(until_step, config.steps)
+  if config.compile_topology:
+    raise ConfigError(
+        f"compile_topology={config.compile_topology!r} is for `maxbridge compile` (a fit checked for a slice this "
+        "host lacks); a run trains on this host's devices: drop the key"
+    )
   if trainer is not None:
     _check_trainer(trainer, config)
   sharding.initialize_distributed(config)

@@ -172,7 +172,8 @@ class Trainer(abc.ABC):
     return self.config.shard_optimizer_over_data and self.mesh.shape["data"] > 1
 
   @functools.cached_property
-  def state_shardings(self) -> Any:
+  def _device_shardings(self) -> Any:
+    """Where the step computes on the state: in device memory."""
     shardings = sharding.spec_tree_to_shardings(self.logical_specs(), self.mesh, self.rules)
     if not self._zero1:
       return shardings
@@ -181,6 +182,32 @@ class Trainer(abc.ABC):
         sharding.with_data_axis, self.to_checkpoint(shardings)["opt_state"], self.disk_layout["opt_state"]
     )
     return self._with_tree(shardings, {"opt_state": opt_state})
+
+  @functools.cached_property
+  def _offloaded(self) -> tuple[str, ...]:
+    """The parts of the state MaxText's host offload keys keep in host memory between steps."""
+    parts = ("params", "stored") if self.config.parameter_memory_host_offload else ()
+    return parts + (("opt_state",) if self.config.optimizer_memory_host_offload else ())
+
+  @functools.cached_property
+  def state_shardings(self) -> Any:
+    """Where the state lives between steps: `_device_shardings`, what `_offloaded` names in pinned host memory
+    (the step brings it to the devices and its outputs go back, as XLA schedules the copies)."""
+    tree = self._tree(self._device_shardings)
+    host = {
+        key: jax.tree.map(lambda where: where.with_memory_kind("pinned_host"), tree[key])
+        for key in self._offloaded
+        if key in tree
+    }
+    return self._with_tree(self._device_shardings, host) if host else self._device_shardings
+
+  def _to_devices(self, state, parts: tuple[str, ...] = ("params", "stored", "opt_state")):
+    """`state` with its offloaded `parts` in device memory, for a step to compute on (traceable)."""
+    parts = [part for part in parts if part in self._offloaded]
+    if not parts:
+      return state
+    tree, device = self._tree(state), self._tree(self._device_shardings)
+    return self._with_tree(state, {part: jax.device_put(tree[part], device[part]) for part in parts if part in tree})
 
   @functools.cached_property
   def _gradient_shardings(self) -> dict[str, NamedSharding]:
@@ -403,12 +430,19 @@ class Trainer(abc.ABC):
     return self.loss(policy, batch, frozen.at(jax.lax.stop_gradient(frozen.params)))
 
   def _train_step(self, state, batch: Batch, frozen_params=None):
+    state = self._to_devices(state, ("params", "stored"))
     bound = self._bind(state)._replace(training=True)
     loss = functools.partial(self._loss, bound, frozen_params=frozen_params)
     value_and_grad = jax.value_and_grad(loss, has_aux=True)
     with quantization.stochastic_rounding(self.config, bound.step):
       grads, metrics = accumulate_gradients(value_and_grad, bound.params, batch, self.config.gradient_accumulation_steps)
     grads = self._reduce_gradients(grads)
+    if "opt_state" in self._offloaded:
+      # As MaxText's: the optimizer state comes to the devices for the update, ordered after the gradients by
+      # the barrier (left to XLA, it is copied at the start and sits in HBM through the backward pass).
+      opt_state, grads = jax.lax.optimization_barrier((self._tree(state)["opt_state"], grads))
+      state = self._to_devices(self._with_tree(state, {"opt_state": opt_state}), ("opt_state",))
+      bound = self._bind(state)._replace(training=True)
     grads, grad_norm = clip_gradients(grads, self.config.gradient_clipping_threshold)
     metrics = {**metrics, "grad_norm": grad_norm, "lr": self.schedule(bound.step)}
     state = self._apply_update(bound, grads)
@@ -417,7 +451,7 @@ class Trainer(abc.ABC):
     return state, metrics
 
   def _eval_step(self, state, batch: Batch, frozen_params=None):
-    bound = self._bind(state)
+    bound = self._bind(self._to_devices(state, ("params", "stored")))
     loss_sum, aux = self._loss(bound, bound.params, batch, frozen_params)
     return {"loss": loss_sum / jnp.maximum(aux["tokens"], 1.0), "tokens": aux["tokens"]}
 
