@@ -45,7 +45,7 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
 
 # The newest releases PyPI serves for Python 3.12 (MaxText's interpreter), installed
-# first as a MaxText environment would hold them; maxbridge must install beside them
+# first as a MaxText environment would hold them; maxbridge (with its tpu extra: the libtpu that jax pins) must install beside them
 # without changing jax or flax, and pass the parity, bridge, train and converter tests,
 # compiled as users compile them (LLVM at XLA's default -O3; `make test` runs -O0, see tests/conftest.py).
 NEWEST := .venv-newest
@@ -59,7 +59,7 @@ test-newest:
 	$(NEWEST)/bin/pip install -q --upgrade pip
 	$(NEWEST)/bin/pip install -q jax flax
 	$(NEWEST)/bin/pip freeze | grep -iE '^(jax|jaxlib|flax)==' > $(NEWEST)/before.txt
-	$(NEWEST)/bin/pip install -q -e . 'pytest>=9.2.0' 'pytest-xdist>=3.8.0'
+	$(NEWEST)/bin/pip install -q -e '.[tpu]' 'pytest>=9.2.0' 'pytest-xdist>=3.8.0'
 	$(NEWEST)/bin/pip freeze | grep -iE '^(jax|jaxlib|flax)==' > $(NEWEST)/after.txt
 	@diff $(NEWEST)/before.txt $(NEWEST)/after.txt || { echo "installing maxbridge changed jax/flax"; exit 1; }
 	@echo "newest leg:" $$(cat $(NEWEST)/after.txt)
