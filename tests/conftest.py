@@ -22,6 +22,7 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
 
 import jax  # noqa: E402  (after XLA_FLAGS)
+import numpy as np  # noqa: E402
 import pytest
 
 import maxbridge as mb
@@ -47,6 +48,28 @@ def tiny_config(flags=LINEN, **overrides) -> mb.Config:
       enable_nnx=enable_nnx,
       pure_nnx_decoder=pure_nnx_decoder,
       **overrides,
+  )
+
+
+def assert_flash_gives_dot_products_logits(calls: list, kernel: str) -> None:
+  """llama-tiny's logits with attention=flash equal dot_product's to 1e-5 on Linen and on NNX, and Linen's equal
+  NNX's to 1e-6; `calls`, a spy's list of the calls to `kernel` (the kernel flash reads on this platform), shows
+  that it ran for each backend."""
+  tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
+  segment_ids = np.array([[1] * 16, [1] * 7 + [2] * 9], np.int32)
+  positions = np.array([list(range(16)), [*range(7), *range(9)]], np.int32)
+  logits = {}
+  for backend, flags in (("linen", LINEN), ("nnx", (True, True, True))):
+    for name in ("dot_product", "flash"):
+      model = mb.create_model(tiny_config(flags, attention=name), seed=0)
+      logits[backend, name] = np.asarray(model.logits(tokens, positions, segment_ids))
+    assert calls, f"{backend}: attention=flash never called {kernel}"
+    calls.clear()
+    np.testing.assert_allclose(
+        logits[backend, "flash"], logits[backend, "dot_product"], rtol=1e-5, atol=1e-5, err_msg=f"{backend}: {kernel}"
+    )
+  np.testing.assert_allclose(
+      logits["linen", "flash"], logits["nnx", "flash"], rtol=1e-6, atol=1e-6, err_msg=f"{kernel}: Linen vs NNX"
   )
 
 

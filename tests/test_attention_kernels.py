@@ -13,15 +13,13 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh
 
-import maxbridge as mb
 from maxbridge.core import sharding
 from maxbridge.ops import attention, flash_attention
-from conftest import LINEN, tiny_config
+from conftest import assert_flash_gives_dot_products_logits
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 BLOCKS = dict(block_q=4, block_kv=8)
 BATCH, LENGTH, HEADS, KV_HEADS, HEAD_DIM = 2, 13, 4, 2, 8  # GQA: two query heads per kv head
-NNX = (True, True, True)
 
 rng = np.random.default_rng(0)
 QUERY = rng.normal(size=(BATCH, LENGTH, HEADS, HEAD_DIM)).astype(np.float32)
@@ -115,22 +113,7 @@ def flash_calls(monkeypatch):
 
 
 def test_a_tiny_llama_gives_dot_products_logits_with_flash_on_linen_and_nnx(flash_calls):
-  tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
-  segment_ids = np.array([[1] * 16, [1] * 7 + [2] * 9], np.int32)
-  positions = np.array([list(range(16)), [*range(7), *range(9)]], np.int32)
-  logits = {}
-  for backend, flags in (("linen", LINEN), ("nnx", NNX)):
-    for kernel in ("dot_product", "flash"):
-      model = mb.create_model(tiny_config(flags, attention=kernel), seed=0)
-      logits[backend, kernel] = np.asarray(model.logits(tokens, positions, segment_ids))
-    assert flash_calls, f"{backend}: attention=flash never called ops.attention.KERNELS['flash']"
-    flash_calls.clear()
-    np.testing.assert_allclose(
-        logits[backend, "flash"], logits[backend, "dot_product"], **TOL, err_msg=f"{backend}: flash vs dot_product"
-    )
-  np.testing.assert_allclose(
-      logits["linen", "flash"], logits["nnx", "flash"], rtol=1e-6, atol=1e-6, err_msg="flash: Linen vs NNX"
-  )
+  assert_flash_gives_dot_products_logits(flash_calls, "ops.attention.KERNELS['flash']")
 
 
 def test_flash_refuses_context_parallelism_naming_the_key():

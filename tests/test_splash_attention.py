@@ -10,17 +10,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import topologies
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-import maxbridge as mb
 from maxbridge.core import sharding
 from maxbridge.core.config import MESH_AXES
 from maxbridge.ops import attention, cudnn_attention, splash_attention
-from conftest import LINEN, tiny_config
+from conftest import assert_flash_gives_dot_products_logits
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 BATCH, LENGTH, HEADS, KV_HEADS, HEAD_DIM = 2, 200, 4, 2, 8  # GQA: two query heads per kv head
-NNX = (True, True, True)
 
 rng = np.random.default_rng(0)
 QUERY = rng.normal(size=(BATCH, LENGTH, HEADS, HEAD_DIM)).astype(np.float32)
@@ -132,22 +131,7 @@ def splash_calls(monkeypatch):
 
 
 def test_a_tiny_llama_on_the_tpu_path_gives_dot_products_logits_on_linen_and_nnx(splash_calls):
-  tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
-  segment_ids = np.array([[1] * 16, [1] * 7 + [2] * 9], np.int32)
-  positions = np.array([list(range(16)), [*range(7), *range(9)]], np.int32)
-  logits = {}
-  for backend, flags in (("linen", LINEN), ("nnx", NNX)):
-    for kernel in ("dot_product", "flash"):
-      model = mb.create_model(tiny_config(flags, attention=kernel), seed=0)
-      logits[backend, kernel] = np.asarray(model.logits(tokens, positions, segment_ids))
-    assert splash_calls, f"{backend}: attention=flash on a TPU never called splash attention"
-    splash_calls.clear()
-    np.testing.assert_allclose(
-        logits[backend, "flash"], logits[backend, "dot_product"], **TOL, err_msg=f"{backend}: splash vs dot_product"
-    )
-  np.testing.assert_allclose(
-      logits["linen", "flash"], logits["nnx", "flash"], rtol=1e-6, atol=1e-6, err_msg="splash: Linen vs NNX"
-  )
+  assert_flash_gives_dot_products_logits(splash_calls, "splash attention")
 
 
 def test_splash_compiles_for_a_v5p_topology_from_this_host_in_less_memory_than_the_scores(monkeypatch):
@@ -155,11 +139,8 @@ def test_splash_compiles_for_a_v5p_topology_from_this_host_in_less_memory_than_t
   # (heads) of 4 abstract v5p chips, with its backward pass.
   monkeypatch.setattr(splash_attention, "INTERPRET", None)
   monkeypatch.setattr(splash_attention, "BLOCK", 512)
-  topologies = pytest.importorskip("jax.experimental.topologies")
-  try:
-    devices = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices
-  except Exception as error:  # noqa: BLE001  (no libtpu here: nothing to compile for)
-    pytest.skip(f"no TPU topology: {error}")
+  # libtpu is a test dependency (maxbridge[tpu]): without it this fails, as a user's compile would.
+  devices = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices
   sizes = dict(fsdp=2, tensor=2)
   mesh = Mesh(np.asarray(devices).reshape([sizes.get(axis, 1) for axis in MESH_AXES]), MESH_AXES)
   rules = (("activation_batch", ("data", "fsdp")), ("activation_heads", ("tensor",)))
