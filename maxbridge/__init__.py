@@ -6,16 +6,31 @@ import os
 import typing
 
 
+def _has_tpu_chip() -> bool:
+  """Whether a Google PCI device (vendor 0x1ae0) other than a network or storage controller is attached: a TPU.
+
+  Google's virtual NIC (gVNIC) and NVMe disks carry the same vendor on every Compute Engine VM, so the vendor
+  alone would take any such VM for a TPU host. The class is read rather than matching TPU device ids, which a
+  new chip would outdate. (JAX's own test, `jax._src.hardware_utils`, would start JAX on `import maxbridge`.)
+  """
+  for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+    with open(vendor) as f:
+      if f.read().strip() != "0x1ae0":
+        continue
+    with open(os.path.join(os.path.dirname(vendor), "class")) as f:
+      if not f.read().strip().startswith(("0x01", "0x02")):  # PCI classes 01: storage, 02: network
+        return True
+  return False
+
+
 def _quiet_libtpu_off_tpu() -> None:
   """Keeps a run on a host without TPUs as it is when libtpu is installed (`maxbridge[tpu]`, which compiles for
   a TPU topology from any host): JAX tries every installed plugin when its backends start, and libtpu, finding
   no TPU VM metadata to name its workers and chip, logs errors to stderr. A TPU VM's metadata would name them;
-  here they are named for it (any chip: a compile names its own slice). A host with a Google PCI device (0x1ae0, a TPU) is left to libtpu.
+  here they are named for it (any chip: a compile names its own slice). A TPU host is left to libtpu.
   """
-  for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
-    with open(vendor) as f:
-      if f.read().strip() == "0x1ae0":
-        return
+  if _has_tpu_chip():
+    return
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   # libtpu's lockfile guards a host's chips; with none, it would only keep two compiles apart.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")

@@ -4,6 +4,7 @@ import ctypes
 import gc
 import itertools
 import os
+import re
 import shutil
 import tempfile
 
@@ -20,6 +21,12 @@ from fast_compile import ELEMENTAL, FAST_COMPILE, LLVM_O0  # constants; imports 
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   flags = FAST_COMPILE if os.environ.get("MAXBRIDGE_FAST_COMPILE") == "1" else LLVM_O0
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
+
+# The suite runs on the CPU. Only the CPU client starts, here and in every subprocess (they inherit this), so
+# libtpu, a test dependency for compiling to TPU slices, loads only in the tests that do so: loaded into every
+# process, it installed its own fatal-signal handler in each, and one 8-device subprocess died under it in CI
+# (SIGABRT, its cause not in what CI kept). A run that names its platforms keeps them.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import numpy as np  # noqa: E402
@@ -71,6 +78,17 @@ def assert_flash_gives_dot_products_logits(calls: list, kernel: str) -> None:
   np.testing.assert_allclose(
       logits["linen", "flash"], logits["nnx", "flash"], rtol=1e-6, atol=1e-6, err_msg=f"{kernel}: Linen vs NNX"
   )
+
+
+def failure(stderr: str) -> str:
+  """What to show when a subprocess fails: its fatal lines (a crash's first line is often far above its tail of
+  stack frames and signal-handler chatter), then the tail."""
+  fatal = [
+      line
+      for line in stderr.splitlines()
+      if re.match(r"(F\d{4} |Fatal Python error|.*Check failed|.*Termination timeout)", line)
+  ]
+  return "\n".join(fatal[:20]) + "\n...\n" + stderr[-3000:]
 
 
 def pytest_configure(config):

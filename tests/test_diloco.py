@@ -14,7 +14,7 @@ import maxbridge as mb
 from maxbridge.core import canonical, checkpointing
 from maxbridge.core.config import ConfigError
 from maxbridge.training import aot, data, diloco, recipe
-from conftest import tiny_config
+from conftest import failure, tiny_config
 
 HERE = Path(__file__).parent
 LINEN, NNX, MIX = (False, False, False), (True, True, True), (True, False, True)
@@ -104,7 +104,7 @@ def multidevice():
   proc = subprocess.run(
       [sys.executable, str(HERE / "diloco_multidevice.py")], capture_output=True, text=True, timeout=900, cwd=HERE
   )
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.returncode == 0, failure(proc.stderr)
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

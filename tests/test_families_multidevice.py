@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from conftest import failure
 
 MOE = ("gpt-oss-tiny", "llama4-tiny", "qwen3-next-tiny", "gemma4-moe-tiny")
 DENSE = ("olmo2-tiny", "gemma3-tiny")
@@ -19,7 +20,7 @@ DENSE = ("olmo2-tiny", "gemma3-tiny")
 def test_training_on_8_devices_matches_one_device():
   script = Path(__file__).parent / "families_multidevice.py"
   proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=1800)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.returncode == 0, failure(proc.stderr)
   report = json.loads(proc.stdout)
   assert report["devices"] == 8
   # Each family on 8 devices on one backend (families_multidevice.py says why), NNX on four of the six.

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import failure
 
 import maxbridge as mb
 from jax.sharding import PartitionSpec
@@ -198,7 +199,7 @@ def report():
   proc = subprocess.run(
       [sys.executable, str(HERE / "pipeline_multidevice.py")], capture_output=True, text=True, timeout=900
   )
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.returncode == 0, failure(proc.stderr)
   return json.loads(proc.stdout)
 
 

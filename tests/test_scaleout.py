@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import failure
 
 import maxbridge as mb
 from maxbridge.core import sharding
@@ -34,7 +35,7 @@ def report():
   proc = subprocess.run(
       [sys.executable, str(HERE / "scaleout_multidevice.py")], capture_output=True, text=True, timeout=900
   )
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.returncode == 0, failure(proc.stderr)
   return json.loads(proc.stdout)
 
 

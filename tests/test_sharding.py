@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec
 import maxbridge as mb
 from maxbridge.core import sharding
 from maxbridge.core.config import ConfigError
-from conftest import LINEN_ARGS
+from conftest import LINEN_ARGS, failure
 
 HERE = Path(__file__).parent
 
@@ -27,7 +27,7 @@ def report():
   proc = subprocess.run(
       [sys.executable, str(HERE / "multidevice_checks.py")], capture_output=True, text=True, timeout=1200
   )
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.returncode == 0, failure(proc.stderr)
   return {**json.loads(proc.stdout), "stderr": proc.stderr}
 
 
@@ -161,7 +161,7 @@ def test_two_processes_train_like_one(tmp_path):
 
 def maxbridge_cli(*args: str) -> str:
   proc = subprocess.run([sys.executable, "-m", "maxbridge.cli", *args], capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.returncode == 0, failure(proc.stderr)
   return proc.stdout
 
 

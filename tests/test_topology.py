@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import LINEN, LINEN_ARGS, flag_id, tiny_config
+from conftest import LINEN, LINEN_ARGS, failure, flag_id, tiny_config
 
 from maxbridge.core.config import ConfigError
 from maxbridge.training import topology
@@ -35,7 +35,7 @@ def compiled(*overrides: list[str]) -> list[dict]:
   proc = subprocess.run(
       [sys.executable, "-c", _COMPILE, json.dumps(overrides)], capture_output=True, text=True, timeout=900, env=env
   )
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.returncode == 0, failure(proc.stderr)
   return json.loads(proc.stdout.splitlines()[-1])
 
 
@@ -136,3 +136,27 @@ def test_the_offloading_remat_policy_moves_saved_activations_to_the_host_and_low
   minimal, offloaded = compiled(common + ["remat_policy=minimal"], common + ["remat_policy=minimal_offloaded"])
   assert minimal["host_bytes"] == 0 and offloaded["host_bytes"] > 0, offloaded
   assert offloaded["peak_bytes"] < 0.8 * minimal["peak_bytes"], (minimal, offloaded)
+
+
+@pytest.mark.parametrize(
+    "devices, tpu",
+    [
+        ({"0x1af4": "0x020000", "0x8086": "0x060000"}, False),  # virtio and a bridge: any cloud VM
+        ({"0x1ae0": "0x020000", "0x1af4": "0x010000"}, False),  # Compute Engine's gVNIC: Google's, but a NIC
+        ({"0x1ae0": "0x010802"}, False),  # Compute Engine's NVMe disk
+        ({"0x1ae0": "0x120000", "0x8086": "0x060000"}, True),  # a processing accelerator of Google's
+        ({"0x1ae0": "0xff0000"}, True),  # an older TPU, unclassed
+    ],
+)
+def test_a_tpu_host_is_told_by_its_pci_devices_not_by_the_vendor_alone(tmp_path, monkeypatch, devices, tpu):
+  import glob
+
+  import maxbridge
+
+  for i, (vendor, pci_class) in enumerate(devices.items()):
+    (tmp_path / str(i)).mkdir()
+    (tmp_path / str(i) / "vendor").write_text(f"{vendor}\n")
+    (tmp_path / str(i) / "class").write_text(f"{pci_class}\n")
+  real_glob = glob.glob
+  monkeypatch.setattr(glob, "glob", lambda pattern: real_glob(str(tmp_path / "*" / "vendor")))
+  assert maxbridge._has_tpu_chip() is tpu
