@@ -130,6 +130,29 @@ def test_a_muon_run_starts_another_run_through_load_parameters_path(run, tmp_pat
   assert code == 0, out + err
 
 
+def test_load_full_state_path_continues_a_muon_runs_optimizer_on_another_backend_and_scan_form(run, tmp_path, capsys):
+  """A new NNX, unscanned run from the Linen, scanned Muon run's step 1 (parameters, both halves' momenta, step):
+  its step 2 is the source's, so Muon's masked momentum was read and restacked, not refused or reset."""
+  config = mb.load_config(
+      "llama-tiny",
+      *NNX_ARGS,
+      base_output_directory=str(tmp_path),
+      run_name="again",
+      opt_type="muon",
+      scan_layers=False,
+      load_full_state_path=str(run / "checkpoints" / "1"),
+      steps=2,
+      per_device_batch_size=2,
+      checkpoint_period=1,
+      eval_interval=0,
+  )
+  assert [r["step"] for r in mb.train(config, progress=False)] == [1]
+  code, out, err = _cli(
+      capsys, "compare", run / "checkpoints" / "2", tmp_path / "again" / "checkpoints" / "2", "--atol", "1e-5"
+  )
+  assert code == 0, out + err
+
+
 def test_parameter_readers_never_parse_the_optimizer_state(tmp_path):
   """A state no layout knows stops the readers of the whole state, naming its path; not those of parameters."""
   params = {"token_embedder": {"embedding": np.arange(32, dtype=np.float32).reshape(8, 4)}}

@@ -548,13 +548,9 @@ def _full_state(path: str, trainer):
         "start from it with load_parameters_path instead"
     )
   tree = layouts.build_tree({p: reader.read(p) for p in reader.leaves}, layouts.LINEN)
-  tree["params"]["params"] = _fit(tree["params"]["params"], trainer, where)
-  for entry in tree.get("opt_state") or []:
-    for field, value in (entry or {}).items():
-      if isinstance(value, dict) and set(value) == {"params"}:  # Adam's mu and nu, shaped like the parameters
-        entry[field] = {"params": _fit(value["params"], trainer, f"{where}, optimizer state {field}")}
   target = trainer.checkpoint_target()
-  got, want = _leaf_paths(tree), _leaf_paths(target)
+  want = _leaf_paths(target)
+  got = _parameter_shaped(_leaf_paths(tree), want, trainer.config.param_scan_axis, where)
   if set(got) != set(want):
     lines = [f"  missing: {p}" for p in sorted(set(want) - set(got))[:20]]
     lines += [f"  unexpected: {p}" for p in sorted(set(got) - set(want))[:20]]
@@ -565,6 +561,31 @@ def _full_state(path: str, trainer):
   placed = {p: jax.device_put(jnp.asarray(got[p], want[p].dtype), want[p].sharding) for p in want}
   leaves = [placed[p] for p in _leaf_paths(target)]
   return trainer.from_checkpoint(jax.tree.unflatten(jax.tree.structure(target), leaves))
+
+
+def _parameter_shaped(got: dict, want: dict, axis: int, where: str) -> dict:
+  """`got` (a checkpoint's leaves by path) with each part shaped like the parameters in the scan form of this
+  run's `want`: the parameters, and in the optimizer state Adam's mu and nu or Muon's momentum, whole or masked
+  to the leaves one transform updates (so matched by path, not by structure). Such a part is what lies under a
+  `params/` in its path; the rest (counts, coefficients) is taken as it is."""
+  parts: dict[str, dict] = {}
+  out = {}
+  for path, value in got.items():
+    prefix, params, rest = path.partition("/params/")
+    if params:
+      parts.setdefault(f"{prefix}/params", {})[rest] = value
+    else:
+      out[path] = value
+  for prefix, part in parts.items():
+    abstract = {p.removeprefix(f"{prefix}/"): leaf for p, leaf in want.items() if p.startswith(f"{prefix}/")}
+    if abstract:  # else nothing of this run's is so named: the caller reports the paths as unexpected
+      try:
+        part = canonical.flatten(canonical.conform(canonical.unflatten(part), canonical.unflatten(abstract), axis))
+      except ValueError as e:
+        owner = "" if prefix == "params/params" else f", optimizer state {prefix.removeprefix('opt_state/')}"
+        raise checkpointing.CheckpointError(f"{where}{owner}: {e}") from e
+    out.update({f"{prefix}/{p}": value for p, value in part.items()})
+  return out
 
 
 def _leaf_paths(tree) -> dict:
