@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -112,3 +113,39 @@ def test_a_second_trainer_of_a_run_exits_2_at_once_and_the_run_keeps_the_first_o
   saved = [int(step.name) for step in (run_dir / "checkpoints").iterdir() if (step / "items" / "_METADATA").exists()]
   assert saved and max(saved) <= len(steps), saved
   assert not files.lock_path(run_dir).exists()
+
+
+def test_sigterm_while_the_first_step_compiles_ends_the_process_at_once_and_the_run_starts_again(tmp_path):
+  """A scheduler's SIGTERM is not held through the first compile (its grace period would run out first); the
+  run has written nothing yet, so the same command then trains from step 0."""
+  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}  # a cached compile is instant
+  env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
+  # Unrolled layers: a first step that compiles for tens of seconds on this machine.
+  args = _train_args(tmp_path, steps=2, scan_layers="false", base_num_decoder_layers=12, **LINEN)
+  proc = subprocess.Popen(args, env=env, stderr=subprocess.PIPE)
+  err = bytearray()
+  threading.Thread(target=_read_into, args=(proc.stderr, err), daemon=True).start()
+  try:
+    deadline = time.monotonic() + 240
+    while b"0/2" not in err:  # the progress bar: the loop is about to build (compile) its first step
+      assert proc.poll() is None and time.monotonic() < deadline, err.decode()[-3000:]
+      time.sleep(0.1)
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    proc.wait(timeout=60)
+    took = time.monotonic() - sent
+  finally:
+    proc.kill()
+  assert proc.returncode == -signal.SIGTERM, err.decode()[-3000:]
+  assert took < 5, f"ended {took:.1f} s after SIGTERM"
+  run_dir = tmp_path / "same"
+  assert not (run_dir / "config.yml").exists() and not (run_dir / "metrics.jsonl").exists()
+  again = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+
+
+def _read_into(stream, buffer: bytearray) -> None:
+  while chunk := stream.read1(4096):
+    buffer.extend(chunk)

@@ -167,6 +167,7 @@ class _StopSignals:
 
   def __init__(self):
     self.caught: int | None = None
+    self.installed = False
 
   def __call__(self, signum, frame):
     if self.caught is not None:
@@ -177,18 +178,31 @@ class _StopSignals:
     if self.caught is not None:
       raise TrainingInterrupted(_SIGNAL_NAMES[self.caught], self.caught)
 
+  def started(self) -> None:
+    """The first step has run: from here SIGTERM too is held until a step boundary (`_stop_signals`)."""
+    if self.installed:
+      signal.signal(signal.SIGTERM, self)
+
 
 _SIGNAL_NAMES = {signal.SIGINT: "interrupted (SIGINT)", signal.SIGTERM: "terminated (SIGTERM)"}
 
 
 @contextlib.contextmanager
 def _stop_signals():
-  """Installs a `_StopSignals` for SIGINT and SIGTERM while the run lasts (main thread only)."""
+  """Installs a `_StopSignals` for SIGINT and SIGTERM while the run lasts (main thread only).
+
+  SIGTERM keeps its default action (the process ends at once) until the first step has run: a Python handler runs
+  only between bytecodes, so it would wait out the first compile, minutes for a large model, while a scheduler's
+  grace period runs out. Nothing is lost: a run's files change only once its first step has run, and a run
+  killed before that starts again by itself. SIGINT is held from the start (an interactive session's interrupt
+  must not end its process).
+  """
   stop = _StopSignals()
   if threading.current_thread() is not threading.main_thread():
     yield stop
     return
-  previous = {s: signal.signal(s, stop) for s in _SIGNAL_NAMES}
+  previous = {s: signal.signal(s, signal.SIG_DFL if s == signal.SIGTERM else stop) for s in _SIGNAL_NAMES}
+  stop.installed = True
   try:
     yield stop
   finally:
@@ -347,6 +361,7 @@ def _train(
       if step == start:
         # The first step compiled and ran (a step that cannot be built fails above): the run has
         # started, and from here on it writes into its folder.
+        stop.started()  # before the run's files change
         log = _open_run(config, run_dir, history, start, saving, primary, features, earlier)
       loss = float(metrics["loss"])
       if not math.isfinite(loss):
