@@ -54,7 +54,7 @@ class Attention(nn.Module):
     cfg = self.config
     spec = cfg.family.attention(cfg, local=self.local, kv_shared=self.kv_shared)
     heads, head_dim = cfg.num_query_heads, spec.head_dim
-    biased = dict(use_bias=spec.bias)
+    biased = dict(use_bias=spec.qkv_bias)
     query_width = 2 * head_dim if spec.output_gate else head_dim
     query = dense(cfg, (cfg.emb_dim,), (heads, query_width), ("embed", "q_heads", "kv"), name="query", **biased)(x)
     if spec.output_gate:
@@ -82,7 +82,7 @@ class Attention(nn.Module):
     out, values = attend(self, cfg, spec, query, key, value, positions, segment_ids, sinks=sinks, masking=masking)
     if spec.output_gate:
       out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
-    out = dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out", **biased)(out)
+    out = dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), name="out", use_bias=spec.out_bias)(out)
     return attention.with_out_projection(cfg, out, values)
 
 

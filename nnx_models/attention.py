@@ -43,7 +43,7 @@ class Attention(Module):
     cfg = self.config = config
     spec = self.spec = cfg.family.attention(cfg, local=local, kv_shared=kv_shared)
     heads, head_dim = cfg.num_query_heads, spec.head_dim
-    biased = dict(use_bias=spec.bias, rngs=rngs)
+    biased = dict(use_bias=spec.qkv_bias, rngs=rngs)
     query_width = 2 * head_dim if spec.output_gate else head_dim
     self.query = dense(cfg, (cfg.emb_dim,), (heads, query_width), ("embed", "q_heads", "kv"), **biased)
     if spec.qk_norm in _QK_NORMS:
@@ -58,7 +58,7 @@ class Attention(Module):
     if spec.sinks:
       sinks = initializers.placeholder(rngs.params(), (heads,), jnp.dtype(cfg.weight_dtype))
       self.sinks = nnx.Param(sinks, out_sharding=("heads",))
-    self.out = dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), **biased)
+    self.out = dense(cfg, (heads, head_dim), (cfg.emb_dim,), ("heads", "kv", "embed"), use_bias=spec.out_bias, rngs=rngs)
 
   def __call__(
       self,

@@ -40,6 +40,7 @@ FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {**DIMS, "head_dim": 16}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {**DIMS, "sliding_window": 4}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {**DIMS, "head_dim": 8}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", DIMS),
     "gpt2": (
         "GPT2Config",
         "GPT2LMHeadModel",
@@ -236,6 +237,14 @@ HONOURED = [
     # A window from max_window_layers on: none of the two layers.
     Case(
         "qwen3",
+        ("use_sliding_window", "sliding_window", "max_window_layers"),
+        edit={"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 2, "layer_types": None},
+    ),
+    Case("qwen2", (*_SIZES, "rope_parameters", "max_position_embeddings")),
+    # Not a field, but Qwen2's attention reads it: projections of heads * 16 from a width of 32.
+    Case("qwen2", ("head_dim", "tie_word_embeddings"), build={"head_dim": 16, "tie_word_embeddings": True}),
+    Case(
+        "qwen2",
         ("use_sliding_window", "sliding_window", "max_window_layers"),
         edit={"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 2, "layer_types": None},
     ),
@@ -635,6 +644,14 @@ REFUSED = [
         r"use_sliding_window=true with max_window_layers=1 gives layers \[1\] a sliding window",
     ),
     ("qwen3", "layer_types", {"layer_types": ["full_attention", "sliding_attention"]}, r"layer_types gives layers \[1\]"),
+    ("qwen2", "hidden_act", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    (
+        "qwen2",
+        "use_sliding_window",
+        {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1, "layer_types": None},
+        r"use_sliding_window=true with max_window_layers=1 gives layers \[1\] a sliding window",
+    ),
+    ("qwen2", "layer_types", {"layer_types": ["full_attention", "sliding_attention"]}, r"layer_types gives layers \[1\]"),
     ("gpt2", "activation_function", {"activation_function": "relu"}, "activation_function='relu'"),
     ("gpt2", "scale_attn_weights", {"scale_attn_weights": False}, "scale_attn_weights=False"),
     (

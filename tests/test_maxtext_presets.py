@@ -44,6 +44,9 @@ PUBLISHED = {
     "llama4-17b-128e": 400_000_000_000,  # Meta's card for Llama 4 Maverick: 400B total
     "olmo3-32b": 32_233_522_176,  # allenai/Olmo-3-1125-32B's safetensors
     "olmo3-7b-pt": 7_298_011_136,  # allenai/Olmo-3-1025-7B's safetensors
+    "qwen2.5-1.5b": 1_540_000_000,  # Qwen's card: 1.54B (its head tied to the embedding)
+    "qwen2.5-7b": 7_610_000_000,  # Qwen's card: 7.61B
+    "qwen2.5-14b": 14_700_000_000,  # Qwen's card: 14.7B
     "qwen3-0.6b": 600_000_000,  # Qwen's card: 0.6B
     "qwen3-1.7b": 1_700_000_000,  # Qwen's card: 1.7B
     "qwen3-1.7b-base": 1_700_000_000,  # Qwen's card: 1.7B

@@ -124,6 +124,7 @@ _MAXTEXT_FIXED: dict[str, Any] = {
     # MaxText's base.yml values; a family may fix others (`Family.maxtext_fixed`: Gemma's GeGLU, post-norms).
     "use_post_attn_norm": False,
     "use_post_ffw_norm": False,
+    "attention_bias": False,  # biases on the query, key and value projections (qwen2's and gpt_oss's fix it true)
 }
 
 

@@ -44,7 +44,8 @@ class AttentionSpec:
 
   head_dim: int
   kv_heads: int
-  bias: bool = False  # biases on the query, key, value and out projections (gpt-oss)
+  qkv_bias: bool = False  # biases on the query, key and value projections (gpt-oss, Qwen2)
+  out_bias: bool = False  # a bias on the out projection (gpt-oss; not Qwen2)
   sinks: bool = False  # one sink logit per query head (gpt-oss): `ops.attention.softmax_with_sinks`
   qk_norm: str | None = None  # RMS_NORM, ZERO_CENTRED_RMS_NORM, ACROSS_HEADS, L2, or None
   output_gate: bool = False  # `query` also projects a per-head gate; the output is times sigmoid(gate) (Qwen3-Next)

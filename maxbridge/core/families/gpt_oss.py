@@ -280,7 +280,8 @@ def attention(config: Config, *, local: bool = False, kv_shared: bool = False) -
   return attn.AttentionSpec(
       head_dim=config.head_dim,
       kv_heads=config.num_kv_heads,
-      bias=True,
+      qkv_bias=True,
+      out_bias=True,
       sinks=True,
       sliding_window_size=config.sliding_window_size if local else 0,
       ring_cache=attn.ring_cache(config),
@@ -299,4 +300,5 @@ FAMILY = Family(
     hf=(HFFamily("gpt_oss", "GptOssForCausalLM", ("gpt_oss",), RULES, _config_from_hf, _config_to_hf, CONFIG_CLASS),),
     check=_check,
     ring_cache=False,
+    maxtext_fixed={"attention_bias": True},  # MaxText's gpt-oss files set it: its q/k/v/o biases
 )

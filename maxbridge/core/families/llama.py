@@ -151,25 +151,30 @@ def mistral_window(hf: Mapping[str, Any]) -> int:
   return get_int(hf, "sliding_window", 0)
 
 
-def _qwen3_window(hf: Mapping[str, Any]) -> int:
-  # Qwen3Config's __post_init__: a window only with use_sliding_window, on the
-  # layers from max_window_layers on, unless layer_types names each layer's kind.
-  window = hf["sliding_window"] if get_bool(hf, "use_sliding_window") else None
-  layers = get_int(hf, "num_hidden_layers")
-  kinds, field = hf["layer_types"], "layer_types"
-  if kinds is None:
-    first = get_int(hf, "max_window_layers")
-    kinds = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(layers)]
-    field = f"use_sliding_window=true with max_window_layers={first}"
-  if not isinstance(kinds, list) or len(kinds) != layers:
-    raise HFError(f"{CONFIG_FILE}: layer_types={kinds!r} must list one kind per layer ({layers})")
-  windowed = [i for i, kind in enumerate(kinds) if kind not in ("full_attention", "attention")]
-  if windowed:
-    raise HFError(
-        f"{CONFIG_FILE}: {field} gives layers {windowed} a sliding window; maxbridge's qwen3 attends in full on "
-        "every layer"
-    )
-  return 0
+def qwen_window(decoder_block: str) -> Callable[[Mapping[str, Any]], int]:
+  """Qwen2's and Qwen3's window reader: none, else refused naming the layers transformers would window."""
+
+  def window(hf: Mapping[str, Any]) -> int:
+    # Their configs' __post_init__: a window only with use_sliding_window, on the
+    # layers from max_window_layers on, unless layer_types names each layer's kind.
+    size = hf["sliding_window"] if get_bool(hf, "use_sliding_window") else None
+    layers = get_int(hf, "num_hidden_layers")
+    kinds, field = hf["layer_types"], "layer_types"
+    if kinds is None:
+      first = get_int(hf, "max_window_layers")
+      kinds = ["sliding_attention" if size is not None and i >= first else "full_attention" for i in range(layers)]
+      field = f"use_sliding_window=true with max_window_layers={first}"
+    if not isinstance(kinds, list) or len(kinds) != layers:
+      raise HFError(f"{CONFIG_FILE}: layer_types={kinds!r} must list one kind per layer ({layers})")
+    windowed = [i for i, kind in enumerate(kinds) if kind not in ("full_attention", "attention")]
+    if windowed:
+      raise HFError(
+          f"{CONFIG_FILE}: {field} gives layers {windowed} a sliding window; maxbridge's {decoder_block} attends in "
+          "full on every layer"
+      )
+    return 0
+
+  return window
 
 
 def config_to_hf(
@@ -237,7 +242,7 @@ FAMILY = Family(
             "Qwen3ForCausalLM",
             ("qwen3",),
             RULES,
-            config_from_hf("qwen3", QWEN3_CONFIG, biases=("attention_bias",), window=_qwen3_window, qk_norm=True),
+            config_from_hf("qwen3", QWEN3_CONFIG, biases=("attention_bias",), window=qwen_window("qwen3"), qk_norm=True),
             config_to_hf(
                 "qwen3",
                 qk_norm=True,
