@@ -16,7 +16,7 @@ from tqdm import tqdm
 from converters import keys, ocdbt, plan, storage
 from converters.errors import ConversionError
 from converters.source import Source, per_layer
-from maxbridge.core import canonical, checkpointing, files, layouts
+from maxbridge.core import canonical, checkpointing, config_keys, files, layouts
 from maxbridge.core.config import Config, ConfigError, load_config
 from maxbridge.interop.hf.folders import abstract_params
 
@@ -184,7 +184,13 @@ def _prepare(reader, destination, layout, scan_layers, param_scan_axis, dtype, p
     raise ConversionError(f"unknown layout {kind!r}; expected 'linen' or 'nnx'")
   if dtype not in (None, "float32", "bfloat16"):
     raise ConversionError(f"unknown dtype {dtype!r}; expected 'float32' or 'bfloat16'")
-  config = load_config(os.fspath(given)) if given is not None else _load(checkpointing.find_config(reader.items))
+  own = _load(checkpointing.find_config(reader.items))
+  config = load_config(os.fspath(given)) if given is not None else own
+  if given is not None and own is not None and (differ := config_keys.contradictions(own, config)):
+    raise ConversionError(
+        f"--config {os.fspath(given)} contradicts the source's config.yml, which describes its checkpoints "
+        f"({'; '.join(differ[:8])}): drop --config (the source's own is read), or give one that agrees"
+    )
   source_axis, axis = _axes(reader.layout.scanned, scan_layers, param_scan_axis, config)
   steps = plan.build(
       reader.leaves,

@@ -1,9 +1,12 @@
 """MaxText users move in: its checkpoints (no config.yml beside them) and the config keys it uses."""
 
+import re
+
 import chex
 import jax
 import numpy as np
 import pytest
+import yaml
 from flax import nnx
 
 import converters
@@ -287,3 +290,24 @@ def test_a_maxtext_yaml_with_keys_that_change_the_numbers_is_refused_key_by_key(
     assert line in message, message
   with pytest.raises(ConfigError, match="'global_parameter_scale' = '2' is not supported"):
     mb.load_config("llama-tiny", "global_parameter_scale=2")
+
+
+def test_a_config_that_contradicts_the_runs_own_is_refused_by_every_reader(maxtext, tmp_path, capsys):
+  """Same shapes, another RoPE base: read with it, the checkpoints would be another model. A config that agrees
+  on what the model computes is taken (its precision here)."""
+  step_dir, _ = maxtext["nnx"]
+  ours = tmp_path / "ours"
+  assert cli.main(["convert", str(step_dir), str(ours), "--layout", "linen", "--config", "llama-tiny"]) == 0
+  other = tmp_path / "other.yml"
+  other.write_text(yaml.safe_dump(mb.load_config("llama-tiny", rope_max_timescale=500000).to_dict()))
+  said = r"rope_max_timescale: 10000 -> 500000"
+  with pytest.raises(HFError, match=rf"config='{other}' contradicts {ours}/config.yml.*{said}"):
+    mb.from_pretrained(ours, config=str(other))
+  assert cli.main(["generate", str(ours), "--config", str(other), "--max-new-tokens", "1"]) == 2
+  assert re.search(said, capsys.readouterr().err)
+  with pytest.raises(converters.ConversionError, match=rf"--config {other} contradicts the source's config.yml.*{said}"):
+    converters.convert(ours, tmp_path / "again", config=str(other))
+  assert not (tmp_path / "again").exists()
+  agrees = tmp_path / "agrees.yml"
+  agrees.write_text(yaml.safe_dump(mb.load_config("llama-tiny", scan_layers=False, dtype="bfloat16").to_dict()))
+  assert mb.from_pretrained(ours, backend="linen", config=str(agrees)).config.dtype == "bfloat16"

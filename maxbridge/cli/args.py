@@ -11,7 +11,10 @@ BAD_INPUT = 2
 INTERNAL = 1
 DEBUG_ENV = "MAXBRIDGE_DEBUG"
 DEBUG_HELP = f"show the traceback of an error (or set {DEBUG_ENV}=1)"
-CONFIG_HELP = "preset or YAML file describing a checkpoint that has no config.yml (MaxText's)"
+CONFIG_HELP = (
+    "preset or YAML file describing a checkpoint that has no config.yml (MaxText's); where one has, it must agree "
+    "with it on what the model computes (refused otherwise), and sets how it runs"
+)
 
 
 class Verb(NamedTuple):

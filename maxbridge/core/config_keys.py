@@ -70,6 +70,18 @@ MODEL_KEYS: tuple[str, ...] = tuple(
         )
     )
 )
+
+
+def contradictions(saved: Any, given: Any) -> list[str]:
+  """The keys of what a model computes (`MODEL_KEYS`) on which two configs differ, each with both values: a
+  config given for a checkpoint whose run has its own config.yml must agree with it on these."""
+  return [
+      f"{key}: {getattr(saved, key, None)!r} -> {getattr(given, key, None)!r}"
+      for key in MODEL_KEYS
+      if yaml.safe_dump(getattr(saved, key, None)) != yaml.safe_dump(getattr(given, key, None))
+  ]
+
+
 # MaxText keys (its base.yml) that change where a run logs, profiles or stores
 # things, never what it computes: a MaxText YAML may carry them, and they are ignored.
 _MAXTEXT_IGNORED = frozenset(

@@ -21,7 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from maxbridge.core import canonical, checkpointing, layouts
+from maxbridge.core import canonical, checkpointing, config_keys, layouts
 from maxbridge.core.config import Config, load_config, override_values
 from maxbridge.interop.hf import folders
 from maxbridge.interop.hf.families import HF_CONFIG_SIDECAR, HFError
@@ -46,6 +46,7 @@ def load_checkpoint(
     )
   if config is not None:
     cfg = load_config(os.fspath(config), *overrides, **kwargs)
+    _agrees_with_run(cfg, config, path, overrides, kwargs)
     if not cfg.checkpoint_is_quantized:  # a quantized tree holds other leaves than the float model's
       # Here, where the user's choice of config is known (a later shape error could not name it), and
       # on the metadata: a wrong config is reported before gigabytes are read.
@@ -63,6 +64,22 @@ def load_checkpoint(
         "(or config='path/to.yml') in Python, --config llama2-7b on the command line"
     )
   return load_config(str(config_file), *overrides, **kwargs), params
+
+
+def _agrees_with_run(cfg: Config, config: str | os.PathLike, path, overrides, kwargs) -> None:
+  """A `config` given for a checkpoint whose run has its own config.yml is taken only where it agrees with it on
+  what the model computes: config.yml describes the checkpoints, and a config of the same shapes but, say,
+  another RoPE base or epsilon would read them as another model. How the model runs (precision, kernel,
+  layout) is the given config's."""
+  found = checkpointing.find_config(checkpointing.resolve(path)[0])
+  if found is None:  # MaxText's checkpoints have none: the given config describes them
+    return
+  differ = config_keys.contradictions(load_config(str(found), *overrides, **kwargs), cfg)
+  if differ:
+    raise HFError(
+        f"config={os.fspath(config)!r} contradicts {found}, which describes the checkpoints in {path} "
+        f"({'; '.join(differ[:8])}): drop the config (the run's own is read), or give one that agrees"
+    )
 
 
 def sidecar(path: str | os.PathLike) -> tuple[dict[str, Any] | None, Path | None]:
