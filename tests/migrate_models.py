@@ -214,6 +214,58 @@ class NNXShifted(nnx.Module):
     return y * self.gate[...] if hasattr(self, "gate") else y
 
 
+# ---------------------------------------------------------------- an MLP with a LayerNorm, and three faulty twins
+
+
+class LinenNormMLP(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(16)(x))
+    x = nn.relu(nn.Dense(16)(x))
+    x = nn.relu(nn.Dense(16)(x))
+    return nn.Dense(4)(nn.LayerNorm()(x))
+
+
+class NNXNormMLP(nnx.Module):
+  """The twin; `swap` runs fc3 before fc2 (same shapes, so every weight still matches), the others as named."""
+
+  def __init__(self, *, rngs: nnx.Rngs, swap: bool = False, activation=nnx.relu, epsilon: float = 1e-6):
+    self.fc1 = nnx.Linear(8, 16, rngs=rngs)
+    self.fc2 = nnx.Linear(16, 16, rngs=rngs)
+    self.fc3 = nnx.Linear(16, 16, rngs=rngs)
+    self.norm = nnx.LayerNorm(16, epsilon=epsilon, rngs=rngs)
+    self.out = nnx.Linear(16, 4, rngs=rngs)
+    self.swap = swap
+    self.activation = activation
+
+  def __call__(self, x):
+    x = self.activation(self.fc1(x))
+    for layer in (self.fc3, self.fc2) if self.swap else (self.fc2, self.fc3):
+      x = nnx.relu(layer(x))
+    return self.out(self.norm(x))
+
+
+def linen_norm_mlp() -> nn.Module:
+  return LinenNormMLP()
+
+
+def nnx_norm_mlp() -> nnx.Module:
+  return NNXNormMLP(rngs=nnx.Rngs(0))
+
+
+def nnx_norm_mlp_swapped() -> nnx.Module:
+  return NNXNormMLP(rngs=nnx.Rngs(0), swap=True)
+
+
+def nnx_norm_mlp_gelu() -> nnx.Module:
+  return NNXNormMLP(rngs=nnx.Rngs(0), activation=nnx.gelu)
+
+
+def nnx_norm_mlp_epsilon() -> nnx.Module:
+  return NNXNormMLP(rngs=nnx.Rngs(0), epsilon=1e-3)
+
+
 # ---------------------------------------------------------------- the cases
 
 

@@ -11,8 +11,8 @@ def _add_migrate(verbs) -> None:
       help="move your own Flax Linen model and its checkpoints to its NNX twin (docs/migrate.md)",
       description="check: match a Linen module's variables to its NNX twin, convert them, and compare outputs and "
       "gradients, naming the first submodule that differs (exit 0 agree, 1 differ, 2 error). convert: turn a "
-      "Linen orbax checkpoint (TrainState or variables) into one the NNX twin restores (exit 0 done, 2 error, "
-      "nothing written).",
+      "Linen orbax checkpoint (TrainState or variables) into one the NNX twin restores, after comparing the two "
+      "on its weights as check does (exit 0 done; 2 error or the twin differs, nothing written).",
   )
   actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
   for action, text in (("check", "compare the two modules layer by layer"), ("convert", "convert a checkpoint")):
@@ -37,7 +37,8 @@ def _add_migrate(verbs) -> None:
         "--input-shape",
         required=action == "check",
         metavar="N,N,..",
-        help="shape of a float input" + (" (checks the checkpoint against the module)" if action == "convert" else ""),
+        help="shape of a float input"
+        + (" (the twin is compared on random inputs of it before anything is written)" if action == "convert" else ""),
     )
     a.add_argument(
         "--linen-arg",
@@ -46,8 +47,14 @@ def _add_migrate(verbs) -> None:
         metavar="NAME=VALUE",
         help="keyword argument of the Linen module's call, e.g. train=false (repeatable)",
     )
-    if action == "check":
-      a.add_argument("--atol", type=tolerance, default=1e-6, help="absolute tolerance (default 1e-6)")
+    a.add_argument("--atol", type=tolerance, default=1e-6, help="absolute tolerance (default 1e-6)")
+    if action == "convert":
+      a.add_argument(
+          "--allow-mismatch",
+          action="store_true",
+          help="write the checkpoint even if the twin's outputs differ from the Linen model's (or, without "
+          "--input-shape, were not compared); a warning says so",
+      )
     a.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
 
 
@@ -72,10 +79,19 @@ def _migrate(args: argparse.Namespace) -> int:
     print(plan)
     print(comparison)
     return 0 if comparison.ok else 1
-  plan = checkpoint.convert_checkpoint(
-      args.source, args.destination, args.linen, args.nnx, rules=args.rules, input_shape=shape, linen_kwargs=linen_kwargs
+  plan, comparison = checkpoint.convert_checkpoint(
+      args.source,
+      args.destination,
+      args.linen,
+      args.nnx,
+      rules=args.rules,
+      input_shape=shape,
+      linen_kwargs=linen_kwargs,
+      atol=args.atol,
+      allow_mismatch=args.allow_mismatch,
   )
   print(f"{args.destination}: {plan.__str__().splitlines()[0].removeprefix('migrate plan: ')}")
+  print(str(comparison).splitlines()[0] if comparison is not None else "outputs not compared (no --input-shape)")
   return 0
 
 

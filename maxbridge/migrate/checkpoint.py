@@ -72,6 +72,15 @@ def _nnx_parts(built) -> tuple[nnx.Module, nnx.Optimizer | None]:
   return model, optimizer
 
 
+def _match(variables: Mapping[str, Any], model: nnx.Module, rules: str | None) -> Plan:
+  try:
+    return match(variables, model, load_rules(rules) if rules else ())
+  except MigrateError as e:
+    if rules and str(e).startswith("rules that do not fit"):  # name the file the user has to edit
+      raise MigrateError(f"rules file {rules}: {e}") from None
+    raise
+
+
 def parse_shape(text: str) -> tuple[int, ...]:
   try:
     shape = tuple(int(x) for x in text.split(","))
@@ -80,6 +89,10 @@ def parse_shape(text: str) -> tuple[int, ...]:
   if not shape or any(n <= 0 for n in shape):
     raise MigrateError(f"--input-shape {text!r}: expected positive integers separated by commas, e.g. 2,28,28,1")
   return shape
+
+
+def _random_inputs(input_shape: Sequence[int], seed: int) -> tuple:
+  return (jax.random.normal(jax.random.key(seed + 1), tuple(input_shape)),)
 
 
 def check(
@@ -95,9 +108,9 @@ def check(
   """Builds both modules, initialises Linen on random inputs, matches, converts, and compares (eval mode)."""
   linen_module = load_factory(linen)()
   model, _ = _nnx_parts(load_factory(nnx_factory)())
-  inputs = (jax.random.normal(jax.random.key(seed + 1), tuple(input_shape)),)
+  inputs = _random_inputs(input_shape, seed)
   variables = linen_module.init(jax.random.key(seed), *inputs, **dict(linen_kwargs or {}))
-  plan = match(variables, model, load_rules(rules) if rules else ())
+  plan = _match(variables, model, rules)
   plan.check()
   return plan, compare(linen_module, model, inputs, variables=variables, plan=plan, linen_kwargs=linen_kwargs, atol=atol)
 
@@ -131,26 +144,39 @@ def _read(source: Path) -> dict:
 
 
 def convert_checkpoint(
-    source: str,
-    destination: str,
+    source: str | os.PathLike,
+    destination: str | os.PathLike,
     linen: str,
     nnx_factory: str,
     *,
     rules: str | None = None,
     input_shape: Sequence[int] | None = None,
     linen_kwargs: Mapping[str, Any] | None = None,
+    atol: float = 1e-6,
+    allow_mismatch: bool = False,
+    seed: int = 0,
     log: Callable[[str], None] = lambda text: print(text, file=sys.stderr),
-) -> Plan:
+) -> tuple[Plan, Comparison | None]:
   """Converts the Linen orbax checkpoint `source` into an NNX one at `destination` (which must not exist).
 
-  With `input_shape`, the Linen factory's module is initialised (abstractly) and the checkpoint must hold its
-  variables, shape for shape. Writes to a folder beside `destination`, renamed into place when complete.
+  Before writing, both modules run on the checkpoint's weights (random inputs of `input_shape`) and are
+  compared as `check` compares them: if they differ beyond `atol`, MigrateError with the comparison and nothing
+  written, unless `allow_mismatch` (then a warning). Without `input_shape` nothing can be compared: refused
+  unless `allow_mismatch`. The checkpoint must hold the Linen module's variables, shape for shape. Writes to a
+  folder beside `destination`, renamed into place when complete. Returns the plan and the comparison (None
+  when not compared).
   """
-  destination = Path(destination)
+  # orbax takes only absolute paths ("should be absolute"); the user's may be relative to where they are.
+  source, destination = Path(source).absolute(), Path(destination).absolute()
   if destination.exists():
     raise MigrateError(f"{destination} exists; migrate convert never overwrites: choose a new directory")
   if not destination.parent.is_dir():
     raise MigrateError(f"{destination.parent}: no such directory to write {destination.name} into")
+  if input_shape is None and not allow_mismatch:
+    raise MigrateError(
+        "migrate convert compares the NNX twin's outputs with the Linen model's before it writes, on random inputs "
+        "of --input-shape: give it (e.g. --input-shape 2,28,28,1), or --allow-mismatch to write without comparing"
+    )
   item = item_directory(source)
   log(f"reading {item}")
   raw = _read(item)
@@ -164,9 +190,35 @@ def convert_checkpoint(
     )
     check_shapes(linen_values(variables), linen_leaves(abstract), "checkpoint")
   model, optimizer = _nnx_parts(load_factory(nnx_factory)())
-  plan = match(variables, model, load_rules(rules) if rules else ())
+  plan = _match(variables, model, rules)
   log(plan.__str__().splitlines()[0])
   plan.check()
+  comparison = None
+  if input_shape is not None:
+    comparison = compare(
+        linen_module,
+        model,
+        _random_inputs(input_shape, seed),
+        variables=variables,
+        plan=plan,
+        linen_kwargs=linen_kwargs,
+        atol=atol,
+    )
+    if not comparison.ok and not allow_mismatch:
+      raise MigrateError(
+          "the NNX twin does not compute what the Linen model does on this checkpoint's weights: restored from "
+          f"it, the twin would not give your trained model's outputs; nothing written to {destination}.\n"
+          f"{comparison}\nFix the twin (maxbridge migrate check reports the same on random weights), loosen "
+          "--atol, or pass --allow-mismatch to write it anyway"
+      )
+    log(str(comparison))
+    if not comparison.ok:
+      log(
+          f"warning: writing despite the difference (--allow-mismatch): outputs max |diff| "
+          f"{comparison.output_max_abs:.3g} > atol {atol:g}"
+      )
+  else:
+    log("warning: the twin's outputs were not compared with the Linen model's (--allow-mismatch, no --input-shape)")
   opt_state = raw.get("opt_state")
   converted = convert(
       plan,
@@ -185,7 +237,7 @@ def convert_checkpoint(
   elif opt_state is not None:
     log("note: optimizer state not written: the NNX factory returned no nnx.Optimizer to hold it")
   _write(destination, tree, log)
-  return plan
+  return plan, comparison
 
 
 def _write(destination: Path, tree: dict, log: Callable[[str], None]) -> None:

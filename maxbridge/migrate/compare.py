@@ -7,7 +7,9 @@ outputs only, and a wrong activation between two layers shows first in the next 
 giving each submodule, for the run, a subclass whose `__call__` records (NNX has no hook of its own and
 `sow` would mean editing the user's model). The first call whose input or output differs names the
 culprit: an output that differs from equal inputs is the submodule itself; an input that differs after
-every earlier call agreed is the parent's code between its submodules. Calls inside transforms (`nn.scan`,
+every earlier call agreed is the parent's code between its submodules. Only calls of modules the plan pairs
+(by structure, or by one-to-one rules) are compared; calls before the culprit that could not be are named in
+the report, which then does not claim that everything before it agrees. Calls inside transforms (`nn.scan`,
 `nnx.vmap`, `nnx.RNN`) see tracers and are not recorded; the transform's own module is.
 """
 
@@ -36,6 +38,9 @@ class Difference:
   where: str  # "output": the submodule itself; "input": its parent's code before it; "stack": a layer of a stack
   max_abs: float
   detail: str = ""
+  # Linen calls that ran before this one and were not compared: no NNX module is paired with theirs (a
+  # split/concat rule, no leaves to match by); the difference may have started in them.
+  unchecked: list[tuple] = dataclasses.field(default_factory=list)
 
   def __str__(self) -> str:
     names = f"Linen '{self.linen_path or '(top)'}' / NNX '{self.nnx_path or '(top)'}'"
@@ -48,6 +53,15 @@ class Difference:
       return (
           f"first difference: the output of {names} (max |diff| {self.max_abs:.3g}{self.detail}); "
           "its inputs agree, so this submodule computes differently"
+      )
+    if self.unchecked:
+      shown = ", ".join(f"'{path_str(p) or '(top)'}'" for p in self.unchecked[:6])
+      more = f" and {len(self.unchecked) - 6} more" if len(self.unchecked) > 6 else ""
+      return (
+          f"first difference among the compared calls: the input of {names} (max |diff| {self.max_abs:.3g}{self.detail}); every "
+          f"compared call before it agrees, but Linen's {shown}{more} ran before it and could not be compared (no "
+          "NNX submodule is paired with it: pair it with a one-to-one rule linen: 'params/<its path>/(.*)', nnx: "
+          "'<NNX path>/\\1'), so the difference may start there or in the parent's code between its submodules"
       )
     return (
         f"first difference: the input of {names} (max |diff| {self.max_abs:.3g}{self.detail}), while every call "
@@ -178,16 +192,23 @@ def _bisect(plan: Plan, linen_events: list, nnx_events: list, atol: float) -> Di
     nnx_index[(kind, path, n)] = i
   counts = {}
   last_agreed = -1
+  # Linen calls that finished without being compared (no NNX module paired with theirs), until an enclosing
+  # call's output agrees: "every call before it agrees" may only be said when this is empty.
+  unchecked: dict[tuple, None] = {}
   for kind, path, value in linen_events:
-    if (kind, path) not in to_nnx:
-      continue
-    n = counts[(kind, path)] = counts.get((kind, path), -1) + 1
-    i = nnx_index.get((kind, to_nnx[(kind, path)], n))
+    i = None
+    if (kind, path) in to_nnx:
+      n = counts[(kind, path)] = counts.get((kind, path), -1) + 1
+      i = nnx_index.get((kind, to_nnx[(kind, path)], n))
     if i is None:
+      if kind == "output":
+        unchecked[path] = None
       continue
     diff, detail = _max_diff(value, nnx_events[i][2])
     if diff <= atol:
       last_agreed = max(last_agreed, i)
+      if kind == "output":  # whatever ran inside this call is cleared by its agreeing output
+        unchecked = {p: None for p in unchecked if p[: len(path)] != path}
       continue
     if kind == "input":
       # Linen's lifted transforms (nn.scan) hide their calls; NNX's Python loop over a list shows them. A
@@ -195,7 +216,7 @@ def _bisect(plan: Plan, linen_events: list, nnx_events: list, atol: float) -> Di
       for lin, seq, _ in plan.stacks:
         if any(e[1][: len(seq)] == seq for e in nnx_events[last_agreed + 1 : i]):
           return Difference(path_str(lin), path_str(seq), "stack", diff, detail)
-    return Difference(path_str(path), path_str(to_nnx[(kind, path)]), kind, diff, detail)
+    return Difference(path_str(path), path_str(to_nnx[(kind, path)]), kind, diff, detail, unchecked=list(unchecked))
   return None
 
 

@@ -58,29 +58,79 @@ class Rule:
 
   @classmethod
   def from_dict(cls, entry: Mapping[str, Any], where: str = "rule") -> "Rule":
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(entry) - known
-    if unknown or "linen" not in entry or "nnx" not in entry:
+    """A rule from its YAML/dict form; MigrateError naming `where`, the key at fault and what would be valid."""
+    if not isinstance(entry, Mapping):
+      raise MigrateError(f"{where}: a rule is a mapping such as {{linen: REGEX, nnx: PATH}}, got {entry!r}")
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(str(k) for k in entry if k not in known)
+    missing = [k for k in ("linen", "nnx") if k not in entry]
+    if unknown or missing:
       raise MigrateError(
-          f"{where}: a rule has keys linen, nnx and optionally transpose, reshape, split, concat; got " f"{sorted(entry)}"
+          f"{where}: a rule has keys linen, nnx and optionally transpose, reshape, split, concat; got "
+          f"{sorted(map(str, entry))}"
+          + (f" (unknown: {', '.join(unknown)})" if unknown else "")
+          + (f" (missing: {', '.join(missing)})" if missing else "")
       )
+    for key in ("split", "concat"):
+      if entry.get(key) is not None and not _is_int(entry[key]):
+        raise MigrateError(f"{where}: {key} is the axis to {key} along, an integer such as -1; got {entry[key]!r}")
+    for key in ("transpose", "reshape"):
+      value = entry.get(key)
+      if value is not None and not (isinstance(value, (list, tuple)) and value and all(map(_is_int, value))):
+        raise MigrateError(f"{where}: {key} is a list of integers such as [1, 0]; got {value!r}")
+    # A list on one side means several leaves (split: one Linen leaf to several NNX leaves; concat: the reverse).
+    for key, listed_by in (("linen", "concat"), ("nnx", "split")):
+      value = entry[key]
+      if entry.get(listed_by) is not None:
+        if not (isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value)):
+          side = "Linen" if key == "linen" else "NNX"
+          raise MigrateError(f"{where}: {listed_by} needs a list of {side} paths under {key}, got {key}: {value!r}")
+      elif not isinstance(value, str):
+        kind = "a regex on the Linen path" if key == "linen" else "an NNX path (\\1 for a group of the regex)"
+        raise MigrateError(
+            f"{where}: {key} is {kind}, a string such as 'params/Dense_0/(.*)'; got {value!r}"
+            + (f" (a list is for {listed_by}: {key} paths with {listed_by}: AXIS)" if isinstance(value, list) else "")
+        )
+    if entry.get("split") is not None and entry.get("concat") is not None:
+      raise MigrateError(f"{where}: a rule either splits or concatenates, not both")
+    if isinstance(entry["linen"], str):
+      try:
+        re.compile(entry["linen"])
+      except re.error as e:
+        raise MigrateError(f"{where}: linen {entry['linen']!r} is not a valid regular expression: {e}") from None
     as_tuple = lambda v: tuple(v) if isinstance(v, (list, tuple)) else v
-    rule = cls(**{k: as_tuple(v) for k, v in entry.items()})
-    if rule.split is not None and not isinstance(rule.nnx, tuple):
-      raise MigrateError(f"{where}: split needs a list of NNX paths, got nnx: {rule.nnx!r}")
-    if rule.concat is not None and not isinstance(rule.linen, tuple):
-      raise MigrateError(f"{where}: concat needs a list of Linen paths, got linen: {rule.linen!r}")
-    return rule
+    return cls(**{k: as_tuple(v) for k, v in entry.items()})
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+_RULES_FORM = "rules: [{linen: REGEX, nnx: PATH}, ...] (optionally transpose, reshape, split, concat)"
 
 
 def load_rules(path: str) -> tuple[Rule, ...]:
-  """Rules from a YAML file: `rules: [{linen: REGEX, nnx: PATH, transpose: [1, 0]}, ...]`."""
-  with open(path) as f:
-    data = yaml.safe_load(f) or {}
+  """Rules from a YAML (or JSON) file: `rules: [{linen: REGEX, nnx: PATH, transpose: [1, 0]}, ...]`.
+
+  Raises MigrateError naming the file, the rule and the key at fault, and what would be valid."""
+  try:
+    with open(path) as f:
+      data = yaml.safe_load(f)
+  except OSError as e:
+    raise MigrateError(f"rules file {path}: cannot read it: {e.strerror or e}") from None
+  except yaml.YAMLError as e:
+    # YAML's message carries the line and column; JSON is YAML too.
+    raise MigrateError(f"rules file {path}: not valid YAML or JSON: {' '.join(str(e).split())}") from None
   entries = data.get("rules") if isinstance(data, dict) else None
   if not isinstance(entries, list):
-    raise MigrateError(f"{path}: expected a mapping with a list under 'rules', e.g. rules: [{{linen: ..., nnx: ...}}]")
-  return tuple(Rule.from_dict(e, f"{path}: rules[{i}]") for i, e in enumerate(entries))
+    got = f"keys {sorted(map(str, data))}" if isinstance(data, dict) else f"a {type(data).__name__}"
+    raise MigrateError(f"rules file {path}: expected a mapping with a list under 'rules', {_RULES_FORM}; got {got}")
+  if isinstance(data, dict) and set(data) - {"rules"}:
+    raise MigrateError(
+        f"rules file {path}: unknown top-level keys {sorted(map(str, set(data) - {'rules'}))}; the file holds only "
+        f"{_RULES_FORM}"
+    )
+  return tuple(Rule.from_dict(e, f"rules file {path}: rules[{i}]") for i, e in enumerate(entries))
 
 
 # ---------------------------------------------------------------- the plan
@@ -183,16 +233,25 @@ def _apply_rules(rules, lin: dict, nnx_side: dict) -> tuple[list[Link], list[str
         continue
       links.append(Link(tuple(sources), (target,), op="concat", axis=rule.concat, rule=text))
       continue
-    hits = [n for n in by_name_lin if re.fullmatch(rule.linen, n)]
+    hits = {n: m for n in by_name_lin if (m := re.fullmatch(rule.linen, n))}
     if not hits:
       problems.append(f"rule {text}: no Linen path matches {rule.linen!r}")
-    for name in hits:
+    for name, found in hits.items():
       if rule.split is not None:
         targets = [nnx_path(n, text) for n in rule.nnx]
         if None not in targets:
           links.append(Link((by_name_lin[name],), tuple(targets), op="split", axis=rule.split, rule=text))
         continue
-      target = nnx_path(re.sub(rule.linen, rule.nnx, name) if isinstance(rule.nnx, str) else "", text)
+      if not isinstance(rule.nnx, str):
+        problems.append(f"rule {text}: a list of NNX paths needs split: AXIS; one NNX path is a string")
+        break
+      try:
+        # expand, not re.sub: a pattern that also matches the empty string at the end ('.*') would repeat it.
+        target_name = found.expand(rule.nnx)
+      except re.error as e:  # a group the regex does not have (\3), a bad escape
+        problems.append(f"rule {text}: NNX path template {rule.nnx!r} does not fit the regex: {e}")
+        break
+      target = nnx_path(target_name, text)
       if target is not None:
         links.append(Link((by_name_lin[name],), (target,), transpose=rule.transpose, reshape=rule.reshape, rule=text))
   for link in links:
@@ -201,6 +260,28 @@ def _apply_rules(rules, lin: dict, nnx_side: dict) -> tuple[list[Link], list[str
     for p in link.nnx:
       nnx_side.pop(p, None)
   return links, problems
+
+
+def _rule_modules(links: Sequence[Link], paired: Sequence[tuple[tuple, tuple]]) -> list[tuple[tuple, tuple]]:
+  """(Linen module, NNX module) pairs the rules imply: every leaf of the one maps one to one into the other.
+
+  `compare` only compares the calls of paired modules; a module whose leaves the rules claimed would otherwise
+  never be, and a difference in it would surface (and be blamed) only at a later call.
+  """
+  targets: dict[tuple, set] = {}
+  for link in links:
+    for lin in link.linen:
+      # split/concat spread one module over several: no one module of the other side computes what it does.
+      target = link.nnx[0][:-1] if link.op == "same" else None
+      targets.setdefault(lin[1:-1], set()).add(target)
+  taken_linen = {lin for lin, _ in paired}
+  taken_nnx = {nx for _, nx in paired}
+  pairs = []
+  for lin, nxs in targets.items():
+    if len(nxs) == 1 and None not in nxs and lin not in taken_linen and (nx := next(iter(nxs))) not in taken_nnx:
+      pairs.append((lin, nx))
+      taken_nnx.add(nx)
+  return pairs
 
 
 def _pair_collections(lin_collections: set, nnx_types: dict[type, str | None]) -> tuple[dict[type, str], list[str]]:
@@ -264,6 +345,6 @@ def match(
       linen_template=lin,
       nnx_template=nnx_template,
       nnx_module=nnx_module,
-      modules=res.modules,
+      modules=res.modules + _rule_modules([link for link in links if link.rule], res.modules),
       stacks=res.stacks,
   )
