@@ -9,6 +9,9 @@ transformers loads with the same logits, and importing that folder is exact.
 """
 
 import json
+import os
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -388,3 +391,24 @@ def test_llama3_1_preset_exports_its_rope_scaling(backend, tmp_path):
   assert max_diff(model.logits(jnp.asarray(TOKENS, jnp.int32)), want) <= LOGITS_TOL
   unscaled = mb.create_model(model.config.replace(rope_use_scale=False), params=model.params())
   assert max_diff(unscaled.logits(jnp.asarray(TOKENS, jnp.int32)), want) > 100 * LOGITS_TOL
+
+
+def test_export_hf_that_cannot_write_its_weights_exits_2_naming_the_file_and_leaves_nothing(llama_folder, tmp_path):
+  """A full disk, here a file-size limit: safetensors' own error is reported as the write failure it is."""
+  assert cli.main(["import-hf", str(llama_folder), str(tmp_path / "ckpt")]) == 0
+  limit = "import resource, signal, runpy, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+  limit += "resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000)); "
+  limit += "sys.argv[0] = 'maxbridge'; runpy.run_module('maxbridge.cli', run_name='__main__')"
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION")}  # the limit would cut them
+  out = tmp_path / "out" / "hf"
+  proc = subprocess.run(
+      [sys.executable, "-c", limit, "export-hf", str(tmp_path / "ckpt"), str(out)],
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert f"could not write {out / 'model.safetensors'}" in proc.stderr and "nothing was written" in proc.stderr
+  assert "internal error" not in proc.stderr, proc.stderr[-3000:]
+  assert list((tmp_path / "out").iterdir()) == []  # neither the folder nor its staging copy

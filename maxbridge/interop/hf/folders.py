@@ -107,6 +107,7 @@ def save_hf(
     base_config: Mapping[str, Any] | None = None,
 ) -> Path:
   """Writes config.json + model.safetensors into a new folder `destination`, atomically."""
+  from safetensors import SafetensorError  # pylint: disable=import-outside-toplevel
   from safetensors.flax import save_file  # pylint: disable=import-outside-toplevel
 
   destination = Path(destination)
@@ -126,7 +127,10 @@ def save_hf(
   hf_config = config_to_hf(config, base_config)
 
   def write(tmp: Path) -> None:
-    save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    try:
+      save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    except SafetensorError as e:  # safetensors reports a failed write (a full disk, a size limit) as its own error
+      raise OSError(f"could not write {destination / WEIGHTS_FILE}: {e}; nothing was written") from e
     files.apply_umask(tmp / WEIGHTS_FILE, directory=False)  # safetensors creates it 0o600
     files.write_text(tmp / CONFIG_FILE, json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
 
