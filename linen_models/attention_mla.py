@@ -65,9 +65,9 @@ class MLA(nn.Module):
         value,
         segment_ids,
         positions,
-        kernel=cfg.attention,
         query_scale=scale,
         with_max_logits=cfg.use_qk_clip,
+        **attention.kernel_options(cfg),
         **kv,
     )
     write_cache(out)

@@ -6,6 +6,8 @@ outputs and gradients (its own VJP) equal dot_product's in float32 to 1e-5 for e
 Mosaic kernel for a v5p topology from this host; and the cuDNN path's arguments, read by JAX's XLA implementation.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,10 +15,12 @@ import pytest
 from jax.experimental import topologies
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
+import maxbridge as mb
 from maxbridge.core import sharding
+from maxbridge.core.config import ConfigError
 from maxbridge.core.config import MESH_AXES
 from maxbridge.ops import attention, cudnn_attention, splash_attention
-from conftest import assert_flash_gives_dot_products_logits
+from conftest import LINEN, assert_flash_gives_dot_products_logits, flag_id, tiny_config
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 BATCH, LENGTH, HEADS, KV_HEADS, HEAD_DIM = 2, 200, 4, 2, 8  # GQA: two query heads per kv head
@@ -35,7 +39,7 @@ SELF = dict(q_segment_ids=SEGMENTS, kv_segment_ids=SEGMENTS, q_positions=POSITIO
 @pytest.fixture(autouse=True)
 def interpreted(monkeypatch):
   monkeypatch.setattr(splash_attention, "INTERPRET", True)
-  monkeypatch.setattr(splash_attention, "BLOCK", 128)
+  monkeypatch.setattr(splash_attention, "DEFAULT", splash_attention.Blocks(*[128] * 8))
 
 
 def run(kernel, query, key, value, sinks, **options):
@@ -134,11 +138,59 @@ def test_a_tiny_llama_on_the_tpu_path_gives_dot_products_logits_on_linen_and_nnx
   assert_flash_gives_dot_products_logits(splash_calls, "splash attention")
 
 
+@pytest.fixture
+def block_sizes(monkeypatch):
+  """Each `splash.BlockSizes` a splash kernel is built with."""
+  made, make = [], splash_attention.splash.make_splash_mha
+  monkeypatch.setattr(
+      splash_attention.splash, "make_splash_mha", lambda *a, **k: made.append(k["block_sizes"]) or make(*a, **k)
+  )
+  return made
+
+
+def test_other_block_sizes_the_fused_backward_and_sequence_minor_layouts_equal_dot_product(block_sizes):
+  # 200 tokens padded to 512 (the blocks' least common multiple); dq from the dk/dv kernel.
+  blocks = splash_attention.Blocks(256, 512, 128, 128, 256, 128, 128, 128, True, "SEQ_MINOR", "SEQ_MINOR", "SEQ_MINOR")
+  kernel = functools.partial(splash_attention.splash_attention, blocks=blocks)
+  assert_equals_dot_product(kernel, QUERY, KEY, VALUE, SINKS, sliding_window_size=70, **SELF)
+  made = block_sizes[-1]
+  assert (made.block_q, made.block_kv, made.block_kv_compute, made.block_kv_dkv) == (256, 256, 128, 256)  # clipped
+  assert made.use_fused_bwd_kernel and made.block_q_dq is None and made.q_layout.name == "SEQ_MINOR"
+
+
+def test_a_models_sa_keys_reach_the_splash_kernel_on_linen_and_nnx(splash_calls, block_sizes):
+  keys = dict(sa_use_fused_bwd_kernel=True, sa_k_layout="SEQ_MINOR", sa_block_kv_compute=256, sa_block_kv=1024)
+  for flags in (LINEN, (True, True, True)):
+    config = tiny_config(flags, attention="flash", **keys)
+    tokens = jnp.arange(32).reshape(2, 16)
+    got = mb.create_model(config, seed=0).logits(tokens)
+    want = mb.create_model(config.replace(attention="dot_product"), seed=0).logits(tokens)
+    np.testing.assert_allclose(got, want, **TOL, err_msg=flag_id(flags))
+  assert splash_calls and block_sizes
+  # 16 tokens: every size clipped to one 128-lane block; the layout and the fused backward as set.
+  assert {(b.block_kv, b.block_kv_compute, b.use_fused_bwd_kernel, b.k_layout.name) for b in block_sizes} == {
+      (128, 128, True, "SEQ_MINOR")
+  }
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        (dict(sa_block_q=100), r"'sa_block_q' = 100 is invalid; it must be a positive multiple of 128"),
+        (dict(sa_block_kv=512, sa_block_kv_compute=384), r"sa_block_kv_compute=384 must divide sa_block_kv=512"),
+        (dict(sa_v_layout="ROW_MAJOR"), r"'sa_v_layout' = 'ROW_MAJOR' is invalid; valid values: 'HEAD_DIM_MINOR'"),
+    ],
+)
+def test_splash_keys_that_the_kernel_cannot_take_are_refused_naming_the_key(keys, message):
+  with pytest.raises(ConfigError, match=message):
+    tiny_config(**keys)
+
+
 def test_splash_compiles_for_a_v5p_topology_from_this_host_in_less_memory_than_the_scores(monkeypatch):
   # The real kernel (no interpreter: the step is compiled for a TPU), shard_mapped over fsdp (batch) and tensor
   # (heads) of 4 abstract v5p chips, with its backward pass.
   monkeypatch.setattr(splash_attention, "INTERPRET", None)
-  monkeypatch.setattr(splash_attention, "BLOCK", 512)
+  monkeypatch.setattr(splash_attention, "DEFAULT", splash_attention.Blocks())  # base.yml's 512s
   # libtpu is a test dependency (maxbridge[tpu]): without it this fails, as a user's compile would.
   devices = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices
   sizes = dict(fsdp=2, tensor=2)

@@ -73,6 +73,18 @@ class Config:
   remat_policy: str
   attention: str
   float32_logits: bool
+  sa_block_q: int
+  sa_block_kv: int
+  sa_block_kv_compute: int
+  sa_block_q_dkv: int
+  sa_block_kv_dkv: int
+  sa_block_kv_dkv_compute: int
+  sa_block_q_dq: int
+  sa_block_kv_dq: int
+  sa_use_fused_bwd_kernel: bool
+  sa_q_layout: str
+  sa_k_layout: str
+  sa_v_layout: str
   logits_via_embedding: bool
   normalize_embedding_logits: bool
   pure_nnx: bool

@@ -39,6 +39,9 @@ HOW_NOT_WHAT = frozenset(
         *("model_name", "override_model_config", "max_target_length", "dtype", "weight_dtype"),
         *("scan_layers", "param_scan_axis", "remat_policy", "attention", "float32_logits", "sparse_matmul"),
         *("gdn_chunk_size", "pure_nnx", "enable_nnx", "pure_nnx_decoder", "seed", "load_balance_loss_weight"),
+        *("sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv", "sa_block_kv_dkv"),
+        *("sa_block_kv_dkv_compute", "sa_block_q_dq", "sa_block_kv_dq", "sa_use_fused_bwd_kernel"),
+        *("sa_q_layout", "sa_k_layout", "sa_v_layout"),
     }
 )
 

@@ -20,15 +20,13 @@ from maxbridge.core.pipeline_plan import pipeline_plan
 Config = Any
 
 # Each mesh axis's size, in the order of config.MESH_AXES (diloco, data, stage, fsdp, context, tensor, expert).
-ICI_PARALLELISM_KEYS = (
-    "ici_diloco_parallelism",
-    "ici_data_parallelism",
-    "ici_pipeline_parallelism",
-    "ici_fsdp_parallelism",
-    "ici_context_parallelism",
-    "ici_tensor_parallelism",
-    "ici_expert_parallelism",
+ICI_PARALLELISM_KEYS = tuple(
+    f"ici_{axis}_parallelism" for axis in ("diloco", "data", "pipeline", "fsdp", "context", "tensor", "expert")
 )
+# Pallas splash attention's block sizes (`ops.splash_attention.Blocks`), each a multiple of a TPU's 128 lanes; a
+# compute block steps through the block of keys it names, so divides it.
+SPLASH_BLOCKS = ("q", "kv", "kv_compute", "q_dkv", "kv_dkv", "kv_dkv_compute", "q_dq", "kv_dq")
+SPLASH_COMPUTE_BLOCKS = {"kv_compute": "kv", "kv_dkv_compute": "kv_dkv"}
 
 
 class ConfigError(ValueError):
@@ -48,6 +46,7 @@ def _positive(value: float) -> bool:
 
 # Each rule: key, test the value must pass, and what a valid value is.
 _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    *((f"sa_block_{b}", lambda v: v > 0 and v % 128 == 0, "a positive multiple of 128") for b in SPLASH_BLOCKS),
     *(
         (key, _positive, "a positive integer")
         for key in (
@@ -206,6 +205,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "weight_dtype": ("float32", "bfloat16"),
     "remat_policy": ("none", "full", "minimal", "minimal_offloaded"),
     "attention": ATTENTION_KERNELS,
+    **{f"sa_{x}_layout": ("HEAD_DIM_MINOR", "SEQ_MINOR") for x in "qkv"},
     "param_scan_axis": (0, 1),
     "dataset_type": ("embedded", "synthetic", "text", "sft", "grain"),
     "grain_file_type": ("auto", "jsonl", "text", "parquet", "arrayrecord", "arrow"),
@@ -235,6 +235,12 @@ def validate(config: Config) -> None:
     if value not in choices:
       listed = ", ".join(repr(c) for c in choices)
       raise ConfigError(f"config key {key!r} = {value!r} is invalid; valid values: {listed}")
+  for compute, block in SPLASH_COMPUTE_BLOCKS.items():
+    if getattr(config, f"sa_block_{block}") % getattr(config, f"sa_block_{compute}"):
+      raise ConfigError(
+          f"sa_block_{compute}={getattr(config, f'sa_block_{compute}')} must divide sa_block_{block}="
+          f"{getattr(config, f'sa_block_{block}')}: splash attention steps through each block of keys in it"
+      )
   if config.base_num_query_heads % config.base_num_kv_heads:
     raise ConfigError(
         f"base_num_query_heads={config.base_num_query_heads} must be a multiple of "

@@ -5,7 +5,7 @@ may differ in length and offset (a query block against a cache of keys).
 """
 
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -183,7 +183,9 @@ ACCELERATED = {
 MIN_KERNEL_LENGTH = 128
 
 
-def choose_kernel(name: str, platform: str, *, float32_logits: bool = True) -> Callable[..., jax.Array]:
+def choose_kernel(
+    name: str, platform: str, *, float32_logits: bool = True, splash_blocks: splash_attention.Blocks | None = None
+) -> Callable[..., jax.Array]:
   """The config's `attention` name on the platform a step is compiled for (`sharding.platform`) -> the kernel,
   called with `dot_product_attention`'s arguments: the one place a kernel is chosen.
 
@@ -191,7 +193,7 @@ def choose_kernel(name: str, platform: str, *, float32_logits: bool = True) -> C
   kernel elsewhere; an accelerator's refuses what it cannot express, naming it. autoselected, as MaxText's: the
   accelerator's kernel where it applies (at least `MIN_KERNEL_LENGTH` queries, nothing it refuses), else
   dot_product, and dot_product on a CPU. A decode step (a short query against a cache) reads dot_product on an
-  accelerator, as MaxText's does.
+  accelerator, as MaxText's does. `float32_logits` is dot_product's; `splash_blocks`, splash's block sizes.
   """
   dot_product = functools.partial(KERNELS["dot_product"], float32_logits=float32_logits)
   if name == "dot_product" or (name == "autoselected" and platform not in ACCELERATED):
@@ -199,6 +201,8 @@ def choose_kernel(name: str, platform: str, *, float32_logits: bool = True) -> C
   if platform not in ACCELERATED:
     return KERNELS[name]
   module, kernel = ACCELERATED[platform]
+  if module is splash_attention and splash_blocks is not None:
+    kernel = functools.partial(kernel, blocks=splash_blocks)
 
   def accelerated(query, key, value, **options):
     if isinstance(key, tuple) and len(key) == 1:  # no cache: the layer's own keys
@@ -231,6 +235,7 @@ def self_attention(
     kv_segment_ids: jax.Array | None = None,
     kv_positions: jax.Array | None = None,
     float32_logits: bool = True,
+    splash_blocks: splash_attention.Blocks | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Attention of a sequence over itself: (output, the per-layer values a decoder layer returns).
 
@@ -238,9 +243,9 @@ def self_attention(
   and carry their own `kv_segment_ids` and `kv_positions` [B, S] (`ops.kv_cache`); by default
   they are the queries'. The values hold the per-head max logits
   (`decoder/max_logits`) when QK-Clip asks for them. `kernel`: the config's `attention`, chosen for the platform
-  the step is compiled for (`choose_kernel`); `float32_logits`, MaxText's key (`dot_product_attention`).
+  the step is compiled for (`choose_kernel`), with its options (`kernel_options`).
   """
-  result = choose_kernel(kernel, sharding.platform(), float32_logits=float32_logits)(
+  result = choose_kernel(kernel, sharding.platform(), float32_logits=float32_logits, splash_blocks=splash_blocks)(
       query,
       key,
       value,
@@ -281,15 +286,24 @@ def layer_attention(
       value,
       segment_ids,
       positions,
-      kernel=config.attention,
       sliding_window_size=spec.sliding_window_size,
       chunk_size=spec.chunk_size,
       query_scale=spec.query_scale,
       with_max_logits=config.use_qk_clip,
       logits_soft_cap=spec.logits_soft_cap,
       sinks=sinks,
-      float32_logits=config.float32_logits,
+      **kernel_options(config),
       **masking,
+  )
+
+
+def kernel_options(config) -> dict[str, Any]:
+  """`self_attention`'s keywords the config sets for any attention layer: the kernel (MaxText's `attention`),
+  dot_product's `float32_logits` and splash's block sizes (its `sa_*` keys)."""
+  return dict(
+      kernel=config.attention,
+      float32_logits=config.float32_logits,
+      splash_blocks=splash_attention.Blocks.of_config(config),
   )
 
 

@@ -11,7 +11,9 @@ The kernel runs on one device. Under an active mesh it is `shard_map`ped over th
 MaxText does; the sequence stays whole on each device (context parallelism is refused).
 """
 
+import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +25,52 @@ from jax.sharding import PartitionSpec
 from maxbridge.core import sharding
 from maxbridge.ops.attention_mask import MASK_VALUE
 
-# Queries and keys per block (MaxText's sa_block_* defaults), clipped to the padded sequence length.
-BLOCK = 512
-# Splash's blocks are multiples of the TPU's 128 lanes: sequences are padded to a multiple of the block.
-_LANES = splash.NUM_LANES
+# Splash's blocks are multiples of the TPU's 128 lanes.
+LANES = splash.NUM_LANES
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+  """Splash's block sizes (queries or keys per block, in the forward pass and the two backward kernels) and the
+  memory layouts of its inputs: MaxText's `sa_*` keys (`KEYS`), with base.yml's defaults. A size past the
+  sequence is clipped to it (rounded up to whole lanes), and the sequence is padded to a multiple of every size.
+  With the fused backward kernel (`fused_bwd`), dq is computed with dk and dv and its sizes are unused."""
+
+  q: int = 512
+  kv: int = 512
+  kv_compute: int = 512
+  q_dkv: int = 512
+  kv_dkv: int = 512
+  kv_dkv_compute: int = 512
+  q_dq: int = 512
+  kv_dq: int = 512
+  fused_bwd: bool = False
+  q_layout: str = "HEAD_DIM_MINOR"
+  k_layout: str = "HEAD_DIM_MINOR"
+  v_layout: str = "HEAD_DIM_MINOR"
+
+  @classmethod
+  def of_config(cls, config) -> "Blocks":
+    return cls(**{field: getattr(config, key) for field, key in KEYS.items()})
+
+  def sizes(self) -> dict[str, int]:
+    """The sizes the kernels use: with `fused_bwd`, not dq's."""
+    unused = ("q_dq", "kv_dq") if self.fused_bwd else ()
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.type is int and f.name not in unused}
+
+  def clipped(self, length: int) -> "Blocks":
+    """Each size at most `length` rounded up to whole lanes."""
+    whole = -(-length // LANES) * LANES
+    return dataclasses.replace(self, **{name: min(size, whole) for name, size in self.sizes().items()})
+
+
+# Blocks' field -> its config key (MaxText's).
+KEYS = {
+    **{f.name: f"sa_block_{f.name}" for f in dataclasses.fields(Blocks) if f.type is int},
+    "fused_bwd": "sa_use_fused_bwd_kernel",
+    **{f"{x}_layout": f"sa_{x}_layout" for x in "qkv"},
+}
+DEFAULT = Blocks()
 # None: run the Pallas interpreter unless the step is compiled for a TPU (`sharding.platform`). Tests set True to
 # run the TPU path on the CPU.
 INTERPRET: bool | None = None
@@ -63,10 +107,10 @@ def splash_attention(
     return_max_logits: bool = False,
     logits_soft_cap: float = 0.0,
     sinks: jax.Array | None = None,
-    block: int | None = None,
+    blocks: Blocks | None = None,
 ) -> jax.Array:
   """`ops.attention.dot_product_attention`'s arguments and result for self-attention: query [B, T, N, H], key
-  [B, T, K, H], value [B, T, K, Hv] -> [B, T, N, Hv]; `block` defaults to `BLOCK` (read at each call)."""
+  [B, T, K, H], value [B, T, K, Hv] -> [B, T, N, Hv]; `blocks` defaults to `DEFAULT` (read at each call)."""
   reason = unsupported(query, key, value, return_max_logits=return_max_logits)
   if reason:
     raise ValueError(f"attention=flash on a TPU (Pallas splash attention) cannot {reason}; or set attention=dot_product")
@@ -85,14 +129,14 @@ def splash_attention(
     if chunk_size:
       q_segment_ids = _chunk_segments(q_segment_ids, q_positions, chunk_size)
       kv_segment_ids = _chunk_segments(kv_segment_ids, kv_positions, chunk_size)
-    padded = -(-length // _LANES) * _LANES
-    block = next(b for b in (min(block or BLOCK, padded), 256, _LANES) if padded % b == 0 and b % _LANES == 0)
+    blocks = (blocks or DEFAULT).clipped(length)
+    padded = -(-length // math.lcm(*blocks.sizes().values())) * math.lcm(*blocks.sizes().values())
     # [B, heads, T, H], as splash reads them, padded to whole blocks.
     query, key, value = (_pad(x, 1, padded, 0).transpose(0, 2, 1, 3) for x in (query, key, value))
     q_segment_ids, kv_segment_ids = (_pad(x, 1, padded, _PAD_SEGMENT) for x in (q_segment_ids, kv_segment_ids))
     kernel = functools.partial(
         _attend,
-        block=block,
+        blocks=blocks,
         sliding_window_size=sliding_window_size,
         logits_soft_cap=logits_soft_cap,
         interpret=INTERPRET if INTERPRET is not None else sharding.platform() != "tpu",
@@ -112,19 +156,21 @@ def _attend(query, key, value, q_segment_ids, kv_segment_ids, sinks, **options):
   return jax.vmap(lambda q, k, v, s: kernel(q, k, v, s, sinks.astype(jnp.float32)))(query, key, value, segment_ids)
 
 
-def _kernel(num_heads, length, *, block, sliding_window_size, logits_soft_cap, interpret):
+def _kernel(num_heads, length, *, blocks, sliding_window_size, logits_soft_cap, interpret):
   shape = (length, length)
   if sliding_window_size:  # query i sees keys i - W + 1 ... i
     mask = splash_mask.LocalMask(shape, window_size=(sliding_window_size - 1, 0), offset=0)
   else:
     mask = splash_mask.CausalMask(shape)
-  sizes = dict(block_q=block, block_kv=block, block_kv_compute=block)
-  sizes |= dict(block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+  sizes = {f"block_{name}": size for name, size in blocks.sizes().items()}
+  if blocks.fused_bwd:  # dq comes from the dk/dv kernel
+    sizes |= dict(block_q_dq=None, block_kv_dq=None)
+  layouts = {name: splash.QKVLayout[getattr(blocks, name)] for name in ("q_layout", "k_layout", "v_layout")}
   # Built in each trace (its mask tables are that trace's constants); the costly part, processing the mask block by
   # block in numpy, splash caches by the mask's value.
   return splash.make_splash_mha(
       splash_mask.MultiHeadMask([mask] * num_heads),
-      block_sizes=splash.BlockSizes(**sizes),
+      block_sizes=splash.BlockSizes(**sizes, use_fused_bwd_kernel=blocks.fused_bwd, **layouts),
       head_shards=1,
       q_seq_shards=1,
       mask_value=MASK_VALUE,
