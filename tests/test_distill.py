@@ -289,7 +289,9 @@ def test_feature_distillation_refuses_layers_and_models_it_cannot_compare_naming
   assert families.lookup("gemma2").stacks[0].sublayers
   with pytest.raises(ConfigError, match="decoder_block='gemma2'.*blocks of 2 layers"):
     mb.load_config("gemma2-tiny", distill_beta=0.5, teacher_overrides="{}")
-  with pytest.raises(ConfigError, match="distill_beta=0.5 adds a feature loss against a teacher, and this run has none"):
+  with pytest.raises(
+      ConfigError, match="distill_beta=0.5 is read only by distillation from a teacher, and this run has none"
+  ):
     recipe.create_loss(distill_config(distill_beta=0.5))
   with pytest.raises(ConfigError, match="distill_beta=0.5 with pipeline parallelism"):
     distill_config(teacher_overrides="{}", distill_beta=0.5, ici_pipeline_parallelism=2)

@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from maxbridge.core import families
+from maxbridge.core import array_limits, families
 from maxbridge.core.pipeline_plan import pipeline_plan
 
 # `maxbridge.core.config.Config`, which runs these rules on every instance: so this module cannot import it.
@@ -274,6 +274,7 @@ def validate(config: Config) -> None:
     )
   if config.process_id >= config.num_processes:
     raise ConfigError(f"process_id={config.process_id} must be below num_processes={config.num_processes}")
+  array_limits.check_length(config, config.per_device_batch_size, ConfigError, " (per_device_batch_size)")
   _validate_family(config)
   _validate_pipeline(config)
   _validate_context(config)

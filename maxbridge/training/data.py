@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from maxbridge.core.config import Config
+from maxbridge.training.data_paths import same_setting  # noqa: F401  (callers' name for it: data.same_setting)
 from maxbridge.training.posttrain import dpo, sft
 
 # What `pack` makes. A loss declares the keys it reads (`maxbridge.loss`); a
@@ -51,6 +52,7 @@ DATA_KEYS = (
     "grain_shuffle_buffer_size",
 )
 DATASET_TYPES = ("embedded", "synthetic", "text", "sft", "grain")
+
 
 # Every EVAL_EVERY-th document (index % EVAL_EVERY == 0) is held out for eval.
 EVAL_EVERY = 20
@@ -275,7 +277,7 @@ def _preference_rows(config: Config, split: str, length: int) -> dict[str, np.nd
       raise ValueError("use_dpo with tokenizer_path needs dataset_path: the built-in set is byte tokens")
     return _builtin_preference_rows(split, length)
   pairs = []
-  for path in _text_files(config.dataset_path):
+  for path in text_files(config.dataset_path):
     if path.suffix != ".jsonl":
       raise ValueError(f"use_dpo=true reads .jsonl files (prompt/chosen/rejected rows), got {path}")
     pairs += dpo.jsonl_pairs(path, encode, length)
@@ -298,7 +300,7 @@ def _sft_rows(config: Config, split: str, length: int) -> dict[str, np.ndarray]:
     return _builtin_sft_rows(split, length, completion_only)
   chat = sft.HFChat(config.tokenizer_path, config.vocab_size) if config.tokenizer_path else None
   examples = []
-  for path in _text_files(config.dataset_path):
+  for path in text_files(config.dataset_path):
     if path.suffix != ".jsonl":
       raise ValueError(f"dataset_type='sft' reads .jsonl files (prompt/completion or messages rows), got {path}")
     examples += sft.jsonl_examples(path, chat, length)
@@ -396,7 +398,8 @@ def _synthetic_rows(split: str, length: int, vocab_size: int, seed: int) -> dict
   return _freeze(pack(np.split(tokens, cuts), length))
 
 
-def _text_files(dataset_path: str) -> list[Path]:
+def text_files(dataset_path: str) -> list[Path]:
+  """The files `dataset_path` (a folder, file or glob) names, sorted; an error if none."""
   if os.path.isdir(dataset_path):
     files = [p for p in Path(dataset_path).rglob("*") if p.suffix in (".txt", ".jsonl") and p.is_file()]
     wanted = f"no .txt or .jsonl files under folder {dataset_path!r}"
@@ -431,7 +434,7 @@ def _jsonl_documents(path: Path) -> list[np.ndarray]:
 def _text_rows(dataset_path: str, split: str, length: int) -> dict[str, np.ndarray]:
   # Not cached: the files are the user's and may change between calls.
   documents = []
-  for path in _text_files(dataset_path):
+  for path in text_files(dataset_path):
     if path.suffix == ".jsonl":
       documents += _jsonl_documents(path)
     else:

@@ -57,7 +57,7 @@ import optax
 import yaml
 
 from maxbridge.core import canonical, files, sharding
-from maxbridge.core.config import Config, ConfigError, load_config
+from maxbridge.core.config import BASE_CONFIG, Config, ConfigError, load_config
 from maxbridge.interop import pretrained
 from maxbridge.interop.hf.families import HFError
 from maxbridge.models import dispatch
@@ -72,6 +72,22 @@ INHERITED = ("max_target_length", "dtype", "num_vocab_tiling", "pure_nnx", "enab
 
 def is_enabled(config: Config) -> bool:
   return bool(config.teacher_overrides.strip() or config.distill_logits_path)
+
+
+# The keys only distillation's loss reads: without a teacher, a value other than base.yml's would be ignored.
+# (distill_layer_indices is refused without distill_beta by `config_rules`; distill_beta needs a teacher in the step.)
+TUNING_KEYS = ("distill_alpha", "distill_temperature", "distill_beta", "distill_feature_loss_type")
+
+
+def ignored_keys(config: Config) -> list[str]:
+  """The distillation keys `config` sets away from base.yml's values while it has no teacher (each `key=value`).
+
+  Checked where a run builds its loss, not in `config_rules`: a teacher's own config carries its student's values
+  (it takes distill_beta for its layers' outputs), and it has no teacher."""
+  if is_enabled(config):
+    return []
+  defaults = yaml.safe_load(BASE_CONFIG.read_text())
+  return [f"{key}={getattr(config, key)!r}" for key in TUNING_KEYS if getattr(config, key) != defaults[key]]
 
 
 def teacher_overrides(config: Config) -> dict[str, Any]:
@@ -469,7 +485,7 @@ class OfflineLogits:
     bad += [
         f"{key} {meta['data'].get(key)!r} (the run's: {ours[key]!r})"
         for key in PROVENANCE_KEYS
-        if meta["data"].get(key) != ours[key]
+        if not data.same_setting(key, meta["data"].get(key), ours[key])
     ]
     self._refuse(bad)
     self.fingerprints = meta["tokens_sha256"]

@@ -29,7 +29,10 @@ The iterator's state (a few integers per worker, and the damaged records skipped
 with each checkpoint through Grain's orbax handler (`grain_checkpoint`), so a resumed run
 reads exactly the batches an uninterrupted one would have; a resume whose data settings
 differ is refused, naming the key, unless `restart_data_on_resume` starts the new data
-from its beginning.
+from its beginning. Path keys are compared by what they name (`data.same_setting`), and
+the state records each file read with its fingerprint (`data_paths.fingerprint`): a
+file replaced, edited, added or removed since is refused likewise, naming it (a state
+saved before states held fingerprints resumes unchecked).
 """
 
 from __future__ import annotations
@@ -47,8 +50,16 @@ from absl import flags
 from maxbridge.core.checkpointing import CheckpointError
 from maxbridge.core.config import Config
 from maxbridge.training import grain_checkpoint
+from maxbridge.training.data_paths import fingerprint, same_setting
 from maxbridge.training.grain_packing import PackExamplesIterDataset, PackIterDataset
-from maxbridge.training.grain_sources import EVAL_EVERY, Corpus, HeldOut, JsonlSource, TextSource, resolve_files
+from maxbridge.training.grain_sources import (
+    EVAL_EVERY,
+    Corpus,
+    HeldOut,
+    JsonlSource,
+    TextSource,
+    resolve_files,
+)
 from maxbridge.training.grain_tokens import EncodeExamples, Tokenize, special_token
 
 # `maxbridge.interop.pretrained` (orbax, for its checks) is imported where it checks: Grain's worker processes
@@ -113,7 +124,10 @@ class GrainDataset:
     # SFT examples and DPO pairs are read from whole records (their fields), pre-training text from data_columns.
     self.kind = "dpo" if config.use_dpo else "sft" if config.use_sft else "text"
     column = config.data_columns if self.kind == "text" else None
-    source = Corpus(resolve_files(files, config.grain_file_type, key), column, config.grain_skip_damaged_records)
+    found = resolve_files(files, config.grain_file_type, key)
+    # As the files are as the pipeline opens them: what a saved state's position is into.
+    self.fingerprints = [[os.path.realpath(path), fingerprint(path)] for path, _ in found]
+    source = Corpus(found, column, config.grain_skip_damaged_records)
     if not config.grain_eval_files:
       source = HeldOut(source, split)
     if len(source) < process_count:
@@ -222,8 +236,25 @@ class GrainDataset:
     """The iterator's state before the next step's batch, with the settings it belongs to (JSON)."""
     if self._iterator is None:
       self._restart()
-    state = {"step": self._next, "settings": self.settings, "iterator": self._iterator.get_state()}
+    state = {
+        "step": self._next,
+        "settings": self.settings,
+        "files": self.fingerprints,
+        "iterator": self._iterator.get_state(),
+    }
     return {**state, "origin": self._origin} if self._origin else state
+
+  def _changed_files(self, saved: list[list[str]]) -> list[str]:
+    """What differs between the files a state was saved with and ours, each naming the file."""
+    ours, theirs = dict(map(tuple, self.fingerprints)), dict(map(tuple, saved))
+    changed = [f"{path}: new since the checkpoint" for path in ours if path not in theirs]
+    changed += [f"{path}: gone since the checkpoint" for path in theirs if path not in ours]
+    for path in ours.keys() & theirs.keys():
+      if ours[path] != theirs[path]:
+        (was_size, _), (size, _) = theirs[path].split(":"), ours[path].split(":")
+        how = "other contents, same size" if was_size == size else f"{was_size} -> {size} bytes"
+        changed.append(f"{path}: changed since the checkpoint ({how}; fingerprint {theirs[path]} -> {ours[path]})")
+    return sorted(changed)
 
   def restart_at(self, step: int) -> None:
     """Reads from the data's beginning at `step` (a resume with `restart_data_on_resume`): `batch(step)` is
@@ -254,12 +285,20 @@ class GrainDataset:
     changed = [
         f"{key}: {state['settings'].get(key)!r} -> {value!r}"
         for key, value in self.settings.items()
-        if state["settings"].get(key) != value
+        if not same_setting(key, state["settings"].get(key), value)
     ]
     if changed:
       raise CheckpointError(
           f"{self.name}: the checkpoint's data iterator was saved with other data settings ({'; '.join(changed)}); "
           "resume with the values it was saved with, or start a new run_name"
+      )
+    # A state saved before states recorded their files holds none: such a run resumes as it always did.
+    changed = self._changed_files(state["files"]) if "files" in state else []
+    if changed:
+      raise CheckpointError(
+          f"{self.name}: the checkpoint's data iterator was saved reading other files ({'; '.join(changed)}); the "
+          "saved position would read other records. Restore the files it was saved with, or set "
+          "restart_data_on_resume=true to start the new data from its beginning, or start a new run_name"
       )
     self._restart()
     self._iterator.set_state(state["iterator"])

@@ -6,7 +6,10 @@ the files `resolve_files` names, in order. With a `column` it is that field's te
 fields are read by `posttrain.sft` and `posttrain.dpo`). A record that cannot be
 read (not UTF-8, not JSON) raises `DamagedRecord` naming its file and offset;
 `Corpus(..., skip_damaged=True)` gives a `Damaged` in its place instead, which the
-packers skip and count (`grain_skip_damaged_records`).
+packers skip and count (`grain_skip_damaged_records`). A file its format's reader
+cannot parse (truncated, overwritten, bits flipped) raises `DamagedFile` naming it and
+the reader's complaint, as it opens or whenever a read hits the damage: never skipped,
+since what else of it is wrong cannot be known.
 
 numpy, Grain and pyarrow only: Grain's worker processes import this to read.
 """
@@ -37,6 +40,7 @@ SUFFIXES = {
 EVAL_EVERY = 20
 _READ_CHUNK = 1 << 22  # bytes scanned at a time when indexing a JSONL file
 _PARQUET_GROUPS = 4  # row groups a Parquet source keeps decoded
+FORMATS = {"jsonl": "JSONL", "text": "text", "parquet": "Parquet", "arrayrecord": "ArrayRecord", "arrow": "Arrow"}
 
 
 def resolve_files(pattern: str, file_type: str = "auto", key: str = "grain_train_files") -> list[tuple[str, str]]:
@@ -77,6 +81,32 @@ class DamagedRecord(ValueError):
 
   def __str__(self) -> str:
     return f"{self.args[0]}; set grain_skip_damaged_records=true to skip such records"
+
+
+class DamagedFile(ValueError):
+  """A data file its format's reader cannot parse (truncated, overwritten, not that format): a bad input (exit 2)."""
+
+
+def damaged_file(path: str, kind: str, what: str, error: BaseException) -> DamagedFile:
+  """The error for `path` (a `kind` file) whose reader raised `error` while reading `what`."""
+  detail = str(error).strip() or "no detail given"
+  return DamagedFile(
+      f"{path}: cannot read {what} as {FORMATS[kind]} ({type(error).__name__}: {detail}); the file is damaged, "
+      f"truncated or not {FORMATS[kind]}: replace it (write ArrayRecord again with `maxbridge data convert`)"
+  )
+
+
+# What the readers raise on a file they cannot parse: array_record's RuntimeError ("Corrupted Riegeli/records
+# file"), pyarrow's ArrowException (ArrowInvalid is also a ValueError) and OSError (a short read), the OS's OSError.
+_READ_ERRORS: tuple[type[BaseException], ...] = (OSError, RuntimeError, EOFError)
+
+
+def _read_errors() -> tuple[type[BaseException], ...]:
+  try:
+    import pyarrow as pa  # only Parquet and Arrow corpora need it
+  except ImportError:
+    return _READ_ERRORS
+  return (*_READ_ERRORS, pa.ArrowException)
 
 
 class Damaged:
@@ -158,8 +188,13 @@ class JsonlSource:
     if self._file is None:
       self._file = open(self.path, "rb")  # noqa: SIM115  (open while the source lives)
     start = int(self.starts[index])
-    # A positional read: Grain's reader threads share the file.
-    return _decode(os.pread(self._file.fileno(), int(self.lengths[index]), start), self.path, start), start
+    try:  # a positional read: Grain's reader threads share the file
+      data = os.pread(self._file.fileno(), int(self.lengths[index]), start)
+    except OSError as e:
+      raise damaged_file(self.path, "jsonl", f"byte offset {start}", e) from e
+    if len(data) < self.lengths[index]:  # cut short since it was indexed
+      raise DamagedFile(f"{self.path}: ends at byte {start + len(data)}, inside a record it held when the run opened it")
+    return _decode(data, self.path, start), start
 
   def __getitem__(self, index: int):
     line, start = self.line(index)
@@ -179,7 +214,11 @@ class TextSource:
     return len(self.paths)
 
   def __getitem__(self, index: int) -> str:
-    return _decode(Path(self.paths[index]).read_bytes(), self.paths[index], 0)
+    try:
+      data = Path(self.paths[index]).read_bytes()
+    except OSError as e:
+      raise damaged_file(self.paths[index], "text", "the file", e) from e
+    return _decode(data, self.paths[index], 0)
 
 
 class _ArrayRecordSource:
@@ -187,14 +226,21 @@ class _ArrayRecordSource:
 
   def __init__(self, path: str, column: str | None):
     self.path, self.column = path, column
-    self.records = grain.sources.ArrayRecordDataSource([path])
+    try:
+      self.records = grain.sources.ArrayRecordDataSource([path])
+    except _READ_ERRORS as e:
+      raise damaged_file(path, "arrayrecord", "its index", e) from e
 
   def __len__(self) -> int:
     return len(self.records)
 
   def __getitem__(self, index: int):
     where = f"{self.path}: record {index}"
-    text = _decode(self.records[index], where, 0)
+    try:
+      data = self.records[index]
+    except _READ_ERRORS as e:
+      raise damaged_file(self.path, "arrayrecord", f"record {index}", e) from e
+    text = _decode(data, where, 0)
     record = _json(text, where, "; write ArrayRecord with `maxbridge data convert`")
     return _field(record, self.column, where)
 
@@ -211,7 +257,10 @@ class _ParquetSource:
     import pyarrow.parquet as pq  # only Parquet corpora need it
 
     self.path, self.column = path, column
-    meta = pq.ParquetFile(path).metadata
+    try:
+      meta = pq.ParquetFile(path).metadata
+    except _read_errors() as e:
+      raise damaged_file(path, "parquet", "its footer", e) from e
     names = meta.schema.names
     if column is not None and column not in names:
       raise ValueError(f"{path}: has no column {column!r} (data_columns); it has {names[:10]}: set data_columns to one")
@@ -232,7 +281,10 @@ class _ParquetSource:
 
   def _group(self, group: int) -> list:
     with self._lock:
-      return self._read_group(group)
+      try:
+        return self._read_group(group)
+      except (*_read_errors(), UnicodeDecodeError) as e:
+        raise damaged_file(self.path, "parquet", f"row group {group}", e) from e
 
   def _read_group(self, group: int) -> list:
     if group not in self._groups:
@@ -264,7 +316,10 @@ class _ArrowSource:
 
   def __init__(self, path: str, column: str | None):
     self.path, self.column = path, column
-    table = self._table()
+    try:
+      table = self._table()
+    except _read_errors() as e:
+      raise damaged_file(path, "arrow", "its record batches", e) from e
     if column is not None and column not in table.column_names:
       raise ValueError(
           f"{path}: has no column {column!r} (data_columns); it has {table.column_names[:10]}: set data_columns to one"
@@ -285,12 +340,18 @@ class _ArrowSource:
 
   def __getitem__(self, index: int):
     if self._data is None:
-      table = self._table()
+      try:
+        table = self._table()
+      except _read_errors() as e:
+        raise damaged_file(self.path, "arrow", "its record batches", e) from e
       self._data = table if self.column is None else table.column(self.column)
     where = f"{self.path}: row {index}"
-    if self.column is None:
-      return _field(self._data.slice(index, 1).to_pylist()[0], None, where)
-    text = self._data[index].as_py()
+    try:
+      if self.column is None:
+        return _field(self._data.slice(index, 1).to_pylist()[0], None, where)
+      text = self._data[index].as_py()
+    except UnicodeDecodeError as e:  # a string column's bytes, damaged in place
+      raise DamagedRecord(f"{where}: not UTF-8 text at byte {e.start} of the row's {self.column or 'fields'}") from e
     if not isinstance(text, str):
       raise ValueError(f"{where}: column {self.column!r} holds {type(text).__name__}, not text")
     return text

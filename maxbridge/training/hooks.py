@@ -26,7 +26,7 @@ from maxbridge.core.config import Config, ConfigError
 from maxbridge.interop import pretrained
 from maxbridge.interop.hf import folders
 from maxbridge.models import lora
-from maxbridge.training import data, distill
+from maxbridge.training import data, data_paths, distill
 from maxbridge.training.posttrain import grpo
 from maxbridge.training.trainer import Trainer
 
@@ -34,6 +34,8 @@ from maxbridge.training.trainer import Trainer
 REFERENCE_FILE = "reference.json"
 # Distillation's teacher, recorded the same way.
 TEACHER_FILE = "teacher.json"
+# An in-memory dataset's files, with their fingerprints (`DataFiles`).
+DATA_FILES = "data_files.json"
 
 
 def global_batch_size(config: Config) -> int:
@@ -287,6 +289,44 @@ def data_config(config: Config) -> Config:
         "(dataset_type='grain', or 'sft' with dataset_path), or on dataset_type='synthetic'"
     )
   return config.replace(tokenizer_path=str(folder))
+
+
+class DataFiles(Hook):
+  """The files an in-memory dataset reads (`dataset_path`: text, SFT and DPO rows), each with its fingerprint
+  (`data_paths.fingerprint`), recorded in DATA_FILES as the run first writes. Its batches are a pure function of
+  the step and of those files: a resume whose files were replaced, edited, added or removed since is refused
+  before anything changes, naming the file, unless restart_data_on_resume (which reads the new data's batch of the
+  step, and records the new files). A Grain dataset records its files in its saved state (`grain_data`). A run
+  recorded before runs kept this file resumes unchecked, and keeps it from then on."""
+
+  def start(self, run: Run) -> None:
+    self.files = {
+        data_paths.resolved(str(path)): data_paths.fingerprint(path) for path in data.text_files(run.config.dataset_path)
+    }
+    path = run.run_dir / DATA_FILES
+    if not run.resumed or not path.is_file():
+      if run.resumed and jax.process_index() == 0:  # a run from before this record: kept from now on
+        files.write_text(path, json.dumps(self.files, indent=1))
+      return
+    saved = json.loads(path.read_text())
+    changed = [f"{p}: new since the run started" for p in sorted(self.files.keys() - saved.keys())]
+    changed += [f"{p}: gone since the run started" for p in sorted(saved.keys() - self.files.keys())]
+    changed += [
+        f"{p}: changed in place (fingerprint {saved[p]} -> {self.files[p]})"
+        for p in sorted(saved.keys() & self.files.keys())
+        if saved[p] != self.files[p]
+    ]
+    if changed and not run.config.restart_data_on_resume:
+      raise checkpointing.CheckpointError(
+          f"{run.run_dir}: its dataset_path files differ from those its checkpoints trained on ({'; '.join(changed)})"
+          "; a step's batch would be another's. Restore the files, or set restart_data_on_resume=true to go on with "
+          "the new data, or start a new run_name"
+      )
+    if changed and jax.process_index() == 0:  # the new data's, from now on
+      files.write_text(path, json.dumps(self.files, indent=1))
+
+  def open(self, run_dir: Path) -> None:
+    files.write_text(run_dir / DATA_FILES, json.dumps(self.files, indent=1))
 
 
 class RunTokenizer(Hook):

@@ -74,7 +74,9 @@ def _check_resume(config: Config, run_dir: Path, keys: tuple[str, ...]) -> None:
   saved = latest_config(run_dir)  # a resume with restart_data_on_resume changed its data keys
   now = _as_recorded(config)
   changed = [
-      f"{key}: {saved[key]!r} -> {getattr(config, key)!r}" for key in keys if key in saved and saved[key] != now[key]
+      f"{key}: {saved[key]!r} -> {getattr(config, key)!r}"
+      for key in keys
+      if key in saved and not data.same_setting(key, saved[key], now[key])  # a path: what it names, not its spelling
   ]
   if changed:
     raise checkpointing.CheckpointError(

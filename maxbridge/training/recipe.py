@@ -8,9 +8,10 @@ feature's own, collected here (`FIXED_KEYS`, `resume_keys`).
 
 import functools
 
+import jax
 from jax.sharding import Mesh
 
-from maxbridge.core import config_keys
+from maxbridge.core import array_limits, config_keys
 from maxbridge.core.config import Config, ConfigError
 from maxbridge.models import dispatch, lora
 from maxbridge.models.model import LinenModel
@@ -68,12 +69,14 @@ def resume_keys(config: Config, trainer: Trainer | diloco.DiLoCoTrainer) -> tupl
 def create_loss(config: Config) -> Loss:
   """The training objective for `config`: the first of `LOSSES` it enables (DPO, GRPO, distillation from a
   teacher, tiled or plain cross-entropy; SFT is cross-entropy on SFT rows)."""
-  if config.distill_beta and not distill.is_enabled(config):
-    # Checked here, not in config_rules: a teacher's own config carries its student's distill_beta (so that its
-    # layers return what the feature loss compares), and it has no teacher.
+  ignored = distill.ignored_keys(config)
+  if ignored:
     raise ConfigError(
-        f"distill_beta={config.distill_beta} adds a feature loss against a teacher, and this run has none: set "
-        "teacher_overrides (the teacher's config), or distill_beta=0"
+        f"{', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} read only by distillation from a teacher, and "
+        "this run has none, so it would train on "
+        "plain cross-entropy: set teacher_overrides (the teacher's config, e.g. '{model_name: llama-small, "
+        "load_parameters_path: /ckpt}') or distill_logits_path (a teacher's logits from `maxbridge distill-logits`), "
+        "or leave those keys at their defaults"
     )
   return next(loss for loss in LOSSES if loss.enabled(config)).from_config(config)
 
@@ -99,6 +102,10 @@ def create_trainer(
         "checkpoint_is_quantized=true: the weights are frozen int8 values and scales for serving, which cannot "
         "be trained; train the float checkpoint instead (quantization=int8 trains it quantization-aware)"
     )
+  # XLA sees the step's global shapes, the rows of every device at once (a Config checked one device's): refused
+  # before the model is built.
+  devices = jax.device_count() if mesh is None else mesh.size
+  array_limits.check_length(config, config.per_device_batch_size * devices, ConfigError, f" ({devices} devices)")
   if after_update is None and config.use_qk_clip:
     after_update = functools.partial(qk_clip.after_update, config=config)
   trainable = LoraAdapters if lora.is_enabled(config) else AllParams
@@ -129,5 +136,7 @@ def create_hooks(config: Config, trainer: Trainer) -> tuple[hooks.Data | hooks.S
     run_hooks.append(hooks.LoraBase())
   if config.use_qk_clip:
     run_hooks.append(hooks.MaxLogits())
+  if not config.use_grpo and config.dataset_path and (config.dataset_type in ("text", "sft") or config.use_dpo):
+    run_hooks.append(hooks.DataFiles())  # the in-memory dataset's files, checked on resume
   run_hooks.append(hooks.RunTokenizer())  # the run keeps its tokenizer_path's files, checked on resume
   return source, run_hooks
