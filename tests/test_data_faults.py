@@ -99,6 +99,9 @@ def test_damaged_data_files_of_every_format_exit_2_naming_the_file(tmp_path, cap
   for path, message in cases:
     code, err = _cli(capsys, "train", path, "steps=8", "per_device_batch_size=8", "eval_interval=0", "log_period=100")
     assert code == 2 and f"{path}: {message}" in err and "internal error" not in err, (path, code, err[-2000:])
+  for path in (tmp_path / "cut-parquet.parquet", header):  # `maxbridge data convert` reads them too
+    assert cli.main(["data", "convert", str(path), str(tmp_path / f"converted-{path.stem}")]) == 2
+    assert f"{path}: cannot read" in capsys.readouterr().err, path
 
 
 def test_a_damaged_file_read_by_worker_processes_exits_2_naming_it(tmp_path, capsys):

@@ -49,7 +49,7 @@ from absl import flags
 
 from maxbridge.core.checkpointing import CheckpointError
 from maxbridge.core.config import Config
-from maxbridge.training import grain_checkpoint
+from maxbridge.training import grain_checkpoint, grain_sources
 from maxbridge.training.data_paths import fingerprint, same_setting
 from maxbridge.training.grain_packing import PackExamplesIterDataset, PackIterDataset
 from maxbridge.training.grain_sources import (
@@ -432,13 +432,12 @@ def convert(source: str, destination: str, progress: bool = True) -> list[str]:
           records = (_json_line(lines, i) for i in range(len(lines)))
           total = len(lines)
         elif kind == "parquet":
-          table = pq.ParquetFile(path)
+          try:
+            table = pq.ParquetFile(path)
+          except grain_sources.read_errors() as e:
+            raise grain_sources.damaged_file(path, kind, "its footer", e) from e
           total = table.metadata.num_rows
-          records = (
-              json.dumps(row, ensure_ascii=False, default=str).encode()
-              for batch in table.iter_batches()
-              for row in batch.to_pylist()
-          )
+          records = _read_parquet(table, path)
         else:
           total = 1
           records = iter([json.dumps({"text": TextSource([path])[0]}, ensure_ascii=False).encode()])
@@ -454,6 +453,16 @@ def convert(source: str, destination: str, progress: bool = True) -> list[str]:
     shutil.rmtree(temporary, ignore_errors=True)
     raise
   return written
+
+
+def _read_parquet(table, path: str):
+  """The rows of a Parquet file as JSON bytes; one that cannot be decoded is a `DamagedFile` naming it."""
+  try:
+    for batch in table.iter_batches():
+      for row in batch.to_pylist():
+        yield json.dumps(row, ensure_ascii=False, default=str).encode()
+  except (*grain_sources.read_errors(), UnicodeDecodeError) as e:
+    raise grain_sources.damaged_file(path, "parquet", "its row groups", e) from e
 
 
 def _json_line(lines: JsonlSource, index: int) -> bytes:

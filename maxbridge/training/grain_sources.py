@@ -101,7 +101,7 @@ def damaged_file(path: str, kind: str, what: str, error: BaseException) -> Damag
 _READ_ERRORS: tuple[type[BaseException], ...] = (OSError, RuntimeError, EOFError)
 
 
-def _read_errors() -> tuple[type[BaseException], ...]:
+def read_errors() -> tuple[type[BaseException], ...]:
   try:
     import pyarrow as pa  # only Parquet and Arrow corpora need it
   except ImportError:
@@ -259,7 +259,7 @@ class _ParquetSource:
     self.path, self.column = path, column
     try:
       meta = pq.ParquetFile(path).metadata
-    except _read_errors() as e:
+    except read_errors() as e:
       raise damaged_file(path, "parquet", "its footer", e) from e
     names = meta.schema.names
     if column is not None and column not in names:
@@ -283,7 +283,7 @@ class _ParquetSource:
     with self._lock:
       try:
         return self._read_group(group)
-      except (*_read_errors(), UnicodeDecodeError) as e:
+      except (*read_errors(), UnicodeDecodeError) as e:
         raise damaged_file(self.path, "parquet", f"row group {group}", e) from e
 
   def _read_group(self, group: int) -> list:
@@ -318,7 +318,7 @@ class _ArrowSource:
     self.path, self.column = path, column
     try:
       table = self._table()
-    except _read_errors() as e:
+    except read_errors() as e:
       raise damaged_file(path, "arrow", "its record batches", e) from e
     if column is not None and column not in table.column_names:
       raise ValueError(
@@ -342,7 +342,7 @@ class _ArrowSource:
     if self._data is None:
       try:
         table = self._table()
-      except _read_errors() as e:
+      except read_errors() as e:
         raise damaged_file(self.path, "arrow", "its record batches", e) from e
       self._data = table if self.column is None else table.column(self.column)
     where = f"{self.path}: row {index}"
