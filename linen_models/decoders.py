@@ -15,6 +15,7 @@ from linen_models.deepseek import DeepSeekDenseLayer, DeepSeekMoELayer
 from linen_models.embeddings import Embed
 from linen_models.gemma import Gemma2Block, Gemma3Block, Gemma3LocalLayer, GemmaDecoderLayer
 from linen_models.gemma4 import Gemma4Block, Gemma4Carry, Gemma4KVSharedBlock
+from linen_models.glm4_moe import Glm4MoeDecoderLayer
 from linen_models.gpt3 import Gpt3DecoderLayer
 from linen_models.gpt_oss import GptOssBlock
 from linen_models.linears import dense
@@ -40,6 +41,7 @@ LAYER_CLASSES = {
     "mixtral": MixtralDecoderLayer,
     "deepseek_dense": DeepSeekDenseLayer,
     "deepseek_moe": DeepSeekMoELayer,
+    "glm4_moe": Glm4MoeDecoderLayer,
     "gemma": GemmaDecoderLayer,
     "gemma2": Gemma2Block,
     "gemma3": Gemma3Block,

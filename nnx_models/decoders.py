@@ -23,6 +23,7 @@ from nnx_models.deepseek import DeepSeekDenseLayer, DeepSeekMoELayer
 from nnx_models.embeddings import Embed
 from nnx_models.gemma import Gemma2Block, Gemma3Block, Gemma3LocalLayer, GemmaDecoderLayer
 from nnx_models.gemma4 import Gemma4Block, Gemma4Carry, Gemma4KVSharedBlock
+from nnx_models.glm4_moe import Glm4MoeDecoderLayer
 from nnx_models.gpt3 import Gpt3DecoderLayer
 from nnx_models.gpt_oss import GptOssBlock
 from nnx_models.linears import dense
@@ -42,6 +43,7 @@ LAYER_CLASSES = {
     "mixtral": MixtralDecoderLayer,
     "deepseek_dense": DeepSeekDenseLayer,
     "deepseek_moe": DeepSeekMoELayer,
+    "glm4_moe": Glm4MoeDecoderLayer,
     "gemma": GemmaDecoderLayer,
     "gemma2": Gemma2Block,
     "gemma3": Gemma3Block,
