@@ -32,7 +32,7 @@ def distill_config(**overrides):
 
 # name -> config overrides; each is one step from the same initial student on the same batch.
 RUNS = {
-    "plain": dict(),
+    "plain": dict(distill_temperature=1.0),  # no teacher: distillation's keys at their defaults (else refused)
     "alpha0": dict(teacher_overrides=SAVED_TEACHER, distill_alpha=0.0),
     "half": dict(teacher_overrides=SAVED_TEACHER, distill_alpha=0.5),
     "half-linen-teacher": dict(teacher_overrides=LINEN_TEACHER, distill_alpha=0.5),
@@ -290,7 +290,7 @@ def test_feature_distillation_refuses_layers_and_models_it_cannot_compare_naming
   with pytest.raises(ConfigError, match="decoder_block='gemma2'.*blocks of 2 layers"):
     mb.load_config("gemma2-tiny", distill_beta=0.5, teacher_overrides="{}")
   with pytest.raises(
-      ConfigError, match="distill_beta=0.5 is read only by distillation from a teacher, and this run has none"
+      ConfigError, match="distill_beta=0.5 are read only by distillation from a teacher, and this run has none"
   ):
     recipe.create_loss(distill_config(distill_beta=0.5))
   with pytest.raises(ConfigError, match="distill_beta=0.5 with pipeline parallelism"):
