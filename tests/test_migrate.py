@@ -387,3 +387,18 @@ def test_cli_check_prints_the_plan_and_the_verdict(capsys):
   assert "params/Conv_0/kernel -> conv/kernel" in out and "Linen and NNX agree" in out
   assert cli.main([*args, "--input-shape", "2,x"]) == 2
   assert "--input-shape '2,x'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "shape, which", [("2,8,8,3", "its NNX twin"), ("2,8", "the Linen model")], ids=["channels", "rank"]
+)
+def test_an_input_shape_a_model_cannot_take_is_named_as_such(tmp_path, capsys, shape, which):
+  """Three channels: the Linen CNN initialises for them and only its twin refuses; two dimensions, neither can run.
+  Either is named before any weights are matched (it was a plan of unmatched leaves, or a broadcasting error)."""
+  models = ["--linen", f"{MODELS_FILE}:linen_cnn", "--nnx", f"{MODELS_FILE}:nnx_cnn_with_optimizer"]
+  for args in (["check"], ["convert", str(tmp_path / "linen"), str(tmp_path / "nnx")]):
+    if args[0] == "convert" and not (tmp_path / "linen").exists():
+      _linen_training_run(tmp_path / "linen")
+    assert cli.main(["migrate", *args, *models, "--input-shape", shape, "--linen-arg", "train=false"]) == 2
+    assert f"--input-shape {shape} does not fit {which}" in capsys.readouterr().err
+  assert not (tmp_path / "nnx").exists()

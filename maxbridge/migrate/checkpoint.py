@@ -108,11 +108,34 @@ def check(
   """Builds both modules, initialises Linen on random inputs, matches, converts, and compares (eval mode)."""
   linen_module = load_factory(linen)()
   model, _ = _nnx_parts(load_factory(nnx_factory)())
+  _check_input_shape(input_shape, linen_module, model, linen_kwargs)
   inputs = _random_inputs(input_shape, seed)
   variables = linen_module.init(jax.random.key(seed), *inputs, **dict(linen_kwargs or {}))
   plan = _match(variables, model, rules)
   plan.check()
   return plan, compare(linen_module, model, inputs, variables=variables, plan=plan, linen_kwargs=linen_kwargs, atol=atol)
+
+
+def _check_input_shape(input_shape, linen_module, model: nnx.Module, linen_kwargs) -> None:
+  """An --input-shape that either model cannot take is named as such, before any weights are matched: a Linen
+  model initialised for it would otherwise show only as leaves its twin lacks, or fail deep in its own code."""
+  shape, x = ",".join(map(str, input_shape)), jax.ShapeDtypeStruct(tuple(input_shape), jnp.float32)
+  graphdef, state = nnx.split(model)
+  runs = {
+      "the Linen model": lambda: jax.eval_shape(
+          lambda x: linen_module.init(jax.random.key(0), x, **dict(linen_kwargs or {})), x
+      ),
+      "its NNX twin": lambda: jax.eval_shape(lambda state, x: nnx.merge(graphdef, state)(x), state, x),
+  }
+  for name, run in runs.items():
+    try:
+      run()
+    except Exception as e:  # the user's model decides what fits it: whatever it raises says why
+      why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+      raise MigrateError(
+          f"--input-shape {shape} does not fit {name} ({type(e).__name__}: {why}); give the shape of one batch of "
+          "its inputs, e.g. --input-shape 2,28,28,1 for two 28x28 single-channel images"
+      ) from e
 
 
 def item_directory(source: str | os.PathLike) -> Path:
@@ -184,12 +207,13 @@ def convert_checkpoint(
   if "params" not in variables:
     raise MigrateError(f"{item}: no 'params' in the checkpoint (it holds {sorted(raw)})")
   linen_module = load_factory(linen)()
+  model, optimizer = _nnx_parts(load_factory(nnx_factory)())
   if input_shape is not None:
+    _check_input_shape(input_shape, linen_module, model, linen_kwargs)
     abstract = jax.eval_shape(
         lambda: linen_module.init(jax.random.key(0), jnp.zeros(tuple(input_shape)), **dict(linen_kwargs or {}))
     )
     check_shapes(linen_values(variables), linen_leaves(abstract), "checkpoint")
-  model, optimizer = _nnx_parts(load_factory(nnx_factory)())
   plan = _match(variables, model, rules)
   log(plan.__str__().splitlines()[0])
   plan.check()
