@@ -74,6 +74,23 @@ FAMILIES = {
             initializer_range=0.1,
         ),
     ),
+    # GLM-4.5's routing with a group limit: the best 2 of 4 groups, 3 experts a token from them.
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        dict(
+            DIMS,
+            moe_intermediate_size=16,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            n_shared_experts=2,
+            routed_scaling_factor=1.5,
+            attention_bias=True,
+        ),
+    ),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", DIMS),
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", {**DIMS, "num_hidden_layers": 4, "sliding_window": 3}),
     "qwen3_moe": (
@@ -197,6 +214,7 @@ _SIZES = (
     "num_key_value_heads",
     "rms_norm_eps",
 )
+_GLM_ROPE = {"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.25}
 HONOURED = [
     Case("llama", (*_SIZES, "head_dim")),
     Case("llama", ("tie_word_embeddings",), build={"tie_word_embeddings": True}),
@@ -313,6 +331,22 @@ HONOURED = [
     ),
     Case("deepseek_v3", ("q_lora_rank", "tie_word_embeddings"), build={"q_lora_rank": None, "tie_word_embeddings": True}),
     Case("deepseek_v3", ("num_local_experts",), edit={"n_routed_experts": 16, "num_local_experts": 8}),
+    Case(
+        "glm4_moe",
+        (*_SIZES, "head_dim", "moe_intermediate_size", "n_shared_experts", "n_routed_experts", "num_local_experts"),
+        build={"head_dim": 16},
+        edit={"n_routed_experts": 16, "num_local_experts": 8},
+    ),
+    Case(
+        "glm4_moe",
+        (
+            *("routed_scaling_factor", "n_group", "topk_group", "num_experts_per_tok", "first_k_dense_replace"),
+            *("rope_parameters", "use_qk_norm", "tie_word_embeddings"),
+        ),
+        build={"use_qk_norm": True, "tie_word_embeddings": True, "rope_parameters": _GLM_ROPE},
+        expect={"partial_rotary_factor": 0.25, "use_qk_norm": True, "rope_max_timescale": 500000},
+    ),
+    Case("glm4_moe", ("partial_rotary_factor",), edit={"partial_rotary_factor": 0.25, "rope_parameters": None}),
     Case("olmo2", (*_SIZES, "rope_parameters", "max_position_embeddings")),
     # Not a field, but OLMo 2's attention reads it: projections of heads * 16 from a width of 32.
     Case("olmo2", ("head_dim", "tie_word_embeddings"), build={"head_dim": 16, "tie_word_embeddings": True}),
@@ -699,6 +733,10 @@ REFUSED = [
     ("qwen3_moe", "attention_bias", {"attention_bias": True}, "attention_bias=True"),
     ("qwen3_moe", "decoder_sparse_step", {"decoder_sparse_step": 2}, "decoder_sparse_step=2 gives some layers a dense"),
     ("qwen3_moe", "mlp_only_layers", {"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\] gives those layers a dense"),
+    *(
+        ("glm4_moe", field, {field: value}, f"{field}={value!r}")
+        for field, value in (("hidden_act", "gelu"), ("attention_bias", False), ("norm_topk_prob", False))
+    ),
     ("qwen3_next", "hidden_act", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ("qwen3_next", "attention_bias", {"attention_bias": True}, "attention_bias=True"),
     ("qwen3_next", "decoder_sparse_step", {"decoder_sparse_step": 2}, "decoder_sparse_step=2 gives some layers a dense"),

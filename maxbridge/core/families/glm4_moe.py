@@ -153,7 +153,6 @@ def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
   require(hf, "attention_bias", True, False)
   require(hf, "norm_topk_prob", True, True)
   heads = get_int(hf, "num_attention_heads")
-  # transformers gives the router its auxiliary loss only where output_router_logits asks for router logits.
   return {
       "decoder_block": "glm4_moe",
       "base_emb_dim": get_int(hf, "hidden_size"),
