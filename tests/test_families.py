@@ -53,6 +53,8 @@ FAMILIES = [
     "llama4-tiny",
     "gemma4-tiny",
     "qwen2.5-tiny",
+    "glm4.5-tiny",
+    "deepseek2-tiny",
 ]
 TOKENS = jax.random.randint(jax.random.key(1), (2, 12), 0, 256)
 _EXECUTABLES: dict[str, object] = {}
@@ -517,6 +519,8 @@ def test_query_kernel_carries_the_scale_only_where_attention_does_not_apply_it()
       "llama4-tiny": False,  # the RoPE layers' QK-norm would undo it
       "gemma4-tiny": False,  # its QK-norm would undo it (and attention scales by 1)
       "qwen2.5-tiny": False,  # the query bias would need it too: scaled at run time
+      "glm4.5-tiny": False,  # its query bias and QK-norm: scaled at run time
+      "deepseek2-tiny": False,  # MLA scales at run time
   }
 
   def initial_std(preset, **overrides):
