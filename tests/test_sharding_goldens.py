@@ -54,6 +54,7 @@ _OTHER_SIZES = frozenset(
         *("mixtral-8x22b", "qwen3-30b-a3b-base", "qwen3-480b-a35b", "olmo3-32b", "olmo3-7b-pt", "llama4-17b-16e"),
         *("qwen3-0.6b", "qwen3-1.7b", "qwen3-1.7b-base", "qwen3-4b", "qwen3-4b-base", "qwen3-4b-thinking-2507"),
         *("qwen3-8b-base", "qwen3-14b", "qwen3-14b-base", "qwen3-32b", "kimi-k2-1t", "qwen2.5-1.5b", "qwen2.5-14b"),
+        "glm4.5-air",
     )
 )
 
