@@ -63,6 +63,8 @@ PUBLISHED = {
     # deepseek-ai/DeepSeek-V3's safetensors less its multi-token prediction module (685B with it: 671B of main
     # model, 14B of MTP, its README); MaxText's file, as the preset, has no MTP module.
     "deepseek3-671b": 671_026_419_200,
+    "deepseek2-16b": 15_700_000_000,  # deepseek-ai/DeepSeek-V2-Lite's card: 15.7B total
+    "deepseek2-236b": 236_000_000_000,  # deepseek-ai/DeepSeek-V2's card: 236B total
     # zai-org's cards: GLM-4.5-Air 106B and GLM-4.5 355B total (their safetensors also hold an MTP layer, which
     # the presets, as Glm4MoeForCausalLM, leave out).
     "glm4.5-air": 106_000_000_000,

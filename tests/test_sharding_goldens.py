@@ -55,6 +55,7 @@ _OTHER_SIZES = frozenset(
         *("qwen3-0.6b", "qwen3-1.7b", "qwen3-1.7b-base", "qwen3-4b", "qwen3-4b-base", "qwen3-4b-thinking-2507"),
         *("qwen3-8b-base", "qwen3-14b", "qwen3-14b-base", "qwen3-32b", "kimi-k2-1t", "qwen2.5-1.5b", "qwen2.5-14b"),
         "glm4.5-air",
+        *("deepseek2-16b", "deepseek2-236b"),
     )
 )
 

@@ -45,6 +45,28 @@ def top_k_of_softmax(logits: jax.Array, k: int, *, normalize: bool) -> tuple[jax
   return weights, indices
 
 
+def group_limited_softmax(
+    logits: jax.Array, k: int, *, n_groups: int, top_groups: int, normalize: bool
+) -> tuple[jax.Array, jax.Array]:
+  """DeepSeek-V2 routing (`topk_method: group_limited_greedy`) -> (weights, indices) [T, K].
+
+  A softmax over every expert; the `top_groups` groups whose best expert scores
+  highest are kept (V3's sigmoid routing ranks groups by their top two), then
+  the top k inside them, weighted by their share of the whole softmax (as
+  `top_k_of_softmax`, renormalised when `normalize`).
+  """
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  tokens, experts = probs.shape
+  group_scores = jnp.max(probs.reshape(tokens, n_groups, experts // n_groups), axis=-1)  # [T, G]
+  _, group_indices = jax.lax.top_k(group_scores, top_groups)
+  group_mask = jnp.sum(jax.nn.one_hot(group_indices, n_groups, dtype=jnp.float32), axis=-2)
+  expert_mask = jnp.repeat(group_mask, experts // n_groups, axis=-1) > 0
+  weights, indices = jax.lax.top_k(jnp.where(expert_mask, probs, -jnp.inf), k)
+  if normalize:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  return weights, indices
+
+
 def top_k_sigmoid(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """Llama 4 routing: the top-k logits, each through a sigmoid on its own -> (weights, indices) [T, K].
 
@@ -226,7 +248,8 @@ def routed_moe(
 
   `score_func` "" routes Mixtral's way (softmax over the top-k logits),
   "softmax" Qwen3-MoE's (`top_k_of_softmax`, renormalised when
-  `norm_topk_prob`), "sigmoid" DeepSeek-V3's (`group_limited_sigmoid`), "topk_sigmoid"
+  `norm_topk_prob`; DeepSeek-V2's `group_limited_softmax` where `n_groups` > 0),
+  "sigmoid" DeepSeek-V3's (`group_limited_sigmoid`), "topk_sigmoid"
   Llama 4's (`top_k_sigmoid`: each chosen expert's score scales its input). `sparse` picks the
   dropless grouped matmul, else the dense reference path; both compute the
   same function; the expert matmuls go through `ragged_dot` or `dot_general`
@@ -252,7 +275,11 @@ def routed_moe(
     elif score_func in ("", "softmax"):
       if correction_bias is not None:
         raise ValueError("a router correction bias needs score_func='sigmoid'")
-      if score_func:
+      if score_func and n_groups > 0:
+        weights, indices = group_limited_softmax(
+            flat_logits, num_experts_per_tok, n_groups=n_groups, top_groups=top_groups, normalize=norm_topk_prob
+        )
+      elif score_func:
         weights, indices = top_k_of_softmax(flat_logits, num_experts_per_tok, normalize=norm_topk_prob)
       else:
         weights, indices = top_k_softmax(flat_logits, num_experts_per_tok)

@@ -1,4 +1,10 @@
-"""DeepSeek-V3: multi-head latent attention (MLA), dense layers then MoE layers with shared experts."""
+"""DeepSeek-V2 and V3: multi-head latent attention (MLA), dense layers then MoE layers with shared experts.
+
+One decoder block ("deepseek", as MaxText's deepseek2-* and deepseek3-* files): what differs is data. V3 routes
+by sigmoid scores with a correction bias (routed_score_func='sigmoid', routed_bias, groups ranked by their top
+two), V2 by a softmax over the experts (routed_score_func='softmax', weights not renormalised, groups ranked by
+their best expert: `ops.moe.group_limited_softmax`). Each imports from and exports to its own transformers class.
+"""
 
 from __future__ import annotations
 
@@ -115,12 +121,12 @@ CONFIG_CLASS = ConfigClass(
 )
 
 
-def _rope_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
+def _rope_from_hf(hf: Mapping[str, Any], default_theta: float = CONFIG_CLASS.default_theta) -> dict[str, Any]:
   """Our RoPE keys: default RoPE, or YaRN as transformers' DeepseekV3 reads it (`_compute_yarn_parameters` for the
   frequencies and the cos/sin factor, `yarn_apply_mscale` for the softmax scale)."""
-  parameters, source = rope_parameters(hf, CONFIG_CLASS.default_theta)
+  parameters, source = rope_parameters(hf, default_theta)
   if parameters["rope_type"] != "yarn":
-    return rope_from_hf(hf, llama3=False, default_theta=CONFIG_CLASS.default_theta)
+    return rope_from_hf(hf, llama3=False, default_theta=default_theta)
   values = rope_from_hf({**hf, source: {**parameters, "rope_type": "default"}}, llama3=False, default_theta=0)
   given = hf.get(source) or {}
   # transformers fills these in from max_position_embeddings; DeepSeek-V3's and Kimi-K2's config.json give both.
@@ -225,6 +231,127 @@ def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
   }
 
 
+# DeepSeek-V2: no router correction bias (`gate.e_score_correction_bias`), no multi-token prediction.
+V2_RULES = tuple(rule for rule in RULES if not rule.ours.startswith("{mtp}") and "e_score_correction" not in rule.hf)
+V2_CONFIG_CLASS = ConfigClass(
+    "DeepseekV2Config",
+    {
+        "vocab_size": 102400,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "moe_intermediate_size": 1407,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": None,
+        "n_shared_experts": 2,
+        "n_routed_experts": 64,
+        "routed_scaling_factor": 1.0,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "qk_nope_head_dim": 128,
+        "n_group": None,
+        "topk_group": None,
+        "topk_method": "greedy",
+        "num_experts_per_tok": None,
+        "first_k_dense_replace": 0,
+        "norm_topk_prob": False,
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "rope_parameters": None,
+        "attention_bias": False,
+        "mlp_bias": False,
+    },
+    aliases={"num_experts": "n_routed_experts"},
+)
+_V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+def _v2_config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
+  hf = V2_CONFIG_CLASS.read(raw)
+  require_one_of(hf, "hidden_act", ("silu", "swish"))
+  require(hf, "attention_bias", False, False)
+  require(hf, "mlp_bias", False, False)
+  # transformers' DeepseekV2 never reads norm_topk_prob (DeepSeek's own code renormalises where it is true):
+  # true names a model the two compute differently.
+  require(hf, "norm_topk_prob", False, False)
+  # Not DeepseekV2Config fields, but DeepSeek's own config.json spells them out: another value, another model.
+  require(hf, "scoring_func", "softmax", "softmax")
+  require(hf, "moe_layer_freq", 1, 1)
+  require_one_of(hf, "topk_method", _V2_TOPK_METHODS)
+  grouped = hf["topk_method"] == "group_limited_greedy"
+  heads = get_int(hf, "num_attention_heads")
+  nope, rope = get_int(hf, "qk_nope_head_dim"), get_int(hf, "qk_rope_head_dim")
+  return {
+      "decoder_block": "deepseek",
+      "base_emb_dim": get_int(hf, "hidden_size"),
+      "base_num_query_heads": heads,
+      "base_num_kv_heads": get_int(hf, "num_key_value_heads", heads),
+      "head_dim": nope + rope,
+      "base_mlp_dim": get_int(hf, "intermediate_size"),
+      "moe_mlp_dim": get_int(hf, "moe_intermediate_size"),
+      "base_num_decoder_layers": get_int(hf, "num_hidden_layers"),
+      "first_num_dense_layers": get_int(hf, "first_k_dense_replace"),
+      "vocab_size": get_int(hf, "vocab_size"),
+      "normalization_layer_epsilon": get_float(hf, "rms_norm_eps"),
+      **_rope_from_hf(hf, V2_CONFIG_CLASS.default_theta),
+      "logits_via_embedding": get_bool(hf, "tie_word_embeddings"),
+      "num_experts": get_int(hf, "n_routed_experts"),
+      "num_experts_per_tok": get_int(hf, "num_experts_per_tok"),
+      "shared_experts": get_int(hf, "n_shared_experts"),
+      # greedy (V2-Lite, whose n_group and topk_group are 1) reads neither.
+      "n_routing_groups": get_int(hf, "n_group") if grouped else -1,
+      "topk_routing_group": get_int(hf, "topk_group") if grouped else -1,
+      "routed_scaling_factor": get_float(hf, "routed_scaling_factor"),
+      "routed_score_func": "softmax",
+      "routed_bias": False,
+      "norm_topk_prob": False,
+      "load_balance_loss_weight": 0.0,
+      "q_lora_rank": get_int(hf, "q_lora_rank", 0),
+      "kv_lora_rank": get_int(hf, "kv_lora_rank"),
+      "qk_nope_head_dim": nope,
+      "qk_rope_head_dim": rope,
+      "v_head_dim": get_int(hf, "v_head_dim"),
+  }
+
+
+def _v2_config_to_hf(config: Config) -> dict[str, Any]:
+  if config.routed_bias or config.norm_topk_prob or config.mtp_num_layers:
+    raise HFError(
+        "DeepSeek-V2 routes by a softmax over its experts, its chosen weights not renormalised, and has no "
+        f"multi-token prediction: routed_bias={config.routed_bias}, norm_topk_prob={config.norm_topk_prob} and "
+        f"mtp_num_layers={config.mtp_num_layers} must be false, false and 0 for an export"
+    )
+  grouped = config.n_routing_groups > 0
+  return {
+      **common_to_hf(config),
+      "moe_intermediate_size": config.moe_mlp_dim,
+      "first_k_dense_replace": config.first_num_dense_layers,
+      "n_routed_experts": config.num_experts,
+      "num_experts_per_tok": config.num_experts_per_tok,
+      "n_shared_experts": config.shared_experts,
+      "topk_method": "group_limited_greedy" if grouped else "greedy",
+      "n_group": config.n_routing_groups if grouped else 1,
+      "topk_group": config.topk_routing_group if grouped else 1,
+      "routed_scaling_factor": config.routed_scaling_factor,
+      "norm_topk_prob": False,
+      "scoring_func": "softmax",
+      "q_lora_rank": config.q_lora_rank or None,
+      "kv_lora_rank": config.kv_lora_rank,
+      "qk_nope_head_dim": config.qk_nope_head_dim,
+      "qk_rope_head_dim": config.qk_rope_head_dim,
+      "head_dim": config.qk_rope_head_dim,  # what transformers sizes its rotary tables by
+      "v_head_dim": config.v_head_dim,
+      "hidden_act": "silu",
+      "attention_bias": False,
+      "mlp_bias": False,
+      **_rope_to_hf(config),
+  }
+
+
 def _config_to_hf(config: Config) -> dict[str, Any]:
   if config.routed_score_func != "sigmoid" or not config.routed_bias:
     raise HFError(
@@ -292,6 +419,15 @@ def _routing_groups(config: Config) -> str | None:
   return None
 
 
+def _router_bias(config: Config) -> str | None:
+  if config.routed_bias and config.routed_score_func != "sigmoid":
+    return (
+        f"routed_bias=true with routed_score_func={config.routed_score_func!r}: the correction bias is DeepSeek-V3's, "
+        "which routes by sigmoid scores; set routed_score_func='sigmoid' or routed_bias=false (DeepSeek-V2)"
+    )
+  return None
+
+
 def _mla_rope(config: Config) -> str | None:
   if config.rope_type not in ("default", "yarn"):
     return (
@@ -318,6 +454,7 @@ def _check(config: Config) -> list[str]:
       dense_layers,
       odd_rope,
       _routing_groups(config),
+      _router_bias(config),
   )
 
 
@@ -333,6 +470,16 @@ FAMILY = Family(
     cache_entries=_latent_cache,
     qk_clip_targets=_qk_clip_targets,
     hf=(
+        HFFamily(
+            "deepseek_v2",
+            "DeepseekV2ForCausalLM",
+            ("deepseek",),
+            V2_RULES,
+            _v2_config_from_hf,
+            _v2_config_to_hf,
+            V2_CONFIG_CLASS,
+            exports=lambda config: config.routed_score_func == "softmax",
+        ),
         HFFamily(
             "deepseek_v3",
             "DeepseekV3ForCausalLM",

@@ -200,12 +200,15 @@ class HFFamily:
   # family's "{layer}/" rules map its decoder layer. `mtp_copies`: Hugging Face tensors of each MTP layer that
   # hold one of the model's own (canonical path): written on export, refused on import where they differ.
   mtp_copies: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  # Whether a config of one of `decoder_blocks` exports as this architecture, where a decoder block has more than
+  # one (DeepSeek-V2 for softmax routing, else DeepSeek-V3): the first that takes it.
+  exports: Callable[[Config], bool] = lambda config: True
 
 
 def family_for_config(config: Config) -> HFFamily:
   """The Hugging Face architecture `cfg` exports as."""
   for family in config.family.hf:
-    if config.decoder_block in family.decoder_blocks:
+    if config.decoder_block in family.decoder_blocks and family.exports(config):
       return family
   raise HFError(f"decoder_block={config.decoder_block!r} has no Hugging Face export")
 
