@@ -569,8 +569,9 @@ def _validate_family(config: Config) -> None:
   for other in families.REGISTRY:
     for key, unused in other.own_keys.items():
       if key not in family.own_keys and getattr(config, key) != unused:
+        readers = " and ".join(repr(f.decoder_blocks[0]) for f in families.REGISTRY if key in f.own_keys)
         raise ConfigError(
-            f"{key}={getattr(config, key)!r} is read by decoder_block={other.decoder_blocks[0]!r} only; "
+            f"{key}={getattr(config, key)!r} is read by decoder_block={readers} only; "
             f"decoder_block={config.decoder_block!r} does not: leave it at {unused!r}"
         )
   if config.num_experts_per_tok > config.num_experts:
