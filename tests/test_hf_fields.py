@@ -74,6 +74,29 @@ FAMILIES = {
             initializer_range=0.1,
         ),
     ),
+    # DeepSeek-V2 236B's routing: the best 2 of 4 groups by their best expert, 3 experts a token from them.
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        dict(
+            DIMS,
+            num_key_value_heads=4,
+            moe_intermediate_size=16,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            n_shared_experts=1,
+            q_lora_rank=16,
+            kv_lora_rank=8,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=6,
+            routed_scaling_factor=1.5,
+        ),
+    ),
     # GLM-4.5's routing with a group limit: the best 2 of 4 groups, 3 experts a token from them.
     "glm4_moe": (
         "Glm4MoeConfig",
@@ -331,6 +354,33 @@ HONOURED = [
     ),
     Case("deepseek_v3", ("q_lora_rank", "tie_word_embeddings"), build={"q_lora_rank": None, "tie_word_embeddings": True}),
     Case("deepseek_v3", ("num_local_experts",), edit={"n_routed_experts": 16, "num_local_experts": 8}),
+    Case(
+        "deepseek_v2",
+        (
+            *_SIZES,
+            "moe_intermediate_size",
+            "n_shared_experts",
+            "n_routed_experts",
+            "kv_lora_rank",
+            "routed_scaling_factor",
+            "q_lora_rank",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "qk_nope_head_dim",
+            "n_group",
+            "topk_group",
+            "topk_method",
+            "num_experts_per_tok",
+            "first_k_dense_replace",
+            "rope_parameters",
+        ),
+    ),
+    Case(
+        "deepseek_v2",
+        ("q_lora_rank", "tie_word_embeddings", "topk_method"),
+        build={"q_lora_rank": None, "tie_word_embeddings": True, "topk_method": "greedy"},
+    ),
+    Case("deepseek_v2", ("num_experts",), edit={"n_routed_experts": 16, "num_experts": 8}),
     Case(
         "glm4_moe",
         (*_SIZES, "head_dim", "moe_intermediate_size", "n_shared_experts", "n_routed_experts", "num_local_experts"),
@@ -733,6 +783,18 @@ REFUSED = [
     ("qwen3_moe", "attention_bias", {"attention_bias": True}, "attention_bias=True"),
     ("qwen3_moe", "decoder_sparse_step", {"decoder_sparse_step": 2}, "decoder_sparse_step=2 gives some layers a dense"),
     ("qwen3_moe", "mlp_only_layers", {"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\] gives those layers a dense"),
+    *(
+        ("deepseek_v2", field, {field: value}, f"{field}={value!r}")
+        for field, value in (
+            ("hidden_act", "gelu"),
+            ("norm_topk_prob", True),
+            ("attention_bias", True),
+            ("mlp_bias", True),
+            ("topk_method", "noaux_tc"),
+            ("scoring_func", "sigmoid"),
+            ("moe_layer_freq", 2),
+        )
+    ),
     *(
         ("glm4_moe", field, {field: value}, f"{field}={value!r}")
         for field, value in (("hidden_act", "gelu"), ("attention_bias", False), ("norm_topk_prob", False))
