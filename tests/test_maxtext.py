@@ -16,7 +16,7 @@ from maxbridge import cli
 from maxbridge.training import optimizers
 from maxbridge.core.config import ConfigError
 from maxbridge.interop.hf import HFError
-from maxbridge.training.loop import initial_state
+from maxbridge.training.initial import initial_state
 from maxbridge.training import recipe
 from conftest import tiny_config
 
