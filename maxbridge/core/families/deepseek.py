@@ -198,6 +198,19 @@ def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
   # DeepSeek's own config.json spells them out: another value describes another model.
   require(hf, "scoring_func", "sigmoid", "sigmoid")
   require(hf, "topk_method", "noaux_tc", "noaux_tc")
+  return {
+      **_mla_from_hf(hf),
+      **_rope_from_hf(hf),
+      **moe_from_hf(hf),
+      "n_routing_groups": get_int(hf, "n_group"),
+      "topk_routing_group": get_int(hf, "topk_group"),
+      "routed_score_func": "sigmoid",
+      "routed_bias": True,
+  }
+
+
+def _mla_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
+  """DeepSeek V2's and V3's sizes and MLA's (a head is its no-RoPE and RoPE parts)."""
   heads = get_int(hf, "num_attention_heads")
   nope, rope = get_int(hf, "qk_nope_head_dim"), get_int(hf, "qk_rope_head_dim")
   return {
@@ -207,27 +220,56 @@ def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
       "base_num_kv_heads": get_int(hf, "num_key_value_heads", heads),
       "head_dim": nope + rope,
       "base_mlp_dim": get_int(hf, "intermediate_size"),
-      "moe_mlp_dim": get_int(hf, "moe_intermediate_size"),
       "base_num_decoder_layers": get_int(hf, "num_hidden_layers"),
-      "first_num_dense_layers": get_int(hf, "first_k_dense_replace"),
       "vocab_size": get_int(hf, "vocab_size"),
       "normalization_layer_epsilon": get_float(hf, "rms_norm_eps"),
-      **_rope_from_hf(hf),
       "logits_via_embedding": get_bool(hf, "tie_word_embeddings"),
-      "num_experts": get_int(hf, "n_routed_experts"),
-      "num_experts_per_tok": get_int(hf, "num_experts_per_tok"),
-      "shared_experts": get_int(hf, "n_shared_experts"),
-      "n_routing_groups": get_int(hf, "n_group"),
-      "topk_routing_group": get_int(hf, "topk_group"),
-      "routed_scaling_factor": get_float(hf, "routed_scaling_factor"),
-      "routed_score_func": "sigmoid",
-      "routed_bias": True,
-      "load_balance_loss_weight": 0.0,
       "q_lora_rank": get_int(hf, "q_lora_rank", 0),
       "kv_lora_rank": get_int(hf, "kv_lora_rank"),
       "qk_nope_head_dim": nope,
       "qk_rope_head_dim": rope,
       "v_head_dim": get_int(hf, "v_head_dim"),
+  }
+
+
+def _mla_to_hf(config: Config) -> dict[str, Any]:
+  return {
+      **common_to_hf(config),
+      "q_lora_rank": config.q_lora_rank or None,
+      "kv_lora_rank": config.kv_lora_rank,
+      "qk_nope_head_dim": config.qk_nope_head_dim,
+      "qk_rope_head_dim": config.qk_rope_head_dim,
+      "head_dim": config.qk_rope_head_dim,  # what transformers sizes its rotary tables by
+      "v_head_dim": config.v_head_dim,
+      "hidden_act": "silu",
+      "attention_bias": False,
+      **_rope_to_hf(config),
+  }
+
+
+def moe_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
+  """The fields of DeepSeek's MoE (dense layers first, then routed and shared experts) that every config class
+  built on it (DeepSeek V2 and V3, GLM-4.5) spells alike; its routing is each family's own."""
+  return {
+      "moe_mlp_dim": get_int(hf, "moe_intermediate_size"),
+      "first_num_dense_layers": get_int(hf, "first_k_dense_replace"),
+      "num_experts": get_int(hf, "n_routed_experts"),
+      "num_experts_per_tok": get_int(hf, "num_experts_per_tok"),
+      "shared_experts": get_int(hf, "n_shared_experts"),
+      "routed_scaling_factor": get_float(hf, "routed_scaling_factor"),
+      "load_balance_loss_weight": 0.0,  # their models add none
+  }
+
+
+def moe_to_hf(config: Config) -> dict[str, Any]:
+  """`moe_from_hf`'s fields written back."""
+  return {
+      "moe_intermediate_size": config.moe_mlp_dim,
+      "first_k_dense_replace": config.first_num_dense_layers,
+      "n_routed_experts": config.num_experts,
+      "num_experts_per_tok": config.num_experts_per_tok,
+      "n_shared_experts": config.shared_experts,
+      "routed_scaling_factor": config.routed_scaling_factor,
   }
 
 
@@ -283,38 +325,16 @@ def _v2_config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
   require(hf, "moe_layer_freq", 1, 1)
   require_one_of(hf, "topk_method", _V2_TOPK_METHODS)
   grouped = hf["topk_method"] == "group_limited_greedy"
-  heads = get_int(hf, "num_attention_heads")
-  nope, rope = get_int(hf, "qk_nope_head_dim"), get_int(hf, "qk_rope_head_dim")
   return {
-      "decoder_block": "deepseek",
-      "base_emb_dim": get_int(hf, "hidden_size"),
-      "base_num_query_heads": heads,
-      "base_num_kv_heads": get_int(hf, "num_key_value_heads", heads),
-      "head_dim": nope + rope,
-      "base_mlp_dim": get_int(hf, "intermediate_size"),
-      "moe_mlp_dim": get_int(hf, "moe_intermediate_size"),
-      "base_num_decoder_layers": get_int(hf, "num_hidden_layers"),
-      "first_num_dense_layers": get_int(hf, "first_k_dense_replace"),
-      "vocab_size": get_int(hf, "vocab_size"),
-      "normalization_layer_epsilon": get_float(hf, "rms_norm_eps"),
+      **_mla_from_hf(hf),
       **_rope_from_hf(hf, V2_CONFIG_CLASS.default_theta),
-      "logits_via_embedding": get_bool(hf, "tie_word_embeddings"),
-      "num_experts": get_int(hf, "n_routed_experts"),
-      "num_experts_per_tok": get_int(hf, "num_experts_per_tok"),
-      "shared_experts": get_int(hf, "n_shared_experts"),
+      **moe_from_hf(hf),
       # greedy (V2-Lite, whose n_group and topk_group are 1) reads neither.
       "n_routing_groups": get_int(hf, "n_group") if grouped else -1,
       "topk_routing_group": get_int(hf, "topk_group") if grouped else -1,
-      "routed_scaling_factor": get_float(hf, "routed_scaling_factor"),
       "routed_score_func": "softmax",
       "routed_bias": False,
       "norm_topk_prob": False,
-      "load_balance_loss_weight": 0.0,
-      "q_lora_rank": get_int(hf, "q_lora_rank", 0),
-      "kv_lora_rank": get_int(hf, "kv_lora_rank"),
-      "qk_nope_head_dim": nope,
-      "qk_rope_head_dim": rope,
-      "v_head_dim": get_int(hf, "v_head_dim"),
   }
 
 
@@ -327,28 +347,14 @@ def _v2_config_to_hf(config: Config) -> dict[str, Any]:
     )
   grouped = config.n_routing_groups > 0
   return {
-      **common_to_hf(config),
-      "moe_intermediate_size": config.moe_mlp_dim,
-      "first_k_dense_replace": config.first_num_dense_layers,
-      "n_routed_experts": config.num_experts,
-      "num_experts_per_tok": config.num_experts_per_tok,
-      "n_shared_experts": config.shared_experts,
+      **_mla_to_hf(config),
+      **moe_to_hf(config),
       "topk_method": "group_limited_greedy" if grouped else "greedy",
       "n_group": config.n_routing_groups if grouped else 1,
       "topk_group": config.topk_routing_group if grouped else 1,
-      "routed_scaling_factor": config.routed_scaling_factor,
       "norm_topk_prob": False,
       "scoring_func": "softmax",
-      "q_lora_rank": config.q_lora_rank or None,
-      "kv_lora_rank": config.kv_lora_rank,
-      "qk_nope_head_dim": config.qk_nope_head_dim,
-      "qk_rope_head_dim": config.qk_rope_head_dim,
-      "head_dim": config.qk_rope_head_dim,  # what transformers sizes its rotary tables by
-      "v_head_dim": config.v_head_dim,
-      "hidden_act": "silu",
-      "attention_bias": False,
       "mlp_bias": False,
-      **_rope_to_hf(config),
   }
 
 
@@ -359,27 +365,13 @@ def _config_to_hf(config: Config) -> dict[str, Any]:
         "and routed_bias=true are needed for an export"
     )
   return {
-      **common_to_hf(config),
-      "moe_intermediate_size": config.moe_mlp_dim,
-      "first_k_dense_replace": config.first_num_dense_layers,
-      "n_routed_experts": config.num_experts,
-      "num_experts_per_tok": config.num_experts_per_tok,
-      "n_shared_experts": config.shared_experts,
+      **_mla_to_hf(config),
+      **moe_to_hf(config),
       "n_group": max(config.n_routing_groups, 1),
       "topk_group": max(config.topk_routing_group, 1),
-      "routed_scaling_factor": config.routed_scaling_factor,
       "norm_topk_prob": True,
-      "q_lora_rank": config.q_lora_rank or None,
-      "kv_lora_rank": config.kv_lora_rank,
-      "qk_nope_head_dim": config.qk_nope_head_dim,
-      "qk_rope_head_dim": config.qk_rope_head_dim,
-      "head_dim": config.qk_rope_head_dim,  # what transformers sizes its rotary tables by
-      "v_head_dim": config.v_head_dim,
       "rope_interleave": True,
       "num_nextn_predict_layers": config.mtp_num_layers,
-      "hidden_act": "silu",
-      "attention_bias": False,
-      **_rope_to_hf(config),
   }
 
 

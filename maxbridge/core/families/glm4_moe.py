@@ -161,24 +161,18 @@ def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
       # Not a Glm4MoeConfig field, but its attention reads it (GLM-4.5's config.json gives 128).
       "head_dim": head_dim(hf, "hidden_size", "num_attention_heads"),
       "base_mlp_dim": get_int(hf, "intermediate_size"),
-      "moe_mlp_dim": get_int(hf, "moe_intermediate_size"),
       "base_num_decoder_layers": get_int(hf, "num_hidden_layers"),
-      "first_num_dense_layers": get_int(hf, "first_k_dense_replace"),
       "vocab_size": get_int(hf, "vocab_size"),
       "normalization_layer_epsilon": get_float(hf, "rms_norm_eps"),
       **_rope(hf),
       "logits_via_embedding": get_bool(hf, "tie_word_embeddings"),
       "use_qk_norm": get_bool(hf, "use_qk_norm"),
-      "num_experts": get_int(hf, "n_routed_experts"),
-      "num_experts_per_tok": get_int(hf, "num_experts_per_tok"),
-      "shared_experts": get_int(hf, "n_shared_experts"),
+      **deepseek.moe_from_hf(hf),
       "n_routing_groups": get_int(hf, "n_group"),
       "topk_routing_group": get_int(hf, "topk_group"),
-      "routed_scaling_factor": get_float(hf, "routed_scaling_factor"),
       "routed_score_func": "sigmoid",
       "routed_bias": True,
       "norm_topk_prob": True,
-      "load_balance_loss_weight": 0.0,  # Glm4MoeForCausalLM adds none
   }
 
 
@@ -193,14 +187,9 @@ def _config_to_hf(config: Config) -> dict[str, Any]:
       **rope,
       "attention_bias": True,
       "use_qk_norm": config.use_qk_norm,
-      "moe_intermediate_size": config.moe_mlp_dim,
-      "first_k_dense_replace": config.first_num_dense_layers,
-      "n_routed_experts": config.num_experts,
-      "num_experts_per_tok": config.num_experts_per_tok,
-      "n_shared_experts": config.shared_experts,
+      **deepseek.moe_to_hf(config),
       "n_group": max(config.n_routing_groups, 1),
       "topk_group": max(config.topk_routing_group, 1),
-      "routed_scaling_factor": config.routed_scaling_factor,
       "norm_topk_prob": True,
       "output_router_logits": False,
       "num_nextn_predict_layers": 0,  # the folder holds none
