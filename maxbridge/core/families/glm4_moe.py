@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from maxbridge.core.families import attention as attn
-from maxbridge.core.families import deepseek, llama
+from maxbridge.core.families import deepseek, llama, qwen2
 from maxbridge.core.families.base import (
     ClipPiece,
     ClipTargets,
@@ -44,8 +44,6 @@ from maxbridge.core.families.hf_rules import (
     ConfigClass,
     HFError,
     HFFamily,
-    Linear,
-    Reshape,
     Rule,
     common_to_hf,
     get_bool,
@@ -55,7 +53,6 @@ from maxbridge.core.families.hf_rules import (
     require,
     require_one_of,
     rope_from_hf,
-    rope_parameters,
     rope_to_hf,
 )
 
@@ -66,13 +63,7 @@ _MOE_RULES = tuple(rule for rule in deepseek.RULES if "DeepSeekMoeBlock_0" in ru
 _MTP_RULES = tuple(rule for rule in deepseek.RULES if rule.ours.startswith("{mtp}/"))
 RULES = (
     *llama.COMMON_RULES,
-    Rule(f"{_ATTENTION}.q_proj.weight", "{layer}/self_attention/query/kernel", Linear()),
-    Rule(f"{_ATTENTION}.k_proj.weight", "{layer}/self_attention/key/kernel", Linear()),
-    Rule(f"{_ATTENTION}.v_proj.weight", "{layer}/self_attention/value/kernel", Linear()),
-    Rule(f"{_ATTENTION}.o_proj.weight", "{layer}/self_attention/out/kernel", Linear(in_ndim=2)),
-    Rule(f"{_ATTENTION}.q_proj.bias", "{layer}/self_attention/query/bias", Reshape()),
-    Rule(f"{_ATTENTION}.k_proj.bias", "{layer}/self_attention/key/bias", Reshape()),
-    Rule(f"{_ATTENTION}.v_proj.bias", "{layer}/self_attention/value/bias", Reshape()),
+    *qwen2.QKV_BIAS_ATTENTION_RULES,
     Rule(f"{_ATTENTION}.q_norm.weight", "{layer}/self_attention/query_norm/scale"),
     Rule(f"{_ATTENTION}.k_norm.weight", "{layer}/self_attention/key_norm/scale"),
     *llama.GATED_MLP_RULES,  # the dense layers
@@ -133,18 +124,6 @@ def attention(config: Config, *, local: bool = False, kv_shared: bool = False) -
   )
 
 
-def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
-  parameters, _ = rope_parameters(hf, CONFIG_CLASS.default_theta)
-  fraction = get_float(parameters, "partial_rotary_factor", DEFAULT_PARTIAL_ROTARY_FACTOR)
-  # The common reader rotates whole heads; the fraction is ours to apply.
-  parameters = {key: value for key, value in parameters.items() if key != "partial_rotary_factor"}
-  flat = {key: value for key, value in hf.items() if key not in ("partial_rotary_factor", "rope_scaling")}
-  return {
-      **rope_from_hf({**flat, "rope_parameters": parameters}, llama3=False, default_theta=CONFIG_CLASS.default_theta),
-      "partial_rotary_factor": fraction,
-  }
-
-
 def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
   hf = CONFIG_CLASS.read(raw)
   require_one_of(hf, "hidden_act", ("silu", "swish"))
@@ -164,7 +143,9 @@ def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
       "base_num_decoder_layers": get_int(hf, "num_hidden_layers"),
       "vocab_size": get_int(hf, "vocab_size"),
       "normalization_layer_epsilon": get_float(hf, "rms_norm_eps"),
-      **_rope(hf),
+      **rope_from_hf(
+          hf, llama3=False, default_theta=CONFIG_CLASS.default_theta, partial_rotary_default=DEFAULT_PARTIAL_ROTARY_FACTOR
+      ),
       "logits_via_embedding": get_bool(hf, "tie_word_embeddings"),
       "use_qk_norm": get_bool(hf, "use_qk_norm"),
       **deepseek.moe_from_hf(hf),

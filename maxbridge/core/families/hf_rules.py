@@ -306,8 +306,13 @@ def rope_parameters(hf: Mapping[str, Any], default_theta: float) -> tuple[dict[s
   return parameters, source
 
 
-def rope_from_hf(hf: Mapping[str, Any], *, llama3: bool, default_theta: float) -> dict[str, Any]:
-  """Our RoPE keys for config.json's (`rope_parameters`): default RoPE, and Llama 3.1's scaling where `llama3`."""
+def rope_from_hf(
+    hf: Mapping[str, Any], *, llama3: bool, default_theta: float, partial_rotary_default: float | None = None
+) -> dict[str, Any]:
+  """Our RoPE keys for config.json's (`rope_parameters`): default RoPE, and Llama 3.1's scaling where `llama3`.
+
+  A family that rotates part of each head passes its class's `partial_rotary_default`: the fraction is then read
+  (`partial_rotary_factor`), where every other family refuses one that is not 1."""
   parameters, source = rope_parameters(hf, default_theta)
   rope_type = parameters["rope_type"]
   supported = ("default", "llama3") if llama3 else ("default",)
@@ -318,8 +323,8 @@ def rope_from_hf(hf: Mapping[str, Any], *, llama3: bool, default_theta: float) -
         f"{CONFIG_FILE}: {source}.{spelling}={rope_type!r} is not supported{replaced}; maxbridge implements "
         f"{' and '.join(map(repr, supported))} here"
     )
-  fraction = parameters.get("partial_rotary_factor", 1.0)
-  if fraction != 1.0:
+  if partial_rotary_default is None and parameters.get("partial_rotary_factor", 1.0) != 1.0:
+    fraction = parameters["partial_rotary_factor"]
     raise HFError(f"{CONFIG_FILE}: partial_rotary_factor={fraction!r} is not supported; maxbridge rotates whole heads")
   theta = parameters["rope_theta"]
   if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta):
@@ -333,6 +338,8 @@ def rope_from_hf(hf: Mapping[str, Any], *, llama3: bool, default_theta: float) -
       raise HFError(f"{CONFIG_FILE}: rope_type 'llama3' needs {', '.join(missing)} in {source}")
     values.update(rope_type="llama3.1", rope_use_scale=True)
     values.update({ours: parameters[theirs] for ours, theirs in _LLAMA3_KEYS.items()})
+  if partial_rotary_default is not None:
+    values["partial_rotary_factor"] = get_float(parameters, "partial_rotary_factor", partial_rotary_default)
   return values
 
 

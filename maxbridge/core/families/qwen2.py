@@ -18,8 +18,8 @@ from maxbridge.core.families.base import ClipPiece, ClipTargets, Config, Family,
 from maxbridge.core.families.hf_rules import ConfigClass, HFFamily, Linear, Reshape, Rule
 
 _ATTENTION = "model.layers.{layer}.self_attn"
-RULES = (
-    *llama.COMMON_RULES,
+# Grouped-query attention with biases on the query, key and value projections, none on the output's (GLM-4.5's too).
+QKV_BIAS_ATTENTION_RULES = (
     Rule(f"{_ATTENTION}.q_proj.weight", "{layer}/self_attention/query/kernel", Linear()),
     Rule(f"{_ATTENTION}.k_proj.weight", "{layer}/self_attention/key/kernel", Linear()),
     Rule(f"{_ATTENTION}.v_proj.weight", "{layer}/self_attention/value/kernel", Linear()),
@@ -27,8 +27,8 @@ RULES = (
     Rule(f"{_ATTENTION}.q_proj.bias", "{layer}/self_attention/query/bias", Reshape()),
     Rule(f"{_ATTENTION}.k_proj.bias", "{layer}/self_attention/key/bias", Reshape()),
     Rule(f"{_ATTENTION}.v_proj.bias", "{layer}/self_attention/value/bias", Reshape()),
-    *llama.GATED_MLP_RULES,
 )
+RULES = (*llama.COMMON_RULES, *QKV_BIAS_ATTENTION_RULES, *llama.GATED_MLP_RULES)
 
 # transformers' class defaults of what its model reads (tests compare them with transformers'). Qwen2Config has no
 # head_dim field: Qwen2Attention reads a head_dim key where config.json has one, else hidden_size / heads.

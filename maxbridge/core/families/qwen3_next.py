@@ -65,7 +65,6 @@ from maxbridge.core.families.hf_rules import (
     require,
     require_one_of,
     rope_from_hf,
-    rope_parameters,
     rope_to_hf,
 )
 
@@ -189,18 +188,6 @@ def layer_kinds(layers: int) -> list[str]:
   return [_FULL_KIND if (i + 1) % PATTERN == 0 else _LINEAR_KIND for i in range(layers)]
 
 
-def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
-  parameters, source = rope_parameters(hf, CONFIG_CLASS.default_theta)
-  fraction = get_float(parameters, "partial_rotary_factor", DEFAULT_PARTIAL_ROTARY_FACTOR)
-  # The common reader rotates whole heads; the fraction is ours to apply.
-  parameters = {key: value for key, value in parameters.items() if key != "partial_rotary_factor"}
-  flat = {key: value for key, value in hf.items() if key not in ("partial_rotary_factor", "rope_scaling")}
-  return {
-      **rope_from_hf({**flat, "rope_parameters": parameters}, llama3=False, default_theta=CONFIG_CLASS.default_theta),
-      "partial_rotary_factor": fraction,
-  }
-
-
 def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
   hf = CONFIG_CLASS.read(raw)
   require_one_of(hf, "hidden_act", ("silu", "swish"))
@@ -233,7 +220,9 @@ def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
       "base_num_decoder_layers": layers,
       "vocab_size": get_int(hf, "vocab_size"),
       "normalization_layer_epsilon": get_float(hf, "rms_norm_eps"),
-      **_rope(hf),
+      **rope_from_hf(
+          hf, llama3=False, default_theta=CONFIG_CLASS.default_theta, partial_rotary_default=DEFAULT_PARTIAL_ROTARY_FACTOR
+      ),
       "logits_via_embedding": get_bool(hf, "tie_word_embeddings"),
       "use_qk_norm": True,
       "num_experts": get_int(hf, "num_experts"),
