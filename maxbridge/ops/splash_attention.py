@@ -22,7 +22,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import PartitionSpec
 
-from maxbridge.core import sharding
+from maxbridge.core import config_rules, sharding
 from maxbridge.ops.attention_mask import MASK_VALUE
 
 # Splash's blocks are multiples of the TPU's 128 lanes.
@@ -64,12 +64,15 @@ class Blocks:
     return dataclasses.replace(self, **{name: min(size, whole) for name, size in self.sizes().items()})
 
 
-# Blocks' field -> its config key (MaxText's).
+# Blocks' field -> its config key (MaxText's). The sizes are named once, in `config_rules.SPLASH_BLOCKS` (which
+# checks their values and cannot import this layer); Blocks must have a field for each and no other size.
 KEYS = {
-    **{f.name: f"sa_block_{f.name}" for f in dataclasses.fields(Blocks) if f.type is int},
+    **{name: f"sa_block_{name}" for name in config_rules.SPLASH_BLOCKS},
     "fused_bwd": "sa_use_fused_bwd_kernel",
     **{f"{x}_layout": f"sa_{x}_layout" for x in "qkv"},
 }
+if {f.name for f in dataclasses.fields(Blocks) if f.type is int} != set(config_rules.SPLASH_BLOCKS):
+  raise ImportError("ops.splash_attention.Blocks' sizes differ from config_rules.SPLASH_BLOCKS: name each in both")
 DEFAULT = Blocks()
 # None: run the Pallas interpreter unless the step is compiled for a TPU (`sharding.platform`). Tests set True to
 # run the TPU path on the CPU.
