@@ -130,6 +130,10 @@ class Config:
   qk_nope_head_dim: int
   qk_rope_head_dim: int
   v_head_dim: int
+  use_indexer: bool
+  indexer_n_heads: int
+  indexer_head_dim: int
+  indexer_topk: int
   partial_rotary_factor: float
   gdn_num_key_heads: int
   gdn_num_value_heads: int

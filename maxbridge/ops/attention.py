@@ -36,6 +36,7 @@ def dot_product_attention(
     logits_soft_cap: float = 0.0,
     sinks: jax.Array | None = None,
     float32_logits: bool = True,
+    key_mask: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """query [B, T, N, H], key [B, S, K, H], value [B, S, K, Hv] -> [B, T, N, Hv].
 
@@ -63,6 +64,9 @@ def dot_product_attention(
 
   `float32_logits` (MaxText's key): the scores, their soft cap and softmax in float32; False keeps them in the
   query's dtype, as MaxText's default does (half the bytes of the [T, S] scores in bfloat16).
+
+  `key_mask` [B, T, S]: the keys each query may read besides the mask's own rule (DeepSeek-V3.2's indexer's
+  choice, `ops.indexer`), or None.
   """
   if not isinstance(key, tuple):
     key, value = (key,), (value,)
@@ -84,6 +88,7 @@ def dot_product_attention(
         q_positions,
         kv_positions,
         sinks,
+        key_mask,
         sliding_window_size=sliding_window_size,
         chunk_size=chunk_size,
         query_scale=query_scale,
@@ -109,6 +114,7 @@ def _attend(
     q_positions,
     kv_positions,
     sinks,
+    key_mask,
     *,
     sliding_window_size,
     chunk_size,
@@ -131,6 +137,8 @@ def _attend(
   scores = jnp.concatenate(scores, axis=-1)
   scores = soft_cap(scores, logits_soft_cap)
   mask = attention_mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions, sliding_window_size, chunk_size)
+  if key_mask is not None:
+    mask &= key_mask[:, None, None]
   scores = jnp.where(mask, scores, MASK_VALUE)
   weights = softmax_with_sinks(scores, sinks).astype(value[0].dtype)
   starts = np.cumsum([v.shape[2] for v in value])[:-1]
@@ -236,6 +244,7 @@ def self_attention(
     kv_positions: jax.Array | None = None,
     float32_logits: bool = True,
     splash_blocks: splash_attention.Blocks | None = None,
+    key_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Attention of a sequence over itself: (output, the per-layer values a decoder layer returns).
 
@@ -243,9 +252,15 @@ def self_attention(
   and carry their own `kv_segment_ids` and `kv_positions` [B, S] (`ops.kv_cache`); by default
   they are the queries'. The values hold the per-head max logits
   (`decoder/max_logits`) when QK-Clip asks for them. `kernel`: the config's `attention`, chosen for the platform
-  the step is compiled for (`choose_kernel`), with its options (`kernel_options`).
+  the step is compiled for (`choose_kernel`), with its options (`kernel_options`). A `key_mask` (the indexer's
+  choice of keys) is read by the dot-product kernel whatever `kernel` says: the blockwise kernels build their
+  masks from positions alone.
   """
-  result = choose_kernel(kernel, sharding.platform(), float32_logits=float32_logits, splash_blocks=splash_blocks)(
+  if key_mask is None:
+    attend = choose_kernel(kernel, sharding.platform(), float32_logits=float32_logits, splash_blocks=splash_blocks)
+  else:
+    attend = functools.partial(dot_product_attention, float32_logits=float32_logits, key_mask=key_mask)
+  result = attend(
       query,
       key,
       value,

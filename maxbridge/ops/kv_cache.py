@@ -49,6 +49,7 @@ _ENTRY_AXES = {
     "cached_value": ("cache_batch", "cache_kv_heads", "cache_sequence", "cache_kv"),
     "cached_latent": ("cache_batch", "cache_sequence", "cache_kv_lora"),
     "cached_key_rope": ("cache_batch", "cache_sequence", "cache_kv"),
+    "cached_index_key": ("cache_batch", "cache_sequence", "cache_kv"),  # DeepSeek-V3.2's indexer keys
     POSITIONS: ("cache_batch", "cache_sequence"),
     SEGMENT_IDS: ("cache_batch", "cache_sequence"),
     INDEX: ("cache_batch",),

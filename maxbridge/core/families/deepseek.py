@@ -4,6 +4,8 @@ One decoder block ("deepseek", as MaxText's deepseek2-* and deepseek3-* files): 
 by sigmoid scores with a correction bias (routed_score_func='sigmoid', routed_bias, groups ranked by their top
 two), V2 by a softmax over the experts (routed_score_func='softmax', weights not renormalised, groups ranked by
 their best expert: `ops.moe.group_limited_softmax`). Each imports from and exports to its own transformers class.
+DeepSeek-V3.2 is V3 with a lightning indexer in each MLA layer (`use_indexer`, MaxText's keys `indexer_*`:
+`ops.indexer`); Kimi-K2's folders (model_type kimi_k2) are DeepSeek-V3's architecture at other sizes, read as V3.
 """
 
 from __future__ import annotations
@@ -76,6 +78,15 @@ RULES = (
         # than model.norm).
         Rule("model.layers.{layer}.shared_head.norm.weight", "{mtp}/head_norm/scale"),
     )
+)
+_INDEXER = f"{_MLA}/indexer"
+# DeepSeek-V3.2: V3's tensors and each layer's indexer (transformers' DeepseekV32Indexer, named alike).
+V32_RULES = RULES + (
+    Rule("model.layers.{layer}.self_attn.indexer.wq_b.weight", f"{_INDEXER}/wq_b/kernel", Linear()),
+    Rule("model.layers.{layer}.self_attn.indexer.wk.weight", f"{_INDEXER}/wk/kernel", Linear()),
+    Rule("model.layers.{layer}.self_attn.indexer.k_norm.weight", f"{_INDEXER}/k_norm/scale"),
+    Rule("model.layers.{layer}.self_attn.indexer.k_norm.bias", f"{_INDEXER}/k_norm/bias"),
+    Rule("model.layers.{layer}.self_attn.indexer.weights_proj.weight", f"{_INDEXER}/weights_proj/kernel", Linear()),
 )
 # An MTP layer's own copies of the shared embedding and output head (ours share the model's; DeepSeek-V3's
 # README_WEIGHTS says both are shared with the main model, and import checks they are equal).
@@ -206,6 +217,59 @@ def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
       "topk_routing_group": get_int(hf, "topk_group"),
       "routed_score_func": "sigmoid",
       "routed_bias": True,
+  }
+
+
+# transformers' DeepseekV32Config: V3's fields (its max_position_embeddings and n_group defaults its own), no
+# rope_interleave (its MLA always interleaves, its indexer never) and the indexer's three.
+V32_CONFIG_CLASS = ConfigClass(
+    "DeepseekV32Config",
+    {
+        **{key: value for key, value in CONFIG_CLASS.defaults.items() if key != "rope_interleave"},
+        "max_position_embeddings": 163840,
+        "index_topk": 2048,
+        "index_head_dim": 128,
+        "index_n_heads": 64,
+        "mlp_bias": False,
+    },
+    aliases={"num_local_experts": "n_routed_experts"},
+)
+
+
+def _v32_config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
+  hf = V32_CONFIG_CLASS.read(raw)
+  require(hf, "mlp_bias", False, False)
+  if hf.get("layer_types") is not None and set(hf["layer_types"]) != {"indexed_attention"}:
+    raise HFError(
+        f"{CONFIG_FILE}: layer_types={hf['layer_types']!r}: maxbridge's DeepSeek-V3.2 indexes every layer's "
+        "attention ('indexed_attention')"
+    )
+  dense = get_int(hf, "first_k_dense_replace")
+  layers = get_int(hf, "num_hidden_layers")
+  want = ["dense"] * min(dense, layers) + ["sparse"] * (layers - min(dense, layers))
+  if hf.get("mlp_layer_types") is not None and list(hf["mlp_layer_types"]) != want:
+    raise HFError(
+        f"{CONFIG_FILE}: mlp_layer_types={hf['mlp_layer_types']!r}: maxbridge's DeepSeek layers are "
+        f"first_k_dense_replace={dense} dense ones, then MoE ones ({want!r})"
+    )
+  return {
+      **_config_from_hf({**hf, "rope_interleave": True}),
+      "use_indexer": True,
+      "indexer_topk": get_int(hf, "index_topk"),
+      "indexer_n_heads": get_int(hf, "index_n_heads"),
+      "indexer_head_dim": get_int(hf, "index_head_dim"),
+  }
+
+
+def _v32_config_to_hf(config: Config) -> dict[str, Any]:
+  written = _config_to_hf(config)
+  del written["rope_interleave"]
+  return {
+      **written,
+      "index_topk": config.indexer_topk,
+      "index_n_heads": config.indexer_n_heads,
+      "index_head_dim": config.indexer_head_dim,
+      "mlp_bias": False,
   }
 
 
@@ -376,8 +440,12 @@ def _config_to_hf(config: Config) -> dict[str, Any]:
 
 
 def _latent_cache(config: Config) -> CacheEntries:
-  # As DeepSeek does: the normed latent and the rotated shared rope key, expanded to keys and values on every read.
-  return {"cached_latent": (config.kv_lora_rank,), "cached_key_rope": (config.qk_rope_head_dim,)}
+  # As DeepSeek does: the normed latent and the rotated shared rope key, expanded to keys and values on every read;
+  # with the indexer, its rotated keys too.
+  entries = {"cached_latent": (config.kv_lora_rank,), "cached_key_rope": (config.qk_rope_head_dim,)}
+  if config.use_indexer:
+    entries["cached_index_key"] = (config.indexer_head_dim,)
+  return entries
 
 
 def _qk_clip_targets(config: Config) -> ClipTargets:
@@ -429,6 +497,27 @@ def _mla_rope(config: Config) -> str | None:
   return None
 
 
+def _indexer(config: Config) -> str | None:
+  if not config.use_indexer:
+    return None
+  for key in ("indexer_n_heads", "indexer_head_dim", "indexer_topk"):
+    if getattr(config, key) < 1:
+      return f"{key}={getattr(config, key)} must be a positive integer (use_indexer=true)"
+  if config.q_lora_rank == 0:
+    return "use_indexer=true needs q_lora_rank > 0: the indexer's queries come from MLA's low-rank query"
+  if config.indexer_head_dim < config.qk_rope_head_dim:
+    return (
+        f"indexer_head_dim={config.indexer_head_dim} must be at least qk_rope_head_dim={config.qk_rope_head_dim}: "
+        "the indexer turns its first qk_rope_head_dim dims by RoPE"
+    )
+  if config.attention == "flash":
+    return (
+        "attention='flash' with use_indexer=true: the indexer's choice of keys is a mask only the dot-product "
+        "kernel reads; set attention='dot_product' or 'autoselected'"
+    )
+  return None
+
+
 def _check(config: Config) -> list[str]:
   dense_layers = odd_rope = None
   if config.first_num_dense_layers > config.base_num_decoder_layers:
@@ -447,6 +536,7 @@ def _check(config: Config) -> list[str]:
       odd_rope,
       _routing_groups(config),
       _router_bias(config),
+      _indexer(config),
   )
 
 
@@ -481,9 +571,41 @@ FAMILY = Family(
             _config_to_hf,
             CONFIG_CLASS,
             mtp_copies=MTP_COPIES,
+            exports=lambda config: not config.use_indexer,
+        ),
+        HFFamily(
+            "deepseek_v32",
+            "DeepseekV32ForCausalLM",
+            ("deepseek",),
+            V32_RULES,
+            _v32_config_from_hf,
+            _v32_config_to_hf,
+            V32_CONFIG_CLASS,
+            mtp_copies=MTP_COPIES,
+        ),
+        # Kimi-K2's folders: DeepseekV3ForCausalLM under model_type kimi_k2 (its config.json's auto_map builds
+        # DeepseekV3Config). Read as V3; a config exports as deepseek_v3, which transformers loads without remote code.
+        HFFamily(
+            "kimi_k2",
+            "DeepseekV3ForCausalLM",
+            ("deepseek",),
+            RULES,
+            _config_from_hf,
+            _config_to_hf,
+            CONFIG_CLASS,
+            mtp_copies=MTP_COPIES,
+            exports=lambda config: False,
         ),
     ),
     check=_check,
     # MLA's YaRN only (other families' YaRN always scales the cos/sin and leaves the softmax scale).
-    own_keys={"mscale": 1.0, "rope_attention_scaling": False},
+    own_keys={
+        "mscale": 1.0,
+        "rope_attention_scaling": False,
+        # DeepSeek-V3.2's lightning indexer (MaxText's names and defaults).
+        "use_indexer": False,
+        "indexer_n_heads": 64,
+        "indexer_head_dim": 128,
+        "indexer_topk": 2048,
+    },
 )
