@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from maxbridge.core import config_keys, config_rules, families, files
-from maxbridge.core.config_rules import ConfigError
+from maxbridge.core.config_rules import PREFERENCE_KEYS, ConfigError
 
 CONFIG_DIR = Path(__file__).parent.parent / "configs"  # maxbridge/configs: data, beside the code that reads it
 BASE_CONFIG = CONFIG_DIR / "base.yml"
@@ -198,6 +198,17 @@ class Config:
   grpo_beta: float
   grpo_epsilon: float
   reward_function: str
+  num_iterations: int
+  epsilon_high: float
+  grpo_kl_estimator: str
+  importance_sampling_level: str
+  loss_agg_mode: str
+  scale_rewards: str
+  grpo_advantage_std: str
+  dynamic_sampling: bool
+  max_num_gen_batches: int
+  overlong_buffer_length: int
+  overlong_penalty_factor: float
   eval_interval: int
   eval_steps: int
   enable_checkpointing: bool
@@ -210,6 +221,16 @@ class Config:
   lora_rank: int
   lora_alpha: float
   lora_module_path: str
+  use_orpo: bool
+  orpo_lambda: float
+  use_simpo: bool
+  simpo_beta: float
+  simpo_gamma: float
+  simpo_label_smoothing: float
+  use_kto: bool
+  kto_beta: float
+  kto_desirable_weight: float
+  kto_undesirable_weight: float
   lora_dropout: float
   lora_weight_qtype: str
   # inference (maxbridge.engine)
@@ -339,6 +360,11 @@ def _coerce(key: str, value: Any, kind: type) -> Any:
   if kind is bool:
     if isinstance(value, bool):
       return value
+  @property
+  def preference_loss(self) -> str:
+    """The preference loss's key set (use_dpo, use_orpo, use_simpo or use_kto; config_rules allows one), or ""."""
+    return next((key for key in PREFERENCE_KEYS if getattr(self, key)), "")
+
     if isinstance(value, int) and value in (0, 1):
       return bool(value)
     if isinstance(value, str) and value.strip().lower() in _BOOL_WORDS:

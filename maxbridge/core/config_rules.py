@@ -38,6 +38,13 @@ QUANTIZATIONS = ("", "int8", "int4", "fp8", "nf4")
 QUANTIZATIONS_BY_LIBRARY = {"aqt": ("", "int8"), "qwix": ("", "int8", "int4", "fp8")}
 # GRPO's built-in verifiable rewards for the built-in arithmetic prompts (maxbridge/posttrain/grpo.py).
 GRPO_REWARDS = ("arithmetic", "exact_match", "format")
+# GRPO's variants' choices (training/posttrain/grpo_objectives.py reads them): TRL's scale_rewards and
+# importance_sampling_level, verl's and Tunix's loss_agg_mode, Schulman's KL estimators.
+GRPO_SCALE_REWARDS = ("group", "batch", "none")
+GRPO_ADVANTAGE_STD = ("population", "sample")
+GRPO_KL_ESTIMATORS = ("k1", "k2", "k3")
+GRPO_IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
+GRPO_LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 def _positive(value: float) -> bool:
@@ -161,10 +168,22 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("num_generations", lambda v: v >= 2, ">= 2 (GRPO's advantages compare the completions of one prompt)"),
     ("grpo_beta", lambda v: v >= 0, ">= 0 (0 drops the KL penalty)"),
     ("grpo_epsilon", lambda v: 0 < v < 1, "in (0, 1) (the policy ratio is clipped to [1 - epsilon, 1 + epsilon])"),
+    ("num_iterations", lambda v: v >= 1, ">= 1 (updates per sampled batch)"),
+    ("epsilon_high", lambda v: v == -1 or v > 0, "> 0 (ratio <= 1 + epsilon_high), or -1 for grpo_epsilon"),
+    ("max_num_gen_batches", lambda v: v >= 1, ">= 1 (batches sampled per step at most with dynamic_sampling)"),
+    ("overlong_buffer_length", lambda v: v >= 0, ">= 0 (0 turns overlong shaping off)"),
+    ("overlong_penalty_factor", lambda v: v >= 0, ">= 0"),
     ("qk_clip_threshold", lambda v: 0 < v < float("inf"), "a finite number > 0"),
     (
         "quantization_local_shard_count",
         lambda v: v >= -1,
+    ("orpo_lambda", lambda v: 0 <= v < float("inf"), "a finite number >= 0 (0 is plain SFT on the chosen side)"),
+    ("simpo_beta", _positive, "> 0"),
+    ("simpo_gamma", lambda v: 0 <= v < float("inf"), "a finite number >= 0 (the target reward margin)"),
+    ("simpo_label_smoothing", lambda v: 0 <= v <= 0.5, "in [0, 0.5] (0 is plain SimPO)"),
+    ("kto_beta", _positive, "> 0"),
+    ("kto_desirable_weight", _positive, "> 0"),
+    ("kto_undesirable_weight", _positive, "> 0"),
         "-1 (one shard per slice), 0 (float weight gradients) or a positive shard count",
     ),
     ("eval_interval", lambda v: v >= 0, ">= 0 (0 disables evaluation)"),
@@ -216,6 +235,11 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "opt_type": ("adamw", "muon"),
     "distill_feature_loss_type": ("cosine", "l2"),
     "context_parallel_strategy": ("all_gather", "ring"),
+    "grpo_kl_estimator": GRPO_KL_ESTIMATORS,
+    "importance_sampling_level": GRPO_IMPORTANCE_SAMPLING_LEVELS,
+    "loss_agg_mode": GRPO_LOSS_AGG_MODES,
+    "scale_rewards": GRPO_SCALE_REWARDS,
+    "grpo_advantage_std": GRPO_ADVANTAGE_STD,
 }
 
 
@@ -288,21 +312,12 @@ def validate(config: Config) -> None:
     raise ConfigError("dataset_type='text' needs dataset_path (a text file to train on)")
   if config.dataset_type == "grain" and not config.grain_train_files:
     raise ConfigError("dataset_type='grain' needs grain_train_files (a file, folder or glob of training files)")
-  if config.use_dpo and config.dataset_type not in ("embedded", "sft", "grain"):
-    raise ConfigError(
-        f"use_dpo=true reads preference pairs: dataset_type must be 'sft' (prompt/chosen/rejected .jsonl rows "
-        f"in dataset_path), 'grain' (such rows in grain_train_files) or 'embedded' (the built-in set), "
-        f"got {config.dataset_type!r}"
-    )
+  _validate_preference(config)
   if config.use_sft and config.dataset_type != "grain":
     raise ConfigError(
         f"use_sft=true reads SFT rows through Grain: set dataset_type='grain' (or dataset_type='sft' without "
         f"use_sft for the in-memory path), got dataset_type={config.dataset_type!r}"
     )
-  if config.use_sft and config.use_dpo:
-    raise ConfigError("use_sft=true and use_dpo=true: rows are SFT examples or preference pairs; set one to false")
-  if config.use_dpo and config.num_vocab_tiling > 1:
-    raise ConfigError("use_dpo=true computes full logits for its log-probabilities; set num_vocab_tiling=1")
   _validate_grpo(config)
 
 
@@ -327,6 +342,40 @@ def _validate_pipeline(config: Config) -> None:
 
 
 def _validate_context(config: Config) -> None:
+# The preference losses' keys, in the order a run names the one it trains with (`Config.preference_loss`).
+PREFERENCE_KEYS = ("use_dpo", "use_orpo", "use_simpo", "use_kto")
+
+
+def _validate_preference(config: Config) -> None:
+  """One objective at a time among the preference losses and GRPO, each on the data it reads."""
+  on = [key for key in (*PREFERENCE_KEYS, "use_grpo") if getattr(config, key)]
+  if len(on) > 1:
+    raise ConfigError(
+        f"{' and '.join(f'{key}=true' for key in on)}: a run trains one objective; keep one of them and set the "
+        "others to false"
+    )
+  key = next((key for key in PREFERENCE_KEYS if getattr(config, key)), None)
+  if key is None:
+    return
+  if key == "use_kto":
+    if config.dataset_type not in ("embedded", "sft"):
+      raise ConfigError(
+          f"use_kto=true reads unpaired rows: dataset_type must be 'sft' (prompt/completion/label .jsonl rows in "
+          f"dataset_path) or 'embedded' (the built-in set); got {config.dataset_type!r} (KTO through Grain is not "
+          "built yet: its mismatched pairs need the previous row)"
+      )
+  elif config.dataset_type not in ("embedded", "sft", "grain"):
+    raise ConfigError(
+        f"{key}=true reads preference pairs: dataset_type must be 'sft' (prompt/chosen/rejected .jsonl rows "
+        f"in dataset_path), 'grain' (such rows in grain_train_files) or 'embedded' (the built-in set), "
+        f"got {config.dataset_type!r}"
+    )
+  if config.use_sft:
+    raise ConfigError(f"use_sft=true and {key}=true: rows are SFT examples or preference rows; set one to false")
+  if config.num_vocab_tiling > 1:
+    raise ConfigError(f"{key}=true computes full logits for its log-probabilities; set num_vocab_tiling=1")
+
+
   """Context parallelism as maxbridge computes it (`maxbridge.ops.attention`: keys and values gathered)."""
   if config.context_parallel_strategy == "ring":
     raise ConfigError(
@@ -371,8 +420,6 @@ def _validate_grpo(config: Config) -> None:
     )
   if not config.use_grpo:
     return
-  if config.use_dpo:
-    raise ConfigError("use_grpo=true and use_dpo=true: a run trains one objective; set one of them to false")
   if config.dataset_type != "embedded":
     raise ConfigError(
         f"use_grpo=true samples completions of the built-in arithmetic prompts: dataset_type must be 'embedded', "
@@ -388,6 +435,12 @@ def _validate_grpo(config: Config) -> None:
     raise ConfigError("use_grpo=true computes full logits for its log-probabilities; set num_vocab_tiling=1")
   if config.num_processes > 1:
     raise ConfigError(f"use_grpo=true samples in one process: num_processes={config.num_processes} must be 1")
+  new_tokens = config.max_target_length - config.max_prefill_predict_length
+  if config.overlong_buffer_length > new_tokens:
+    raise ConfigError(
+        f"overlong_buffer_length={config.overlong_buffer_length} exceeds the longest completion sampled "
+        f"(max_target_length - max_prefill_predict_length = {new_tokens}): set it in [0, {new_tokens}]"
+    )
 
 
 def _validate_lora(config: Config) -> None:
@@ -412,9 +465,10 @@ def _validate_lora(config: Config) -> None:
         f"distill_logits_path={config.distill_logits_path!r} holds the teacher's top-k logits of the training batches, "
         "read beside full student logits: set num_vocab_tiling=1 and eval_interval=0 (or distill in the step)"
     )
-  if (config.teacher_overrides.strip() or config.distill_logits_path) and (config.use_dpo or config.use_grpo):
+  objective = next((key for key in (*PREFERENCE_KEYS, "use_grpo") if getattr(config, key)), None)
+  if (config.teacher_overrides.strip() or config.distill_logits_path) and objective:
     raise ConfigError(
-        "teacher_overrides (distillation) with use_dpo or use_grpo: each is the run's loss; set teacher_overrides=''"
+        f"teacher_overrides (distillation) with {objective}=true: each is the run's loss; set teacher_overrides=''"
     )
   if config.lora_rank and config.opt_type == "muon":
     raise ConfigError(
@@ -457,7 +511,7 @@ def _validate_mtp(config: Config) -> None:
   plain_loss = "the MTP loss is added to the plain cross-entropy over full logits only"
   refused = (
       ("num_vocab_tiling > 1", config.num_vocab_tiling > 1, plain_loss),
-      ("use_dpo=true", config.use_dpo, plain_loss),
+      *((f"{key}=true", getattr(config, key), plain_loss) for key in PREFERENCE_KEYS),
       ("use_grpo=true", config.use_grpo, plain_loss),
       ("distillation (teacher_overrides)", bool(config.teacher_overrides or config.distill_logits_path), plain_loss),
       ("use_qk_clip=true", config.use_qk_clip, "QK-Clip does not rescale the MTP modules' attention"),
@@ -554,6 +608,7 @@ def _validate_family(config: Config) -> None:
         "every attention logit below it, so QK-Clip's max-logit threshold measures the cap, not the weights; "
         "set use_qk_clip=false"
     )
+      ("use_kto=true", config.use_kto, "KTO's frozen reference is one model, not one per replica"),
   if config.rope_high_freq_factor < config.rope_low_freq_factor:
     raise ConfigError(
         f"rope_high_freq_factor={config.rope_high_freq_factor} must be at least rope_low_freq_factor="

@@ -30,7 +30,7 @@ import numpy as np
 
 from maxbridge.core.config import Config
 from maxbridge.training.data_paths import same_setting  # noqa: F401  (callers' name for it: data.same_setting)
-from maxbridge.training.posttrain import dpo, sft
+from maxbridge.training.posttrain import dpo, kto, sft
 
 # What `pack` makes. A loss declares the keys it reads (`maxbridge.loss`); a
 # Dataset carries whatever keys its rows have.
@@ -244,7 +244,10 @@ def make_dataset(
     from maxbridge.training import grain_data  # grain and its threads only for the runs that read through it
 
     return grain_data.GrainDataset(config, split, batch_size, process_index, process_count)
-  if config.use_dpo:
+  if config.use_kto:
+    rows = _kto_rows(config, split, length)
+    name = f"KTO rows {split} ({config.dataset_path or 'built-in arithmetic'})"
+  elif config.preference_loss:
     rows = _preference_rows(config, split, length)
     name = f"preferences {split} ({config.dataset_path or 'built-in arithmetic'})"
   elif config.dataset_type == "embedded":
@@ -266,20 +269,25 @@ def make_dataset(
   return Dataset(rows, batch_size, config.seed, name)
 
 
-def _preference_rows(config: Config, split: str, length: int) -> dict[str, np.ndarray]:
+def _preference_encode(config: Config) -> sft.Encode:
   if config.tokenizer_path:
-    encode = sft.HFChat(config.tokenizer_path, config.vocab_size).encode
-  else:
-    _check_byte_vocab(config)
-    encode = sft.byte_encode
+    return sft.HFChat(config.tokenizer_path, config.vocab_size).encode
+  _check_byte_vocab(config)
+  return sft.byte_encode
+
+
+def _preference_rows(config: Config, split: str, length: int) -> dict[str, np.ndarray]:
+  encode = _preference_encode(config)
   if not config.dataset_path:
     if config.tokenizer_path:
-      raise ValueError("use_dpo with tokenizer_path needs dataset_path: the built-in set is byte tokens")
+      raise ValueError(
+          f"{config.preference_loss} with tokenizer_path needs dataset_path: the built-in set is byte tokens"
+      )
     return _builtin_preference_rows(split, length)
   pairs = []
   for path in text_files(config.dataset_path):
     if path.suffix != ".jsonl":
-      raise ValueError(f"use_dpo=true reads .jsonl files (prompt/chosen/rejected rows), got {path}")
+      raise ValueError(f"{config.preference_loss}=true reads .jsonl files (prompt/chosen/rejected rows), got {path}")
     pairs += dpo.jsonl_pairs(path, encode, length)
   return dpo.pack_pairs(_split_examples(pairs, split, f"dataset_path {config.dataset_path!r}"), length)
 
@@ -288,6 +296,30 @@ def _preference_rows(config: Config, split: str, length: int) -> dict[str, np.nd
 def _builtin_preference_rows(split: str, length: int) -> dict[str, np.ndarray]:
   pairs = dpo.fit_pairs(list(dpo.builtin_pairs()), length, "the built-in preference set")
   return _freeze(dpo.pack_pairs(_split_examples(pairs, split, "the built-in preference set"), length))
+
+
+def _kto_rows(config: Config, split: str, length: int) -> dict[str, np.ndarray]:
+  """KTO's examples: each row with its mismatched pair formed over the whole file order (`kto.examples`), then
+  split and packed."""
+  encode = _preference_encode(config)
+  if not config.dataset_path:
+    if config.tokenizer_path:
+      raise ValueError("use_kto with tokenizer_path needs dataset_path: the built-in set is byte tokens")
+    return _builtin_kto_rows(split, length)
+  rows = []
+  for path in text_files(config.dataset_path):
+    if path.suffix != ".jsonl":
+      raise ValueError(f"use_kto=true reads .jsonl files (prompt/completion/label rows), got {path}")
+    rows += kto.jsonl_rows(path, encode)
+  source = f"dataset_path {config.dataset_path!r}"
+  return kto.pack(_split_examples(kto.fit_examples(kto.examples(rows), length, source), split, source), length)
+
+
+@functools.lru_cache(maxsize=8)
+def _builtin_kto_rows(split: str, length: int) -> dict[str, np.ndarray]:
+  source = "the built-in KTO set"
+  items = kto.fit_examples(kto.examples(list(kto.builtin_rows())), length, source)
+  return _freeze(kto.pack(_split_examples(items, split, source), length))
 
 
 def _sft_rows(config: Config, split: str, length: int) -> dict[str, np.ndarray]:

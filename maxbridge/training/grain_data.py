@@ -80,6 +80,8 @@ STATE_KEYS = (
     "seed",
     "use_sft",
     "use_dpo",
+    "use_orpo",
+    "use_simpo",
     "sft_train_on_completion_only",
     "grain_shuffle_buffer_size",
     # The batches are the same for any worker count, but the saved state holds one entry per worker.
@@ -122,7 +124,7 @@ class GrainDataset:
     key = "grain_eval_files" if split == "eval" and config.grain_eval_files else "grain_train_files"
     files = getattr(config, key)
     # SFT examples and DPO pairs are read from whole records (their fields), pre-training text from data_columns.
-    self.kind = "dpo" if config.use_dpo else "sft" if config.use_sft else "text"
+    self.kind = "dpo" if config.preference_loss else "sft" if config.use_sft else "text"
     column = config.data_columns if self.kind == "text" else None
     found = resolve_files(files, config.grain_file_type, key)
     # As the files are as the pipeline opens them: what a saved state's position is into.

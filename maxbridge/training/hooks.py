@@ -265,8 +265,8 @@ def _byte_text(config: Config) -> str | None:
     return "use_grpo=true samples from byte-token prompts"
   if config.dataset_type == "grain":
     return None
-  if config.use_dpo or config.dataset_type == "sft":
-    which = "use_dpo=true" if config.use_dpo else "dataset_type='sft'"
+  if config.preference_loss or config.dataset_type == "sft":
+    which = f"{config.preference_loss}=true" if config.preference_loss else "dataset_type='sft'"
     return None if config.dataset_path else f"the built-in set of {which} (no dataset_path) is byte tokens"
   if config.dataset_type in ("text", "embedded"):
     return f"dataset_type={config.dataset_type!r} reads byte tokens"

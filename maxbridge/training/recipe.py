@@ -18,13 +18,16 @@ from maxbridge.models.model import LinenModel
 from maxbridge.training import diloco, distill, hooks, qk_clip, vocab_tiling
 from maxbridge.training.backends import LinenTrainer, NNXTrainer
 from maxbridge.training.loss import CrossEntropy, Loss, StartingPolicy
-from maxbridge.training.posttrain import dpo, grpo
+from maxbridge.training.posttrain import dpo, grpo, kto, preference
 from maxbridge.training.trainable import AllParams, LoraAdapters
 from maxbridge.training.trainer import AfterUpdate, Trainer
 
 # The losses a run trains with, asked in turn: the first whose `enabled(config)` holds is the run's (`create_loss`).
 LOSSES: tuple[type[Loss], ...] = (
     dpo.DPO,
+    preference.ORPO,
+    preference.SimPO,
+    kto.KTO,
     grpo.GRPO,
     distill.Distillation,
     vocab_tiling.TiledCrossEntropy,
@@ -136,7 +139,7 @@ def create_hooks(config: Config, trainer: Trainer) -> tuple[hooks.Data | hooks.S
     run_hooks.append(hooks.LoraBase())
   if config.use_qk_clip:
     run_hooks.append(hooks.MaxLogits())
-  if not config.use_grpo and config.dataset_path and (config.dataset_type in ("text", "sft") or config.use_dpo):
+  if not config.use_grpo and config.dataset_path and (config.dataset_type in ("text", "sft") or config.preference_loss):
     run_hooks.append(hooks.DataFiles())  # the in-memory dataset's files, checked on resume
   run_hooks.append(hooks.RunTokenizer())  # the run keeps its tokenizer_path's files, checked on resume
   return source, run_hooks

@@ -14,6 +14,8 @@ The loss (Rafailov et al. 2023; label smoothing as conservative DPO), per pair:
 
 with log-probabilities summed over completion tokens. The reference is the
 policy the run started from (`loss.StartingPolicy`); its pass gets no gradient.
+The pairs here are every pair loss's (ORPO's and SimPO's too); their shared
+log-probabilities, masking and pure loss functions are `preference`'s.
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxbridge.core.config import Config
-from maxbridge.training.loss import Batch, CrossEntropy, Forward, Loss, StartingPolicy
-from maxbridge.training.posttrain import sft
+from maxbridge.training.loss import Batch, Forward, Loss, StartingPolicy
+from maxbridge.training.posttrain import preference, sft
+from maxbridge.training.posttrain.preference import KEYS, segment_log_probs  # noqa: F401  (the pair losses' names)
 
 SIDES = ("chosen", "rejected")
-KEYS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
 # (prompt + chosen, prompt + rejected), each an SFT example (tokens, completion mask).
 Pair = tuple[sft.Example, sft.Example]
 
@@ -104,19 +106,6 @@ def builtin_pairs() -> tuple[Pair, ...]:
   return tuple(pair(encode(p), encode(c), encode(r)) for p, c, r in arithmetic_preferences())
 
 
-def segment_log_probs(logits: jax.Array, targets: jax.Array, segments: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(sum of target log-probabilities, target count) per (row, segment): float32 [rows, length + 1].
-
-  Column s is segment s; column 0 gathers the tokens with no target and is never read.
-  """
-  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
-  per_token = jnp.take_along_axis(log_probs, targets[..., None], -1)[..., 0]
-  per_token = jnp.where(segments > 0, per_token, 0.0)
-  rows = jnp.arange(segments.shape[0])[:, None]
-  zeros = jnp.zeros((segments.shape[0], segments.shape[1] + 1), jnp.float32)
-  return zeros.at[rows, segments].add(per_token), zeros.at[rows, segments].add((segments > 0).astype(jnp.float32))
-
-
 class DPO(Loss):
   """Sigmoid DPO with label smoothing; `tokens` in aux counts pairs, so every metric is per pair."""
 
@@ -137,34 +126,21 @@ class DPO(Loss):
   def from_config(cls, config: Config) -> DPO:
     return cls(config.dpo_beta, config.dpo_label_smoothing)
 
-  def _log_probs(self, forward: Forward, batch: Batch) -> tuple[tuple[jax.Array, jax.Array], dict]:
-    """(chosen, rejected) completion log-probabilities per (row, segment), from one pass over both."""
-    both = {key: jnp.concatenate([batch[f"{side}_{key}"] for side in SIDES]) for key in KEYS}
-    logits, intermediates = forward(both["inputs"], both["inputs_position"], both["inputs_segmentation"])
-    sums, counts = segment_log_probs(logits, both["targets"], both["targets_segmentation"])
-    half = sums.shape[0] // 2
-    return (sums[:half], sums[half:]), (counts[:half], counts[half:]), intermediates
-
   def __call__(self, forward: Forward, batch: Batch, reference: Forward | None = None) -> tuple[jax.Array, dict]:
     if reference is None:
       raise ValueError("DPO needs a reference model: the frozen policy the run started from (Trainer.hold_frozen)")
-    (chosen, rejected), (chosen_count, rejected_count), intermediates = self._log_probs(forward, batch)
-    (ref_chosen, ref_rejected), _, _ = self._log_probs(reference, batch)
-    pairs = ((chosen_count > 0) & (rejected_count > 0)).astype(jnp.float32)
-    chosen_rewards = self.beta * (chosen - jax.lax.stop_gradient(ref_chosen))
-    rejected_rewards = self.beta * (rejected - jax.lax.stop_gradient(ref_rejected))
-    return self.total(chosen_rewards, rejected_rewards, pairs, intermediates)
-
-  def total(self, chosen_rewards, rejected_rewards, pairs, intermediates) -> tuple[jax.Array, dict]:
-    """The loss summed over `pairs` (a 0/1 mask), and the metrics' sums: from per-pair rewards."""
-    margins = chosen_rewards - rejected_rewards
-    losses = -(1 - self.label_smoothing) * jax.nn.log_sigmoid(margins) - self.label_smoothing * jax.nn.log_sigmoid(
-        -margins
+    (chosen, rejected), counts, intermediates = preference.side_log_probs(forward, batch, SIDES)
+    (ref_chosen, ref_rejected), _, _ = preference.side_log_probs(reference, batch, SIDES)
+    losses, chosen_rewards, rejected_rewards = preference.dpo_loss(
+        chosen, rejected, ref_chosen, ref_rejected, self.beta, self.label_smoothing
     )
-    loss, aux = CrossEntropy.total(jnp.sum(losses * pairs), jnp.float32(0.0), pairs, intermediates)
-    del aux["z_loss"]
-    aux["reward_accuracy"] = jnp.sum((margins > 0) * pairs)
-    aux["chosen_rewards"] = jnp.sum(chosen_rewards * pairs)
-    aux["rejected_rewards"] = jnp.sum(rejected_rewards * pairs)
-    aux["margins"] = jnp.sum(margins * pairs)
-    return loss, aux
+    margins = chosen_rewards - rejected_rewards
+    return preference.pair_total(
+        losses,
+        preference.pair_mask(*counts),
+        intermediates,
+        reward_accuracy=(margins > 0).astype(jnp.float32),
+        chosen_rewards=chosen_rewards,
+        rejected_rewards=rejected_rewards,
+        margins=margins,
+    )
