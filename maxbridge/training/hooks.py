@@ -106,15 +106,16 @@ class Sampled:
   """GRPO's batches: completions sampled from the policy as it trains (`grpo.Rollouts`); no held-out set."""
 
   eval = None
-  fixed_keys = ("reward_function",)  # what the run learns from, as a dataset's keys are
-  source_keys = fixed_keys
+  # What the run learns from, as a dataset's keys are: its rewards and how they become advantages.
+  fixed_keys = ("reward_function", "scale_rewards", "grpo_advantage_std", "dynamic_sampling")
+  source_keys = (*fixed_keys, "max_num_gen_batches", "overlong_buffer_length", "overlong_penalty_factor")
 
   def __init__(self, config: Config, trainer: Trainer):
     self.rollouts = grpo.Rollouts(config, trainer)
 
   def batch(self, step: int, state) -> tuple[dict, dict]:
     rows, info = self.rollouts.batch(step, state)
-    return rows, {key: info[key] for key in ("mean_reward", "completion_length")}
+    return rows, {key: value for key, value in info.items() if key != "completions"}  # its statistics
 
   def state(self):
     return None  # sampled from the policy, which the checkpoint holds

@@ -17,9 +17,11 @@ def train_grpo(
   """GRPO in memory (no run folder), from `params` (canonical; default the seed's initialisation):
   (final canonical params, one record per step). `maxbridge.train` runs the same steps with checkpoints.
 
-  Records hold loss, kl, clip_fraction, mean_reward, completion_length and
-  the sampled completions. Prompts and sampling keys follow `config.seed` and
-  the step only, so Linen and NNX sample, score and train identically.
+  Records hold loss, kl, clip_fraction, ratio, mean_reward, completion_length
+  (with dynamic_sampling, sampled_batches and uninformative_groups) and the
+  sampled completions; with num_iterations > 1, each batch trains that many
+  steps. Prompts and sampling keys follow `config.seed` and the step only, so
+  Linen and NNX sample, score and train identically.
   """
   if not config.use_grpo:
     raise ValueError("train_grpo needs use_grpo=true in the config")
@@ -36,5 +38,5 @@ def train_grpo(
     batch, info = rollouts.batch(step, state)
     state, metrics = trainer.train_step(state, batch)
     metrics = jax.device_get(metrics)
-    records.append({"step": step, **{key: float(metrics[key]) for key in ("loss", "kl", "clip_fraction")}, **info})
+    records.append({"step": step, **{key: float(metrics[key]) for key in ("loss", *trainer.loss.metric_keys)}, **info})
   return trainer.model_params(state), records

@@ -11,10 +11,20 @@ frozen reference (Shao et al. 2024, MaxText's `grpo_epsilon`, `grpo_beta`):
             + beta * (exp(log ref - log pi) - (log ref - log pi) - 1)
 
 summed over completion tokens and divided by their count (token-level, so
-gradient accumulation stays exact). With one update per sampled batch (as
-here), pi_old is the policy itself with no gradient: the ratio is 1 in value
+gradient accumulation stays exact). With one update per sampled batch (the
+default), pi_old is the policy itself with no gradient: the ratio is 1 in value
 and its gradient is the policy gradient, so with beta = 0 the loss reduces to
--A * log pi up to a constant.
+-A * log pi up to a constant. With `num_iterations` > 1 the rollouts record the
+sampling policy's log-probabilities (`old_log_probs`) and the same batch trains
+that many steps, so from the second on the ratio differs from 1 and the clip acts.
+
+The variants are options of this one learner (`grpo_objectives` holds their math,
+each term naming its paper's equation): DAPO's clip-higher (`epsilon_high`),
+dynamic sampling (`dynamic_sampling`), token-mean loss and overlong shaping
+(`overlong_buffer_length`); Dr. GRPO's constant normalisation
+(`loss_agg_mode=seq-mean-token-sum-norm`) and no std (`scale_rewards=none`);
+GSPO's sequence ratio (`importance_sampling_level=sequence`, or `sequence_token`);
+the KL estimator (`grpo_kl_estimator`) and the std's ddof (`grpo_advantage_std`).
 
 A GRPO step (`use_grpo=true`: `maxbridge train llama-tiny use_grpo=true`)
 samples `num_generations` completions of each of a global batch of built-in
@@ -36,22 +46,24 @@ import time
 import weakref
 from typing import Callable
 
+from absl import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxbridge.core import canonical
+from maxbridge.core import canonical, sharding
 from maxbridge.core.config import Config
 from maxbridge.models import decoding, dispatch
 from maxbridge.training.loss import Batch, CrossEntropy, Forward, Loss, StartingPolicy
-from maxbridge.training.posttrain import sft
+from maxbridge.training.posttrain import grpo_objectives, sft
 
 # Built-in prompts: two-digit operands, so every prompt is 6 tokens and a
 # group batch is one [rows, 6] array (the sampler takes prompts of one length).
 GRPO_OPERANDS = range(10, 20)
 Reward = Callable[[str, str], float]
 
-ADVANTAGE_EPS = 1e-4
+ADVANTAGE_EPS = grpo_objectives.ADVANTAGE_EPS
 _ANSWER = re.compile(r"-?\d+\n")
 
 
@@ -70,16 +82,7 @@ def builtin_reward(prompt: str, completion: str) -> float:
   return exact_match_reward(prompt, completion) + 0.1 * format_reward(prompt, completion)
 
 
-def group_advantages(rewards: np.ndarray) -> np.ndarray:
-  """[prompts, num_generations] rewards -> advantages, zero-mean and unit-scale within each group.
-
-  A group whose rewards are all equal gets zeros: nothing in it to prefer.
-  """
-  rewards = np.asarray(rewards, np.float64)
-  if rewards.ndim != 2 or rewards.shape[1] < 2:
-    raise ValueError(f"rewards must be [prompts, num_generations] with num_generations >= 2, got shape {rewards.shape}")
-  centred = rewards - rewards.mean(axis=1, keepdims=True)
-  return (centred / (rewards.std(axis=1, keepdims=True) + ADVANTAGE_EPS)).astype(np.float32)
+group_advantages = grpo_objectives.group_advantages
 
 
 def pack_completions(prompts: list[list[int]], completions: list[list[int]], advantages: np.ndarray, length: int) -> dict:
@@ -93,16 +96,42 @@ def pack_completions(prompts: list[list[int]], completions: list[list[int]], adv
 
 
 class GRPO(Loss):
-  """The clipped-ratio loss with a KL penalty to the frozen reference; metrics per completion token."""
+  """The clipped-ratio loss with a KL penalty to the frozen reference (`grpo_objectives.policy_objective`); metrics
+  per unit of `loss_agg_mode` (a completion token, or a completion for the per-sequence modes)."""
 
   batch_keys = (*CrossEntropy.batch_keys, "advantages")
-  metric_keys = ("kl", "clip_fraction")
+  metric_keys = ("kl", "clip_fraction", "ratio")
   frozen = StartingPolicy()  # the reference its KL penalty is to
-  fixed_keys = ("use_grpo",)
+  # What the loss and its metrics mean, and how batches are reused (a resume mid-batch would read another).
+  fixed_keys = ("use_grpo", "num_iterations", "grpo_kl_estimator", "importance_sampling_level", "loss_agg_mode")
 
-  def __init__(self, beta: float = 0.04, epsilon: float = 0.2):
+  def __init__(
+      self,
+      beta: float = 0.04,
+      epsilon: float = 0.2,
+      *,
+      epsilon_high: float | None = None,
+      kl_estimator: str = "k3",
+      importance_sampling_level: str = "token",
+      loss_agg_mode: str = "token-mean",
+      max_length: int = 1,
+      old_log_probs: bool = False,
+  ):
     self.beta = beta
     self.epsilon = epsilon
+    self.options = dict(
+        epsilon=epsilon,
+        epsilon_high=epsilon_high,
+        beta=beta,
+        kl_estimator=kl_estimator,
+        importance_sampling_level=importance_sampling_level,
+        loss_agg_mode=loss_agg_mode,
+        max_length=max_length,
+    )
+    # Several updates per batch: the sampling policy's log-probabilities come with it (`Rollouts`).
+    self.old_log_probs = old_log_probs
+    if old_log_probs:
+      self.batch_keys = (*GRPO.batch_keys, "old_log_probs")
 
   @classmethod
   def enabled(cls, config: Config) -> bool:
@@ -110,7 +139,16 @@ class GRPO(Loss):
 
   @classmethod
   def from_config(cls, config: Config) -> GRPO:
-    return cls(config.grpo_beta, config.grpo_epsilon)
+    return cls(
+        config.grpo_beta,
+        config.grpo_epsilon,
+        epsilon_high=None if config.epsilon_high == -1 else config.epsilon_high,
+        kl_estimator=config.grpo_kl_estimator,
+        importance_sampling_level=config.importance_sampling_level,
+        loss_agg_mode=config.loss_agg_mode,
+        max_length=config.max_target_length - config.max_prefill_predict_length,
+        old_log_probs=config.num_iterations > 1,
+    )
 
   def __call__(self, forward: Forward, batch: Batch, reference: Forward | None = None) -> tuple[jax.Array, dict]:
     if reference is None:
@@ -120,16 +158,15 @@ class GRPO(Loss):
     log_probs = token_log_probs(logits, batch["targets"])
     reference_log_probs = jax.lax.stop_gradient(token_log_probs(reference(*inputs)[0], batch["targets"]))
     mask = (batch["targets_segmentation"] > 0).astype(jnp.float32)
-    ratio = jnp.exp(log_probs - jax.lax.stop_gradient(log_probs))
-    advantages = batch["advantages"]
-    clipped = jnp.clip(ratio, 1 - self.epsilon, 1 + self.epsilon)
-    policy = -jnp.minimum(ratio * advantages, clipped * advantages)
-    delta = reference_log_probs - log_probs
-    kl = jnp.exp(delta) - delta - 1
-    loss, aux = CrossEntropy.total(jnp.sum((policy + self.beta * kl) * mask), jnp.float32(0.0), mask, intermediates)
+    # One update per batch: the sampling policy is this one, so the ratio is 1 with the policy gradient.
+    old = batch["old_log_probs"] if self.old_log_probs else jax.lax.stop_gradient(log_probs)
+    total, terms = grpo_objectives.policy_objective(
+        log_probs, old, reference_log_probs, batch["advantages"], mask, **self.options
+    )
+    # The count to divide by is the aggregation's (tokens, or completions): the MoE loss weighs in per that unit.
+    loss, aux = CrossEntropy.total(total, jnp.float32(0.0), terms["count"], intermediates)
     del aux["z_loss"]
-    aux["kl"] = jnp.sum(kl * mask)
-    aux["clip_fraction"] = jnp.sum((ratio != clipped) * mask)
+    aux.update({key: terms[key] for key in self.metric_keys})
     return loss, aux
 
 
@@ -251,6 +288,25 @@ def _sampler(trainer) -> Callable:
   return _SAMPLERS[trainer]
 
 
+# The policy's log-probabilities of a batch's targets, compiled once per trainer as the sampler is.
+_LOG_PROBS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _log_prober(trainer) -> Callable:
+  if trainer not in _LOG_PROBS:
+
+    @jax.jit
+    def log_probs(state, inputs, positions, segments, targets):
+      # The train step's own forward pass (LoRA: adapters merged, no dropout), so that the first update on a batch
+      # sees a ratio of 1.
+      bound = trainer._bind(trainer._to_devices(state, ("params", "stored")))
+      logits, _ = trainer._forward(bound, bound.params, bound.frozen, inputs, positions, segments)
+      return token_log_probs(logits, targets)
+
+    _LOG_PROBS[trainer] = log_probs
+  return _LOG_PROBS[trainer]
+
+
 class Rollouts:
   """Each step's GRPO batch, sampled from the current policy: the same for a given (seed, step) on any backend.
 
@@ -258,9 +314,18 @@ class Rollouts:
   step, so a resumed run samples as the uninterrupted one), samples
   `num_generations` completions of each with the engine's cached decoding from
   `trainer.model_params(state)` (LoRA: the adapted weights), in this process
-  with no copy, scores them and packs one completion per row with its
-  group-normalised advantage. Completions are at most max_target_length -
-  max_prefill_predict_length tokens, cut after the first newline.
+  with no copy, scores them (plus DAPO's overlong penalty) and packs one
+  completion per row with its group-normalised advantage. Completions are at
+  most max_target_length - max_prefill_predict_length tokens, cut after the
+  first newline.
+
+  With `num_iterations` > 1, a batch is sampled every num_iterations steps, with
+  the sampling policy's log-probabilities (`old_log_probs`), and the steps between
+  train on it again. A run resumed between two samplings has no such batch: it
+  samples that batch's prompts again from the restored policy, and logs so.
+  With `dynamic_sampling` (DAPO), groups whose rewards are all equal are dropped
+  and more sampled, up to `max_num_gen_batches` batches; equal groups fill what is
+  still short (their advantages are 0), counted in `uninformative_groups`.
   """
 
   def __init__(self, config: Config, trainer):
@@ -277,29 +342,85 @@ class Rollouts:
           f"{len(longest.encode())}, below max_target_length={config.max_target_length} to leave room to generate"
       )
     self.sample = _sampler(trainer)
+    self.log_probs = _log_prober(trainer) if config.num_iterations > 1 else None
+    self.held: tuple[int, dict, dict] | None = None  # (the step it was sampled for, rows, info)
     self.timings: dict[str, float] = {}
 
   def batch(self, step: int, state) -> tuple[dict[str, np.ndarray], dict]:
-    """(rows for the train step, {"mean_reward", "completion_length", "completions"}); `timings` holds the
-    seconds spent sampling and scoring."""
+    """(rows for the train step, {"mean_reward", "completion_length", "completions"}, with dynamic_sampling
+    "sampled_batches" and "uninformative_groups"); `timings` holds the seconds spent sampling and scoring."""
+    first = step - step % self.config.num_iterations
+    if self.held is not None and self.held[0] == first:
+      self.timings = {"sampling_s": 0.0, "scoring_s": 0.0}
+      return self.held[1], self.held[2]
+    if first != step:
+      logging.warning(
+          "GRPO step %d is update %d of the batch sampled at step %d, which this run did not sample (it resumed "
+          "between): that batch is sampled again from the policy as it is now",
+          step,
+          step - first + 1,
+          first,
+      )
+    rows, info = self._sample(first, state)
+    if self.log_probs is not None:
+      with sharding.active(self.trainer.mesh, self.trainer.rules):
+        old = self.log_probs(state, *(rows[k] for k in ("inputs", "inputs_position", "inputs_segmentation", "targets")))
+      rows["old_log_probs"] = np.asarray(old, np.float32)
+    self.held = (first, rows, info)
+    return rows, info
+
+  def _attempt(self, step: int, attempt: int, state):
+    """One sampled batch: (prompts, their tokens, completions, texts, raw rewards, shaped rewards)."""
     config, groups = self.config, self.config.num_generations
-    began = time.perf_counter()
-    rng = np.random.default_rng([config.seed, step])
+    rng = np.random.default_rng([config.seed, step] + ([attempt] if attempt else []))
     count = prompts_per_step(config)
     chosen = [self.prompts[i] for i in rng.choice(len(self.prompts), count, replace=count > len(self.prompts))]
     prompt_tokens = [list(p.encode()) for p in chosen]
     grouped = np.repeat(np.asarray(prompt_tokens, np.int32), groups, axis=0)
     key = jax.random.key(config.seed * 1_000_003 + step)
+    if attempt:
+      key = jax.random.fold_in(key, attempt)
+    began = time.perf_counter()
     sampled = np.asarray(self.sample(self.trainer.model_params(state), grouped, key))
-    sampled_at = time.perf_counter()
+    self._sampling_s += time.perf_counter() - began
     completions = [completion_tokens(row[grouped.shape[1] :]) for row in sampled]
     texts = [bytes(c).decode("utf-8", errors="replace") for c in completions]
     rewards = score(self.reward, chosen, texts, groups)
-    rows = pack_completions(prompt_tokens, completions, group_advantages(rewards), config.max_target_length)
-    self.timings = {"sampling_s": sampled_at - began, "scoring_s": time.perf_counter() - sampled_at}
+    lengths = np.asarray([len(c) for c in completions]).reshape(rewards.shape)
+    new_tokens = config.max_target_length - config.max_prefill_predict_length
+    shaped = rewards + grpo_objectives.overlong_penalty(
+        lengths, new_tokens, config.overlong_buffer_length, config.overlong_penalty_factor
+    )
+    return chosen, prompt_tokens, completions, texts, rewards, shaped
+
+  def _sample(self, step: int, state) -> tuple[dict[str, np.ndarray], dict]:
+    config, groups = self.config, self.config.num_generations
+    began = time.perf_counter()
+    kept, spare, tries, self._sampling_s = [], [], 0, 0.0
+    count = prompts_per_step(config)
+    for attempt in range(config.max_num_gen_batches if config.dynamic_sampling else 1):
+      tries += 1
+      chosen, prompt_tokens, completions, texts, rewards, shaped = self._attempt(step, attempt, state)
+      informative = grpo_objectives.informative_groups(shaped) if config.dynamic_sampling else np.ones(count, bool)
+      for g in range(count):
+        group = (chosen[g], prompt_tokens[g], completions[g * groups : (g + 1) * groups],
+                 texts[g * groups : (g + 1) * groups], rewards[g], shaped[g])  # fmt: skip
+        (kept if informative[g] else spare).append(group)
+      if len(kept) >= count:
+        break
+    uninformative = max(count - len(kept), 0)
+    batch = kept[:count] + spare[:uninformative]
+    rewards = np.stack([g[4] for g in batch])
+    shaped = np.stack([g[5] for g in batch])
+    completions = [c for g in batch for c in g[2]]
+    advantages = group_advantages(shaped, config.scale_rewards, config.grpo_advantage_std)
+    rows = pack_completions([g[1] for g in batch], completions, advantages, config.max_target_length)
+    self.timings = {"sampling_s": self._sampling_s, "scoring_s": time.perf_counter() - began - self._sampling_s}
     info = {
         "mean_reward": float(rewards.mean()),
         "completion_length": float(np.mean([len(c) for c in completions])),
-        "completions": texts,
+        "completions": [t for g in batch for t in g[3]],
     }
+    if config.dynamic_sampling:
+      info.update(sampled_batches=tries, uninformative_groups=uninformative)
     return rows, info
