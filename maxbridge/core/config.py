@@ -141,6 +141,23 @@ class Config:
   gdn_value_head_dim: int
   gdn_conv_kernel_dim: int
   gdn_chunk_size: int
+  # multimodal (MaxText's keys; see configs/base.yml)
+  use_multimodal: bool
+  freeze_vision_encoder_params: bool
+  image_size_for_vit: int
+  num_channels_for_vit: int
+  patch_size_for_vit: int
+  conv_stride_for_vit: int
+  hidden_size_for_vit: int
+  intermediate_size_for_vit: int
+  num_hidden_layers_for_vit: int
+  num_attention_heads_for_vit: int
+  vision_output_length: int
+  normalization_layer_epsilon_for_vit: float
+  image_placeholder: str
+  image_token_index: int
+  boi_token_index: int
+  eoi_token_index: int
   # training
   run_name: str
   base_output_directory: str

@@ -69,6 +69,10 @@ MODEL_KEYS: tuple[str, ...] = tuple(
             *("num_kv_shared_layers", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim"),
             *("v_head_dim", "partial_rotary_factor", "gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_head_dim"),
             *("gdn_value_head_dim", "gdn_conv_kernel_dim"),
+            *("use_multimodal", "image_size_for_vit", "num_channels_for_vit", "patch_size_for_vit"),
+            *("conv_stride_for_vit", "hidden_size_for_vit", "intermediate_size_for_vit", "num_hidden_layers_for_vit"),
+            *("num_attention_heads_for_vit", "vision_output_length", "normalization_layer_epsilon_for_vit"),
+            *("image_token_index", "boi_token_index", "eoi_token_index"),
             *(key for family in families.REGISTRY for key in family.own_keys if key not in HOW_NOT_WHAT),
         )
     )

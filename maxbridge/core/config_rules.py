@@ -637,11 +637,62 @@ def _validate_family(config: Config) -> None:
   if problems:
     raise ConfigError("\n".join(problems))
 
+  _check_multimodal(config, family)
 
 def _validate_quantization(config: Config) -> None:
   library = "qwix" if config.use_qwix_quantization else "aqt"
   supported = QUANTIZATIONS_BY_LIBRARY[library]
   if config.quantization not in supported:
+def _check_multimodal(config, family) -> None:
+  if not config.use_multimodal:
+    return
+  if family.vision_tower is None:
+    towers = ", ".join(repr(f.decoder_blocks[0]) for f in families.REGISTRY if f.vision_tower)
+    raise ConfigError(
+        f"use_multimodal=true: decoder_block={config.decoder_block!r} has no vision tower in maxbridge "
+        f"(decoder blocks with one: {towers}); set use_multimodal=false"
+    )
+  for key in (
+      "image_size_for_vit",
+      "num_channels_for_vit",
+      "patch_size_for_vit",
+      "hidden_size_for_vit",
+      "intermediate_size_for_vit",
+      "num_hidden_layers_for_vit",
+      "num_attention_heads_for_vit",
+      "vision_output_length",
+  ):
+    if getattr(config, key) <= 0:
+      raise ConfigError(f"config key {key!r} = {getattr(config, key)!r} is invalid; it must be a positive integer")
+  if config.normalization_layer_epsilon_for_vit <= 0:
+    raise ConfigError("config key 'normalization_layer_epsilon_for_vit' must be > 0")
+  if config.conv_stride_for_vit != config.patch_size_for_vit:
+    raise ConfigError(
+        f"conv_stride_for_vit={config.conv_stride_for_vit} must equal patch_size_for_vit={config.patch_size_for_vit}: "
+        "the tower embeds non-overlapping patches"
+    )
+  if config.image_size_for_vit % config.patch_size_for_vit:
+    raise ConfigError(
+        f"image_size_for_vit={config.image_size_for_vit} must be a multiple of patch_size_for_vit={config.patch_size_for_vit}"
+    )
+  if config.hidden_size_for_vit % config.num_attention_heads_for_vit:
+    raise ConfigError(
+        f"hidden_size_for_vit={config.hidden_size_for_vit} must be a multiple of num_attention_heads_for_vit="
+        f"{config.num_attention_heads_for_vit}"
+    )
+  grid, side = config.image_size_for_vit // config.patch_size_for_vit, math.isqrt(config.vision_output_length)
+  if side * side != config.vision_output_length or grid % side:
+    raise ConfigError(
+        f"vision_output_length={config.vision_output_length} must be a square whose side divides the "
+        f"{grid}x{grid} patch grid (image_size_for_vit / patch_size_for_vit): the projector pools square windows"
+    )
+  if config.attention not in ("dot_product", "autoselected"):
+    raise ConfigError(
+        f"attention={config.attention!r} with use_multimodal=true: image tokens attend both ways within their "
+        "image, which the dot_product kernel's mask reads; set attention=dot_product or autoselected"
+    )
+
+
     listed = ", ".join(repr(c) for c in supported)
     raise ConfigError(
         f"config key 'quantization' = {config.quantization!r} is not supported with use_qwix_quantization="

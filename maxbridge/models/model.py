@@ -20,6 +20,7 @@ from flax import nnx
 from maxbridge.core import canonical
 from maxbridge.core.config import Config
 from maxbridge.models import decoding
+from maxbridge.ops import vision
 
 Params = dict[str, Any]
 
@@ -59,6 +60,28 @@ def check_inputs(config: Config, tokens, positions, what: str = "tokens") -> Non
       )
 
 
+def check_multimodal(config: Config, tokens, multimodal_input) -> None:
+  """A ValueError naming what is wrong with `multimodal_input` for this model and these tokens, if anything."""
+  if multimodal_input is None:
+    return
+  if not config.use_multimodal:
+    raise ValueError(
+        "multimodal_input (images) given to a model without a vision tower: set use_multimodal=true "
+        f"(decoder_block={config.decoder_block!r})"
+    )
+  if not isinstance(multimodal_input, vision.MultimodalInput):
+    raise ValueError(f"multimodal_input must be an ops.vision.MultimodalInput, got a {type(multimodal_input).__name__}")
+  images, masks = multimodal_input
+  vision.check_images(images, image_size=config.image_size_for_vit, channels=config.num_channels_for_vit)
+  if images.shape[0] != tokens.shape[0]:
+    raise ValueError(f"multimodal_input.images has {images.shape[0]} rows for {tokens.shape[0]} rows of tokens")
+  if masks is not None and tuple(masks.shape) != tuple(images.shape[:2]):
+    raise ValueError(f"multimodal_input.image_masks has shape {tuple(masks.shape)}; expected {tuple(images.shape[:2])}")
+  vision.check_placeholders(
+      tokens, images, masks, image_token=config.image_token_index, tokens_per_image=config.vision_output_length
+  )
+
+
 class Model(abc.ABC):
   """The same methods on both backends; see `LinenModel` and `NNXModel`."""
 
@@ -86,7 +109,7 @@ class Model(abc.ABC):
     ...
 
   @abc.abstractmethod
-  def _forward(self, params, tokens, positions, segment_ids):
+  def _forward(self, params, tokens, positions, segment_ids, multimodal_input=None):
     """(logits, flat intermediates) as a pure function of canonical params."""
 
   @abc.abstractmethod
@@ -106,19 +129,24 @@ class Model(abc.ABC):
     """Loads a canonical tree, scanned or unscanned; errors name any bad path."""
     self._set_params(canonical.conform(tree, self.abstract_params(), self.config.param_scan_axis))
 
-  def apply(self, params: Params, tokens, positions=None, segment_ids=None) -> jax.Array:
-    """Logits as a pure, differentiable function of canonical `params`."""
-    return self._forward(params, *default_inputs(tokens, positions, segment_ids))[0]
+  def apply(self, params: Params, tokens, positions=None, segment_ids=None, multimodal_input=None) -> jax.Array:
+    """Logits as a pure, differentiable function of canonical `params`; `multimodal_input` (`ops.vision`): images."""
+    inputs = default_inputs(tokens, positions, segment_ids)
+    check_multimodal(self.config, inputs[0], multimodal_input)
+    return self._forward(params, *inputs, multimodal_input)[0]
 
-  def apply_with_intermediates(self, params: Params, tokens, positions=None, segment_ids=None):
+  def apply_with_intermediates(self, params: Params, tokens, positions=None, segment_ids=None, multimodal_input=None):
     """(logits, {"decoder/hidden_states": final normed hidden states [B, T, D]})."""
-    return self._forward(params, *default_inputs(tokens, positions, segment_ids))
+    inputs = default_inputs(tokens, positions, segment_ids)
+    check_multimodal(self.config, inputs[0], multimodal_input)
+    return self._forward(params, *inputs, multimodal_input)
 
-  def logits(self, tokens, positions=None, segment_ids=None) -> jax.Array:
-    """int32 [B, T] -> float32 [B, T, V] with the current parameters."""
+  def logits(self, tokens, positions=None, segment_ids=None, multimodal_input=None) -> jax.Array:
+    """int32 [B, T] -> float32 [B, T, V] with the current parameters; `multimodal_input`: images (`ops.vision`)."""
     tokens, positions, segment_ids = default_inputs(tokens, positions, segment_ids)
     check_inputs(self.config, tokens, positions)
-    return self._jitted_apply(self.params(), tokens, positions, segment_ids)
+    check_multimodal(self.config, tokens, multimodal_input)
+    return self._jitted_apply(self.params(), tokens, positions, segment_ids, multimodal_input)
 
   def generate(self, prompt, max_new_tokens: int = 8, *, temperature: float = 0.0, seed: int = 0) -> jax.Array:
     """Continues int prompts [B, T] (or one prompt [T]); returns prompt + continuation [B, T + N].
@@ -274,8 +302,8 @@ class LinenModel(Model):
   def _set_params(self, params: Params) -> None:
     self._params = params
 
-  def _forward(self, params, tokens, positions, segment_ids):
-    return linen_forward(self.module, {"params": params}, tokens, positions, segment_ids)
+  def _forward(self, params, tokens, positions, segment_ids, multimodal_input=None):
+    return linen_forward(self.module, {"params": params}, tokens, positions, segment_ids, multimodal_input)
 
   def cached_forward(self, params, cache, tokens, positions, segment_ids):
     variables = {"params": params, "cache": cache}
@@ -312,13 +340,13 @@ class NNXModel(Model):
   def _set_params(self, params: Params) -> None:
     nnx.update(self.module, params)
 
-  def _forward(self, params, tokens, positions, segment_ids):
+  def _forward(self, params, tokens, positions, segment_ids, multimodal_input=None):
     # Parameters plus the rest (caches, statistics, anything not a Param): the
     # forward pass reads them all. Replacing the parameters makes new
     # Variables, so the module's own are never touched.
     graphdef, state, rest = nnx.split(self.module, nnx.Param, ...)
     nnx.replace_by_pure_dict(state, params)
-    return nnx_forward(graphdef, state, rest, tokens, positions, segment_ids)
+    return nnx_forward(graphdef, state, rest, tokens, positions, segment_ids, multimodal_input)
 
   def cached_forward(self, params, cache, tokens, positions, segment_ids):
     graphdef, state, rest = nnx.split(self.module, nnx.Param, ...)
@@ -342,18 +370,22 @@ class NNXModel(Model):
     return logits, hidden, canonical.unflatten(canonical.flatten(pure))
 
 
-def linen_forward(module: nn.Module, variables: Mapping[str, Any], tokens, positions, segment_ids):
+def linen_forward(module: nn.Module, variables: Mapping[str, Any], tokens, positions, segment_ids, multimodal_input=None):
   """(logits, flat intermediates) of a Linen top-level module: the one forward pass of `Model` and the trainer."""
-  logits, state = module.apply(variables, tokens, positions, segment_ids, mutable=["intermediates"])
+  images = {} if multimodal_input is None else {"multimodal_input": multimodal_input}
+  logits, state = module.apply(variables, tokens, positions, segment_ids, mutable=["intermediates"], **images)
   return logits, flat_intermediates(state.get("intermediates", {}))
 
 
-def nnx_forward(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, tokens, positions, segment_ids):
+def nnx_forward(
+    graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, tokens, positions, segment_ids, multimodal_input=None
+):
   """(logits, flat intermediates) of an NNX top-level module given as split state: the one forward pass of
   `Model` and the trainer. `params` is the state differentiated, `rest` everything else the module holds."""
   # copy=True: the forward pass writes (sown values, layer state) into the
   # module it runs, and `rest` belongs to the caller: a live model, or an
   # outer trace whose Variables must not receive this trace's values.
   module = nnx.merge(graphdef, params, rest, copy=True)
-  logits = module(tokens, positions, segment_ids)
+  images = {} if multimodal_input is None else {"multimodal_input": multimodal_input}
+  logits = module(tokens, positions, segment_ids, **images)
   return logits, flat_intermediates(nnx.to_pure_dict(nnx.state(module, nnx.Intermediate)))

@@ -316,7 +316,9 @@ def kernel_options(config) -> dict[str, Any]:
   """`self_attention`'s keywords the config sets for any attention layer: the kernel (MaxText's `attention`),
   dot_product's `float32_logits` and splash's block sizes (its `sa_*` keys)."""
   return dict(
-      kernel=config.attention,
+      # Images' bidirectional groups ride in the segment ids (`ops.vision.with_image_groups`), which only the
+      # einsum's mask is known to read: a model with a vision tower attends with dot_product.
+      kernel="dot_product" if config.use_multimodal else config.attention,
       float32_logits=config.float32_logits,
       splash_blocks=splash_attention.Blocks.of_config(config),
   )

@@ -10,6 +10,10 @@ import jax.numpy as jnp
 # softmax instead of NaNs that would poison the gradients.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
+# Segment ids carry an image group above this (`ops.vision.with_image_groups`): tokens of one image (group > 0) see
+# each other both ways. Text is group 0, so text-only ids and masks are exactly as without images.
+IMAGE_GROUP_STRIDE = 1 << 16
+
 
 def attention_mask(
     q_segment_ids: jax.Array,
@@ -27,6 +31,8 @@ def attention_mask(
   `chunk_size` C > 0 (Llama 4's chunked attention), also q_pos[i] // C ==
   kv_pos[j] // C: positions are cut into chunks of C and no query sees past
   its chunk's start, as Hugging Face's `create_chunked_causal_mask` does.
+  Tokens of one image (`IMAGE_GROUP_STRIDE`) also see the later tokens of their image, still within the window
+  (Hugging Face's Gemma 3: AND(window, OR(causal, same image))).
   """
   for name, q, kv in (("segment_ids", q_segment_ids, kv_segment_ids), ("positions", q_positions, kv_positions)):
     if q.ndim != 2 or kv.ndim != 2 or q.shape[0] != kv.shape[0]:
@@ -37,7 +43,9 @@ def attention_mask(
         f"{q_positions.shape}, keys {kv_segment_ids.shape} vs {kv_positions.shape}"
     )
   distance = q_positions[:, :, None] - kv_positions[:, None, :]  # [B, T, S]
-  visible = distance >= 0
+  q_group, q_segment_ids = jnp.divmod(q_segment_ids, IMAGE_GROUP_STRIDE)
+  kv_group, kv_segment_ids = jnp.divmod(kv_segment_ids, IMAGE_GROUP_STRIDE)
+  visible = (distance >= 0) | ((q_group[:, :, None] == kv_group[:, None, :]) & (q_group[:, :, None] > 0))
   if sliding_window_size:
     visible &= distance < sliding_window_size
   if chunk_size:

@@ -92,6 +92,8 @@ class Family:
   maxtext_fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   # Config keys only this family reads -> the value every other family must leave them at (its base.yml default).
   own_keys: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  # The vision tower use_multimodal=true builds (each backend's `vision` module), None where the family has none.
+  vision_tower: str | None = None
   # What one recurrent sub-layer (`Stack.recurrent`) keeps while decoding: entry name -> its per-row shape
   # (`maxbridge.ops.kv_cache` adds the batch axis); None where no layer is recurrent.
   recurrent_state: Callable[[Config], CacheEntries] | None = None

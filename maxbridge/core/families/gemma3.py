@@ -240,3 +240,4 @@ FAMILY = Family(
     layer_rope=True,
     maxtext_fixed=MAXTEXT_GEMMA2,
 )
+    vision_tower="siglip",
