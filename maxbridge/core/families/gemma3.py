@@ -25,6 +25,7 @@ a regrouping of its scanned tree, not the unstacking the canonical tree assumes.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
 
 from maxbridge.core.families.base import Config, Family, Stack, broken, key_value_cache, query_kernel_clip
@@ -42,13 +43,17 @@ from maxbridge.core.families.gemma import (
 from maxbridge.core.families.hf_rules import (
     CONFIG_FILE,
     ConfigClass,
+    Copy,
     HFError,
     HFFamily,
     Linear,
+    Reshape,
     Rule,
     get,
+    get_bool,
     get_float,
     get_int,
+    require_one_of,
 )
 
 SUBLAYERS = ("local_0", "local_1", "local_2", "local_3", "local_4", "global")  # a block's layers, in depth order
@@ -212,6 +217,192 @@ def _remainder(config: Config) -> int:
   return config.num_decoder_layers % PATTERN
 
 
+# --- Gemma3ForConditionalGeneration: the same language model under model.language_model, SigLIP and the projector ---
+
+# The names transformers 5 saves (and the Hub's checkpoints hold); `_normalized_name` reads its in-memory ones too.
+_TEXT_PREFIX, _MULTIMODAL_TEXT_PREFIX = "model.", "language_model.model."
+_TEXT_HEAD, _MULTIMODAL_HEAD = "lm_head.weight", "language_model.lm_head.weight"
+_TOWER, _PROJECTOR = "vision_tower.", "multi_modal_projector."
+_VISION_LAYER = "{vision_layer}"  # a tower block's index: `maxbridge.interop.hf.mapping` expands it
+_SPELLINGS = (  # (another spelling's prefix, ours), the first that matches
+    ("model.language_model.", _MULTIMODAL_TEXT_PREFIX),
+    ("model.vision_tower.vision_model.", _TOWER),
+    ("model.vision_tower.", _TOWER),
+    ("vision_tower.vision_model.", _TOWER),
+    ("model.multi_modal_projector.", _PROJECTOR),
+    (_TEXT_HEAD, _MULTIMODAL_HEAD),
+)
+
+
+def _normalized_name(name: str) -> str:
+  for theirs, ours in _SPELLINGS:
+    if name.startswith(theirs):
+      return ours + name.removeprefix(theirs)
+  return name
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvKernel:
+  """torch.nn.Conv2d weight [out, in, h, w] <-> our patch embedding's kernel [h, w, in, out] (a matmul's)."""
+
+  def to_ours(self, x, shape, config):
+    return x.transpose(2, 3, 1, 0).reshape(shape)
+
+  def to_hf(self, x, config):
+    return x.transpose(3, 2, 0, 1)
+
+
+def _multimodal_text_name(name: str) -> str:
+  if name == _TEXT_HEAD:
+    return _MULTIMODAL_HEAD
+  return _MULTIMODAL_TEXT_PREFIX + name.removeprefix(_TEXT_PREFIX)
+
+
+_BLOCK = f"vision_encoder/encoderblock_{_VISION_LAYER}"
+_HF_BLOCK = _TOWER + "encoder.layers.{layer}."
+VISION_RULES = (
+    Rule(_TOWER + "embeddings.patch_embedding.weight", "vision_encoder/embedding/kernel", ConvKernel()),
+    Rule(_TOWER + "embeddings.patch_embedding.bias", "vision_encoder/embedding/bias"),
+    Rule(_TOWER + "embeddings.position_embedding.weight", "vision_encoder/position_embedding/embedding"),
+    *(
+        rule
+        for ours, theirs in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj"))
+        for rule in (
+            Rule(_HF_BLOCK + f"self_attn.{theirs}.weight", f"{_BLOCK}/attention/{ours}/kernel", Linear()),
+            Rule(_HF_BLOCK + f"self_attn.{theirs}.bias", f"{_BLOCK}/attention/{ours}/bias", Reshape()),
+        )
+    ),
+    Rule(_HF_BLOCK + "self_attn.out_proj.weight", f"{_BLOCK}/attention/out/kernel", Linear(in_ndim=2)),
+    Rule(_HF_BLOCK + "self_attn.out_proj.bias", f"{_BLOCK}/attention/out/bias"),
+    Rule(_HF_BLOCK + "mlp.fc1.weight", f"{_BLOCK}/mlp/wi/kernel", Linear()),
+    Rule(_HF_BLOCK + "mlp.fc1.bias", f"{_BLOCK}/mlp/wi/bias"),
+    Rule(_HF_BLOCK + "mlp.fc2.weight", f"{_BLOCK}/mlp/wo/kernel", Linear()),
+    Rule(_HF_BLOCK + "mlp.fc2.bias", f"{_BLOCK}/mlp/wo/bias"),
+    *(
+        Rule(_HF_BLOCK + f"{theirs}.{field}", f"{_BLOCK}/{ours}/{param}")
+        for ours, theirs in (("pre_attention_norm", "layer_norm1"), ("pre_mlp_norm", "layer_norm2"))
+        for field, param in (("weight", "scale"), ("bias", "bias"))
+    ),
+    Rule(_TOWER + "post_layernorm.weight", "vision_encoder/encoder_norm/scale"),
+    Rule(_TOWER + "post_layernorm.bias", "vision_encoder/encoder_norm/bias"),
+    Rule(_PROJECTOR + "mm_input_projection_weight", "vision_projector/mm_input_projection/kernel", Copy()),
+    Rule(_PROJECTOR + "mm_soft_emb_norm.weight", "vision_projector/mm_soft_embedding_norm/scale", PlusOne()),
+)
+MULTIMODAL_RULES = (
+    *(dataclasses.replace(rule, hf=_multimodal_text_name(rule.hf)) for rule in RULES),
+    *VISION_RULES,
+)
+
+MULTIMODAL_CONFIG_CLASS = ConfigClass(
+    "Gemma3Config",
+    {
+        "text_config": None,
+        "vision_config": None,
+        "mm_tokens_per_image": 256,
+        "boi_token_index": 255_999,
+        "eoi_token_index": 256_000,
+        "image_token_index": 262_144,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": True,
+    },
+    aliases={"image_token_id": "image_token_index", "boi_token_id": "boi_token_index", "eoi_token_id": "eoi_token_index"},
+)
+# SiglipVisionConfig's defaults of the fields the tower reads (transformers fills an absent one with these).
+VISION_CONFIG_CLASS = ConfigClass(
+    "SiglipVisionConfig",
+    {
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "num_channels": 3,
+        "image_size": 224,
+        "patch_size": 16,
+        "hidden_act": "gelu_pytorch_tanh",
+        "layer_norm_eps": 1e-6,
+        "attention_dropout": 0.0,
+        "vision_use_head": True,
+    },
+)
+
+
+def _sub_config(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+  value = raw.get(key) or {}
+  if not isinstance(value, Mapping):
+    raise HFError(f"{CONFIG_FILE}: {key}={value!r} must be an object")
+  return value
+
+
+def _multimodal_config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
+  hf = MULTIMODAL_CONFIG_CLASS.read(raw)
+  vision = VISION_CONFIG_CLASS.read(_sub_config(raw, "vision_config"))
+  require_one_of(vision, "hidden_act", ("gelu_pytorch_tanh", "gelu_tanh"))
+  for key in ("image_size", "patch_size"):
+    if not isinstance(vision.get(key), int) or isinstance(vision.get(key), bool):
+      raise HFError(f"{CONFIG_FILE}: vision_config.{key}={vision.get(key)!r} must be an integer (square images)")
+  values = _config_from_hf(_sub_config(raw, "text_config"))
+  return {
+      **values,
+      # The top-level field ties lm_head (Gemma3ForConditionalGeneration's _tied_weights_keys).
+      "logits_via_embedding": get_bool(hf, "tie_word_embeddings"),
+      "use_multimodal": True,
+      "image_size_for_vit": vision["image_size"],
+      "num_channels_for_vit": get_int(vision, "num_channels"),
+      "patch_size_for_vit": vision["patch_size"],
+      "conv_stride_for_vit": vision["patch_size"],
+      "hidden_size_for_vit": get_int(vision, "hidden_size"),
+      "intermediate_size_for_vit": get_int(vision, "intermediate_size"),
+      "num_hidden_layers_for_vit": get_int(vision, "num_hidden_layers"),
+      "num_attention_heads_for_vit": get_int(vision, "num_attention_heads"),
+      "normalization_layer_epsilon_for_vit": get_float(vision, "layer_norm_eps"),
+      "vision_output_length": get_int(hf, "mm_tokens_per_image"),
+      "image_placeholder": "<start_of_image>",
+      "image_token_index": get_int(hf, "image_token_index"),
+      "boi_token_index": get_int(hf, "boi_token_index"),
+      "eoi_token_index": get_int(hf, "eoi_token_index"),
+  }
+
+
+def _multimodal_config_to_hf(config: Config) -> dict[str, Any]:
+  text = {**_config_to_hf(config), "model_type": "gemma3_text"}
+  text.setdefault("max_position_embeddings", config.max_target_length)
+  return {
+      "text_config": text,
+      "vision_config": {
+          "model_type": "siglip_vision_model",
+          "hidden_size": config.hidden_size_for_vit,
+          "intermediate_size": config.intermediate_size_for_vit,
+          "num_hidden_layers": config.num_hidden_layers_for_vit,
+          "num_attention_heads": config.num_attention_heads_for_vit,
+          "num_channels": config.num_channels_for_vit,
+          "image_size": config.image_size_for_vit,
+          "patch_size": config.patch_size_for_vit,
+          "hidden_act": "gelu_pytorch_tanh",
+          "layer_norm_eps": config.normalization_layer_epsilon_for_vit,
+          "vision_use_head": False,
+      },
+      "mm_tokens_per_image": config.vision_output_length,
+      "image_token_index": config.image_token_index,
+      "boi_token_index": config.boi_token_index,
+      "eoi_token_index": config.eoi_token_index,
+      "tie_word_embeddings": config.logits_via_embedding,
+  }
+
+
+def language_model_tensors(tensors: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+  """(a ConditionalGeneration folder's language model, named as Gemma3ForCausalLM's, the tower's names left out)."""
+  text, dropped = {}, []
+  for name, tensor in tensors.items():
+    name = _normalized_name(name)
+    if name == _MULTIMODAL_HEAD:
+      text[_TEXT_HEAD] = tensor
+    elif name.startswith(_MULTIMODAL_TEXT_PREFIX):
+      text[_TEXT_PREFIX + name.removeprefix(_MULTIMODAL_TEXT_PREFIX)] = tensor
+    else:
+      dropped.append(name)
+  return text, dropped
+
+
 FAMILY = Family(
     decoder_blocks=("gemma3",),
     stacks=(
@@ -224,6 +415,21 @@ FAMILY = Family(
     cache_entries=key_value_cache,
     qk_clip_targets=query_kernel_clip,  # unused: use_qk_norm refuses QK-Clip (the config's shared rule)
     hf=(
+        HFFamily(
+            "gemma3",
+            "Gemma3ForConditionalGeneration",
+            ("gemma3",),
+            MULTIMODAL_RULES,
+            _multimodal_config_from_hf,
+            _multimodal_config_to_hf,
+            MULTIMODAL_CONFIG_CLASS,
+            normalize_embedding_logits=True,
+            # SigLIP's attention-pooling head, which Gemma 3 never reads (it takes the last hidden states).
+            normalize_name=_normalized_name,
+            ignored=(r"vision_tower\.head\..*",),
+            exports=lambda config: config.use_multimodal,
+            language_model=language_model_tensors,
+        ),
         HFFamily(
             "gemma3_text",
             "Gemma3ForCausalLM",
@@ -239,5 +445,5 @@ FAMILY = Family(
     ring_cache=False,  # windowed and global layers alternate: every layer caches every token
     layer_rope=True,
     maxtext_fixed=MAXTEXT_GEMMA2,
-)
     vision_tower="siglip",
+)

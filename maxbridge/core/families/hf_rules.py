@@ -235,6 +235,9 @@ def get_int(hf: Mapping[str, Any], key: str, default: Any = ...) -> int:
 def get_float(hf: Mapping[str, Any], key: str, default: Any = ...) -> float:
   value = get(hf, key, default)
   if isinstance(value, bool) or not isinstance(value, (int, float)):
+  # A multimodal architecture's tensors -> (its language model's alone, named as the text architecture of the same
+  # decoder block names them; the names left out): a text-only model (use_multimodal=false) from its folder.
+  language_model: Callable[[Mapping[str, Any]], tuple[dict[str, Any], list[str]]] | None = None
     raise HFError(f"{CONFIG_FILE}: {key}={value!r} must be a number")
   return float(value)
 

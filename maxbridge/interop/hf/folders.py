@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 from maxbridge.core import canonical, checkpointing, files
 from maxbridge.core.config import Config
 from maxbridge.interop.hf.families import CONFIG_FILE, HF_CONFIG_SIDECAR, INDEX_FILE, WEIGHTS_FILE, HFError
+from maxbridge.interop.hf.families import family_for_model_type
 from maxbridge.models import dispatch
 from maxbridge.models.model import LinenModel
 from maxbridge.interop.hf.mapping import (
@@ -83,12 +85,29 @@ def load_hf(path: str | os.PathLike, *overrides: str, **kwargs: Any) -> tuple[Co
   kwargs.setdefault("model_name", Path(path).resolve().name)
   cfg = config_from_hf(read_hf_config(path), *overrides, **kwargs)  # a bad config.json is named before any tensor
   tensors = open_hf_tensors(path)
+  tensors = _language_model_alone(cfg, read_hf_config(path), tensors, path)
   cfg = untie_a_stored_head(cfg, tensors)
   given = {text.partition("=")[0].strip() for text in overrides} | set(kwargs)
   if "mtp_num_layers" not in given:  # the MTP layers a folder stores (DeepSeek-V3's), which transformers leaves out
     cfg = cfg.replace(mtp_num_layers=stored_mtp_layers(cfg, tensors))
   params = from_hf_tensors(tensors, cfg, abstract_params(cfg), where=str(path))
   return cfg, params
+
+
+def _language_model_alone(config: Config, hf_config: Mapping[str, Any], tensors: dict, path) -> dict:
+  """A multimodal folder's tensors as its language model's alone where `config` asks for a text-only model."""
+  family = family_for_model_type(hf_config.get("model_type"))
+  if config.use_multimodal or family.language_model is None:
+    return tensors
+  text, dropped = family.language_model(tensors)
+  logging.info(
+      "%s: use_multimodal=false reads the language model of this %s alone; %d tensors of its vision tower and "
+      "projector are left out",
+      path,
+      family.architecture,
+      len(dropped),
+  )
+  return text
 
 
 def abstract_params(config: Config) -> dict[str, Any]:

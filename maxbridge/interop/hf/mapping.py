@@ -102,6 +102,9 @@ def _expansions(rule: Rule, config: Config) -> list[tuple[int | None, str]]:
   num_decoder_layers + k - 1, its decoder layer under `layer/` (see `HFFamily.mtp_copies`)."""
   if rule.ours.startswith("{mtp}/"):
     return _mtp_layers(config, rule.ours.removeprefix("{mtp}/"))
+  if "{vision_layer}" in rule.ours:  # a vision tower's blocks, unscanned (`vision_encoder/encoderblock_<i>`)
+    count = config.num_hidden_layers_for_vit if config.use_multimodal else 0
+    return [(i, rule.ours.replace("{vision_layer}", str(i))) for i in range(count)]
   if "{layer}" not in rule.ours:
     return [(None, rule.ours)]
   under = rule.ours.removeprefix("{layer}/")
@@ -212,7 +215,7 @@ def from_hf_tensors(
     )
   expected = expected_hf_shapes(config, abstract)
   given = set(tensors)
-  tied_copy = {"lm_head.weight"} if config.logits_via_embedding else set()
+  tied_copy = {"lm_head.weight", _tied_pair(config)[0]} if config.logits_via_embedding else set()
   missing = sorted(set(expected) - given)
   unknown = sorted(given - set(expected) - tied_copy)
   if missing or unknown:

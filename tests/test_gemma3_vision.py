@@ -1,0 +1,196 @@
+"""Gemma 3 with images (use_multimodal=true): SigLIP, the projector and the merge, on both backends.
+
+The reference is a tiny random `Gemma3ForConditionalGeneration` saved with
+save_pretrained: a 7-layer Gemma 3 language model whose window (2) is shorter
+than an image's 4 soft tokens, so the image tokens' two-way attention within
+the window is seen, and a 2-block SigLIP over 16x16 images of 4x4 patches,
+pooled 2x2. Row 0 holds two images, row 1 one (its second image is padding,
+`image_masks`).
+"""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import maxbridge as mb  # noqa: E402
+from maxbridge.core.config import ConfigError  # noqa: E402
+from maxbridge.interop import hf  # noqa: E402
+from maxbridge.models import dispatch  # noqa: E402
+from maxbridge.ops import vision  # noqa: E402
+from hf_family import highest_precision  # noqa: E402,F401 (an autouse fixture)
+from test_hf import max_diff, randomize  # noqa: E402
+
+HIDDEN, IMAGE, TOKENS_PER_IMAGE = 64, 16, 4
+BOI, EOI, IMAGE_TOKEN = 253, 254, 255
+TEXT = dict(
+    hidden_size=HIDDEN,
+    vocab_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    num_hidden_layers=7,
+    sliding_window=2,
+    query_pre_attn_scalar=24,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    },
+    rms_norm_eps=1e-6,
+)
+VISION = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    image_size=IMAGE,
+    patch_size=4,
+    layer_norm_eps=1e-5,
+    vision_use_head=False,
+)
+
+
+def _row(*pieces) -> list[int]:
+  """Text ids and "img" markers -> ids, each image as boi, its soft tokens, eoi."""
+  ids = []
+  for piece in pieces:
+    ids += [BOI, *[IMAGE_TOKEN] * TOKENS_PER_IMAGE, EOI] if piece == "img" else [piece]
+  return ids
+
+
+TOKENS = np.array(
+    [
+        _row(2, 7, "img", 9, "img", 11, 12),
+        _row(3, "img", 20, 21, 22, 23, 24, 25, 26, 27, 28, 29),
+    ],
+    np.int32,
+)
+IMAGES = np.random.default_rng(0).standard_normal((2, 2, IMAGE, IMAGE, 3)).astype(np.float32)
+IMAGES[1, 1] = 0.0
+MASKS = np.array([[True, True], [True, False]])
+INPUT = vision.MultimodalInput(jnp.asarray(IMAGES), jnp.asarray(MASKS))
+
+
+def torch_logits(model, tokens=TOKENS, images=IMAGES, masks=MASKS):
+  pixels = torch.tensor(images[masks].transpose(0, 3, 1, 2).copy())  # the real images, row by row, NCHW
+  ids = torch.tensor(tokens, dtype=torch.long)
+  with torch.no_grad():
+    return model(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == IMAGE_TOKEN).long()).logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  torch.manual_seed(0)
+  config = transformers.Gemma3Config(
+      text_config=TEXT,
+      vision_config=VISION,
+      mm_tokens_per_image=TOKENS_PER_IMAGE,
+      boi_token_index=BOI,
+      eoi_token_index=EOI,
+      image_token_index=IMAGE_TOKEN,
+  )
+  model = transformers.Gemma3ForConditionalGeneration(config).eval()
+  randomize(model)
+  with torch.no_grad():  # a constant buffer (sqrt(hidden_size)), not a weight: randomize drew it too
+    model.model.language_model.embed_tokens.embed_scale.fill_(HIDDEN**0.5)
+  folder = tmp_path_factory.mktemp("gemma3_vision") / "hf"
+  model.save_pretrained(folder)
+  logits = torch_logits(model)
+  assert np.std(logits) > 0.1, "logits too flat to tell a wrong mapping from a right one"
+  with torch.no_grad():
+    text_logits = model(input_ids=torch.tensor(TOKENS[:, :3], dtype=torch.long)).logits.numpy()
+  return model, folder, logits, text_logits
+
+
+@pytest.fixture(scope="module")
+def loaded(reference):
+  """The reference folder read on each backend."""
+  return {backend: mb.from_pretrained(reference[1], backend=backend) for backend in ("linen", "nnx")}
+
+
+@pytest.mark.parametrize("backend", ["linen", "nnx"])
+def test_logits_with_images_match_transformers(loaded, reference, backend):
+  model = loaded[backend]
+  assert model.config.use_multimodal and model.config.vision_output_length == TOKENS_PER_IMAGE
+  assert max_diff(model.logits(TOKENS, multimodal_input=INPUT), reference[2]) <= 1e-4
+
+
+def test_one_image_matches_transformers(loaded, reference):
+  """One row, one image: the second image's place taken by text."""
+  tokens, images, masks = TOKENS[1:], IMAGES[1:, :1], MASKS[1:, :1]
+  want = torch_logits(reference[0], tokens, images, masks)
+  got = loaded["nnx"].logits(tokens, multimodal_input=vision.MultimodalInput(jnp.asarray(images)))
+  assert max_diff(got, want) <= 1e-4
+
+
+def test_image_tokens_attend_both_ways_within_their_image(loaded):
+  """A later soft token of an image changes what the image's earlier tokens compute (never causal)."""
+  model = loaded["linen"]
+  images = IMAGES.copy()
+  before = model.logits(TOKENS, multimodal_input=INPUT)
+  # Row 1's image shifted by one patch: every soft token changes, the first one's logits with them.
+  images[1, 0] = np.roll(images[1, 0], 4, axis=0)
+  after = model.logits(TOKENS, multimodal_input=vision.MultimodalInput(jnp.asarray(images), jnp.asarray(MASKS)))
+  first = 2  # row 1: [3, boi, img, ...]
+  assert max_diff(before[1, first], after[1, first]) > 1e-3
+  assert max_diff(before[:, :first], after[:, :first]) == 0.0  # nothing before the image sees it
+
+
+def test_text_only_logits_are_todays(reference):
+  """Without images a multimodal model computes exactly what the text-only model of the same weights does."""
+  multimodal = mb.from_pretrained(reference[1], backend="nnx")
+  text_only = mb.from_pretrained(reference[1], backend="nnx", use_multimodal=False)
+  assert "vision_encoder" not in text_only.params() and not text_only.config.use_multimodal
+  tokens = TOKENS[:, :3]
+  np.testing.assert_array_equal(np.asarray(multimodal.logits(tokens)), np.asarray(text_only.logits(tokens)))
+  assert max_diff(text_only.logits(tokens), reference[3]) <= 1e-4
+
+
+def test_a_text_only_read_of_a_multimodal_folder_says_what_it_drops(reference, caplog):
+  with caplog.at_level("INFO"):
+    config, params = hf.load_hf(reference[1], "use_multimodal=false")
+  assert "left out" in caplog.text and "Gemma3ForConditionalGeneration" in caplog.text
+  assert set(params) == {"decoder", "token_embedder"} and config.decoder_block == "gemma3"
+
+
+@pytest.mark.parametrize(
+    "flags", [(True, False, True), (False, True, False)], ids=["nnx-state-linen-top", "linen-state-nnx-top"]
+)
+def test_linen_and_nnx_agree_with_images(loaded, flags):
+  """Pure Linen, pure NNX and mixed flag combinations, on the same weights, to 1e-6."""
+  linen = loaded["linen"]
+  mixed = dispatch.create_model(linen.config.replace(**dict(zip(dispatch.FLAGS, flags))), params=linen.params())
+  want = linen.logits(TOKENS, multimodal_input=INPUT)
+  assert max_diff(loaded["nnx"].logits(TOKENS, multimodal_input=INPUT), want) <= 1e-6
+  assert max_diff(mixed.logits(TOKENS, multimodal_input=INPUT), want) <= 1e-6
+
+
+def test_export_gives_transformers_the_same_logits(loaded, reference, tmp_path):
+  model = loaded["nnx"]
+  folder = hf.save_hf(model.params(), model.config, tmp_path / "out")
+  config = json.loads((folder / "config.json").read_text())
+  assert config["architectures"] == ["Gemma3ForConditionalGeneration"] and config["model_type"] == "gemma3"
+  exported = transformers.Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+  assert max_diff(torch_logits(exported), reference[2]) <= 1e-4
+
+
+def test_bad_images_are_named(loaded):
+  model = loaded["nnx"]
+  with pytest.raises(ValueError, match=r"images has shape \(2, 2, 8, 8, 3\).*image_size_for_vit"):
+    model.logits(TOKENS, multimodal_input=vision.MultimodalInput(jnp.zeros((2, 2, 8, 8, 3))))
+  with pytest.raises(ValueError, match="row 1 .* 4 image tokens .* 2 images"):
+    model.logits(TOKENS, multimodal_input=vision.MultimodalInput(jnp.asarray(IMAGES)))  # row 1's padding image counted
+  with pytest.raises(ValueError, match="without a vision tower"):
+    mb.create_model(mb.load_config("gemma3-tiny")).logits(TOKENS, multimodal_input=INPUT)
+
+
+def test_use_multimodal_needs_a_family_with_a_tower():
+  with pytest.raises(ConfigError, match="use_multimodal=true: decoder_block=.llama2. has no vision tower.*'gemma3'"):
+    mb.load_config("llama-tiny", use_multimodal=True)
+  with pytest.raises(ConfigError, match="vision_output_length=3"):
+    mb.load_config("gemma3-tiny", use_multimodal=True, vision_output_length=3)
