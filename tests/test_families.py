@@ -55,6 +55,8 @@ FAMILIES = [
     "qwen2.5-tiny",
     "glm4.5-tiny",
     "deepseek2-tiny",
+    "deepseek3.2-tiny",  # its lightning indexer keeps 4 of the 12 tokens' keys
+    "qwen3.5-tiny",  # its dense MLP; qwen3.5-moe-tiny runs qwen3-next-tiny's layer code
 ]
 TOKENS = jax.random.randint(jax.random.key(1), (2, 12), 0, 256)
 _EXECUTABLES: dict[str, object] = {}
