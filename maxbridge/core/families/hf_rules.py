@@ -125,6 +125,38 @@ class Part:
     return x
 
 
+@dataclasses.dataclass(frozen=True)
+class Piece:
+  """One of several Hugging Face tensors that make up one canonical array (`Part` the other way round).
+
+  Qwen3.5 stores the gated DeltaNet's input projection as in_proj_qkv and
+  in_proj_z, where the canonical tree (Qwen3-Next's, as MaxText's Qwen3.5
+  keeps it) holds one in_proj_qkvz, each key head's columns together. Several
+  rules name the canonical path, each with its `Piece`: import maps each
+  tensor to its piece (`inner` given the piece's shape) and joins the pieces
+  along `axis` in index order (`mapping.from_hf_tensors`); export cuts piece
+  `index` out and hands it to `inner`. `widths(config)` are all the pieces'
+  widths along `axis`.
+  """
+
+  index: int
+  widths: Callable[[Config], tuple[int, ...]]
+  inner: Any = Linear()
+  axis: int = -1
+
+  def to_ours(self, x, shape, config):
+    shape = list(shape)
+    shape[self.axis] = self.widths(config)[self.index]
+    return self.inner.to_ours(x, tuple(shape), config)
+
+  def to_hf(self, x, config):
+    widths = self.widths(config)
+    start = sum(widths[: self.index])
+    where = [slice(None)] * x.ndim
+    where[self.axis] = slice(start, start + widths[self.index])
+    return self.inner.to_hf(x[tuple(where)], config)
+
+
 def _swap(rows: int) -> list[int]:
   half = rows // 2
   return [*range(half, rows), *range(half)]
@@ -203,6 +235,9 @@ class HFFamily:
   # Whether a config of one of `decoder_blocks` exports as this architecture, where a decoder block has more than
   # one (DeepSeek-V2 for softmax routing, else DeepSeek-V3): the first that takes it.
   exports: Callable[[Config], bool] = lambda config: True
+  # A multimodal architecture's tensors -> (its language model's alone, named as the text architecture of the same
+  # decoder block names them; the names left out): a text-only model (use_multimodal=false) from its folder.
+  language_model: Callable[[Mapping[str, Any]], tuple[dict[str, Any], list[str]]] | None = None
 
 
 def family_for_config(config: Config) -> HFFamily:
@@ -235,9 +270,6 @@ def get_int(hf: Mapping[str, Any], key: str, default: Any = ...) -> int:
 def get_float(hf: Mapping[str, Any], key: str, default: Any = ...) -> float:
   value = get(hf, key, default)
   if isinstance(value, bool) or not isinstance(value, (int, float)):
-  # A multimodal architecture's tensors -> (its language model's alone, named as the text architecture of the same
-  # decoder block names them; the names left out): a text-only model (use_multimodal=false) from its folder.
-  language_model: Callable[[Mapping[str, Any]], tuple[dict[str, Any], list[str]]] | None = None
     raise HFError(f"{CONFIG_FILE}: {key}={value!r} must be a number")
   return float(value)
 

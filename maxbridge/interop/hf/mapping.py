@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from maxbridge.core import canonical
 from maxbridge.core.config import BASE_CONFIG, Config, load_config
-from maxbridge.interop.hf.families import HFError, Part, Rule, family_for_config, family_for_model_type
+from maxbridge.interop.hf.families import HFError, Part, Piece, Rule, family_for_config, family_for_model_type
 
 # --- configs -----------------------------------------------------------------------------
 
@@ -244,6 +244,7 @@ def from_hf_tensors(
 
   want_flat = canonical.flatten(_unscanned(abstract, config))
   flat = {}
+  pieces: dict[str, dict[int, tuple[int, Any]]] = {}  # canonical arrays that several rules' `Piece`s make up
   for rule in family.rules:
     for layer, path in _expansions(rule, config):
       if path not in want_flat:
@@ -258,7 +259,13 @@ def from_hf_tensors(
         )
       else:
         value = rule.transform.to_ours(_load(tensors[rule.hf.format(layer=layer)]), want.shape, config)
+      if isinstance(rule.transform, Piece):  # joined once every piece is read
+        pieces.setdefault(path, {})[rule.transform.index] = (rule.transform.axis, value)
+        continue
       flat[path] = value.astype(want.dtype)
+  for path, parts in pieces.items():
+    axis = parts[0][0]
+    flat[path] = jnp.concatenate([parts[i][1] for i in sorted(parts)], axis=axis).astype(want_flat[path].dtype)
   return canonical.unflatten(flat)
 
 
