@@ -136,6 +136,36 @@ HONOURED = [
             "moe_intermediate_size",
             "n_shared_experts",
             "n_routed_experts",
+    # first_k_dense_replace read where mlp_layer_types is absent; index_topk (4) below the case's 10 tokens;
+    Case(
+        "deepseek_v32",
+        (
+            *_SIZES,
+            *("moe_intermediate_size", "n_shared_experts", "n_routed_experts", "routed_scaling_factor"),
+            *("kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "n_group", "topk_group"),
+            *("num_experts_per_tok", "first_k_dense_replace", "rope_parameters"),
+            *("index_topk", "index_head_dim", "index_n_heads"),
+        ),
+        # YaRN with its cos/sin factor: the indexer's rotated halves are scaled as MLA's pairs are.
+        build={
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1e4,
+                "factor": 4.0,
+                "original_max_position_embeddings": 4,
+            }
+        },
+        edit={"mlp_layer_types": DELETE},
+        expect={"use_indexer": True, "indexer_topk": 4, "indexer_n_heads": 8, "rope_attention_scaling": True},
+    ),
+    # mlp_layer_types wins over first_k_dense_replace, as in transformers' model.
+    Case(
+        "deepseek_v32",
+        ("mlp_layer_types", "tie_word_embeddings", "num_local_experts"),
+        build={"tie_word_embeddings": True},
+        edit={"first_k_dense_replace": 2, "n_routed_experts": 16, "num_local_experts": 8},
+        expect={"first_num_dense_layers": 1},
+    ),
             "kv_lora_rank",
             "routed_scaling_factor",
             "q_lora_rank",

@@ -230,28 +230,34 @@ V32_CONFIG_CLASS = ConfigClass(
         "index_topk": 2048,
         "index_head_dim": 128,
         "index_n_heads": 64,
-        "mlp_bias": False,
+        "mlp_layer_types": None,
     },
     aliases={"num_local_experts": "n_routed_experts"},
 )
 
 
+def _v32_dense_layers(hf: Mapping[str, Any]) -> int:
+  """The leading dense layers: mlp_layer_types' where given (transformers' model reads it, not
+  first_k_dense_replace, which only fills it in), as long as it is dense layers, then MoE ones."""
+  layers = get_int(hf, "num_hidden_layers")
+  if hf.get("mlp_layer_types") is None:
+    return min(get_int(hf, "first_k_dense_replace"), layers)
+  kinds = list(hf["mlp_layer_types"])
+  dense = kinds.count("dense")
+  if kinds != ["dense"] * dense + ["sparse"] * (layers - dense):
+    raise HFError(
+        f"{CONFIG_FILE}: mlp_layer_types={kinds!r}: maxbridge's DeepSeek layers are num_hidden_layers={layers} "
+        "of 'dense' layers, then 'sparse' (MoE) ones"
+    )
+  return dense
+
+
 def _v32_config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
   hf = V32_CONFIG_CLASS.read(raw)
-  require(hf, "mlp_bias", False, False)
-  if hf.get("layer_types") is not None and set(hf["layer_types"]) != {"indexed_attention"}:
-    raise HFError(
-        f"{CONFIG_FILE}: layer_types={hf['layer_types']!r}: maxbridge's DeepSeek-V3.2 indexes every layer's "
-        "attention ('indexed_attention')"
-    )
-  dense = get_int(hf, "first_k_dense_replace")
-  layers = get_int(hf, "num_hidden_layers")
-  want = ["dense"] * min(dense, layers) + ["sparse"] * (layers - min(dense, layers))
-  if hf.get("mlp_layer_types") is not None and list(hf["mlp_layer_types"]) != want:
-    raise HFError(
-        f"{CONFIG_FILE}: mlp_layer_types={hf['mlp_layer_types']!r}: maxbridge's DeepSeek layers are "
-        f"first_k_dense_replace={dense} dense ones, then MoE ones ({want!r})"
-    )
+  # Its attention always has the low-rank query, which the indexer reads too.
+  if hf.get("q_lora_rank") is None:
+    raise HFError(f"{CONFIG_FILE}: q_lora_rank=None: DeepSeek-V3.2's attention needs a low-rank query (an integer)")
+  hf = {**hf, "first_k_dense_replace": _v32_dense_layers(hf)}
   return {
       **_config_from_hf({**hf, "rope_interleave": True}),
       "use_indexer": True,
@@ -269,7 +275,7 @@ def _v32_config_to_hf(config: Config) -> dict[str, Any]:
       "index_topk": config.indexer_topk,
       "index_n_heads": config.indexer_n_heads,
       "index_head_dim": config.indexer_head_dim,
-      "mlp_bias": False,
+      "mlp_layer_types": None,  # transformers fills it in from first_k_dense_replace
   }
 
 
