@@ -91,7 +91,8 @@ class GatedDeltaNet(nn.Module):
 
 
 class Qwen3NextLayer(nn.Module):
-  """x + mixer(norm(x)), then x + experts(norm(x)) + sigmoid(shared_expert_gate(h)) * shared_expert(h)."""
+  """x + mixer(norm(x)), then x + experts(norm(x)) + sigmoid(shared_expert_gate(h)) * shared_expert(h), or x +
+  mlp(norm(x)) in Qwen3.5's dense models."""
 
   config: Config
   linear: bool
@@ -108,6 +109,8 @@ class Qwen3NextLayer(nn.Module):
       h, _ = Attention(cfg, name="self_attention")(h, positions, segment_ids)
     x = x + h
     h = norm(cfg, name="post_self_attention_layer_norm")(x)
+    if not qwen3_next.routes(cfg):
+      return x + MlpBlock(cfg, cfg.mlp_dim, name="mlp")(h), {}
     routed, loss = RoutedMoE(cfg, cfg.moe_mlp_dim, name="moe_block")(h)
     shared = MlpBlock(cfg, cfg.shared_experts * cfg.moe_mlp_dim, name="shared_expert")(h)
     gate = dense(cfg, (cfg.emb_dim,), (1,), ("embed", None), name="shared_expert_gate")(h)

@@ -90,7 +90,8 @@ class GatedDeltaNet(Module):
 
 
 class Qwen3NextLayer(Module):
-  """x + mixer(norm(x)), then x + experts(norm(x)) + sigmoid(shared_expert_gate(h)) * shared_expert(h)."""
+  """x + mixer(norm(x)), then x + experts(norm(x)) + sigmoid(shared_expert_gate(h)) * shared_expert(h), or x +
+  mlp(norm(x)) in Qwen3.5's dense models."""
 
   def __init__(self, config: Config, linear: bool, *, rngs: nnx.Rngs):
     cfg = config
@@ -100,9 +101,13 @@ class Qwen3NextLayer(Module):
     else:
       self.self_attention = Attention(cfg, rngs=rngs)
     self.post_self_attention_layer_norm = norm(cfg, rngs=rngs)
-    self.moe_block = RoutedMoE(cfg, cfg.moe_mlp_dim, rngs=rngs)
-    self.shared_expert = MlpBlock(cfg, cfg.shared_experts * cfg.moe_mlp_dim, rngs=rngs)
-    self.shared_expert_gate = dense(cfg, (cfg.emb_dim,), (1,), ("embed", None), rngs=rngs)
+    self.routes = qwen3_next.routes(cfg)
+    if self.routes:
+      self.moe_block = RoutedMoE(cfg, cfg.moe_mlp_dim, rngs=rngs)
+      self.shared_expert = MlpBlock(cfg, cfg.shared_experts * cfg.moe_mlp_dim, rngs=rngs)
+      self.shared_expert_gate = dense(cfg, (cfg.emb_dim,), (1,), ("embed", None), rngs=rngs)
+    else:
+      self.mlp = MlpBlock(cfg, cfg.mlp_dim, rngs=rngs)
     self.linear = linear
 
   def __call__(
@@ -114,6 +119,8 @@ class Qwen3NextLayer(Module):
     else:
       x = x + self.self_attention(h, positions, segment_ids)[0]
     h = self.post_self_attention_layer_norm(x)
+    if not self.routes:
+      return x + self.mlp(h), {}
     routed, loss = self.moe_block(h)
     shared = jax.nn.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
     return x + routed + shared, moe_per_layer(loss)

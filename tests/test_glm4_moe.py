@@ -145,6 +145,7 @@ def test_bad_glm4_moe_settings_are_refused_with_the_reason(overrides, match):
 
 def test_partial_rotary_factor_stays_refused_in_families_that_turn_whole_heads():
   with pytest.raises(
-      ConfigError, match=r"partial_rotary_factor=0.5 is read by decoder_block='qwen3_next' and 'glm4_moe' only"
+      ConfigError,
+      match=r"partial_rotary_factor=0.5 is read by decoder_block='qwen3_next' and 'glm4_moe' and 'qwen3_5' only",
   ):
     mb.load_config("qwen2.5-tiny", partial_rotary_factor=0.5)

@@ -388,7 +388,7 @@ def test_config_rules_name_what_qwen3_next_needs():
     mb.load_config("qwen3-next-tiny", use_qk_clip=True, use_qk_norm=False)
   with pytest.raises(ConfigError, match=r"mtp_num_layers=1 with decoder_block='qwen3_next'"):
     mb.load_config("qwen3-next-tiny", mtp_num_layers=1)
-  with pytest.raises(ConfigError, match=r"gdn_num_key_heads=4 is read by decoder_block='qwen3_next' only"):
+  with pytest.raises(ConfigError, match=r"gdn_num_key_heads=4 is read by decoder_block='qwen3_next' and 'qwen3_5' only"):
     mb.load_config("qwen3-moe-tiny", gdn_num_key_heads=4)
   with pytest.raises(ConfigError, match="gdn_num_value_heads=3 must be a multiple of gdn_num_key_heads=2"):
     mb.load_config("qwen3-next-tiny", gdn_num_value_heads=3)

@@ -9,7 +9,7 @@ layer class. A new family is one module here and one line in `REGISTRY`.
 Pure Python (no jax), like the config that validates against it.
 """
 
-from maxbridge.core.families import deepseek, gemma, gemma3, gemma4, glm4_moe, gpt3, gpt_oss, llama, llama4, mixtral, olmo2, olmo3, qwen2, qwen3_moe, qwen3_next
+from maxbridge.core.families import deepseek, gemma, gemma3, gemma4, glm4_moe, gpt3, gpt_oss, llama, llama4, mixtral, olmo2, olmo3, qwen2, qwen3_5, qwen3_moe, qwen3_next
 from maxbridge.core.families.base import ClipPiece, Family, Stack, query_kernel_carries_scale
 
 REGISTRY: tuple[Family, ...] = (
@@ -29,6 +29,7 @@ REGISTRY: tuple[Family, ...] = (
     gpt_oss.FAMILY,
     llama4.FAMILY,
     glm4_moe.FAMILY,
+    qwen3_5.FAMILY,
 )
 
 # Every `decoder_block` value, by MaxText's names: llama2 (also Mistral and Qwen3 through

@@ -78,6 +78,12 @@ def is_linear(sublayer: str) -> bool:
   return sublayer != FULL
 
 
+def routes(config: Config) -> bool:
+  """Whether each layer ends in routed + shared experts; otherwise in one dense MLP (Qwen3.5's dense models,
+  num_experts=1 as MaxText's qwen3_5 switches)."""
+  return config.num_experts > 1
+
+
 # --- dimensions of a gated DeltaNet layer -------------------------------------------------------
 
 
@@ -274,15 +280,15 @@ def _config_to_hf(config: Config) -> dict[str, Any]:
 # --- config rules ---------------------------------------------------------------------------
 
 
-def _check(config: Config) -> list[str]:
-  qk_norm = layers = heads = rope = shared = routing = clip = mtp = None
+def hybrid_rules(config: Config) -> list[str]:
+  """What a stack of DeltaNet + gated attention blocks needs, whatever follows the mixer (also Qwen3.5's)."""
+  block = config.decoder_block
+  qk_norm = layers = heads = rope = clip = mtp = None
   if not config.use_qk_norm:
-    qk_norm = (
-        "decoder_block='qwen3_next' normalises each query and key head of its attention layers: set use_qk_norm=true"
-    )
+    qk_norm = f"decoder_block={block!r} normalises each query and key head of its attention layers: set use_qk_norm=true"
   if config.num_decoder_layers % PATTERN:
     layers = (
-        f"decoder_block='qwen3_next' stacks blocks of {PATTERN - 1} linear-attention layers then a full-attention "
+        f"decoder_block={block!r} stacks blocks of {PATTERN - 1} linear-attention layers then a full-attention "
         f"one: base_num_decoder_layers={config.num_decoder_layers} must be a multiple of {PATTERN}"
     )
   if config.gdn_num_value_heads % config.gdn_num_key_heads:
@@ -295,29 +301,52 @@ def _check(config: Config) -> list[str]:
         f"partial_rotary_factor={config.partial_rotary_factor} x head_dim={config.head_dim} = {rotary_dim(config)} "
         "dims: RoPE turns pairs, so it must give a positive even number"
     )
-  if config.shared_experts < 1:
-    shared = "decoder_block='qwen3_next' has a gated shared expert beside the routed ones: set shared_experts >= 1"
-  if config.routed_score_func not in ("", "softmax") or config.routed_bias:
-    routing = (
-        f"decoder_block='qwen3_next' routes by a softmax over its experts: routed_score_func="
-        f"{config.routed_score_func!r} and routed_bias={config.routed_bias} must be 'softmax' (or '') and false"
-    )
   if config.use_qk_clip:
     clip = (
-        "use_qk_clip=true with decoder_block='qwen3_next': QK-Clip bounds query-key logits, which three of every "
+        f"use_qk_clip=true with decoder_block={block!r}: QK-Clip bounds query-key logits, which three of every "
         "four layers (gated DeltaNet: a recurrent state, no softmax logits) do not have, and the attention layers' "
         "query/key norms already bound theirs; set use_qk_clip=false"
     )
   if config.mtp_num_layers:
     mtp = (
-        f"mtp_num_layers={config.mtp_num_layers} with decoder_block='qwen3_next': its multi-token prediction module "
+        f"mtp_num_layers={config.mtp_num_layers} with decoder_block={block!r}: its multi-token prediction module "
         "(one gated attention layer) is not modelled, and a speculative draft could not roll a DeltaNet state back; "
         "set mtp_num_layers=0"
     )
-  return broken(qk_norm, layers, heads, rope, shared, routing, routes_to_experts(config), clip, mtp)
+  return broken(qk_norm, layers, heads, rope, clip, mtp)
 
 
-def _deltanet_state(config: Config) -> dict[str, tuple[int, ...]]:
+def expert_rules(config: Config) -> list[str]:
+  """The routed experts and the gated shared expert that end each layer (Qwen3-Next, Qwen3.5's MoE models)."""
+  block = config.decoder_block
+  shared = routing = None
+  if config.shared_experts < 1:
+    shared = f"decoder_block={block!r} has a gated shared expert beside the routed ones: set shared_experts >= 1"
+  if config.routed_score_func not in ("", "softmax") or config.routed_bias:
+    routing = (
+        f"decoder_block={block!r} routes by a softmax over its experts: routed_score_func="
+        f"{config.routed_score_func!r} and routed_bias={config.routed_bias} must be 'softmax' (or '') and false"
+    )
+  return broken(shared, routing, routes_to_experts(config))
+
+
+def _check(config: Config) -> list[str]:
+  return hybrid_rules(config) + expert_rules(config)
+
+
+# The keys a DeltaNet hybrid reads (Qwen3.5's too), at base.yml's defaults.
+OWN_KEYS = {
+    "partial_rotary_factor": 1.0,
+    "gdn_num_key_heads": 2,
+    "gdn_num_value_heads": 4,
+    "gdn_key_head_dim": 16,
+    "gdn_value_head_dim": 16,
+    "gdn_conv_kernel_dim": 4,
+    "gdn_chunk_size": 64,
+}
+
+
+def deltanet_state(config: Config) -> dict[str, tuple[int, ...]]:
   """A DeltaNet layer's decode state per row: the delta rule's [Hv, K, V] and the convolution's last W-1 inputs."""
   return {
       # The names of `maxbridge.ops.kv_cache` (RECURRENT_STATE, CONV_WINDOW), which this pure-Python package cannot import.
@@ -326,7 +355,7 @@ def _deltanet_state(config: Config) -> dict[str, tuple[int, ...]]:
   }
 
 
-def _no_clip_targets(config: Config) -> dict:
+def no_clip_targets(config: Config) -> dict:
   return {}  # refused by `_check`
 
 
@@ -359,7 +388,7 @@ FAMILY = Family(
     norm="zero_centred_rms_norm",
     query_kernel_carries_scale=False,  # the QK-norm would undo it
     cache_entries=key_value_cache,
-    qk_clip_targets=_no_clip_targets,
+    qk_clip_targets=no_clip_targets,
     hf=(
         HFFamily(
             "qwen3_next", "Qwen3NextForCausalLM", ("qwen3_next",), RULES, _config_from_hf, _config_to_hf, CONFIG_CLASS
@@ -367,14 +396,6 @@ FAMILY = Family(
     ),
     check=_check,
     ring_cache=False,
-    recurrent_state=_deltanet_state,
-    own_keys={
-        "partial_rotary_factor": 1.0,
-        "gdn_num_key_heads": 2,
-        "gdn_num_value_heads": 4,
-        "gdn_key_head_dim": 16,
-        "gdn_value_head_dim": 16,
-        "gdn_conv_kernel_dim": 4,
-        "gdn_chunk_size": 64,
-    },
+    recurrent_state=deltanet_state,
+    own_keys=OWN_KEYS,
 )
