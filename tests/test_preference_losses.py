@@ -230,7 +230,7 @@ def test_bad_rows_and_configs_are_refused_by_name(tmp_path):
     data.make_dataset(config, "train", 4)
   with pytest.raises(ConfigError, match="use_dpo=true and use_orpo=true: a run trains one objective"):
     tiny_config(use_dpo=True, use_orpo=True)
-  with pytest.raises(ConfigError, match="use_simpo=true and use_grpo=true: a run trains one objective"):
+  with pytest.raises(ConfigError, match="use_grpo=true and use_simpo=true: a run trains one objective"):
     tiny_config(use_simpo=True, use_grpo=True)
   with pytest.raises(ConfigError, match="use_kto=true reads unpaired rows: dataset_type must be 'sft'"):
     tiny_config(use_kto=True, dataset_type="grain", grain_train_files=str(path))

@@ -348,7 +348,7 @@ PREFERENCE_KEYS = ("use_dpo", "use_orpo", "use_simpo", "use_kto")
 
 def _validate_preference(config: Config) -> None:
   """One objective at a time among the preference losses and GRPO, each on the data it reads."""
-  on = [key for key in (*PREFERENCE_KEYS, "use_grpo") if getattr(config, key)]
+  on = [key for key in ("use_grpo", *PREFERENCE_KEYS) if getattr(config, key)]
   if len(on) > 1:
     raise ConfigError(
         f"{' and '.join(f'{key}=true' for key in on)}: a run trains one objective; keep one of them and set the "
