@@ -70,6 +70,10 @@ PUBLISHED = {
     "glm4.5-air": 106_000_000_000,
     "glm4.5": 355_000_000_000,
     "kimi-k2-1t": 1_040_000_000_000,  # the Kimi K2 technical report: 1.04T total
+    # deepseek-ai/DeepSeek-V3.2-Exp's card: 685B with its 14B MTP module, which the preset (as deepseek3-671b)
+    # leaves out; its indexers add 0.85B to DeepSeek-V3's 671B.
+    "deepseek3.2-671b": 671_000_000_000,
+    "mixtral-200b": 200_000_000_000,  # no published model: the name's 200B
 }
 
 
