@@ -3,15 +3,18 @@ hand computations from the papers' formulas in numpy, by value and by gradient; 
 updates per batch, DAPO and GSPO, identical on Linen and NNX."""
 
 import itertools
+import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import maxbridge as mb
+
 from maxbridge.core.config import ConfigError
 from maxbridge.models import dispatch
-from maxbridge.training import rollouts
+from maxbridge.training import recipe, rollouts
 from maxbridge.training.loss import Forward
 from maxbridge.training.posttrain import grpo
 from maxbridge.training.posttrain import grpo_objectives as objectives
@@ -272,9 +275,12 @@ def test_bad_variant_values_are_refused_by_name():
       ("epsilon_high", -0.5, r"'epsilon_high' = -0.5 is invalid"),
       ("max_num_gen_batches", 0, r"'max_num_gen_batches' = 0 is invalid"),
       ("overlong_buffer_length", 9, r"overlong_buffer_length=9 exceeds the longest completion sampled"),
+      ("checkpoint_period", 3, r"num_iterations=2 trains each sampled batch .* checkpoint_period=3 must be a multiple"),
   ):
     with pytest.raises(ConfigError, match=error):
-      grpo_config(dispatch.BACKENDS["linen"], **{key: value})
+      grpo_config(
+          dispatch.BACKENDS["linen"], **{"num_iterations": 2, key: value} if key == "checkpoint_period" else {key: value}
+      )
 
 
 # --- the rollout path: llama-tiny, sampled, scored and trained on both backends ----------------------------------
@@ -296,7 +302,8 @@ def grpo_config(flags, **overrides):
       grpo_beta=0.1,
       learning_rate=3e-2,
       warmup_steps_fraction=0.0,
-      steps=2,
+      steps=3,
+      checkpoint_period=2,
   )
   return tiny_config(flags, **{**settings, **overrides})
 
@@ -326,24 +333,44 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def variant_runs():
-  return {
-      (run, name): rollouts.train_grpo(grpo_config(flags, **RUNS[run]))[1]
-      for run in RUNS
-      for name, flags in dispatch.BACKENDS.items()
-  }
+  """Three steps of each run per backend (steps 0 and 1 on one sampled batch, step 2 on the next): (records, the
+  trainers, reused below)."""
+  records, trainers = {}, {}
+  for run in RUNS:
+    for name, flags in dispatch.BACKENDS.items():
+      trainers[run, name] = recipe.create_trainer(grpo_config(flags, **RUNS[run]))
+      records[run, name] = rollouts.train_grpo(grpo_config(flags, **RUNS[run]), trainer=trainers[run, name])[1]
+  return records, trainers
 
 
 @pytest.mark.parametrize("run", list(RUNS))
 def test_a_second_update_on_a_batch_sees_a_ratio_and_linen_equals_nnx(variant_runs, run):
-  linen, nnx = variant_runs[run, "linen"], variant_runs[run, "nnx"]
+  linen, nnx = variant_runs[0][run, "linen"], variant_runs[0][run, "nnx"]
   assert [r["completions"] for r in nnx] == [r["completions"] for r in linen]
   for want, got in zip(linen, nnx, strict=True):
-    for key in ("loss", "kl", "clip_fraction", "ratio", "mean_reward", "completion_length"):
+    assert abs(got["loss"] - want["loss"]) <= 1e-6, f"{run} step {want['step']}: loss {got['loss']} != {want['loss']}"
+    for key in ("kl", "clip_fraction", "ratio", "mean_reward", "completion_length"):
       np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=f"{run} step {want['step']}: {key}")
-  first, second = linen
-  assert first["completions"] == second["completions"], "num_iterations=2: step 1 trains on step 0's batch"
+  first, second, third = linen
+  assert first["completions"] == second["completions"] != third["completions"], "num_iterations=2: a batch, 2 steps"
   # The first update: the policy is the sampling one (ratio 1 to float error, nothing clipped); the second: it moved.
   assert abs(first["ratio"] - 1) < 1e-5 and first["clip_fraction"] == 0.0
   assert abs(second["ratio"] - 1) > 1e-4 and second["clip_fraction"] > 0.0, second
   if run == "dapo":
     assert 1 <= first["sampled_batches"] <= 3 and "uninformative_groups" in first
+
+
+def test_a_dapo_run_resumes_at_a_batch_boundary_as_the_uninterrupted_run(variant_runs, tmp_path):
+  # checkpoint_period=2 = num_iterations: the checkpoint after step 1 falls between batches, so the resumed run
+  # (here on NNX, from Linen's checkpoint) samples step 2's batch as the uninterrupted in-memory run did.
+  records, trainers = variant_runs
+  run = dict(base_output_directory=str(tmp_path), run_name="dapo", **RUNS["dapo"])
+  first = mb.train(
+      grpo_config(dispatch.BACKENDS["linen"], **run), trainer=trainers["dapo", "linen"], until_step=2, progress=False
+  )
+  resumed = mb.train(grpo_config(dispatch.BACKENDS["nnx"], **run), trainer=trainers["dapo", "nnx"], progress=False)
+  logged = [json.loads(line) for line in (tmp_path / "dapo" / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in logged] == [0, 1, 2] and logged == first + resumed
+  for want, got in zip(records["dapo", "linen"], logged, strict=True):
+    for key in ("loss", "kl", "clip_fraction", "ratio", "mean_reward", "sampled_batches", "uninformative_groups"):
+      np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=f"step {want['step']}: {key}")

@@ -441,6 +441,12 @@ def _validate_grpo(config: Config) -> None:
         f"overlong_buffer_length={config.overlong_buffer_length} exceeds the longest completion sampled "
         f"(max_target_length - max_prefill_predict_length = {new_tokens}): set it in [0, {new_tokens}]"
     )
+  if config.num_iterations > 1 and config.enable_checkpointing and config.checkpoint_period % config.num_iterations:
+    # A checkpoint between two updates of one batch would resume without it (the batch is not saved).
+    raise ConfigError(
+        f"num_iterations={config.num_iterations} trains each sampled batch that many steps: checkpoint_period="
+        f"{config.checkpoint_period} must be a multiple of it, so that every checkpoint falls between batches"
+    )
 
 
 def _validate_lora(config: Config) -> None:
