@@ -57,6 +57,7 @@ _OTHER_SIZES = frozenset(
         "glm4.5-air",
         *("deepseek2-16b", "deepseek2-236b"),
         *("deepseek3.2-671b", "llama3-400m", "mixtral-200b"),
+        *("qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b"),
     )
 )
 
