@@ -74,6 +74,7 @@ PUBLISHED = {
     # leaves out; its indexers add 0.85B to DeepSeek-V3's 671B.
     "deepseek3.2-671b": 671_000_000_000,
     "mixtral-200b": 200_000_000_000,  # no published model: the name's 200B
+    "gemma4-12b": 12_000_000_000,  # the name's 12B (MaxText's file: gemma4-31b's text tower, smaller)
     # Qwen3.5 by the names' totals (Qwen/Qwen3.5-*), whose vision towers and MTP layers the text models leave out.
     "qwen3.5-9b": 9_000_000_000,
     "qwen3.5-27b": 27_000_000_000,

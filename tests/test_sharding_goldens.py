@@ -56,7 +56,7 @@ _OTHER_SIZES = frozenset(
         *("qwen3-8b-base", "qwen3-14b", "qwen3-14b-base", "qwen3-32b", "kimi-k2-1t", "qwen2.5-1.5b", "qwen2.5-14b"),
         "glm4.5-air",
         *("deepseek2-16b", "deepseek2-236b"),
-        *("deepseek3.2-671b", "llama3-400m", "mixtral-200b"),
+        *("deepseek3.2-671b", "llama3-400m", "mixtral-200b", "gemma4-12b"),
         *("qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b"),
     )
 )
