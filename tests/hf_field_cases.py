@@ -74,16 +74,6 @@ FAMILIES = {
             routed_scaling_factor=1.5,
         ),
     ),
-    # GLM-4.5's routing with a group limit: the best 2 of 4 groups, 3 experts a token from them.
-    "glm4_moe": (
-        "Glm4MoeConfig",
-        "Glm4MoeForCausalLM",
-        dict(
-            DIMS,
-            moe_intermediate_size=16,
-            n_routed_experts=8,
-            num_experts_per_tok=3,
-            n_group=4,
     # DeepSeek-V3's tiny sizes with an indexer that keeps 4 of a case's 10 tokens' keys.
     "deepseek_v32": (
         "DeepseekV32Config",
@@ -115,6 +105,16 @@ FAMILIES = {
             initializer_range=0.1,
         ),
     ),
+    # GLM-4.5's routing with a group limit: the best 2 of 4 groups, 3 experts a token from them.
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        dict(
+            DIMS,
+            moe_intermediate_size=16,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=4,
             topk_group=2,
             first_k_dense_replace=1,
             n_shared_experts=2,
@@ -293,6 +293,12 @@ REFUSED = [
     ("deepseek_v3", "attention_bias", {"attention_bias": True}, "attention_bias=True"),
     ("deepseek_v3", "scoring_func", {"scoring_func": "softmax"}, "scoring_func='softmax'"),
     ("deepseek_v3", "topk_method", {"topk_method": "greedy"}, "topk_method='greedy'"),
+    ("deepseek_v32", "hidden_act", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ("deepseek_v32", "norm_topk_prob", {"norm_topk_prob": False}, "norm_topk_prob=False"),
+    ("deepseek_v32", "attention_bias", {"attention_bias": True}, "attention_bias=True"),
+    ("deepseek_v32", "q_lora_rank", {"q_lora_rank": None}, "q_lora_rank=None"),
+    ("deepseek_v32", "scoring_func", {"scoring_func": "softmax"}, "scoring_func='softmax'"),
+    ("deepseek_v32", "topk_method", {"topk_method": "greedy"}, "topk_method='greedy'"),
     ("olmo2", "hidden_act", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ("olmo2", "attention_bias", {"attention_bias": True}, "attention_bias=True"),
     ("olmo3", "hidden_act", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
@@ -343,12 +349,6 @@ REFUSED = [
     ("qwen3_next", "attention_bias", {"attention_bias": True}, "attention_bias=True"),
     ("qwen3_next", "decoder_sparse_step", {"decoder_sparse_step": 2}, "decoder_sparse_step=2 gives some layers a dense"),
     ("qwen3_next", "mlp_only_layers", {"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\] gives those layers a dense"),
-    ("deepseek_v32", "hidden_act", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ("deepseek_v32", "norm_topk_prob", {"norm_topk_prob": False}, "norm_topk_prob=False"),
-    ("deepseek_v32", "attention_bias", {"attention_bias": True}, "attention_bias=True"),
-    ("deepseek_v32", "q_lora_rank", {"q_lora_rank": None}, "q_lora_rank=None"),
-    ("deepseek_v32", "scoring_func", {"scoring_func": "softmax"}, "scoring_func='softmax'"),
-    ("deepseek_v32", "topk_method", {"topk_method": "greedy"}, "topk_method='greedy'"),
     ("qwen3_next", "layer_types", {"layer_types": ["full_attention"] * 4}, r"layer_types=\['full_attention'"),
     (
         "qwen3_next",

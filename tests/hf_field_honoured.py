@@ -129,13 +129,6 @@ HONOURED = [
     ),
     Case("deepseek_v3", ("q_lora_rank", "tie_word_embeddings"), build={"q_lora_rank": None, "tie_word_embeddings": True}),
     Case("deepseek_v3", ("num_local_experts",), edit={"n_routed_experts": 16, "num_local_experts": 8}),
-    Case(
-        "deepseek_v2",
-        (
-            *_SIZES,
-            "moe_intermediate_size",
-            "n_shared_experts",
-            "n_routed_experts",
     # first_k_dense_replace read where mlp_layer_types is absent; index_topk (4) below the case's 10 tokens;
     Case(
         "deepseek_v32",
@@ -166,6 +159,13 @@ HONOURED = [
         edit={"first_k_dense_replace": 2, "n_routed_experts": 16, "num_local_experts": 8},
         expect={"first_num_dense_layers": 1},
     ),
+    Case(
+        "deepseek_v2",
+        (
+            *_SIZES,
+            "moe_intermediate_size",
+            "n_shared_experts",
+            "n_routed_experts",
             "kv_lora_rank",
             "routed_scaling_factor",
             "q_lora_rank",
