@@ -12,6 +12,16 @@ DIMS = dict(
     rms_norm_eps=1e-3,
     initializer_range=0.1,
 )
+_QWEN3_5 = {
+    **DIMS,
+    "num_hidden_layers": 4,
+    "head_dim": 8,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 4,
+    "linear_value_head_dim": 6,
+    "linear_conv_kernel_dim": 3,
+}
 # Each family's transformers classes and a tiny config whose sizes all differ from the class defaults.
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {**DIMS, "head_dim": 16}),
@@ -227,6 +237,19 @@ class Case:
   family: str
   fields: tuple[str, ...]  # the FIELDS.md rows this case covers ("all" rows too)
   build: dict = dataclasses.field(default_factory=dict)  # constructor arguments beyond FAMILIES'
+    # Qwen3-Next's block, its DeltaNet inputs stored apart; dense, then with routed and shared experts.
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {**_QWEN3_5}),
+    "qwen3_5_moe_text": (
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        {
+            **{key: value for key, value in _QWEN3_5.items() if key != "intermediate_size"},
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 3,
+        },
+    ),
   edit: dict = dataclasses.field(default_factory=dict)  # then written into config.json as is
   expect: dict = dataclasses.field(default_factory=dict)  # our config's values, beyond the logits
 
@@ -371,3 +394,18 @@ REFUSED = [
     ),
     ("llama4_text", "layer_types", {"layer_types": ["full_attention"] * 4}, r"layer_types=\['full_attention'"),
 ]
+    ),
+    *(
+        (family, field, {field: value}, match)
+        for family in ("qwen3_5_text", "qwen3_5_moe_text")
+        for field, value, match in (
+            ("hidden_act", "gelu", "hidden_act='gelu'"),
+            ("attention_bias", True, "attention_bias=True"),
+            ("layer_types", ["full_attention"] * 4, r"layer_types=\['full_attention'"),
+        )
+    ),
+    (
+        "qwen3_5_moe_text",
+        "shared_expert_intermediate_size",
+        {"shared_expert_intermediate_size": 24},
+        "shared_expert_intermediate_size=24 must be a positive multiple of moe_intermediate_size=16",

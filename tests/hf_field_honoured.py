@@ -12,6 +12,13 @@ _SIZES = (
     "num_key_value_heads",
     "rms_norm_eps",
 )
+_DELTANET = (
+    "linear_conv_kernel_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+)
 _GLM_ROPE = {"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.25}
 HONOURED = [
     Case("llama", (*_SIZES, "head_dim")),
@@ -439,6 +446,53 @@ HONOURED = [
             "tie_word_embeddings": True,
             "interleave_moe_layer_step": 1,
         },
+    # Qwen3.5: every size, the DeltaNet's among them, then RoPE, the tied head and a null layer_types.
+    Case(
+        "qwen3_5_text",
+        (
+            *_SIZES,
+            "head_dim",
+            "max_position_embeddings",
+            *_DELTANET,
+        ),
+        expect={"num_experts": 1, "gdn_conv_kernel_dim": 3},
+    ),
+    Case(
+        "qwen3_5_text",
+        ("rope_parameters", "tie_word_embeddings", "layer_types"),
+        build={"tie_word_embeddings": True},
+        edit={
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5},
+            "layer_types": None,
+        },
+        expect={"partial_rotary_factor": 0.5, "rope_max_timescale": 500},
+    ),
+    Case(
+        "qwen3_5_moe_text",
+        (
+            *(size for size in _SIZES if size != "intermediate_size"),
+            "head_dim",
+            "max_position_embeddings",
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+            "num_experts",
+            "num_experts_per_tok",
+            *_DELTANET,
+            "output_router_logits",
+            "router_aux_loss_coef",
+            "tie_word_embeddings",
+            "layer_types",
+        ),
+        build={"tie_word_embeddings": True},
+        edit={"output_router_logits": True, "router_aux_loss_coef": 0.25, "layer_types": None},
+        expect={"shared_experts": 2, "norm_topk_prob": True, "load_balance_loss_weight": 0.25},
+    ),
+    Case(
+        "qwen3_5_moe_text",
+        ("rope_parameters",),
+        edit={"rope_parameters": {"rope_type": "default", "rope_theta": 500.0, "mrope_section": [1, 1, 0]}},
+        expect={"partial_rotary_factor": 0.25, "rope_max_timescale": 500},
+    ),
         # Every layer MoE, and moe_layers derived from the step, as Llama4TextConfig's __post_init__ does.
         edit={"interleave_moe_layer_step": 1, "moe_layers": None},
         expect={"use_qk_norm": False, "temperature_tuning": False, "interleave_moe_layer_step": 1},

@@ -236,6 +236,10 @@ class Config:
   load_full_state_path: str
   # LoRA fine-tuning (see maxbridge/models/lora.py)
   lora_rank: int
+  off_policy_steps: int
+  max_concurrency: int
+  max_turns: int
+  max_turn_tokens: int
   lora_alpha: float
   lora_module_path: str
   use_orpo: bool
