@@ -210,6 +210,19 @@ FAMILIES = {
             "linear_conv_kernel_dim": 3,
         },
     ),
+    # Qwen3-Next's block, its DeltaNet inputs stored apart; dense, then with routed and shared experts.
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {**_QWEN3_5}),
+    "qwen3_5_moe_text": (
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        {
+            **{key: value for key, value in _QWEN3_5.items() if key != "intermediate_size"},
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 3,
+        },
+    ),
     # One block of three chunked RoPE layers and a NoPE one, dense and MoE alternating; a chunk and a
     # temperature floor the test's ten positions cross.
     "llama4_text": (
@@ -237,19 +250,6 @@ class Case:
   family: str
   fields: tuple[str, ...]  # the FIELDS.md rows this case covers ("all" rows too)
   build: dict = dataclasses.field(default_factory=dict)  # constructor arguments beyond FAMILIES'
-    # Qwen3-Next's block, its DeltaNet inputs stored apart; dense, then with routed and shared experts.
-    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {**_QWEN3_5}),
-    "qwen3_5_moe_text": (
-        "Qwen3_5MoeTextConfig",
-        "Qwen3_5MoeForCausalLM",
-        {
-            **{key: value for key, value in _QWEN3_5.items() if key != "intermediate_size"},
-            "moe_intermediate_size": 16,
-            "shared_expert_intermediate_size": 32,
-            "num_experts": 4,
-            "num_experts_per_tok": 3,
-        },
-    ),
   edit: dict = dataclasses.field(default_factory=dict)  # then written into config.json as is
   expect: dict = dataclasses.field(default_factory=dict)  # our config's values, beyond the logits
 
@@ -379,6 +379,21 @@ REFUSED = [
         {"shared_expert_intermediate_size": 24},
         "shared_expert_intermediate_size=24 must be a positive multiple of moe_intermediate_size=16",
     ),
+    *(
+        (family, field, {field: value}, match)
+        for family in ("qwen3_5_text", "qwen3_5_moe_text")
+        for field, value, match in (
+            ("hidden_act", "gelu", "hidden_act='gelu'"),
+            ("attention_bias", True, "attention_bias=True"),
+            ("layer_types", ["full_attention"] * 4, r"layer_types=\['full_attention'"),
+        )
+    ),
+    (
+        "qwen3_5_moe_text",
+        "shared_expert_intermediate_size",
+        {"shared_expert_intermediate_size": 24},
+        "shared_expert_intermediate_size=24 must be a positive multiple of moe_intermediate_size=16",
+    ),
     ("gpt_oss", "attention_bias", {"attention_bias": False}, "attention_bias=False"),
     ("gpt_oss", "swiglu_alpha", {"swiglu_alpha": 1.5}, "swiglu_alpha=1.5 is not supported"),
     ("gpt_oss", "layer_types", {"layer_types": ["full_attention"] * 2}, r"layer_types=\['full_attention'"),
@@ -394,18 +409,3 @@ REFUSED = [
     ),
     ("llama4_text", "layer_types", {"layer_types": ["full_attention"] * 4}, r"layer_types=\['full_attention'"),
 ]
-    ),
-    *(
-        (family, field, {field: value}, match)
-        for family in ("qwen3_5_text", "qwen3_5_moe_text")
-        for field, value, match in (
-            ("hidden_act", "gelu", "hidden_act='gelu'"),
-            ("attention_bias", True, "attention_bias=True"),
-            ("layer_types", ["full_attention"] * 4, r"layer_types=\['full_attention'"),
-        )
-    ),
-    (
-        "qwen3_5_moe_text",
-        "shared_expert_intermediate_size",
-        {"shared_expert_intermediate_size": 24},
-        "shared_expert_intermediate_size=24 must be a positive multiple of moe_intermediate_size=16",

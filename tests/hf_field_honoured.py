@@ -414,38 +414,6 @@ HONOURED = [
         edit={"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "partial_rotary_factor": 1.0},
         expect={"partial_rotary_factor": 1.0},
     ),
-    Case(
-        "llama4_text",
-        (
-            *_SIZES,
-            "head_dim",
-            "intermediate_size_mlp",
-            "num_local_experts",
-            "num_experts_per_tok",
-            "interleave_moe_layer_step",
-            "attention_chunk_size",
-            "attn_temperature_tuning",
-            "floor_scale",
-            "attn_scale",
-            "use_qk_norm",
-        ),
-        build={"num_experts_per_tok": 2},
-        expect={
-            "chunk_attn_window_size": 3,
-            "num_experts": 4,
-            "interleave_moe_layer_step": 2,
-            "temperature_tuning": True,
-        },
-    ),
-    Case(
-        "llama4_text",
-        ("use_qk_norm", "attn_temperature_tuning", "tie_word_embeddings", "interleave_moe_layer_step"),
-        build={
-            "use_qk_norm": False,
-            "attn_temperature_tuning": False,
-            "tie_word_embeddings": True,
-            "interleave_moe_layer_step": 1,
-        },
     # Qwen3.5: every size, the DeltaNet's among them, then RoPE, the tied head and a null layer_types.
     Case(
         "qwen3_5_text",
@@ -493,6 +461,38 @@ HONOURED = [
         edit={"rope_parameters": {"rope_type": "default", "rope_theta": 500.0, "mrope_section": [1, 1, 0]}},
         expect={"partial_rotary_factor": 0.25, "rope_max_timescale": 500},
     ),
+    Case(
+        "llama4_text",
+        (
+            *_SIZES,
+            "head_dim",
+            "intermediate_size_mlp",
+            "num_local_experts",
+            "num_experts_per_tok",
+            "interleave_moe_layer_step",
+            "attention_chunk_size",
+            "attn_temperature_tuning",
+            "floor_scale",
+            "attn_scale",
+            "use_qk_norm",
+        ),
+        build={"num_experts_per_tok": 2},
+        expect={
+            "chunk_attn_window_size": 3,
+            "num_experts": 4,
+            "interleave_moe_layer_step": 2,
+            "temperature_tuning": True,
+        },
+    ),
+    Case(
+        "llama4_text",
+        ("use_qk_norm", "attn_temperature_tuning", "tie_word_embeddings", "interleave_moe_layer_step"),
+        build={
+            "use_qk_norm": False,
+            "attn_temperature_tuning": False,
+            "tie_word_embeddings": True,
+            "interleave_moe_layer_step": 1,
+        },
         # Every layer MoE, and moe_layers derived from the step, as Llama4TextConfig's __post_init__ does.
         edit={"interleave_moe_layer_step": 1, "moe_layers": None},
         expect={"use_qk_norm": False, "temperature_tuning": False, "interleave_moe_layer_step": 1},
