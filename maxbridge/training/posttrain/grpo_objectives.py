@@ -3,8 +3,8 @@ DAPO's overlong shaping and its informative groups. `grpo.GRPO` and `grpo.Rollou
 with no model.
 
 The papers: GRPO (Shao et al. 2024, DeepSeekMath, eq. 3), DAPO (Yu et al. 2025, eqs. 8-13), Dr. GRPO (Liu et al.
-2025, "Understanding R1-Zero-Like Training", eq. 2 and sec. 3.1), GSPO (Zheng et al. 2025, eqs. 5-7 and 13-14);
-the KL estimators are Schulman's ("Approximating KL Divergence", 2020: k1, k2, k3).
+2025, "Understanding R1-Zero-Like Training", sec. 3.1: its objective drops both 1/|o_i| and 1/std), GSPO (Zheng et
+al. 2025, eqs. 5-7 and 13-14); the KL estimators are Schulman's ("Approximating KL Divergence", 2020: k1, k2, k3).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def group_advantages(rewards: np.ndarray, scale_rewards: str = "group", std: str
   """[prompts, num_generations] rewards -> advantages: each reward less its group's mean, over a standard deviation.
 
   GRPO (DeepSeekMath sec. 4.1.2): (r - mean(r_group)) / std(r_group); `scale_rewards` "batch" divides by the std
-  of all the step's rewards instead (TRL's), "none" by nothing (Dr. GRPO eq. 2: no std normalisation). `std` is
+  of all the step's rewards instead (TRL's), "none" by nothing (Dr. GRPO sec. 3.1: no std normalisation). `std` is
   the population's (ddof 0, today's) or the sample's (ddof 1, as torch's default std in TRL). A group whose rewards
   are all equal gets zeros: nothing in it to prefer.
   """
@@ -105,7 +105,7 @@ def aggregate(per_token: jax.Array, mask: jax.Array, mode: str, max_length: int 
   - "seq-mean-token-mean": each completion's token mean, averaged over completions (GRPO eq. 3); count: completions.
   - "seq-mean-token-sum": each completion's token sum, averaged over completions; count: completions.
   - "seq-mean-token-sum-norm": token sums over the constant `max_length` (the longest completion sampled), averaged
-    over completions (Dr. GRPO eq. 2 and sec. 3.1: no length normalisation); count: completions.
+    over completions (Dr. GRPO sec. 3.1: no length normalisation; its code divides by MAX_TOKENS); count: completions.
   """
   summed = jnp.sum(per_token * mask, axis=-1)
   lengths = jnp.sum(mask, axis=-1)
