@@ -171,6 +171,33 @@ FAMILIES = {
             },
         },
     ),
+    # gemma3_text's language model under a 2-block SigLIP over 8x8 images of 4x4 patches, one soft token each.
+    "gemma3": (
+        "Gemma3Config",
+        "Gemma3ForConditionalGeneration",
+        {
+            "text_config": {
+                **DIMS,
+                "num_hidden_layers": 6,
+                "head_dim": 16,
+                "sliding_window": 3,
+                "query_pre_attn_scalar": 12,
+            },
+            "vision_config": {
+                "hidden_size": 16,
+                "intermediate_size": 24,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "image_size": 8,
+                "patch_size": 4,
+                "layer_norm_eps": 1e-3,
+            },
+            "mm_tokens_per_image": 1,
+            "boi_token_index": 61,
+            "eoi_token_index": 62,
+            "image_token_index": 63,
+        },
+    ),
     # One block of five windowed layers and a full one, wider, with k = v and proportional RoPE; per-layer inputs.
     "gemma4_text": (
         "Gemma4TextConfig",

@@ -312,6 +312,38 @@ HONOURED = [
             "attn_logits_soft_cap": 0.0,
         },
     ),
+    # The tower's sizes and token ids reach the config (tests/test_gemma3_vision.py runs them with images); the text
+    # logits are transformers'. The top-level tie_word_embeddings ties lm_head, not text_config's.
+    Case(
+        "gemma3",
+        (
+            "text_config",
+            "vision_config",
+            "mm_tokens_per_image",
+            "image_token_index",
+            "boi_token_index",
+            "eoi_token_index",
+            "tie_word_embeddings",
+        ),
+        build={"tie_word_embeddings": False},
+        expect={
+            "use_multimodal": True,
+            "vision_output_length": 1,
+            "hidden_size_for_vit": 16,
+            "image_size_for_vit": 8,
+            "image_token_index": 63,
+            "boi_token_index": 61,
+            "eoi_token_index": 62,
+            "logits_via_embedding": False,
+            "num_decoder_layers": 6,
+        },
+    ),
+    Case(
+        "gemma3",
+        ("image_token_id", "boi_token_id", "eoi_token_id"),
+        edit={"image_token_id": 60, "boi_token_id": 58, "eoi_token_id": 59},
+        expect={"image_token_index": 60, "boi_token_index": 58, "eoi_token_index": 59},
+    ),
     # A hub config.json's spelling: the legacy RoPE keys and window pattern, no caps.
     Case(
         "gemma3_text",

@@ -8,7 +8,10 @@ pooled 2x2. Row 0 holds two images, row 1 one (its second image is padding,
 `image_masks`).
 """
 
+import dataclasses
 import json
+import re
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -19,12 +22,13 @@ transformers = pytest.importorskip("transformers")
 
 import maxbridge as mb  # noqa: E402
 from maxbridge.core.config import ConfigError  # noqa: E402
-from maxbridge.interop import hf  # noqa: E402
+from maxbridge.interop import hf, images  # noqa: E402
 from maxbridge.models import dispatch  # noqa: E402
 from maxbridge.ops import vision  # noqa: E402
 from hf_family import highest_precision  # noqa: E402,F401 (an autouse fixture)
 from test_hf import max_diff, randomize  # noqa: E402
 
+FIELDS_MD = Path(hf.__file__).parent / "FIELDS.md"
 HIDDEN, IMAGE, TOKENS_PER_IMAGE = 64, 16, 4
 BOI, EOI, IMAGE_TOKEN = 253, 254, 255
 TEXT = dict(
@@ -120,14 +124,6 @@ def test_logits_with_images_match_transformers(loaded, reference, backend):
   assert max_diff(model.logits(TOKENS, multimodal_input=INPUT), reference[2]) <= 1e-4
 
 
-def test_one_image_matches_transformers(loaded, reference):
-  """One row, one image: the second image's place taken by text."""
-  tokens, images, masks = TOKENS[1:], IMAGES[1:, :1], MASKS[1:, :1]
-  want = torch_logits(reference[0], tokens, images, masks)
-  got = loaded["nnx"].logits(tokens, multimodal_input=vision.MultimodalInput(jnp.asarray(images)))
-  assert max_diff(got, want) <= 1e-4
-
-
 def test_image_tokens_attend_both_ways_within_their_image(loaded):
   """A later soft token of an image changes what the image's earlier tokens compute (never causal)."""
   model = loaded["linen"]
@@ -141,13 +137,17 @@ def test_image_tokens_attend_both_ways_within_their_image(loaded):
   assert max_diff(before[:, :first], after[:, :first]) == 0.0  # nothing before the image sees it
 
 
-def test_text_only_logits_are_todays(reference):
+@pytest.fixture(scope="module")
+def text_only(reference):
+  """The reference folder's language model alone (use_multimodal=false)."""
+  return mb.from_pretrained(reference[1], backend="nnx", use_multimodal=False)
+
+
+def test_text_only_logits_are_todays(loaded, text_only, reference):
   """Without images a multimodal model computes exactly what the text-only model of the same weights does."""
-  multimodal = mb.from_pretrained(reference[1], backend="nnx")
-  text_only = mb.from_pretrained(reference[1], backend="nnx", use_multimodal=False)
   assert "vision_encoder" not in text_only.params() and not text_only.config.use_multimodal
   tokens = TOKENS[:, :3]
-  np.testing.assert_array_equal(np.asarray(multimodal.logits(tokens)), np.asarray(text_only.logits(tokens)))
+  np.testing.assert_array_equal(np.asarray(loaded["nnx"].logits(tokens)), np.asarray(text_only.logits(tokens)))
   assert max_diff(text_only.logits(tokens), reference[3]) <= 1e-4
 
 
@@ -179,14 +179,14 @@ def test_export_gives_transformers_the_same_logits(loaded, reference, tmp_path):
   assert max_diff(torch_logits(exported), reference[2]) <= 1e-4
 
 
-def test_bad_images_are_named(loaded):
+def test_bad_images_are_named(loaded, text_only):
   model = loaded["nnx"]
   with pytest.raises(ValueError, match=r"images has shape \(2, 2, 8, 8, 3\).*image_size_for_vit"):
     model.logits(TOKENS, multimodal_input=vision.MultimodalInput(jnp.zeros((2, 2, 8, 8, 3))))
   with pytest.raises(ValueError, match="row 1 .* 4 image tokens .* 2 images"):
     model.logits(TOKENS, multimodal_input=vision.MultimodalInput(jnp.asarray(IMAGES)))  # row 1's padding image counted
   with pytest.raises(ValueError, match="without a vision tower"):
-    mb.create_model(mb.load_config("gemma3-tiny")).logits(TOKENS, multimodal_input=INPUT)
+    text_only.logits(TOKENS, multimodal_input=INPUT)
 
 
 def test_use_multimodal_needs_a_family_with_a_tower():
@@ -194,3 +194,68 @@ def test_use_multimodal_needs_a_family_with_a_tower():
     mb.load_config("llama-tiny", use_multimodal=True)
   with pytest.raises(ConfigError, match="vision_output_length=3"):
     mb.load_config("gemma3-tiny", use_multimodal=True, vision_output_length=3)
+
+
+def test_fields_md_names_every_vision_config_field_and_a_bad_activation_is_refused(reference):
+  rows = set(re.findall(r"^\| vision_config\.(\w+) \|", FIELDS_MD.read_text(), re.M))
+  fields = {f.name for f in dataclasses.fields(transformers.SiglipVisionConfig)}
+  fields -= {f.name for f in dataclasses.fields(transformers.PreTrainedConfig)}
+  assert fields <= rows, f"FIELDS.md's gemma3 section does not classify vision_config.{sorted(fields - rows)}"
+  raw = json.loads((reference[1] / "config.json").read_text())
+  with pytest.raises(hf.HFError, match="hidden_act='gelu'"):
+    hf.config_from_hf({**raw, "vision_config": {**raw["vision_config"], "hidden_act": "gelu"}})
+  with pytest.raises(hf.HFError, match=r"vision_config.image_size=\[16, 8\]"):
+    hf.config_from_hf({**raw, "vision_config": {**raw["vision_config"], "image_size": [16, 8]}})
+
+
+# --- preprocessing, without a hub ---------------------------------------------------------------
+
+
+def _png(path, seed: int, size=(23, 17)):
+  from PIL import Image
+
+  pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+  Image.fromarray(pixels).save(path)
+  return path
+
+
+def test_images_are_preprocessed_as_transformers_does_and_give_its_logits(loaded, reference, tmp_path):
+  """A folder's preprocessor_config.json (its own mean and std) is read; two PNGs of another size -> the model's
+  pixels, equal to Gemma3ImageProcessorPil's, and the logits with them equal transformers'."""
+  from PIL import Image
+
+  processor = transformers.Gemma3ImageProcessorPil(
+      size={"height": IMAGE, "width": IMAGE}, image_mean=[0.4, 0.5, 0.6], image_std=[0.2, 0.3, 0.25]
+  )
+  processor.save_pretrained(tmp_path)
+  files = [_png(tmp_path / "a.png", 1), _png(tmp_path / "b.png", 2, size=(9, 30))]
+  ours = images.load_images(files, image_size=IMAGE, folder=tmp_path)
+  want = processor([Image.open(f) for f in files], return_tensors="np")["pixel_values"].transpose(0, 2, 3, 1)
+  assert ours.shape == (2, IMAGE, IMAGE, 3) and max_diff(ours, want) <= 1e-6
+  # Row 0 takes both images, row 1 the first (the shapes of INPUT: its compiled forward pass is reused).
+  pixels = np.stack([ours, np.stack([ours[0], np.zeros_like(ours[1])])])
+  got = loaded["linen"].logits(TOKENS, multimodal_input=vision.MultimodalInput(jnp.asarray(pixels), jnp.asarray(MASKS)))
+  assert max_diff(got, torch_logits(reference[0], TOKENS, pixels, MASKS)) <= 1e-4
+  # Without a preprocessor_config.json: Gemma3ImageProcessor's defaults at the tower's size.
+  default = transformers.Gemma3ImageProcessorPil(size={"height": IMAGE, "width": IMAGE})
+  want = default([Image.open(files[0])], return_tensors="np")["pixel_values"].transpose(0, 2, 3, 1)
+  assert max_diff(images.load_images(files[:1], image_size=IMAGE), want) <= 1e-6
+
+
+def test_placeholders_expand_to_the_image_tokens():
+  config = mb.load_config("gemma3-tiny", use_multimodal=True)
+  text = images.expand_placeholders("a <start_of_image> b", config.image_placeholder, 2)
+  assert text == "a \n\n<start_of_image><image_soft_token><image_soft_token><end_of_image>\n\n b"
+  ids = images.expand_image_tokens([2, BOI, 9], boi=BOI, image=IMAGE_TOKEN, eoi=EOI, tokens_per_image=3)
+  assert ids == [2, BOI, IMAGE_TOKEN, IMAGE_TOKEN, IMAGE_TOKEN, EOI, 9]
+
+
+def test_a_file_that_is_not_an_image_and_pan_and_scan_are_named(tmp_path):
+  (tmp_path / "x.png").write_text("not an image")
+  with pytest.raises(images.ImageError, match="x.png is not an image"):
+    images.load_images([tmp_path / "x.png"], image_size=IMAGE)
+  with pytest.raises(images.ImageError, match="these bytes is not an image"):
+    images.decode(b"\x00\x01")
+  (tmp_path / images.PREPROCESSOR_FILE).write_text(json.dumps({"do_pan_and_scan": True}))
+  with pytest.raises(images.ImageError, match="do_pan_and_scan=true"):
+    images.load_images([_png(tmp_path / "a.png", 0)], image_size=IMAGE, folder=tmp_path)

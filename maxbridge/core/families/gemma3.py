@@ -53,7 +53,6 @@ from maxbridge.core.families.hf_rules import (
     get_bool,
     get_float,
     get_int,
-    require_one_of,
 )
 
 SUBLAYERS = ("local_0", "local_1", "local_2", "local_3", "local_4", "global")  # a block's layers, in depth order
@@ -336,10 +335,14 @@ def _sub_config(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:
 def _multimodal_config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
   hf = MULTIMODAL_CONFIG_CLASS.read(raw)
   vision = VISION_CONFIG_CLASS.read(_sub_config(raw, "vision_config"))
-  require_one_of(vision, "hidden_act", ("gelu_pytorch_tanh", "gelu_tanh"))
-  for key in ("image_size", "patch_size"):
-    if not isinstance(vision.get(key), int) or isinstance(vision.get(key), bool):
-      raise HFError(f"{CONFIG_FILE}: vision_config.{key}={vision.get(key)!r} must be an integer (square images)")
+  if vision["hidden_act"] not in ("gelu_pytorch_tanh", "gelu_tanh"):
+    raise HFError(
+        f"{CONFIG_FILE}: vision_config.hidden_act={vision['hidden_act']!r} is not supported; maxbridge's SigLIP "
+        "uses the tanh GELU (gelu_pytorch_tanh)"
+    )
+  for key in ("image_size", "patch_size", "num_channels", "hidden_size", "intermediate_size"):
+    if not isinstance(vision[key], int) or isinstance(vision[key], bool):
+      raise HFError(f"{CONFIG_FILE}: vision_config.{key}={vision[key]!r} must be an integer (square images, patches)")
   values = _config_from_hf(_sub_config(raw, "text_config"))
   return {
       **values,
@@ -347,11 +350,11 @@ def _multimodal_config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
       "logits_via_embedding": get_bool(hf, "tie_word_embeddings"),
       "use_multimodal": True,
       "image_size_for_vit": vision["image_size"],
-      "num_channels_for_vit": get_int(vision, "num_channels"),
+      "num_channels_for_vit": vision["num_channels"],
       "patch_size_for_vit": vision["patch_size"],
       "conv_stride_for_vit": vision["patch_size"],
-      "hidden_size_for_vit": get_int(vision, "hidden_size"),
-      "intermediate_size_for_vit": get_int(vision, "intermediate_size"),
+      "hidden_size_for_vit": vision["hidden_size"],
+      "intermediate_size_for_vit": vision["intermediate_size"],
       "num_hidden_layers_for_vit": get_int(vision, "num_hidden_layers"),
       "num_attention_heads_for_vit": get_int(vision, "num_attention_heads"),
       "normalization_layer_epsilon_for_vit": get_float(vision, "layer_norm_eps"),
