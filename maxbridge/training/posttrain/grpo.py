@@ -267,11 +267,25 @@ def prompts_per_step(config: Config) -> int:
 # One compiled sampler per trainer: a trainer is built for one config's step (`train.step_key`), which
 # fixes everything sampling reads, so passing the same trainer to several runs compiles once.
 _SAMPLERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Trainers whose configs differ only in what the loss and the rewards read (GRPO's options, never the decoder's)
+# share one sampler, while any of them lives: a DAPO and a GSPO run of one model compile it once.
+_SHARED_SAMPLERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_NOT_SAMPLED = frozenset(
+    {
+        *("grpo_beta", "grpo_epsilon", "epsilon_high", "grpo_kl_estimator", "importance_sampling_level"),
+        *("loss_agg_mode", "num_iterations", "scale_rewards", "grpo_advantage_std", "dynamic_sampling"),
+        *("max_num_gen_batches", "overlong_buffer_length", "overlong_penalty_factor", "reward_function"),
+    }
+)
 
 
 def _sampler(trainer) -> Callable:
-  if trainer not in _SAMPLERS:
-    config = trainer.config
+  if trainer in _SAMPLERS:
+    return _SAMPLERS[trainer]
+  config = trainer.config
+  settings = repr(sorted((k, repr(v)) for k, v in config.to_dict().items() if k not in _NOT_SAMPLED))
+  sample = _SHARED_SAMPLERS.get(settings)
+  if sample is None:
     # Abstract (no parameters of its own): `sample` runs it on the policy's parameters.
     decoder = dispatch.abstract_model(decoding.decode_config(config))
     abstract = decoder.abstract_params()
@@ -284,8 +298,9 @@ def _sampler(trainer) -> Callable:
       temperature = jnp.float32(config.decode_sampling_temperature)
       return decoding.generate_tokens(decoder, params, prompt, temperature, key, max_new_tokens=new_tokens, sample=True)
 
-    _SAMPLERS[trainer] = sample
-  return _SAMPLERS[trainer]
+    _SHARED_SAMPLERS[settings] = sample
+  _SAMPLERS[trainer] = sample
+  return sample
 
 
 # The policy's log-probabilities of a batch's targets, compiled once per trainer as the sampler is.
