@@ -11,6 +11,7 @@ pooled 2x2. Row 0 holds two images, row 1 one (its second image is padding,
 import dataclasses
 import json
 import re
+import shutil
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -21,10 +22,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import maxbridge as mb  # noqa: E402
+from maxbridge import cli  # noqa: E402
 from maxbridge.core.config import ConfigError  # noqa: E402
 from maxbridge.interop import hf, images  # noqa: E402
 from maxbridge.models import dispatch  # noqa: E402
 from maxbridge.ops import vision  # noqa: E402
+from maxbridge.serving import engine as serving_engine  # noqa: E402
 from hf_family import highest_precision  # noqa: E402,F401 (an autouse fixture)
 from test_hf import max_diff, randomize  # noqa: E402
 
@@ -158,13 +161,11 @@ def test_a_text_only_read_of_a_multimodal_folder_says_what_it_drops(reference, c
   assert set(params) == {"decoder", "token_embedder"} and config.decoder_block == "gemma3"
 
 
-@pytest.mark.parametrize(
-    "flags", [(True, False, True), (False, True, False)], ids=["nnx-state-linen-top", "linen-state-nnx-top"]
-)
-def test_linen_and_nnx_agree_with_images(loaded, flags):
-  """Pure Linen, pure NNX and mixed flag combinations, on the same weights, to 1e-6."""
+def test_linen_and_nnx_agree_with_images(loaded):
+  """Pure Linen, pure NNX and a mixed flag combination (NNX state and decoder under a Linen top), same weights."""
   linen = loaded["linen"]
-  mixed = dispatch.create_model(linen.config.replace(**dict(zip(dispatch.FLAGS, flags))), params=linen.params())
+  flags = dict(zip(dispatch.FLAGS, (True, False, True)))
+  mixed = dispatch.create_model(linen.config.replace(**flags), params=linen.params())
   want = linen.logits(TOKENS, multimodal_input=INPUT)
   assert max_diff(loaded["nnx"].logits(TOKENS, multimodal_input=INPUT), want) <= 1e-6
   assert max_diff(mixed.logits(TOKENS, multimodal_input=INPUT), want) <= 1e-6
@@ -259,3 +260,53 @@ def test_a_file_that_is_not_an_image_and_pan_and_scan_are_named(tmp_path):
   (tmp_path / images.PREPROCESSOR_FILE).write_text(json.dumps({"do_pan_and_scan": True}))
   with pytest.raises(images.ImageError, match="do_pan_and_scan=true"):
     images.load_images([_png(tmp_path / "a.png", 0)], image_size=IMAGE, folder=tmp_path)
+
+
+# --- serving: a prefill with images ---------------------------------------------------------------
+
+
+def transformers_continuation(model, prompt, pixels, new_tokens: int = 8) -> np.ndarray:
+  ids = torch.tensor(prompt[None], dtype=torch.long)
+  with torch.no_grad():
+    return model.generate(
+        input_ids=ids,
+        pixel_values=torch.tensor(pixels.transpose(0, 3, 1, 2).copy()),
+        token_type_ids=(ids == IMAGE_TOKEN).long(),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    ).numpy()[0, len(prompt) :]
+
+
+def test_engine_continues_a_prompt_with_images_as_transformers_generates(loaded, reference):
+  """8 greedy tokens after a prompt with one image, by mb.Engine's prefill and decode (`generate_continuation`), on
+  Linen (the next test runs it on NNX, from `maxbridge generate --image`): transformers' generate's."""
+  prompt, pixels = TOKENS[1], IMAGES[1, :1]
+  model = loaded["linen"]
+  config = model.config.replace(decode_sampling_strategy="greedy", max_prefill_predict_length=16)
+  got = serving_engine.generate_continuation(config, model, prompt, 8, images=pixels)
+  np.testing.assert_array_equal(np.asarray(got), transformers_continuation(reference[0], prompt, pixels))
+
+
+def test_generate_with_an_image_file_prints_transformers_continuation(reference, tmp_path, capsys):
+  """`maxbridge generate --image`: the folder's tokenizer reads the expanded placeholder as boi, image tokens, eoi."""
+  tokenizers = pytest.importorskip("tokenizers")
+  folder = tmp_path / "with-tokenizer"
+  shutil.copytree(reference[1], folder)
+  tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(BOI)}, unk_token="w0"))
+  tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tokenizer.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
+  tokenizer.add_special_tokens(["<start_of_image>", "<end_of_image>", "<image_soft_token>"])  # 253, 254, 255
+  tokenizer.save(str(folder / "tokenizer.json"))
+  image = _png(tmp_path / "cat.png", 3)
+  words = " ".join(f"w{t}" for t in TOKENS[1, 7:])
+  args = ["generate", str(folder), "--prompt", f"w3 <start_of_image> {words}", "--image", str(image)]
+  assert cli.main([*args, "--max-new-tokens", "8", "--temperature", "0", "--backend", "nnx"]) == 0
+  pixels = images.load_images([image], image_size=IMAGE)
+  want = transformers_continuation(reference[0], TOKENS[1], pixels)
+  assert all(t < BOI for t in want), "a special token would not be printed"
+  assert capsys.readouterr().out.split()[-8:] == [f"w{t}" for t in want]
+  # One placeholder, two images: named.
+  assert cli.main([*args, "--image", str(image), "--backend", "nnx"]) == 2
+  assert "1 image placeholders" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """`maxbridge generate` and `serve`: a model decoded by `mb.Engine`, once or behind an HTTP server."""
 
 import argparse
+import os
 
 from maxbridge.cli.args import CONFIG_HELP, Verb, add_overrides, count, tolerance
 from maxbridge.core.config import load_config, override_values
@@ -32,6 +33,14 @@ def _add_generate(verbs) -> None:
   )
   p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the config's seed)")
   p.add_argument(
+      "--image",
+      action="append",
+      default=[],
+      metavar="PATH",
+      help="an image for the next of the prompt's image placeholders (the config's image_placeholder), in order; "
+      "repeatable; a model with a vision tower (use_multimodal=true) only",
+  )
+  p.add_argument(
       "--backend",
       choices=["linen", "nnx"],
       default=None,
@@ -44,7 +53,8 @@ def _add_generate(verbs) -> None:
 def _generate(args: argparse.Namespace) -> int:
   model = _load_model(args)
   text = model_tokenizer(args, model.config.vocab_size)
-  prompt = text.encode(args.prompt)
+  prompt_text, images = _with_images(args, model.config)
+  prompt = text.encode(prompt_text)
   if not prompt:
     raise ValueError("--prompt is empty: give at least one token to continue")
   new_tokens = args.max_new_tokens
@@ -61,9 +71,31 @@ def _generate(args: argparse.Namespace) -> int:
     config = config.replace(decode_sampling_strategy=strategy, decode_sampling_temperature=args.temperature)
   if args.seed is not None:
     config = config.replace(seed=args.seed)  # the parameters are made already: this seeds sampling alone
-  continuation = engine.generate_continuation(config, model, prompt, new_tokens)
+  continuation = engine.generate_continuation(config, model, prompt, new_tokens, images=images)
   print(text.decode([*prompt, *(int(t) for t in continuation)]))
   return 0
+
+
+def _with_images(args: argparse.Namespace, config):
+  """(the prompt, its image placeholders expanded to the image tokens; the --image files preprocessed, or None)."""
+  if not args.image:
+    return args.prompt, None
+  if not config.use_multimodal:
+    raise ValueError(
+        f"--image needs a model with a vision tower (use_multimodal=true); {args.source} is "
+        f"decoder_block={config.decoder_block!r} without one"
+    )
+  from maxbridge.interop import images as image_io
+
+  placeholders = args.prompt.count(config.image_placeholder)
+  if placeholders != len(args.image):
+    raise ValueError(
+        f"--prompt holds {placeholders} image placeholders ({config.image_placeholder!r}, the config's "
+        f"image_placeholder) for {len(args.image)} --image files: give one placeholder per image"
+    )
+  folder = args.source if os.path.isdir(args.source) else None
+  pixels = image_io.load_images(args.image, image_size=config.image_size_for_vit, folder=folder)
+  return image_io.expand_placeholders(args.prompt, config.image_placeholder, config.vision_output_length), pixels
 
 
 GENERATE = Verb("generate", _add_generate, _generate)

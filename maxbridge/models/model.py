@@ -113,8 +113,11 @@ class Model(abc.ABC):
     """(logits, flat intermediates) as a pure function of canonical params."""
 
   @abc.abstractmethod
-  def cached_forward(self, params: Params, cache: Params, tokens, positions, segment_ids) -> tuple[jax.Array, Params]:
-    """(logits, updated cache): a forward pass that appends to and reads a canonical decode cache.
+  def cached_forward(
+      self, params: Params, cache: Params, tokens, positions, segment_ids, multimodal_input=None
+  ) -> tuple[jax.Array, Params]:
+    """(logits, updated cache): a forward pass that appends to and reads a canonical decode cache; a prefill may
+    take images (`multimodal_input`).
 
     A pure function of canonical `params` and `cache` (see `maxbridge.engine`),
     for a jitted decode step; the model itself never holds a cache.
@@ -305,9 +308,10 @@ class LinenModel(Model):
   def _forward(self, params, tokens, positions, segment_ids, multimodal_input=None):
     return linen_forward(self.module, {"params": params}, tokens, positions, segment_ids, multimodal_input)
 
-  def cached_forward(self, params, cache, tokens, positions, segment_ids):
+  def cached_forward(self, params, cache, tokens, positions, segment_ids, multimodal_input=None):
     variables = {"params": params, "cache": cache}
-    logits, state = self.module.apply(variables, tokens, positions, segment_ids, mutable=["cache"])
+    images = {} if multimodal_input is None else {"multimodal_input": multimodal_input}
+    logits, state = self.module.apply(variables, tokens, positions, segment_ids, mutable=["cache"], **images)
     return logits, canonical.unflatten(canonical.flatten(nn.unbox(state["cache"])))
 
   def cached_forward_hidden(self, params, cache, tokens, positions, segment_ids):
@@ -348,14 +352,15 @@ class NNXModel(Model):
     nnx.replace_by_pure_dict(state, params)
     return nnx_forward(graphdef, state, rest, tokens, positions, segment_ids, multimodal_input)
 
-  def cached_forward(self, params, cache, tokens, positions, segment_ids):
+  def cached_forward(self, params, cache, tokens, positions, segment_ids, multimodal_input=None):
     graphdef, state, rest = nnx.split(self.module, nnx.Param, ...)
     nnx.replace_by_pure_dict(state, params)
     module = nnx.merge(graphdef, state, rest, copy=True)
     # The cache joins this trace's copy as nnx.Cache variables at their
     # canonical paths; the live model never gets any.
     nnx.update(module, nnx.State(jax.tree.map(nnx.Cache, cache)))
-    logits = module(tokens, positions, segment_ids)
+    images = {} if multimodal_input is None else {"multimodal_input": multimodal_input}
+    logits = module(tokens, positions, segment_ids, **images)
     pure = nnx.to_pure_dict(nnx.state(module, nnx.Cache))
     return logits, canonical.unflatten(canonical.flatten(pure))
 

@@ -309,15 +309,19 @@ class Engine:
       existing_prefix: Prefix | None = None,
       params: Params | None = None,
       rng=None,
+      images=None,
   ) -> Prefix:
     """One prompt (int [T], the first `true_length` real, the rest padding) -> its `Prefix`.
+
+    `images` (use_multimodal=true): float32 [N, H, W, C], preprocessed (`interop.images`), whose soft tokens take
+    the places of the prompt's image tokens, image after image.
 
     With `existing_prefix`, a chunk that continues that prefix (chunked
     prefill): its tokens take the positions after the prefix's. The prompt is
     padded to a power of two (at most max_prefill_predict_length), so prompts
     of nearby lengths share one compiled prefill.
     """
-    return self._prefiller.one(tokens, true_length, existing_prefix, params, rng, num_samples=0)
+    return self._prefiller.one(tokens, true_length, existing_prefix, params, rng, num_samples=0, images=images)
 
   def score_prompt(self, tokens, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One prompt (int [T]) scored by the served weights: (the float32 log-probability of each token after
@@ -555,8 +559,9 @@ def _log_unquantized_states(config: Config) -> None:
     )
 
 
-def generate_continuation(config: Config, model: Model, prompt, max_new_tokens: int) -> np.ndarray:
-  """One prompt (int [T]) -> its `max_new_tokens` next tokens, on an engine of one slot: what `maxbridge generate` runs.
+def generate_continuation(config: Config, model: Model, prompt, max_new_tokens: int, images=None) -> np.ndarray:
+  """One prompt (int [T]) -> its `max_new_tokens` next tokens, on an engine of one slot: what `maxbridge generate` runs;
+  `images` [N, H, W, C] fill its image tokens (`Engine.prefill`).
 
   Prefill, insert and `generate_steps`, sampled by `config`'s
   decode_sampling_* keys from its seed: the tokens an `Engine(config, ...)`
@@ -589,10 +594,12 @@ def generate_continuation(config: Config, model: Model, prompt, max_new_tokens: 
       max_prefill_predict_length=max(config.max_prefill_predict_length, len(prompt)),
       max_target_length=max(config.max_target_length, total),
   )
+  if images is not None and config.speculative_mtp_tokens:
+    raise ValueError("images with speculative_mtp_tokens > 0: self-speculative decoding takes text prompts only")
   if config.speculative_mtp_tokens:  # greedy's tokens, drafted by the MTP modules and verified a block at a time
     return speculative.generate(sized, model, prompt, max_new_tokens, config.speculative_mtp_tokens)[0]
   engine = Engine(sized, model=model)
-  state = engine.insert(engine.prefill(prompt), engine.init_decode_state(), 0)
+  state = engine.insert(engine.prefill(prompt, images=images), engine.init_decode_state(), 0)
   first = np.asarray(state.tokens[:1])  # to host now: generate_steps donates the state it belongs to
   if max_new_tokens == 1:
     return first

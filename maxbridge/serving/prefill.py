@@ -22,8 +22,8 @@ import numpy as np
 from maxbridge.core import canonical
 from maxbridge.core.config import Config
 from maxbridge.models import decoding
-from maxbridge.models.model import Model
-from maxbridge.ops import kv_cache
+from maxbridge.models.model import Model, check_multimodal
+from maxbridge.ops import kv_cache, vision
 from maxbridge.serving.positions import HostPositions, window_note
 
 Params = dict[str, Any]
@@ -75,8 +75,9 @@ class Prefiller:
 
   # --- one prompt -------------------------------------------------------------------------------
 
-  def one(self, tokens, true_length, existing_prefix, params, rng, *, num_samples: int) -> Prefix:
-    """`Engine.prefill`, or with `num_samples` > 0 `prefill_multisampling`."""
+  def one(self, tokens, true_length, existing_prefix, params, rng, *, num_samples: int, images=None) -> Prefix:
+    """`Engine.prefill`, or with `num_samples` > 0 `prefill_multisampling`; `images` [N, H, W, C] fill the prompt's
+    image tokens (a model with a vision tower)."""
     tokens = self.check_prompt(tokens)
     true_length = len(tokens) if true_length is None else int(true_length)
     if not 0 < true_length <= len(tokens):
@@ -92,9 +93,17 @@ class Prefiller:
             f"max_target_length={self.config.max_target_length}, the tokens a cache holds"
         )
     next_pos = self._positions.get(start) + true_length
+    multimodal_input = None
+    if images is not None:
+      if existing_prefix is not None:
+        raise ValueError("images go with a whole prompt: a chunk continuing a prefix (existing_prefix) takes none")
+      multimodal_input = vision.MultimodalInput(jnp.asarray(images)[None])
+      check_multimodal(self.config, jnp.asarray(padded)[None], multimodal_input)
     params = self._params(params)
     rng = self._next_rng(rng)
-    prefix = self.compiled_one(params, padded, np.int32(true_length), rng, cache, start, num_samples=num_samples)
+    prefix = self.compiled_one(
+        params, padded, np.int32(true_length), rng, cache, start, multimodal_input, num_samples=num_samples
+    )
     self._positions.put(prefix.next_pos, next_pos)
     return prefix
 
@@ -121,14 +130,14 @@ class Prefiller:
       )
     return tokens.astype(np.int32)
 
-  def _one(self, params, tokens, true_length, rng, cache, start, *, num_samples: int):
+  def _one(self, params, tokens, true_length, rng, cache, start, multimodal_input=None, *, num_samples: int):
     params = self._weights(params)
     if cache is None:
       cache = decoding.init_cache(self.config, 1, self.config.max_target_length)
     offsets = jnp.arange(tokens.shape[0], dtype=jnp.int32)[None]
     # Padding gets segment 0: no real token ever sees it, and decoding writes over it.
     segment_ids = (offsets < true_length).astype(jnp.int32)
-    logits, cache = self.model.cached_forward(params, cache, tokens[None], start + offsets, segment_ids)
+    logits, cache = self.model.cached_forward(params, cache, tokens[None], start + offsets, segment_ids, multimodal_input)
     next_pos = start + true_length
     cache = _set_cache_index(cache, next_pos)
     last = logits[0, true_length - 1]
