@@ -163,6 +163,39 @@ def test_kto_rows_pack_each_completion_beside_its_mismatched_pair():
   assert 0 < (batch["desirable_segmentation"] > 0).sum() < (batch["completion_targets_segmentation"] > 0).sum()
 
 
+def test_kto_through_grain_pairs_each_example_with_the_previous_one_in_the_stream_and_resumes_exactly(tmp_path):
+  from maxbridge.training import grain_data
+
+  rows = [{"prompt": f"{a}+1=", "completion": f"{a + 1}\n", "label": a % 3 != 0} for a in range(12)]
+  path = tmp_path / "kto.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  config = tiny_config(use_kto=True, dataset_type="grain", grain_train_files=str(path), max_target_length=16)
+  dataset = grain_data.GrainDataset(config, "train", 2, shuffle=False, num_epochs=1)
+  try:
+    first = dataset.batch(0)
+    state = dataset.get_state()
+    second = dataset.batch(1)
+  finally:
+    dataset.close()
+  assert set(first) == set(kto.KTO.batch_keys)
+  # Row 0 of the stream (the first training row in file order: every 20th is held out, row 0) packs examples
+  # 1 and 2; example 1 is the stream's first (no mismatched pair), example 2's pair is its prompt with 1's answer.
+  decode = lambda tokens: bytes(int(t) for t in tokens if t).decode()  # noqa: E731
+  assert decode(first["completion_inputs"][0]) == "1+1=2\n2+1=3\n"
+  assert decode(first["kl_inputs"][0]) == "1+1=2+1=2\n"
+  assert (first["kl_targets_segmentation"][0] == 1).sum() == 0 and (first["kl_targets_segmentation"][0] == 2).sum()
+  # Examples 1 and 2 are desirable (1 % 3, 2 % 3 != 0): both segments marked.
+  assert set(first["desirable_segmentation"][0][first["desirable_segmentation"][0] > 0]) == {1, 2}
+  resumed = grain_data.GrainDataset(config, "train", 2, shuffle=False, num_epochs=1)
+  try:
+    resumed.set_state(state)
+    again = resumed.batch(1)
+  finally:
+    resumed.close()
+  for key in second:
+    np.testing.assert_array_equal(again[key], second[key], err_msg=key)
+
+
 # --- short runs: Linen and NNX, three losses --------------------------------------------------------------------------
 
 RUNS = {
@@ -233,6 +266,6 @@ def test_bad_rows_and_configs_are_refused_by_name(tmp_path):
   with pytest.raises(ConfigError, match="use_grpo=true and use_simpo=true: a run trains one objective"):
     tiny_config(use_simpo=True, use_grpo=True)
   with pytest.raises(ConfigError, match="use_kto=true reads unpaired rows: dataset_type must be 'sft'"):
-    tiny_config(use_kto=True, dataset_type="grain", grain_train_files=str(path))
+    tiny_config(use_kto=True, dataset_type="synthetic")
   with pytest.raises(ConfigError, match=r"'simpo_beta' = 0.0 is invalid; it must be > 0"):
     tiny_config(use_simpo=True, simpo_beta=0.0)

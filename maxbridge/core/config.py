@@ -210,6 +210,16 @@ class Config:
   use_dpo: bool
   dpo_beta: float
   dpo_label_smoothing: float
+  use_orpo: bool
+  orpo_lambda: float
+  use_simpo: bool
+  simpo_beta: float
+  simpo_gamma: float
+  simpo_label_smoothing: float
+  use_kto: bool
+  kto_beta: float
+  kto_desirable_weight: float
+  kto_undesirable_weight: float
   use_grpo: bool
   num_generations: int
   grpo_beta: float
@@ -226,6 +236,10 @@ class Config:
   max_num_gen_batches: int
   overlong_buffer_length: int
   overlong_penalty_factor: float
+  off_policy_steps: int
+  max_concurrency: int
+  max_turns: int
+  max_turn_tokens: int
   eval_interval: int
   eval_steps: int
   enable_checkpointing: bool
@@ -236,22 +250,8 @@ class Config:
   load_full_state_path: str
   # LoRA fine-tuning (see maxbridge/models/lora.py)
   lora_rank: int
-  off_policy_steps: int
-  max_concurrency: int
-  max_turns: int
-  max_turn_tokens: int
   lora_alpha: float
   lora_module_path: str
-  use_orpo: bool
-  orpo_lambda: float
-  use_simpo: bool
-  simpo_beta: float
-  simpo_gamma: float
-  simpo_label_smoothing: float
-  use_kto: bool
-  kto_beta: float
-  kto_desirable_weight: float
-  kto_undesirable_weight: float
   lora_dropout: float
   lora_weight_qtype: str
   # inference (maxbridge.engine)
@@ -350,6 +350,11 @@ class Config:
     return self.rope_type == "llama3.1" and self.rope_use_scale
 
   @property
+  def preference_loss(self) -> str:
+    """The preference loss's key set (use_dpo, use_orpo, use_simpo or use_kto; config_rules allows one), or ""."""
+    return next((key for key in PREFERENCE_KEYS if getattr(self, key)), "")
+
+  @property
   def schedule_steps(self) -> int:
     """The steps the learning-rate schedule spans: learning_rate_schedule_steps, or steps when -1."""
     return self.steps if self.learning_rate_schedule_steps == -1 else self.learning_rate_schedule_steps
@@ -381,11 +386,6 @@ def _coerce(key: str, value: Any, kind: type) -> Any:
   if kind is bool:
     if isinstance(value, bool):
       return value
-  @property
-  def preference_loss(self) -> str:
-    """The preference loss's key set (use_dpo, use_orpo, use_simpo or use_kto; config_rules allows one), or ""."""
-    return next((key for key in PREFERENCE_KEYS if getattr(self, key)), "")
-
     if isinstance(value, int) and value in (0, 1):
       return bool(value)
     if isinstance(value, str) and value.strip().lower() in _BOOL_WORDS:

@@ -165,6 +165,13 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("speculative_mtp_tokens", lambda v: v >= 0, "an integer >= 0 (0: no speculative decoding)"),
     ("dpo_beta", _positive, "> 0"),
     ("dpo_label_smoothing", lambda v: 0 <= v <= 0.5, "in [0, 0.5] (0 is plain DPO)"),
+    ("orpo_lambda", lambda v: 0 <= v < float("inf"), "a finite number >= 0 (0 is plain SFT on the chosen side)"),
+    ("simpo_beta", _positive, "> 0"),
+    ("simpo_gamma", lambda v: 0 <= v < float("inf"), "a finite number >= 0 (the target reward margin)"),
+    ("simpo_label_smoothing", lambda v: 0 <= v <= 0.5, "in [0, 0.5] (0 is plain SimPO)"),
+    ("kto_beta", _positive, "> 0"),
+    ("kto_desirable_weight", _positive, "> 0"),
+    ("kto_undesirable_weight", _positive, "> 0"),
     ("num_generations", lambda v: v >= 2, ">= 2 (GRPO's advantages compare the completions of one prompt)"),
     ("grpo_beta", lambda v: v >= 0, ">= 0 (0 drops the KL penalty)"),
     ("grpo_epsilon", lambda v: 0 < v < 1, "in (0, 1) (the policy ratio is clipped to [1 - epsilon, 1 + epsilon])"),
@@ -173,21 +180,14 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("max_num_gen_batches", lambda v: v >= 1, ">= 1 (batches sampled per step at most with dynamic_sampling)"),
     ("overlong_buffer_length", lambda v: v >= 0, ">= 0 (0 turns overlong shaping off)"),
     ("overlong_penalty_factor", lambda v: v >= 0, ">= 0"),
-    ("qk_clip_threshold", lambda v: 0 < v < float("inf"), "a finite number > 0"),
-    (
-        "quantization_local_shard_count",
-        lambda v: v >= -1,
-    ("orpo_lambda", lambda v: 0 <= v < float("inf"), "a finite number >= 0 (0 is plain SFT on the chosen side)"),
-    ("simpo_beta", _positive, "> 0"),
-    ("simpo_gamma", lambda v: 0 <= v < float("inf"), "a finite number >= 0 (the target reward margin)"),
     ("off_policy_steps", lambda v: v >= 0, ">= 0 (policy versions a rollout may lag the learner; 0 is synchronous)"),
     ("max_concurrency", lambda v: v >= 1, ">= 1 (the rollout engine's slots)"),
     ("max_turns", lambda v: v >= 1, ">= 1 (model turns per episode)"),
     ("max_turn_tokens", lambda v: v >= 1, ">= 1 (tokens per model turn)"),
-    ("simpo_label_smoothing", lambda v: 0 <= v <= 0.5, "in [0, 0.5] (0 is plain SimPO)"),
-    ("kto_beta", _positive, "> 0"),
-    ("kto_desirable_weight", _positive, "> 0"),
-    ("kto_undesirable_weight", _positive, "> 0"),
+    ("qk_clip_threshold", lambda v: 0 < v < float("inf"), "a finite number > 0"),
+    (
+        "quantization_local_shard_count",
+        lambda v: v >= -1,
         "-1 (one shard per slice), 0 (float weight gradients) or a positive shard count",
     ),
     ("eval_interval", lambda v: v >= 0, ">= 0 (0 disables evaluation)"),
@@ -325,6 +325,38 @@ def validate(config: Config) -> None:
   _validate_grpo(config)
 
 
+# The preference losses' keys, in the order a run names the one it trains with (`Config.preference_loss`).
+PREFERENCE_KEYS = ("use_dpo", "use_orpo", "use_simpo", "use_kto")
+
+
+def _validate_preference(config: Config) -> None:
+  """One objective at a time among the preference losses and GRPO, each on the data it reads."""
+  on = [key for key in ("use_grpo", *PREFERENCE_KEYS) if getattr(config, key)]
+  if len(on) > 1:
+    raise ConfigError(
+        f"{' and '.join(f'{key}=true' for key in on)}: a run trains one objective; keep one of them and set the "
+        "others to false"
+    )
+  key = next((key for key in PREFERENCE_KEYS if getattr(config, key)), None)
+  if key is None:
+    return
+  if config.dataset_type not in ("embedded", "sft", "grain"):
+    what, fields = (
+        ("unpaired rows", "prompt/completion/label")
+        if key == "use_kto"
+        else ("preference pairs", "prompt/chosen/rejected")
+    )
+    raise ConfigError(
+        f"{key}=true reads {what}: dataset_type must be 'sft' ({fields} .jsonl rows "
+        f"in dataset_path), 'grain' (such rows in grain_train_files) or 'embedded' (the built-in set), "
+        f"got {config.dataset_type!r}"
+    )
+  if config.use_sft:
+    raise ConfigError(f"use_sft=true and {key}=true: rows are SFT examples or preference rows; set one to false")
+  if config.num_vocab_tiling > 1:
+    raise ConfigError(f"{key}=true computes full logits for its log-probabilities; set num_vocab_tiling=1")
+
+
 def _validate_pipeline(config: Config) -> None:
   """The pipeline's layers and micro-batches divide (`pipeline_plan`), and what it cannot run is refused."""
   try:
@@ -346,40 +378,6 @@ def _validate_pipeline(config: Config) -> None:
 
 
 def _validate_context(config: Config) -> None:
-# The preference losses' keys, in the order a run names the one it trains with (`Config.preference_loss`).
-PREFERENCE_KEYS = ("use_dpo", "use_orpo", "use_simpo", "use_kto")
-
-
-def _validate_preference(config: Config) -> None:
-  """One objective at a time among the preference losses and GRPO, each on the data it reads."""
-  on = [key for key in ("use_grpo", *PREFERENCE_KEYS) if getattr(config, key)]
-  if len(on) > 1:
-    raise ConfigError(
-        f"{' and '.join(f'{key}=true' for key in on)}: a run trains one objective; keep one of them and set the "
-        "others to false"
-    )
-  key = next((key for key in PREFERENCE_KEYS if getattr(config, key)), None)
-  if key is None:
-    return
-  if key == "use_kto":
-    if config.dataset_type not in ("embedded", "sft"):
-      raise ConfigError(
-          f"use_kto=true reads unpaired rows: dataset_type must be 'sft' (prompt/completion/label .jsonl rows in "
-          f"dataset_path) or 'embedded' (the built-in set); got {config.dataset_type!r} (KTO through Grain is not "
-          "built yet: its mismatched pairs need the previous row)"
-      )
-  elif config.dataset_type not in ("embedded", "sft", "grain"):
-    raise ConfigError(
-        f"{key}=true reads preference pairs: dataset_type must be 'sft' (prompt/chosen/rejected .jsonl rows "
-        f"in dataset_path), 'grain' (such rows in grain_train_files) or 'embedded' (the built-in set), "
-        f"got {config.dataset_type!r}"
-    )
-  if config.use_sft:
-    raise ConfigError(f"use_sft=true and {key}=true: rows are SFT examples or preference rows; set one to false")
-  if config.num_vocab_tiling > 1:
-    raise ConfigError(f"{key}=true computes full logits for its log-probabilities; set num_vocab_tiling=1")
-
-
   """Context parallelism as maxbridge computes it (`maxbridge.ops.attention`: keys and values gathered)."""
   if config.context_parallel_strategy == "ring":
     raise ConfigError(
@@ -591,6 +589,7 @@ def _validate_diloco(config: Config) -> None:
       ("ici_pipeline_parallelism > 1", config.ici_pipeline_parallelism > 1 or config.dcn_pipeline_parallelism > 1, why),
       ("shard_optimizer_over_data=true (ZeRO-1)", config.shard_optimizer_over_data, why),
       ("use_dpo=true", config.use_dpo, "DPO's frozen reference is one model, not one per replica"),
+      ("use_kto=true", config.use_kto, "KTO's frozen reference is one model, not one per replica"),
       ("use_grpo=true", config.use_grpo, "GRPO samples its batches from one policy, not one per replica"),
       ("lora_rank > 0", config.lora_rank > 0, "the frozen base would be held once per replica"),
       ("load_full_state_path", bool(config.load_full_state_path), "a plain run's state has no per-replica states"),
@@ -618,7 +617,6 @@ def _validate_family(config: Config) -> None:
         "every attention logit below it, so QK-Clip's max-logit threshold measures the cap, not the weights; "
         "set use_qk_clip=false"
     )
-      ("use_kto=true", config.use_kto, "KTO's frozen reference is one model, not one per replica"),
   if config.rope_high_freq_factor < config.rope_low_freq_factor:
     raise ConfigError(
         f"rope_high_freq_factor={config.rope_high_freq_factor} must be at least rope_low_freq_factor="
@@ -643,16 +641,12 @@ def _validate_family(config: Config) -> None:
     raise ConfigError(
         f"num_experts_per_tok={config.num_experts_per_tok} must be at most num_experts={config.num_experts}"
     )
+  _check_multimodal(config, family)
   problems = families.lookup(config.decoder_block).check(config)
   if problems:
     raise ConfigError("\n".join(problems))
 
-  _check_multimodal(config, family)
 
-def _validate_quantization(config: Config) -> None:
-  library = "qwix" if config.use_qwix_quantization else "aqt"
-  supported = QUANTIZATIONS_BY_LIBRARY[library]
-  if config.quantization not in supported:
 def _check_multimodal(config, family) -> None:
   if not config.use_multimodal:
     return
@@ -703,6 +697,10 @@ def _check_multimodal(config, family) -> None:
     )
 
 
+def _validate_quantization(config: Config) -> None:
+  library = "qwix" if config.use_qwix_quantization else "aqt"
+  supported = QUANTIZATIONS_BY_LIBRARY[library]
+  if config.quantization not in supported:
     listed = ", ".join(repr(c) for c in supported)
     raise ConfigError(
         f"config key 'quantization' = {config.quantization!r} is not supported with use_qwix_quantization="

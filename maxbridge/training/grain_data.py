@@ -82,6 +82,7 @@ STATE_KEYS = (
     "use_dpo",
     "use_orpo",
     "use_simpo",
+    "use_kto",
     "sft_train_on_completion_only",
     "grain_shuffle_buffer_size",
     # The batches are the same for any worker count, but the saved state holds one entry per worker.
@@ -124,7 +125,7 @@ class GrainDataset:
     key = "grain_eval_files" if split == "eval" and config.grain_eval_files else "grain_train_files"
     files = getattr(config, key)
     # SFT examples and DPO pairs are read from whole records (their fields), pre-training text from data_columns.
-    self.kind = "dpo" if config.preference_loss else "sft" if config.use_sft else "text"
+    self.kind = "kto" if config.use_kto else "dpo" if config.preference_loss else "sft" if config.use_sft else "text"
     column = config.data_columns if self.kind == "text" else None
     found = resolve_files(files, config.grain_file_type, key)
     # As the files are as the pipeline opens them: what a saved state's position is into.
@@ -149,7 +150,7 @@ class GrainDataset:
         sft.HFChat(config.tokenizer_path, config.vocab_size)
       elif config.vocab_size < 256:
         raise ValueError(
-            f"dataset_type='grain' with use_{self.kind}=true without tokenizer_path yields byte tokens (0..255) "
+            f"dataset_type='grain' with {config.preference_loss or 'use_sft'}=true without tokenizer_path yields byte tokens (0..255) "
             f"but vocab_size={config.vocab_size}; set vocab_size >= 256 or give tokenizer_path"
         )
       self.tokenize = EncodeExamples(self.kind, config.tokenizer_path, config.vocab_size, self.length)
@@ -373,10 +374,10 @@ def inspect(config: Config, batches: int = 2, rows: int = 3, width: int = 160) -
     sample = [dataset.batch(step) for step in range(batches)]
   finally:
     dataset.close()
-  prefix = "chosen_" if dataset.kind == "dpo" else ""  # DPO: the chosen side's rows
+  prefix = {"dpo": "chosen_", "kto": "completion_"}.get(dataset.kind, "")  # the first side's rows
   segments = np.concatenate([b[f"{prefix}inputs_segmentation"] for b in sample])
   real = int((segments > 0).sum())
-  what = {"text": "documents", "sft": "SFT examples", "dpo": "preference pairs"}[dataset.kind]
+  what = {"text": "documents", "sft": "SFT examples", "dpo": "preference pairs", "kto": "KTO examples"}[dataset.kind]
   lines = [
       f"{dataset.name}: {len(dataset.documents)} training {what}"
       + (f", {len(held)} held out for eval (every {EVAL_EVERY}th)" if held is not None else ""),

@@ -141,7 +141,9 @@ class _PackIterator(grain.DatasetIterator):
 class PackExamplesIterDataset(grain.IterDataset):
   """SFT examples or DPO pairs (`EncodeExamples`) packed whole into rows of `length` as `sft.pack_examples` and
   `dpo.pack_pairs` pack them, as a stream: the next example goes in the row while every side fits beside the
-  examples there, else the row is padded and it starts the next one. DPO's rows are its keys per side, prefixed."""
+  examples there, else the row is padded and it starts the next one. DPO's rows are its keys per side, prefixed.
+  KTO's (`kto.pack`'s keys): each example beside its mismatched pair, its prompt with the previous example's
+  completion in the stream; the stream's first example has none (its prompt alone, left out of KTO's z_ref)."""
 
   def __init__(self, parent: grain.IterDataset, length: int, kind: str, completion_only: bool, limit: int | None = None):
     super().__init__(parent)
@@ -164,6 +166,8 @@ class _PackExamplesIterator(grain.DatasetIterator):
     self.damaged = _Damage(spec.limit)
     self._pending = None  # the example that did not fit the last row
     self._before = None  # the parent's state before `_pending` was read
+    self._previous = None  # KTO: the completion of the last example read, for the next one's mismatched pair
+    self._previous_before = None  # ... as it was before `_pending` was read
 
   def _read(self):
     while True:
@@ -171,7 +175,23 @@ class _PackExamplesIterator(grain.DatasetIterator):
       item = next(self._parent)
       if not self.damaged.skip(item):
         # Copies: a worker's arrays live in shared memory that Grain frees as the iterator moves on.
-        return before, tuple((np.array(t, copy=True), np.array(c, copy=True)) for t, c in item)
+        item = tuple((np.array(t, copy=True), np.array(c, copy=True)) for t, c in item)
+        self._previous_before = self._previous
+        return before, self._mismatched(item) if self.spec.kind == "kto" else item
+
+  def _mismatched(self, item):
+    """KTO's (example, its prompt with the previous example's completion, label): `kto.examples` as a stream."""
+    from maxbridge.training.posttrain import sft
+
+    (tokens, completion), label = item
+    prompt = tokens[: int(np.argmax(completion))]
+    if self._previous is None:  # its prompt alone, no completion token: a segment KTO's z_ref leaves out
+      kl = (prompt if prompt.size else tokens[:1], np.zeros(max(prompt.size, 1), bool))
+    else:
+      kl = sft.fit(sft.example(list(prompt), list(self._previous)), self.spec.length, "a KTO mismatched pair")
+      kl = (kl[0][: self.spec.length], kl[1][: self.spec.length])
+    self._previous = tokens[completion]
+    return (tokens, completion), kl, label
 
   def __next__(self) -> dict[str, np.ndarray]:
     from maxbridge.training.posttrain import sft
@@ -183,7 +203,7 @@ class _PackExamplesIterator(grain.DatasetIterator):
           self._before, self._pending = self._read()
         except StopIteration:
           break
-      sizes = [tokens.size for tokens, _ in self._pending]
+      sizes = [tokens.size for tokens, _ in self._pending[:2]]  # KTO's third is its label
       if row and any(u + n > self.spec.length for u, n in zip(used, sizes)):
         break
       row.append(self._pending)
@@ -192,22 +212,30 @@ class _PackExamplesIterator(grain.DatasetIterator):
     if not row:
       raise StopIteration
     plan = [list(range(len(row)))]
-    if self.spec.kind != "dpo":
+    if self.spec.kind not in ("dpo", "kto"):
       filled = sft.fill_rows(plan, [e[0] for e in row], self.spec.length, self.spec.completion_only)
       return {key: value[0] for key, value in filled.items()}
     out = {}
-    for i, side in enumerate(("chosen", "rejected")):  # dpo.SIDES (dpo imports jax: not in this module's workers)
+    # dpo.SIDES and kto.SIDES (they import jax: not in this module's workers)
+    for i, side in enumerate(("chosen", "rejected") if self.spec.kind == "dpo" else ("completion", "kl")):
       filled = sft.fill_rows(plan, [e[i] for e in row], self.spec.length, completion_only=True)
       out.update({f"{side}_{key}": value[0] for key, value in filled.items()})
+    if self.spec.kind == "kto":
+      segments = out["completion_targets_segmentation"]
+      desirable = [segment for segment, e in enumerate(row, start=1) if e[2][0][0]]
+      out["desirable_segmentation"] = np.where(np.isin(segments, desirable), segments, 0).astype(np.int32)
     return out
 
   def get_state(self) -> dict:
     parent = self._parent.get_state() if self._pending is None else self._before
-    return {"parent": parent, "pending": self._pending is not None, "damaged": self.damaged.count}
+    previous = self._previous if self._pending is None else self._previous_before
+    state = {"parent": parent, "pending": self._pending is not None, "damaged": self.damaged.count}
+    return state if previous is None else {**state, "previous": previous.tolist()}
 
   def set_state(self, state: dict) -> None:
     self.damaged.count = state.get("damaged", 0)
     self._parent.set_state(state["parent"])
     self._pending = None
+    self._previous = None if state.get("previous") is None else np.asarray(state["previous"], np.int32)
     if state["pending"]:
       self._before, self._pending = self._read()

@@ -81,7 +81,13 @@ class EncodeExamples(grain.transforms.Map):
     from maxbridge.training.posttrain import sft
 
     record, where = row
-    if self.kind == "dpo":
+    if self.kind == "kto":  # the example and its label; the packer pairs it with the previous one's completion
+      from maxbridge.training.posttrain import kto
+
+      prompt, completion, desirable = kto.record_row(record, self.chat.encode if self.chat else sft.byte_encode, where)
+      label = (np.array([int(desirable)], np.int32), np.zeros(1, bool))
+      sides = (sft.fit(sft.example(prompt, completion), self.length, where), label)
+    elif self.kind == "dpo":
       from maxbridge.training.posttrain import dpo
 
       sides = dpo.fit_pair(

@@ -8,7 +8,8 @@ is packed as DPO's pairs are, two sides in step: `completion_*` (prompt +
 its completion) and `kl_*` (prompt + the previous row's completion), with
 completion-only targets, and `desirable_segmentation` (int32 [rows, length]:
 the segment id on the targets of desirable completions, 0 elsewhere) carrying
-the labels.
+the labels. Through Grain (`grain_packing`) the previous example is the stream's,
+and the stream's first example has no mismatched pair (left out of z_ref's mean).
 
 The loss (Ethayarajh et al. 2024, eq. 8; `preference.kto_loss`), per example:
 
