@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import maxbridge as mb  # noqa: E402
+from maxbridge import cli  # noqa: E402
 from maxbridge.core import canonical  # noqa: E402
 from maxbridge.core.config import ConfigError  # noqa: E402
 from maxbridge.interop import hf  # noqa: E402
@@ -122,15 +123,16 @@ def test_export_loads_in_transformers_and_reimports_the_same_tree(reference, tmp
 
 def test_a_conditional_generation_folder_reads_as_its_language_model(reference, tmp_path):
   """A Qwen3_5(Moe)ForConditionalGeneration checkpoint's layout: the text model under model.language_model., a
-  vision tower under model.visual. and an MTP layer under mtp., the text config nested. The language model's logits
-  are the text model's; the vision tower and MTP layer are left out, as transformers' ForCausalLM leaves them."""
+  vision tower under model.visual. and an MTP layer under mtp., the text config nested. import-hf reads its
+  language model, leaving the vision tower and MTP layer out as transformers' ForCausalLM does; export-hf writes the
+  text model, which transformers loads with the reference's logits."""
   from safetensors.torch import load_file, save_file
 
   folder = tmp_path / "vl"
   folder.mkdir()
   text = json.loads((reference.folder / "config.json").read_text())
   outer = "qwen3_5" if reference.variant == "dense" else "qwen3_5_moe"
-  config = {"model_type": outer, "text_config": text, "vision_config": {"depth": 1}, "tie_word_embeddings": False}
+  config = {"model_type": outer, "text_config": text, "vision_config": {"depth": 1}, "image_token_id": 5}
   (folder / "config.json").write_text(json.dumps(config))
   tensors = {
       name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name: tensor
@@ -139,8 +141,12 @@ def test_a_conditional_generation_folder_reads_as_its_language_model(reference, 
   tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3, 2, 2)
   tensors["mtp.fc.weight"] = torch.zeros(64, 128)
   save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-  model = mb.from_pretrained(folder, backend="linen", scan_layers=False)
-  assert max_diff(model.logits(TOKENS), reference.logits) <= LOGITS_TOL
+  assert cli.main(["import-hf", str(folder), str(tmp_path / "ckpt")]) == 0
+  assert cli.main(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "text")]) == 0
+  exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text").eval()
+  assert type(exported) is reference.model_class
+  with torch.no_grad():
+    assert max_diff(exported(torch.tensor(TOKENS)).logits.numpy(), reference.logits) <= 1e-5
   with pytest.raises(hf.HFError, match="text_config.model_type='qwen3_next'; expected"):
     hf.config_from_hf({**config, "text_config": {**text, "model_type": "qwen3_next"}})
 

@@ -41,6 +41,10 @@ def config_to_hf(config: Config, base: Mapping[str, Any] | None = None) -> dict[
         f"{family.normalize_embedding_logits}"
     )
   hf = dict(base or {})
+  if hf.get("model_type") != family.model_type and isinstance(hf.get("text_config"), Mapping):
+    # A multimodal folder's language model exported as its text architecture (Qwen3.5's): the text config's keys
+    # are what is kept; the outer ones (text_config itself, vision_config) would not load as a text model.
+    hf = dict(hf["text_config"])
   hf.pop("torch_dtype", None)
   for alias in family.config_class.aliases:  # transformers would read an alias in place of what we write
     hf.pop(alias, None)
