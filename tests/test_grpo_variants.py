@@ -374,3 +374,12 @@ def test_a_dapo_run_resumes_at_a_batch_boundary_as_the_uninterrupted_run(variant
   for want, got in zip(records["dapo", "linen"], logged, strict=True):
     for key in ("loss", "kl", "clip_fraction", "ratio", "mean_reward", "sampled_batches", "uninformative_groups"):
       np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=f"step {want['step']}: {key}")
+
+
+def test_the_batch_a_compile_lowers_has_the_dtypes_rollouts_produce():
+  # `maxbridge compile` lowers the step on `Loss.abstract_batch`: int32 advantages would compile another program.
+  loss = grpo.GRPO(old_log_probs=True)
+  rows = grpo.pack_completions([[1, 2]], [[3], [4, 5]], np.array([0.5, -0.5]), 8)
+  rows["old_log_probs"] = np.zeros((2, 8), np.float32)  # as Rollouts records them
+  declared = {key: (value.shape, np.dtype(value.dtype)) for key, value in loss.abstract_batch(2, 8).items()}
+  assert declared == {key: (rows[key].shape, rows[key].dtype) for key in loss.batch_keys}

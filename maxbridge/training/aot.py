@@ -9,7 +9,6 @@ plan is inspected on a laptop. The table needs no devices at all (an
 import math
 
 import jax
-import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from maxbridge.core import canonical, sharding
@@ -148,7 +147,7 @@ def compile_train_step(config: Config) -> dict:
       trainer.state_shardings,
   )
   rows = config.per_device_batch_size * trainer.mesh.size * config.gradient_accumulation_steps
-  shapes = {key: jax.ShapeDtypeStruct((rows, config.max_target_length), np.int32) for key in trainer.loss.batch_keys}
+  shapes = trainer.loss.abstract_batch(rows, config.max_target_length)
   if config.distill_logits_path:  # the teacher's top-k logits come with each batch
     shapes.update(distill.offline_shapes(config, rows))
   batch = {

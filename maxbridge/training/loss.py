@@ -134,9 +134,10 @@ class StartingPolicy(Frozen):
 class Loss(abc.ABC):
   """What a train step minimises; subclasses set `batch_keys` and implement `__call__`."""
 
-  # Each an int32 [batch, length] array (data.py's convention), so that the
-  # data pipeline and the ahead-of-time compile know the batch from the loss.
+  # Each an int32 [batch, length] array (data.py's convention), but those in `float_keys`, float32 (a policy
+  # gradient's advantages): so that the data pipeline and the ahead-of-time compile know the batch from the loss.
   batch_keys: tuple[str, ...] = ()
+  float_keys: tuple[str, ...] = ()
   # aux entries the loop writes to metrics.jsonl (each per `tokens`, as the loss).
   metric_keys: tuple[str, ...] = ()
   # The model it reads and never trains, if any (`Frozen`): the step passes its pass as `reference`.
@@ -144,6 +145,13 @@ class Loss(abc.ABC):
   # Config keys fixed on resume: what it optimises, whose curve would change meaning mid-run. Fixed in every run,
   # whatever its loss (a run may not switch to or from this one either); `recipe.LOSSES` collects them.
   fixed_keys: tuple[str, ...] = ()
+
+  def abstract_batch(self, rows: int, length: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """The shapes and dtypes of a batch of `rows` rows of `length` tokens, as its data arrives."""
+    return {
+        key: jax.ShapeDtypeStruct((rows, length), jnp.float32 if key in self.float_keys else jnp.int32)
+        for key in self.batch_keys
+    }
 
   @classmethod
   def enabled(cls, config: Config) -> bool:

@@ -100,6 +100,7 @@ class GRPO(Loss):
   per unit of `loss_agg_mode` (a completion token, or a completion for the per-sequence modes)."""
 
   batch_keys = (*CrossEntropy.batch_keys, "advantages")
+  float_keys = ("advantages", "old_log_probs")
   metric_keys = ("kl", "clip_fraction", "ratio")
   frozen = StartingPolicy()  # the reference its KL penalty is to
   # What the loss and its metrics mean, and how batches are reused (a resume mid-batch would read another).
