@@ -17,21 +17,21 @@ from conftest import tiny_config
 
 
 class CountingEnv(agentic.Environment):
-  """Three model turns, each answered by `<ok>`; the reward is the fraction of digits the model wrote, so it
+  """Two model turns, the first answered by `<k>`; the reward is the fraction of ASCII characters the model wrote, so it
   differs between episodes of one task. Prompts of several lengths make turns end at different times."""
 
   stops = ("\n",)
 
   def reset(self, seed):
     self.turns, self.written = 0, ""
-    return "task" + "-" * (seed % 5) + ":"
+    return "t" + "-" * (seed % 3) + ":"
 
   def step(self, model_message):
     self.turns += 1
     self.written += model_message
-    if self.turns < 3:
-      return agentic.Observation("<ok>", 0.0, False)
-    return agentic.Observation(None, sum(c.isdigit() for c in self.written) / max(len(self.written), 1), True)
+    if self.turns < 2:
+      return agentic.Observation("<k>", 0.0, False)
+    return agentic.Observation(None, sum(c.isascii() for c in self.written) / max(len(self.written), 1), True)
 
 
 def rl_config(flags=(False, False, False), **overrides):
@@ -39,10 +39,12 @@ def rl_config(flags=(False, False, False), **overrides):
       use_grpo=True,
       grpo_beta=0.1,
       per_device_batch_size=2,
-      num_generations=3,
+      num_generations=2,
       max_concurrency=4,
-      max_turns=3,
-      max_turn_tokens=5,
+      max_turns=2,
+      max_turn_tokens=3,
+      max_target_length=16,  # every transcript fits one prefill length (15): one compile
+      max_prefill_predict_length=8,  # GRPO checks it; the rollout engine prefills up to max_target_length - 1
       learning_rate=1e-2,
       warmup_steps_fraction=0.0,
       steps=3,
@@ -121,9 +123,9 @@ def test_tool_outputs_carry_no_loss_by_mask_and_by_gradient():
 
 @pytest.fixture(scope="module")
 def engine_and_model():
-  config = rl_config(max_concurrency=3)
-  model = mb.create_model(config, seed=0)
-  return agentic.rollout_engine(config, model.params()), model
+  """Linen's rollout engine and model on seed 0's weights; the asynchronous run reuses the engine."""
+  model = mb.create_model(rl_config(), seed=0)
+  return agentic.rollout_engine(rl_config(), model.params()), model
 
 
 def reset_episodes(count):
@@ -137,8 +139,8 @@ def reset_episodes(count):
 
 def test_engine_episodes_equal_a_one_at_a_time_greedy_loop(engine_and_model):
   engine, model = engine_and_model
-  # Five episodes of three turns on three slots: turns wait, slots are reused mid-run.
-  batched = agentic.run_episodes(engine, reset_episodes(5), temperature=0.0, max_turns=3, max_turn_tokens=5)
+  # Five episodes of two turns on four slots: turns wait, slots are reused mid-run.
+  batched = agentic.run_episodes(engine, reset_episodes(5), temperature=0.0, max_turns=2, max_turn_tokens=3)
   forward = model.logits
   for episode in reset_episodes(5):
     tokens = list(episode.tokens)
@@ -146,12 +148,12 @@ def test_engine_episodes_equal_a_one_at_a_time_greedy_loop(engine_and_model):
       start = len(tokens)
       while True:
         # One padded length, so one compile: padding comes after every real token and no causal position sees it.
-        padded = np.zeros((1, 64), np.int32)
+        padded = np.zeros((1, 16), np.int32)
         padded[0, : len(tokens)] = tokens
-        segments = (np.arange(64) < len(tokens)).astype(np.int32)[None]
-        logits = forward(padded, np.arange(64)[None], segments)
+        segments = (np.arange(16) < len(tokens)).astype(np.int32)[None]
+        logits = forward(padded, np.arange(16)[None], segments)
         tokens.append(int(np.argmax(logits[0, len(tokens) - 1])))
-        if agentic.byte_decode(tokens[start:]).endswith("\n") or len(tokens) - start >= 5:
+        if agentic.byte_decode(tokens[start:]).endswith("\n") or len(tokens) - start >= 3:
           break
       observation = episode.env.step(agentic.byte_decode(tokens[start:]))
       if observation.done:
@@ -159,24 +161,25 @@ def test_engine_episodes_equal_a_one_at_a_time_greedy_loop(engine_and_model):
       tokens += agentic.byte_encode(observation.text)
     want = batched[episode.task]
     assert want.tokens == tokens, f"episode {episode.task}: {want.tokens} != {tokens}"
-    assert want.reward == observation.reward and want.turns == 3 and not want.truncated
+    assert want.reward == observation.reward and want.turns == 2 and not want.truncated
 
 
 def test_recorded_log_probs_are_the_policys_on_the_packed_rows(engine_and_model):
   engine, model = engine_and_model
-  episodes = agentic.run_episodes(engine, reset_episodes(4), temperature=1.0, max_turns=3, max_turn_tokens=5)
-  rows = agentic.pack_episodes(episodes, np.zeros(4), 64)
+  episodes = agentic.run_episodes(engine, reset_episodes(4), temperature=1.0, max_turns=2, max_turn_tokens=3)
+  rows = agentic.pack_episodes(episodes, np.zeros(4), 16)
   logits = model.logits(rows["inputs"], rows["inputs_position"], rows["inputs_segmentation"])
   recomputed = np.asarray(grpo.token_log_probs(jnp.asarray(logits), jnp.asarray(rows["targets"])))
   mask = rows["targets_segmentation"] > 0
-  assert mask.sum() == sum(e.model_tokens for e in episodes) == 4 * 15
+  assert mask.sum() == sum(e.model_tokens for e in episodes) > 4 * 2
   np.testing.assert_allclose(rows["old_log_probs"][mask], recomputed[mask], atol=2e-5)
 
 
-def test_async_grpo_bounds_staleness_and_trains_identically_on_linen_and_nnx():
-  params = mb.create_model(rl_config(), seed=0).params()
+def test_async_grpo_bounds_staleness_and_trains_identically_on_linen_and_nnx(engine_and_model):
+  engine, model = engine_and_model
+  engines = {"linen": engine, "nnx": None}  # NNX's: its own model in the engine
   runs = {
-      name: agentic_rl.train_agentic(rl_config(flags), CountingEnv, params=params)[1]
+      name: agentic_rl.train_agentic(rl_config(flags), CountingEnv, params=model.params(), engine=engines[name])[1]
       for name, flags in dispatch.BACKENDS.items()
   }
   linen, nnx = runs["linen"], runs["nnx"]

@@ -421,6 +421,9 @@ class Rollouts:
         episode.append(byte_encode(env.reset(int(task))), False)
         episodes.append(episode)
     params = canonical.conform(params, self.engine.model.abstract_params(), self.engine.config.param_scan_axis)
+    # Placed as the engine's own: the compiled steps are keyed by their inputs' shardings, and the learner's
+    # state is sharded otherwise (a new placement would compile every step again).
+    params = jax.tree.map(lambda new, own: jax.device_put(new, own.sharding), params, self.engine.params)
     return run_episodes(
         self.engine,
         episodes,
