@@ -418,6 +418,13 @@ class Trainer(abc.ABC):
   def _forward(self, bound: Bound, params: Params, frozen, tokens, positions, segment_ids):
     return self._run(bound, self._canonical_view(bound, params), frozen, tokens, positions, segment_ids)
 
+  def state_logits(self, state, tokens, positions, segment_ids) -> jax.Array:
+    """The train step's own forward pass over `state`'s model (LoRA: the adapters merged; no dropout): logits
+    [B, T, V] (traceable). A policy-gradient learner's sampling-time log-probabilities come from it, so that a
+    first update on the batch sees a ratio of exactly 1."""
+    bound = self._bind(self._to_devices(state, ("params", "stored")))
+    return self._forward(bound, bound.params, bound.frozen, tokens, positions, segment_ids)[0]
+
   def _loss(self, bound: Bound, params: Params, batch: Batch, frozen_params=None):
     apply = functools.partial(self._forward, bound)
     view = functools.partial(self._canonical_view, bound)

@@ -313,11 +313,7 @@ def _log_prober(trainer) -> Callable:
 
     @jax.jit
     def log_probs(state, inputs, positions, segments, targets):
-      # The train step's own forward pass (LoRA: adapters merged, no dropout), so that the first update on a batch
-      # sees a ratio of 1.
-      bound = trainer._bind(trainer._to_devices(state, ("params", "stored")))
-      logits, _ = trainer._forward(bound, bound.params, bound.frozen, inputs, positions, segments)
-      return token_log_probs(logits, targets)
+      return token_log_probs(trainer.state_logits(state, inputs, positions, segments), targets)
 
     _LOG_PROBS[trainer] = log_probs
   return _LOG_PROBS[trainer]
