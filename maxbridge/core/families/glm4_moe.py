@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from maxbridge.core.families import attention as attn
-from maxbridge.core.families import deepseek, llama, qwen2
+from maxbridge.core.families import deepseek, deepseek_hf, llama, qwen2
 from maxbridge.core.families.base import (
     ClipPiece,
     ClipTargets,
@@ -57,10 +57,10 @@ from maxbridge.core.families.hf_rules import (
 )
 
 _ATTENTION = "model.layers.{layer}.self_attn"
-_MOE_RULES = tuple(rule for rule in deepseek.RULES if "DeepSeekMoeBlock_0" in rule.ours)
+_MOE_RULES = tuple(rule for rule in deepseek_hf.RULES if "DeepSeekMoeBlock_0" in rule.ours)
 # The multi-token prediction layer's own tensors, by DeepSeek-V3's names (GLM-4.5 stores them so): only to find a
 # stored MTP layer, which `_check` refuses (`mtp_num_layers`) and `mtp_num_layers=0` leaves out.
-_MTP_RULES = tuple(rule for rule in deepseek.RULES if rule.ours.startswith("{mtp}/"))
+_MTP_RULES = tuple(rule for rule in deepseek_hf.RULES if rule.ours.startswith("{mtp}/"))
 RULES = (
     *llama.COMMON_RULES,
     *qwen2.QKV_BIAS_ATTENTION_RULES,
@@ -148,7 +148,7 @@ def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
       ),
       "logits_via_embedding": get_bool(hf, "tie_word_embeddings"),
       "use_qk_norm": get_bool(hf, "use_qk_norm"),
-      **deepseek.moe_from_hf(hf),
+      **deepseek_hf.moe_from_hf(hf),
       "n_routing_groups": get_int(hf, "n_group"),
       "topk_routing_group": get_int(hf, "topk_group"),
       "routed_score_func": "sigmoid",
@@ -168,7 +168,7 @@ def _config_to_hf(config: Config) -> dict[str, Any]:
       **rope,
       "attention_bias": True,
       "use_qk_norm": config.use_qk_norm,
-      **deepseek.moe_to_hf(config),
+      **deepseek_hf.moe_to_hf(config),
       "n_group": max(config.n_routing_groups, 1),
       "topk_group": max(config.topk_routing_group, 1),
       "norm_topk_prob": True,
@@ -219,7 +219,7 @@ def _check(config: Config) -> list[str]:
       dense,
       window,
       mtp,
-      deepseek._routing_groups(config),  # pylint: disable=protected-access
+      deepseek.routing_groups(config),
   )
 
 
@@ -244,7 +244,7 @@ FAMILY = Family(
             _config_from_hf,
             _config_to_hf,
             CONFIG_CLASS,
-            mtp_copies=deepseek.MTP_COPIES,
+            mtp_copies=deepseek_hf.MTP_COPIES,
         ),
     ),
     check=_check,
