@@ -121,7 +121,7 @@ def test_export_loads_in_transformers_and_reimports_the_same_tree(reference, tmp
   assert_same_tree(first, again)
 
 
-def test_a_conditional_generation_folder_reads_as_its_language_model(reference, tmp_path):
+def test_a_conditional_generation_folder_reads_as_its_language_model(reference, tmp_path, caplog):
   """A Qwen3_5(Moe)ForConditionalGeneration checkpoint's layout: the text model under model.language_model., a
   vision tower under model.visual. and an MTP layer under mtp., the text config nested. import-hf reads its
   language model, leaving the vision tower and MTP layer out as transformers' ForCausalLM does; export-hf writes the
@@ -141,7 +141,9 @@ def test_a_conditional_generation_folder_reads_as_its_language_model(reference, 
   tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3, 2, 2)
   tensors["mtp.fc.weight"] = torch.zeros(64, 128)
   save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-  assert cli.main(["import-hf", str(folder), str(tmp_path / "ckpt")]) == 0
+  with caplog.at_level("INFO"):
+    assert cli.main(["import-hf", str(folder), str(tmp_path / "ckpt")]) == 0
+  assert "2 tensors Qwen3_5" in caplog.text and "are left out (first: model.visual.patch_embed" in caplog.text
   assert cli.main(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "text")]) == 0
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text").eval()
   assert type(exported) is reference.model_class

@@ -8,6 +8,7 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 
 from maxbridge.core import canonical
 from maxbridge.core.config import BASE_CONFIG, Config, load_config
@@ -204,11 +205,12 @@ def from_hf_tensors(
   """
   family = family_for_config(config)
   tensors = {family.normalize_name(name): tensor for name, tensor in tensors.items()}
-  tensors = {
-      name: tensor
-      for name, tensor in tensors.items()
-      if not any(re.fullmatch(pattern, name) for pattern in family.ignored)
-  }
+  ignored = {name for name in tensors if any(re.fullmatch(pattern, name) for pattern in family.ignored)}
+  if ignored:  # as transformers' class leaves them out; said, so that a user sees what the model does not hold
+    logging.info(
+        "%s: %d tensors %s does not read are left out (first: %s)", where, len(ignored), family.architecture, min(ignored)
+    )
+  tensors = {name: tensor for name, tensor in tensors.items() if name not in ignored}
   if family.mtp_copies:  # MTP layers past the config's are left out, as transformers leaves them all out
     tensors = {name: tensor for name, tensor in tensors.items() if not _beyond_mtp_layers(config, name)}
   if _stored_head_differs(config, tensors):
