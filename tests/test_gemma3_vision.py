@@ -28,6 +28,7 @@ from maxbridge.interop import hf, images  # noqa: E402
 from maxbridge.models import dispatch  # noqa: E402
 from maxbridge.ops import vision  # noqa: E402
 from maxbridge.serving import engine as serving_engine  # noqa: E402
+from maxbridge.training import recipe  # noqa: E402
 from hf_family import highest_precision  # noqa: E402,F401 (an autouse fixture)
 from test_hf import max_diff, randomize  # noqa: E402
 
@@ -195,6 +196,11 @@ def test_use_multimodal_needs_a_family_with_a_tower():
     mb.load_config("llama-tiny", use_multimodal=True)
   with pytest.raises(ConfigError, match="vision_output_length=3"):
     mb.load_config("gemma3-tiny", use_multimodal=True, vision_output_length=3)
+
+
+def test_training_a_model_with_a_tower_is_refused_until_image_training_is_built():
+  with pytest.raises(ConfigError, match="use_multimodal=true: training with images is not built yet"):
+    recipe.create_trainer(mb.load_config("gemma3-tiny", use_multimodal=True))
 
 
 def test_fields_md_names_every_vision_config_field_and_a_bad_activation_is_refused(reference):

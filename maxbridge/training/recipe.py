@@ -105,6 +105,14 @@ def create_trainer(
         "checkpoint_is_quantized=true: the weights are frozen int8 values and scales for serving, which cannot "
         "be trained; train the float checkpoint instead (quantization=int8 trains it quantization-aware)"
     )
+  if config.use_multimodal:
+    # Training with images (batches of images, freeze_vision_encoder_params) is not built: a text-only step would
+    # leave the tower untrained, or decay it by weight decay, whatever freeze_vision_encoder_params says.
+    raise ConfigError(
+        "use_multimodal=true: training with images is not built yet (freeze_vision_encoder_params has nothing to "
+        "act on); train the language model alone with use_multimodal=false (import-hf reads a multimodal folder's "
+        "language model so), and run the model with images through generate --image or mb.Engine"
+    )
   # XLA sees the step's global shapes, the rows of every device at once (a Config checked one device's): refused
   # before the model is built.
   devices = jax.device_count() if mesh is None else mesh.size
