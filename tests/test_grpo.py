@@ -12,7 +12,7 @@ import maxbridge as mb
 from maxbridge.training import data
 from maxbridge.models import dispatch
 from maxbridge.core.config import ConfigError
-from maxbridge.core.config_rules import GRPO_REWARDS
+from maxbridge.core.posttrain_rules import GRPO_REWARDS
 from maxbridge.training.loss import Forward
 from maxbridge.training.posttrain import grpo
 from maxbridge.training import recipe

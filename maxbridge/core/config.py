@@ -20,7 +20,8 @@ from typing import Any
 import yaml
 
 from maxbridge.core import config_keys, config_rules, families, files
-from maxbridge.core.config_rules import PREFERENCE_KEYS, ConfigError
+from maxbridge.core.config_rules import ConfigError
+from maxbridge.core.posttrain_rules import PREFERENCE_KEYS
 
 CONFIG_DIR = Path(__file__).parent.parent / "configs"  # maxbridge/configs: data, beside the code that reads it
 BASE_CONFIG = CONFIG_DIR / "base.yml"

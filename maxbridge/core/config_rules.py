@@ -13,7 +13,15 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from maxbridge.core import array_limits, families
+from maxbridge.core import array_limits, families, posttrain_rules
+from maxbridge.core.posttrain_rules import (
+    GRPO_ADVANTAGE_STD,
+    GRPO_IMPORTANCE_SAMPLING_LEVELS,
+    GRPO_KL_ESTIMATORS,
+    GRPO_LOSS_AGG_MODES,
+    GRPO_SCALE_REWARDS,
+    PREFERENCE_KEYS,
+)
 from maxbridge.core.pipeline_plan import pipeline_plan
 
 # `maxbridge.core.config.Config`, which runs these rules on every instance: so this module cannot import it.
@@ -36,15 +44,11 @@ class ConfigError(ValueError):
 # MaxText's `quantization` values ("" = float). Each library accepts a subset.
 QUANTIZATIONS = ("", "int8", "int4", "fp8", "nf4")
 QUANTIZATIONS_BY_LIBRARY = {"aqt": ("", "int8"), "qwix": ("", "int8", "int4", "fp8")}
-# GRPO's built-in verifiable rewards for the built-in arithmetic prompts (maxbridge/posttrain/grpo.py).
-GRPO_REWARDS = ("arithmetic", "exact_match", "format")
-# GRPO's variants' choices (training/posttrain/grpo_objectives.py reads them): TRL's scale_rewards and
-# importance_sampling_level, verl's and Tunix's loss_agg_mode, Schulman's KL estimators.
-GRPO_SCALE_REWARDS = ("group", "batch", "none")
-GRPO_ADVANTAGE_STD = ("population", "sample")
-GRPO_KL_ESTIMATORS = ("k1", "k2", "k3")
-GRPO_IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
-GRPO_LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def _raise(problem: str | None) -> None:
+  if problem is not None:
+    raise ConfigError(problem)
 
 
 def _positive(value: float) -> bool:
@@ -316,45 +320,13 @@ def validate(config: Config) -> None:
     raise ConfigError("dataset_type='text' needs dataset_path (a text file to train on)")
   if config.dataset_type == "grain" and not config.grain_train_files:
     raise ConfigError("dataset_type='grain' needs grain_train_files (a file, folder or glob of training files)")
-  _validate_preference(config)
+  _raise(posttrain_rules.preference_problem(config))
   if config.use_sft and config.dataset_type != "grain":
     raise ConfigError(
         f"use_sft=true reads SFT rows through Grain: set dataset_type='grain' (or dataset_type='sft' without "
         f"use_sft for the in-memory path), got dataset_type={config.dataset_type!r}"
     )
-  _validate_grpo(config)
-
-
-# The preference losses' keys, in the order a run names the one it trains with (`Config.preference_loss`).
-PREFERENCE_KEYS = ("use_dpo", "use_orpo", "use_simpo", "use_kto")
-
-
-def _validate_preference(config: Config) -> None:
-  """One objective at a time among the preference losses and GRPO, each on the data it reads."""
-  on = [key for key in ("use_grpo", *PREFERENCE_KEYS) if getattr(config, key)]
-  if len(on) > 1:
-    raise ConfigError(
-        f"{' and '.join(f'{key}=true' for key in on)}: a run trains one objective; keep one of them and set the "
-        "others to false"
-    )
-  key = next((key for key in PREFERENCE_KEYS if getattr(config, key)), None)
-  if key is None:
-    return
-  if config.dataset_type not in ("embedded", "sft", "grain"):
-    what, fields = (
-        ("unpaired rows", "prompt/completion/label")
-        if key == "use_kto"
-        else ("preference pairs", "prompt/chosen/rejected")
-    )
-    raise ConfigError(
-        f"{key}=true reads {what}: dataset_type must be 'sft' ({fields} .jsonl rows "
-        f"in dataset_path), 'grain' (such rows in grain_train_files) or 'embedded' (the built-in set), "
-        f"got {config.dataset_type!r}"
-    )
-  if config.use_sft:
-    raise ConfigError(f"use_sft=true and {key}=true: rows are SFT examples or preference rows; set one to false")
-  if config.num_vocab_tiling > 1:
-    raise ConfigError(f"{key}=true computes full logits for its log-probabilities; set num_vocab_tiling=1")
+  _raise(posttrain_rules.grpo_problem(config))
 
 
 def _validate_pipeline(config: Config) -> None:
@@ -408,46 +380,6 @@ def _validate_sampling(config: Config) -> None:
     raise ConfigError(
         "decode_sampling_strategy='nucleus' samples among the most likely tokens holding decode_sampling_nucleus_p "
         "of the probability: set it in (0, 1]"
-    )
-
-
-def _validate_grpo(config: Config) -> None:
-  if config.reward_function not in GRPO_REWARDS and not re.fullmatch(
-      r"[A-Za-z_][\w]*(\.[A-Za-z_]\w*)+", config.reward_function
-  ):
-    listed = ", ".join(repr(r) for r in GRPO_REWARDS)
-    raise ConfigError(
-        f"config key 'reward_function' = {config.reward_function!r} is invalid; valid values: {listed}, "
-        "or the dotted path of a Python callable (package.module.function)"
-    )
-  if not config.use_grpo:
-    return
-  if config.dataset_type != "embedded":
-    raise ConfigError(
-        f"use_grpo=true samples completions of the built-in arithmetic prompts: dataset_type must be 'embedded', "
-        f"got {config.dataset_type!r}"
-    )
-  if config.max_target_length <= config.max_prefill_predict_length:
-    raise ConfigError(
-        f"use_grpo=true samples max_target_length - max_prefill_predict_length tokens per completion: "
-        f"max_target_length={config.max_target_length} must exceed max_prefill_predict_length="
-        f"{config.max_prefill_predict_length}"
-    )
-  if config.num_vocab_tiling > 1:
-    raise ConfigError("use_grpo=true computes full logits for its log-probabilities; set num_vocab_tiling=1")
-  if config.num_processes > 1:
-    raise ConfigError(f"use_grpo=true samples in one process: num_processes={config.num_processes} must be 1")
-  new_tokens = config.max_target_length - config.max_prefill_predict_length
-  if config.overlong_buffer_length > new_tokens:
-    raise ConfigError(
-        f"overlong_buffer_length={config.overlong_buffer_length} exceeds the longest completion sampled "
-        f"(max_target_length - max_prefill_predict_length = {new_tokens}): set it in [0, {new_tokens}]"
-    )
-  if config.num_iterations > 1 and config.enable_checkpointing and config.checkpoint_period % config.num_iterations:
-    # A checkpoint between two updates of one batch would resume without it (the batch is not saved).
-    raise ConfigError(
-        f"num_iterations={config.num_iterations} trains each sampled batch that many steps: checkpoint_period="
-        f"{config.checkpoint_period} must be a multiple of it, so that every checkpoint falls between batches"
     )
 
 

@@ -13,17 +13,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxbridge.core import config_rules
+from maxbridge.core import posttrain_rules
 
 ADVANTAGE_EPS = 1e-4
 
 # Named as TRL's GRPOConfig (scale_rewards, importance_sampling_level) and verl's / Tunix's loss_agg_mode; the
 # config checks its keys against these without JAX, so they live there.
-SCALE_REWARDS = config_rules.GRPO_SCALE_REWARDS
-ADVANTAGE_STD = config_rules.GRPO_ADVANTAGE_STD
-KL_ESTIMATORS = config_rules.GRPO_KL_ESTIMATORS
-IMPORTANCE_SAMPLING_LEVELS = config_rules.GRPO_IMPORTANCE_SAMPLING_LEVELS
-LOSS_AGG_MODES = config_rules.GRPO_LOSS_AGG_MODES
+SCALE_REWARDS = posttrain_rules.GRPO_SCALE_REWARDS
+ADVANTAGE_STD = posttrain_rules.GRPO_ADVANTAGE_STD
+KL_ESTIMATORS = posttrain_rules.GRPO_KL_ESTIMATORS
+IMPORTANCE_SAMPLING_LEVELS = posttrain_rules.GRPO_IMPORTANCE_SAMPLING_LEVELS
+LOSS_AGG_MODES = posttrain_rules.GRPO_LOSS_AGG_MODES
 
 
 def group_advantages(rewards: np.ndarray, scale_rewards: str = "group", std: str = "population") -> np.ndarray:
