@@ -41,6 +41,9 @@ setup(
         "pyarrow>=26.0.1",
         # A Hugging Face tokenizer.json for pre-training, SFT and DPO text (tokenizer_path).
         "tokenizers>=0.23.3",
+        # Images for the vision towers (maxbridge/interop/images.py): decoded and resized as the families'
+        # Hugging Face image processors do, without transformers at run time.
+        "pillow>=13.0.0",
         # Quantization (maxbridge/quantization.py): AQT and Qwix.
         "aqtp>=0.9.0",
         "qwix>=0.1.8",
