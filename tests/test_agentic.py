@@ -192,3 +192,20 @@ def test_async_grpo_bounds_staleness_and_trains_identically_on_linen_and_nnx(eng
     assert want["rollout_tokens_per_s"] > 0 and want["learner_tokens_per_s"] > 0
   assert linen[0]["transcripts"] != linen[1]["transcripts"] and linen[0]["loss"] != 0.0
   assert linen[0]["kl"] == 0.0 and linen[-1]["kl"] > 0.0
+
+
+def test_advantages_follow_scale_rewards_and_grpo_options_for_other_rollouts_are_refused(engine_and_model):
+  engine, model = engine_and_model
+  advantages = {}
+  for scale in ("group", "none"):
+    rows, _ = agentic.Rollouts(rl_config(scale_rewards=scale), CountingEnv, engine).batch(0, model.params())
+    advantages[scale] = rows["advantages"][:, 0].reshape(-1, 2)  # num_generations=2 episodes per task
+  # Centred per task either way; "group" divides each task's by its std (+ 1e-4), "none" leaves them.
+  np.testing.assert_allclose(advantages["none"].sum(axis=1), 0.0, atol=1e-6)
+  spread = np.abs(advantages["none"][:, 0]) > 1e-3
+  assert spread.any(), advantages
+  scale = advantages["none"][spread, 0] / advantages["group"][spread, 0]
+  np.testing.assert_allclose(scale, np.abs(advantages["none"][spread, 0]) + 1e-4, rtol=1e-4)
+  for key, value in (("num_iterations", 2), ("dynamic_sampling", True), ("overlong_buffer_length", 2)):
+    with pytest.raises(ValueError, match=f"{key}={value}: multi-turn rollouts"):
+      agentic_rl.train_agentic(rl_config(**{key: value}), CountingEnv, engine=engine)

@@ -74,6 +74,17 @@ def train_agentic(
   `trainer` and `engine` (`agentic.rollout_engine`) may be reused across runs of one config: compiled once."""
   if not config.use_grpo:
     raise ValueError("train_agentic needs use_grpo=true in the config (its loss is GRPO's)")
+  # GRPO's options that act on its built-in rollouts, not on these episodes: refused, not ignored.
+  unused = [
+      f"{key}={getattr(config, key)}"
+      for key, default in (("num_iterations", 1), ("dynamic_sampling", False), ("overlong_buffer_length", 0))
+      if getattr(config, key) != default
+  ]
+  if unused:
+    raise ValueError(
+        f"{', '.join(unused)}: multi-turn rollouts train each batch once, keep every group and shape no reward by "
+        "length (off_policy_steps sets how old the sampling policy may be); leave them at their defaults"
+    )
 
   if trainer is None:
     trainer = recipe.create_trainer(config, loss=policy_loss(config))

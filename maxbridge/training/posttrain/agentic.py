@@ -438,7 +438,8 @@ class Rollouts:
     episodes = self.episodes(step, params)
     seconds = time.perf_counter() - began
     rewards = np.asarray([e.reward for e in episodes], np.float64).reshape(-1, self.config.num_generations)
-    rows = pack_episodes(episodes, grpo.group_advantages(rewards), self.config.max_target_length)
+    advantages = grpo.group_advantages(rewards, self.config.scale_rewards, self.config.grpo_advantage_std)
+    rows = pack_episodes(episodes, advantages, self.config.max_target_length)
     generated = sum(e.model_tokens for e in episodes)
     info = {
         "mean_reward": float(rewards.mean()),
