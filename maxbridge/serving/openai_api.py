@@ -7,7 +7,7 @@ import pydantic
 from fastapi import responses
 
 from maxbridge.serving import scheduler as sched
-from maxbridge.serving.engine import MAX_LOGIT_BIAS
+from maxbridge.serving.slot_sampling import MAX_LOGIT_BIAS
 
 MAX_REQUEST_BYTES = 8 * 2**20  # a long context's text several times over; larger bodies answer 413
 

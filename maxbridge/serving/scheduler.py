@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxbridge.serving.engine import MAX_LOGIT_BIAS, Engine, SlotSampling, sample_slots, score_tokens
+from maxbridge.serving.engine import Engine
+from maxbridge.serving.slot_sampling import MAX_LOGIT_BIAS, SlotSampling, sample_slots, score_tokens
 
 log = logging.getLogger(__name__)
 

@@ -57,7 +57,8 @@ import numpy as np
 
 from maxbridge.core import canonical
 from maxbridge.core.config import Config
-from maxbridge.serving.engine import Engine, SlotSampling, sample_slots
+from maxbridge.serving.engine import Engine
+from maxbridge.serving.slot_sampling import SlotSampling, sample_slots
 from maxbridge.training.posttrain import grpo, sft
 
 # --- environments ------------------------------------------------------------------------------
