@@ -523,6 +523,7 @@ def test_query_kernel_carries_the_scale_only_where_attention_does_not_apply_it()
       "qwen2.5-tiny": False,  # the query bias would need it too: scaled at run time
       "glm4.5-tiny": False,  # its query bias and QK-norm: scaled at run time
       "deepseek2-tiny": False,  # MLA scales at run time
+      "deepseek3.2-tiny": False,  # MLA scales at run time
       "qwen3.5-tiny": False,  # query/key norms would undo it
   }
 
