@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -312,10 +311,10 @@ def validate(config: Config) -> None:
   _validate_context(config)
   _validate_sampling(config)
   _validate_quantization(config)
-  _validate_lora(config)
+  _raise(posttrain_rules.lora_problem(config))
   _validate_mtp(config)
   _validate_diloco(config)
-  _validate_feature_distillation(config)
+  _raise(posttrain_rules.feature_distillation_problem(config))
   if config.dataset_type == "text" and not config.dataset_path:
     raise ConfigError("dataset_type='text' needs dataset_path (a text file to train on)")
   if config.dataset_type == "grain" and not config.grain_train_files:
@@ -383,50 +382,6 @@ def _validate_sampling(config: Config) -> None:
     )
 
 
-def _validate_lora(config: Config) -> None:
-  try:
-    re.compile(config.lora_module_path)
-  except re.error as e:
-    raise ConfigError(
-        f"config key 'lora_module_path' = {config.lora_module_path!r} is not a regular expression: {e}"
-    ) from e
-  if config.lora_weight_qtype and not config.lora_rank:
-    raise ConfigError(
-        f"lora_weight_qtype={config.lora_weight_qtype!r} quantizes the frozen base of a LoRA run (QLoRA): "
-        "set lora_rank > 0, or lora_weight_qtype=''"
-    )
-  if config.lora_weight_qtype and config.quantization:
-    raise ConfigError(
-        f"lora_weight_qtype={config.lora_weight_qtype!r} with quantization={config.quantization!r}: QLoRA stores its "
-        "base quantized and runs the matmuls on the dequantized weights; set quantization=''"
-    )
-  if config.distill_logits_path and (config.num_vocab_tiling > 1 or config.eval_interval):
-    raise ConfigError(
-        f"distill_logits_path={config.distill_logits_path!r} holds the teacher's top-k logits of the training batches, "
-        "read beside full student logits: set num_vocab_tiling=1 and eval_interval=0 (or distill in the step)"
-    )
-  objective = next((key for key in (*PREFERENCE_KEYS, "use_grpo") if getattr(config, key)), None)
-  if (config.teacher_overrides.strip() or config.distill_logits_path) and objective:
-    raise ConfigError(
-        f"teacher_overrides (distillation) with {objective}=true: each is the run's loss; set teacher_overrides=''"
-    )
-  if config.lora_rank and config.opt_type == "muon":
-    raise ConfigError(
-        "lora_rank > 0 with opt_type=muon: LoRA's adapters are low-rank factors, not the weight matrices Muon "
-        "orthogonalises; set opt_type=adamw"
-    )
-  if config.lora_rank and config.use_qk_clip:
-    raise ConfigError(
-        "lora_rank > 0 with use_qk_clip=true: QK-Clip rescales the query/key kernels after each update, "
-        "which LoRA keeps frozen; set use_qk_clip=false"
-    )
-  if config.lora_rank and config.load_full_state_path:
-    raise ConfigError(
-        "lora_rank > 0 with load_full_state_path: a LoRA run starts from base parameters "
-        "(load_parameters_path) and a fresh optimizer for its adapters"
-    )
-
-
 def _validate_mtp(config: Config) -> None:
   """Multi-token prediction runs where its logits reach a cross-entropy loss, on a family of single layers."""
   if config.speculative_mtp_tokens > config.mtp_num_layers:
@@ -461,48 +416,6 @@ def _validate_mtp(config: Config) -> None:
       raise ConfigError(
           f"mtp_num_layers={config.mtp_num_layers} with {what}: {why}; set mtp_num_layers=0 or turn the other off"
       )
-
-
-def _validate_feature_distillation(config: Config) -> None:
-  """distill_beta > 0 makes each attention layer return its out-projection output (`ops.attention.OUT_PROJECTION`),
-  MaxText's switch: where that cannot exist or be read, and layer indices outside the model, are refused.
-
-  A run's teacher takes its student's distill_beta (`training.distill.load_teacher`), so it captures too; whether
-  the teacher has the chosen layers is checked there, against its own depth.
-  """
-  if config.distill_layer_indices and not config.distill_beta:
-    raise ConfigError(
-        f"distill_layer_indices={list(config.distill_layer_indices)} picks the layers of the feature loss, which "
-        "distill_beta=0 turns off: set distill_beta > 0, or distill_layer_indices=null"
-    )
-  if not config.distill_beta:
-    return
-  if config.distill_logits_path:
-    raise ConfigError(
-        f"distill_beta={config.distill_beta} compares the teacher's attention out-projection outputs with the "
-        "student's, which only a teacher in the step has, never offline logits: set teacher_overrides (not "
-        "distill_logits_path), or distill_beta=0"
-    )
-  blocks = [stack for stack in families.lookup(config.decoder_block).stacks if stack.sublayers]
-  if blocks:
-    raise ConfigError(
-        f"distill_beta={config.distill_beta} with decoder_block={config.decoder_block!r}: the feature loss compares "
-        "each decoder layer's attention out-projection output, and this family stacks blocks of "
-        f"{len(blocks[0].sublayers)} layers ({', '.join(blocks[0].sublayers)}), which return none per layer "
-        "(MaxText reads them from a stack of single layers too); set distill_beta=0"
-    )
-  if config.ici_pipeline_parallelism > 1 or config.dcn_pipeline_parallelism > 1:
-    raise ConfigError(
-        f"distill_beta={config.distill_beta} with pipeline parallelism: the pipeline combines per-layer values over "
-        "its micro-batches (maxima, means), and the out-projection outputs are per token; set distill_beta=0 or "
-        "ici_pipeline_parallelism=dcn_pipeline_parallelism=1"
-    )
-  bad = [i for i in config.distill_layer_indices if not 0 <= i < config.num_decoder_layers]
-  if bad:
-    raise ConfigError(
-        f"distill_layer_indices={list(config.distill_layer_indices)}: {bad} outside the model's layers; each must be "
-        f"in 0..{config.num_decoder_layers - 1} (num_decoder_layers={config.num_decoder_layers}), or null for all"
-    )
 
 
 def _validate_diloco(config: Config) -> None:
