@@ -81,6 +81,7 @@ def _assert_same_step(got, want, atol):
     np.testing.assert_allclose(value, want_flat[path], atol=atol, rtol=0, err_msg=path)
 
 
+@pytest.mark.fusion_emitters  # a trained step compared to 1e-6: Adam's first update amplifies an ulp of a near-zero gradient
 def test_alpha_zero_is_plain_training(steps):
   assert steps["alpha0"]["metrics"]["distill_kl"] > 0.01  # the teacher runs and disagrees, but does not count
   _assert_same_step(steps["alpha0"], steps["plain"], 1e-6)
