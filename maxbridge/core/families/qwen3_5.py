@@ -192,11 +192,7 @@ def _hybrid_from_hf(hf: Mapping[str, Any], config_class: ConfigClass) -> dict[st
       ),
       "logits_via_embedding": get_bool(hf, "tie_word_embeddings"),
       "use_qk_norm": True,
-      "gdn_num_key_heads": get_int(hf, "linear_num_key_heads"),
-      "gdn_num_value_heads": get_int(hf, "linear_num_value_heads"),
-      "gdn_key_head_dim": get_int(hf, "linear_key_head_dim"),
-      "gdn_value_head_dim": get_int(hf, "linear_value_head_dim"),
-      "gdn_conv_kernel_dim": get_int(hf, "linear_conv_kernel_dim"),
+      **qwen3_next.deltanet_from_hf(hf),
   }
 
 
@@ -249,11 +245,7 @@ def _hybrid_to_hf(config: Config) -> dict[str, Any]:
       "hidden_act": "silu",
       **rope,
       "attention_bias": False,
-      "linear_num_key_heads": config.gdn_num_key_heads,
-      "linear_num_value_heads": config.gdn_num_value_heads,
-      "linear_key_head_dim": config.gdn_key_head_dim,
-      "linear_value_head_dim": config.gdn_value_head_dim,
-      "linear_conv_kernel_dim": config.gdn_conv_kernel_dim,
+      **qwen3_next.deltanet_to_hf(config),
   }
   hf.pop("rope_theta", None)
   return hf

@@ -238,11 +238,28 @@ def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
       "routed_score_func": "softmax",
       "norm_topk_prob": get_bool(hf, "norm_topk_prob"),
       "load_balance_loss_weight": aux,
+      **deltanet_from_hf(hf),
+  }
+
+
+def deltanet_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
+  """The Gated DeltaNet's sizes, as Qwen3-Next's and Qwen3.5's configs name them (`linear_*`)."""
+  return {
       "gdn_num_key_heads": get_int(hf, "linear_num_key_heads"),
       "gdn_num_value_heads": get_int(hf, "linear_num_value_heads"),
       "gdn_key_head_dim": get_int(hf, "linear_key_head_dim"),
       "gdn_value_head_dim": get_int(hf, "linear_value_head_dim"),
       "gdn_conv_kernel_dim": get_int(hf, "linear_conv_kernel_dim"),
+  }
+
+
+def deltanet_to_hf(config: Config) -> dict[str, Any]:
+  return {
+      "linear_num_key_heads": config.gdn_num_key_heads,
+      "linear_num_value_heads": config.gdn_num_value_heads,
+      "linear_key_head_dim": config.gdn_key_head_dim,
+      "linear_value_head_dim": config.gdn_value_head_dim,
+      "linear_conv_kernel_dim": config.gdn_conv_kernel_dim,
   }
 
 
@@ -265,11 +282,7 @@ def _config_to_hf(config: Config) -> dict[str, Any]:
       "decoder_sparse_step": 1,
       "mlp_only_layers": [],
       "output_router_logits": config.load_balance_loss_weight > 0,
-      "linear_num_key_heads": config.gdn_num_key_heads,
-      "linear_num_value_heads": config.gdn_num_value_heads,
-      "linear_key_head_dim": config.gdn_key_head_dim,
-      "linear_value_head_dim": config.gdn_value_head_dim,
-      "linear_conv_kernel_dim": config.gdn_conv_kernel_dim,
+      **deltanet_to_hf(config),
   }
   hf.pop("rope_theta", None)
   if config.load_balance_loss_weight > 0:  # else an imported config's coefficient is kept, and unused
