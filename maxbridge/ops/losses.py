@@ -18,3 +18,9 @@ def cross_entropy_with_z_loss(
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     z_loss = z_loss_multiplier * jnp.square(log_normalizer)
     return log_normalizer - target_logit + z_loss, z_loss
+
+
+def token_log_probs(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """log p(target) at every position, in float32: logits [..., V], targets [...] -> [...]."""
+  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]

@@ -57,6 +57,7 @@ import numpy as np
 
 from maxbridge.core import canonical
 from maxbridge.core.config import Config
+from maxbridge.ops.losses import token_log_probs
 from maxbridge.serving.engine import Engine
 from maxbridge.serving.slot_sampling import SlotSampling, sample_slots
 from maxbridge.training.posttrain import grpo, sft
@@ -269,10 +270,7 @@ def _first_tokens(logits, sampling, positions):
   return sample_slots(logits, sampling, positions)
 
 
-@jax.jit
-def _sampled_log_probs(logits, tokens):
-  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  return jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
+_sampled_log_probs = jax.jit(token_log_probs)
 
 
 def _sampling(temperature: float, seeds: np.ndarray) -> SlotSampling:

@@ -55,6 +55,7 @@ import numpy as np
 from maxbridge.core import canonical, sharding
 from maxbridge.core.config import Config
 from maxbridge.models import decoding, dispatch
+from maxbridge.ops.losses import token_log_probs
 from maxbridge.training.loss import Batch, CrossEntropy, Forward, Loss, StartingPolicy
 from maxbridge.training.posttrain import grpo_objectives, sft
 
@@ -169,11 +170,6 @@ class GRPO(Loss):
     del aux["z_loss"]
     aux.update({key: terms[key] for key in self.metric_keys})
     return loss, aux
-
-
-def token_log_probs(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """log p(target) at every position, float32 [B, T]."""
-  return jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)), targets[..., None], -1)[..., 0]
 
 
 def builtin_prompts() -> list[str]:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from maxbridge.ops.losses import token_log_probs
 from maxbridge.training.loss import Batch, CrossEntropy, Forward, Loss
 
 KEYS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
@@ -53,9 +54,7 @@ def segment_log_probs(logits: jax.Array, targets: jax.Array, segments: jax.Array
 
   Column s is segment s; column 0 gathers the tokens with no target and is never read.
   """
-  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
-  per_token = jnp.take_along_axis(log_probs, targets[..., None], -1)[..., 0]
-  per_token = jnp.where(segments > 0, per_token, 0.0)
+  per_token = jnp.where(segments > 0, token_log_probs(logits, targets), 0.0)
   return segment_sums(per_token, segments), segment_sums((segments > 0).astype(jnp.float32), segments)
 
 
