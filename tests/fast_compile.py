@@ -16,5 +16,11 @@ ELEMENTAL = "--xla_cpu_use_fusion_emitters=false"
 FAST_COMPILE = f"{LLVM_O0} {ELEMENTAL}"  # these scripts', and the suite's with MAXBRIDGE_FAST_COMPILE=1 (conftest)
 
 
+# A collective waits this long for its devices' threads before XLA aborts the process. XLA's 40 s default
+# aborted an 8-device pipeline check (SIGABRT, "Termination timeout for `all to all` ... Expected 4 threads")
+# when the host's 2 cores were busy with other test processes: 8 device threads then take turns, not hang.
+COLLECTIVE_TIMEOUT = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
+
+
 def xla_flags(devices: int) -> str:
-  return f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"
+  return f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE} {COLLECTIVE_TIMEOUT}"

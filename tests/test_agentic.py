@@ -175,6 +175,9 @@ def test_recorded_log_probs_are_the_policys_on_the_packed_rows(engine_and_model)
   np.testing.assert_allclose(rows["old_log_probs"][mask], recomputed[mask], atol=2e-5)
 
 
+# Compared to 1e-6 after two updates: under XLA CPU's elemental emitters (`make test`'s first pass) the Linen and
+# NNX programs round apart by 1.1e-6 in step 1's KL (0.30) on this host's CPU; with the default emitters they agree.
+@pytest.mark.fusion_emitters
 def test_async_grpo_bounds_staleness_and_trains_identically_on_linen_and_nnx(engine_and_model):
   engine, model = engine_and_model
   engines = {"linen": engine, "nnx": None}  # NNX's: its own model in the engine

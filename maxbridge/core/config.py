@@ -460,7 +460,12 @@ def _int_list(key: str, value: Any) -> tuple[int, ...]:
   raise ConfigError(f"config key {key!r} expects a list of integers such as [0, 3] (or null), got {value!r}")
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+# libyaml's parser where PyYAML was built with it: base.yml parsed by the pure-Python one took ~40 ms, once per
+# load_config, which every command and test calls (the constructor, and so what it builds, is SafeLoader's).
+_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _UniqueKeyLoader(_SAFE_LOADER):
   """safe_load, except that a key given twice is an error: YAML would silently keep the last."""
 
   def construct_mapping(self, node, deep=False):
@@ -497,6 +502,11 @@ def _read_yaml(path: Path) -> dict[str, Any]:
   if not isinstance(data, dict):
     raise ConfigError(f"{path} must hold a mapping of config keys, got {type(data).__name__}")
   return data
+
+
+def base_values() -> dict[str, Any]:
+  """base.yml's value of every key (a new dict each call)."""
+  return _read_yaml(BASE_CONFIG)
 
 
 def _parse_override(text: str) -> tuple[str, str]:
@@ -549,7 +559,7 @@ def load_config(preset_or_path: str | None = None, *overrides: str, **kwargs: An
     preset_or_path = str(named[-1])
   # MaxText's spelling (the CLI turns model_name= into the preset, so compare).
   by_model_name = bool(named) and preset_or_path == str(named[-1])
-  values = _read_yaml(BASE_CONFIG)
+  values = base_values()
   if set(values) != set(_FIELD_TYPES):
     # Guards the promise that base.yml documents every key.
     drift = sorted(set(values) ^ set(_FIELD_TYPES))

@@ -57,7 +57,7 @@ import optax
 import yaml
 
 from maxbridge.core import canonical, files, sharding
-from maxbridge.core.config import BASE_CONFIG, Config, ConfigError, load_config
+from maxbridge.core.config import Config, ConfigError, base_values, load_config
 from maxbridge.interop import pretrained
 from maxbridge.interop.hf.families import HFError
 from maxbridge.models import dispatch
@@ -86,7 +86,7 @@ def ignored_keys(config: Config) -> list[str]:
   (it takes distill_beta for its layers' outputs), and it has no teacher."""
   if is_enabled(config):
     return []
-  defaults = yaml.safe_load(BASE_CONFIG.read_text())
+  defaults = base_values()
   return [f"{key}={getattr(config, key)!r}" for key in TUNING_KEYS if getattr(config, key) != defaults[key]]
 
 
