@@ -8,6 +8,7 @@ pooled 2x2. Row 0 holds two images, row 1 one (its second image is padding,
 `image_masks`).
 """
 
+import base64
 import dataclasses
 import json
 import re
@@ -29,6 +30,7 @@ from maxbridge.models import dispatch  # noqa: E402
 from maxbridge.ops import vision  # noqa: E402
 from maxbridge.serving import engine as serving_engine  # noqa: E402
 from maxbridge.training import recipe  # noqa: E402
+import served  # noqa: E402
 from hf_family import highest_precision  # noqa: E402,F401 (an autouse fixture)
 from test_hf import max_diff, randomize  # noqa: E402
 
@@ -295,16 +297,24 @@ def test_engine_continues_a_prompt_with_images_as_transformers_generates(loaded,
   np.testing.assert_array_equal(np.asarray(got), transformers_continuation(reference[0], prompt, pixels))
 
 
-def test_generate_with_an_image_file_prints_transformers_continuation(reference, tmp_path, capsys):
-  """`maxbridge generate --image`: the folder's tokenizer reads the expanded placeholder as boi, image tokens, eoi."""
+def with_tokenizer(reference, folder: Path) -> Path:
+  """The reference folder copied to `folder`, with a word-level tokenizer (w0..w252) that reads Gemma 3's image
+  strings as boi, eoi and the image token, and a chat template that writes each message's content."""
   tokenizers = pytest.importorskip("tokenizers")
-  folder = tmp_path / "with-tokenizer"
   shutil.copytree(reference[1], folder)
   tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(BOI)}, unk_token="w0"))
   tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
   tokenizer.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
   tokenizer.add_special_tokens(["<start_of_image>", "<end_of_image>", "<image_soft_token>"])  # 253, 254, 255
   tokenizer.save(str(folder / "tokenizer.json"))
+  template = "{% for m in messages %}{{ m.content }} {% endfor %}"
+  (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+  return folder
+
+
+def test_generate_with_an_image_file_prints_transformers_continuation(reference, tmp_path, capsys):
+  """`maxbridge generate --image`: the folder's tokenizer reads the expanded placeholder as boi, image tokens, eoi."""
+  folder = with_tokenizer(reference, tmp_path / "with-tokenizer")
   image = _png(tmp_path / "cat.png", 3)
   words = " ".join(f"w{t}" for t in TOKENS[1, 7:])
   args = ["generate", str(folder), "--prompt", f"w3 <start_of_image> {words}", "--image", str(image)]
@@ -316,3 +326,34 @@ def test_generate_with_an_image_file_prints_transformers_continuation(reference,
   # One placeholder, two images: named.
   assert cli.main([*args, "--image", str(image), "--backend", "nnx"]) == 2
   assert "1 image placeholders" in capsys.readouterr().err
+
+
+def test_a_served_chat_with_an_image_part_continues_as_transformers_generates(reference, tmp_path):
+  """`maxbridge serve` (NNX) driven by the official openai client: a user message of text, an image as a data: URL
+  and text renders to TOKENS[1]'s ids, and n=2 greedy choices are transformers' 8 tokens after them. A URL the
+  server would have to fetch is refused naming the field."""
+  openai = pytest.importorskip("openai")
+  folder = with_tokenizer(reference, tmp_path / "served")
+  png = _png(tmp_path / "cat.png", 5)
+  url = "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode()
+  words = " ".join(f"w{t}" for t in TOKENS[1, 7:])
+  content = [
+      {"type": "text", "text": "w3"},
+      {"type": "image_url", "image_url": {"url": url}},
+      {"type": "text", "text": words},
+  ]
+  overrides = ["per_device_batch_size=2", "max_target_length=64", "max_prefill_predict_length=32"]
+  server = served.Server(folder, "nnx", *overrides)
+  try:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": content}]
+    reply = client.chat.completions.create(model="served", messages=messages, max_tokens=8, temperature=0, n=2)
+    want = transformers_continuation(reference[0], TOKENS[1], images.load_images([png], image_size=IMAGE))
+    assert all(t < BOI for t in want), "a special token would not be printed"
+    assert [choice.message.content.split() for choice in reply.choices] == [[f"w{t}" for t in want]] * 2
+    assert reply.usage.prompt_tokens == len(TOKENS[1])
+    content[1] = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    with pytest.raises(openai.BadRequestError, match=r"messages\.0\.content\.1\.image_url\.url: .* fetches nothing"):
+      client.chat.completions.create(model="served", messages=messages, max_tokens=2)
+  finally:
+    server.stop()

@@ -118,6 +118,26 @@ def test_chat_renders_the_folders_template(server, folder, capsys):
   assert "".join(c.choices[0].delta.content or "" for c in chunks).strip() == want
 
 
+def test_chat_content_parts_render_as_the_joined_text_and_other_parts_are_refused_by_name(server):
+  """OpenAI's content parts: text parts join with newlines (vLLM's rendering), so they answer as the one string
+  does; an image part on this text-only model, an unknown part type and a resolution hint are refused naming them."""
+  client = server.client
+
+  def chat(content, **kwargs):
+    messages = [{"role": "user", "content": content}]
+    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, **kwargs)
+
+  parts = [{"type": "text", "text": "w8 w9"}, {"type": "text", "text": "w40"}]
+  assert chat(parts).choices[0].message.content == chat("w8 w9 w40").choices[0].message.content
+  image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+  with pytest.raises(openai.BadRequestError, match=r"messages\.0\.content\.1: an image_url part, but this model has no"):
+    chat([parts[0], image])
+  with pytest.raises(openai.BadRequestError, match="input_audio.*'text', 'image_url'"):
+    chat([parts[0], {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}])
+  with pytest.raises(openai.BadRequestError, match=r"messages\.0\.content\.1\.image_url\.detail"):
+    chat([parts[0], {"type": "image_url", "image_url": {"url": "data:image/png;base64,", "detail": "low"}}])
+
+
 def test_n_stop_seed_and_logprobs(server):
   client = server.client
   two = client.completions.create(model=MODEL, prompt="w4 w5", max_tokens=6, temperature=1.0, n=2, seed=7)

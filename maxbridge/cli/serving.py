@@ -150,6 +150,7 @@ def _serve(args: argparse.Namespace) -> int:
       max_queue=args.max_queue,
       max_request_bytes=args.max_request_bytes,
       shutdown_timeout=args.shutdown_timeout,
+      image_folder=args.source if Path(args.source).is_dir() else None,
   )
   return 0
 

@@ -298,15 +298,23 @@ class Engine:
     return score_tokens(logits[:-1], tokens[1:], top)
 
   def prefill_multisampling(
-      self, tokens, true_length: int | None = None, num_samples: int = 1, *, params: Params | None = None, rng=None
+      self,
+      tokens,
+      true_length: int | None = None,
+      num_samples: int = 1,
+      *,
+      params: Params | None = None,
+      rng=None,
+      images=None,
   ) -> Prefix:
-    """One prefill, `num_samples` first tokens drawn from its logits (`Prefix.token` [num_samples]).
+    """One prefill, `num_samples` first tokens drawn from its logits (`Prefix.token` [num_samples]); `images` as
+    `prefill`'s.
 
     `bulk_insert` of the prefix into `num_samples` slots gives each slot its own token.
     """
     if num_samples < 1:
       raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-    return self._prefiller.one(tokens, true_length, None, params, rng, num_samples=int(num_samples))
+    return self._prefiller.one(tokens, true_length, None, params, rng, num_samples=int(num_samples), images=images)
 
   def prefill_concat(self, prompts, *, params: Params | None = None, rng=None) -> list[Prefix]:
     """Several prompts packed into one prefill (segment ids and positions per prompt) -> one `Prefix` each.

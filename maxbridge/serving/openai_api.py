@@ -1,7 +1,7 @@
 """The OpenAI API's side of `maxbridge serve`: request bodies with every field bounded, errors in OpenAI's shape,
 and the limit on a request's size."""
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import pydantic
 from fastapi import responses
@@ -56,10 +56,31 @@ class CompletionBody(Body):
     return super().unsupported() or ("best_of" if self.best_of not in (None, 1) else None)
 
 
+class TextPart(Strict):
+  type: Literal["text"]
+  text: str
+
+
+class ImageURL(Strict):
+  url: str
+  # OpenAI's resolution hint. A tower sees every image at its one size (image_size_for_vit): "low" or "high" would
+  # ask for what it cannot give, so only "auto" is taken.
+  detail: Literal["auto"] | None = None
+
+
+class ImagePart(Strict):
+  type: Literal["image_url"]
+  image_url: ImageURL
+
+
+# OpenAI's content parts; another type ("input_audio", "file") is refused naming it and the types taken.
+Part = Annotated[TextPart | ImagePart, pydantic.Field(discriminator="type")]
+
+
 class Message(pydantic.BaseModel):
   model_config = pydantic.ConfigDict(strict=True, extra="allow")
   role: str
-  content: str
+  content: str | list[Part]
 
 
 class ChatBody(Body):
@@ -81,6 +102,29 @@ class TokenizeBody(Strict):
 
 class DetokenizeBody(Strict):
   tokens: list[int]
+
+
+_TYPE_LABELS = frozenset({"str", "int", "float", "bool"})  # pydantic's labels of a union's plain branches
+
+
+def invalid_field(errors: list[dict]) -> tuple[str, str]:
+  """(the field a body's validation errors name, what is wrong with it).
+
+  A union reports once per branch: the branches that got furthest into the value (the longest location) say what
+  is wrong. The field's path leaves out pydantic's branch labels ("str", "list[...]") and a content part's tag,
+  which OpenAI's parts repeat as the field after it ({"type": "image_url", "image_url": ...}).
+  """
+  deepest = max(len(error["loc"]) for error in errors)
+  chosen = [error for error in errors if len(error["loc"]) == deepest]
+  loc = chosen[0]["loc"]
+  path = []
+  for i, part in enumerate(loc):
+    if part == "body" or (isinstance(part, str) and ("[" in part or part in _TYPE_LABELS)):
+      continue
+    if 0 < i < len(loc) - 1 and isinstance(loc[i - 1], int) and loc[i + 1] == part:
+      continue  # a tagged part's tag
+    path.append(str(part))
+  return ".".join(path) or "body", "; ".join(dict.fromkeys(error["msg"] for error in chosen))
 
 
 class Refusal(Exception):

@@ -93,8 +93,9 @@ class _Choice:
 class Request:
   """A prompt with its sampling; `emit(event)` is called on the loop's thread for each `TokenEvent`/`FinishEvent`."""
 
-  def __init__(self, prompt: list[int], params: SamplingParams, emit: Callable[[object], None]):
-    self.prompt, self.params, self.emit = prompt, params, emit
+  def __init__(self, prompt: list[int], params: SamplingParams, emit: Callable[[object], None], images=None):
+    # images: float32 [N, H, W, C] for the prompt's image tokens (a model with a vision tower), or None.
+    self.prompt, self.params, self.emit, self.images = prompt, params, emit, images
     self.cancelled = False
     self.aborted = ""  # why the server ended it before its end ("shutdown"), if it did
     self.submitted = time.monotonic()
@@ -272,7 +273,7 @@ class Scheduler:
   def _insert(self, state, requests: list[Request]):
     if not requests:
       return state
-    single = [r for r in requests if r.params.n == 1]
+    single = [r for r in requests if r.params.n == 1 and r.images is None]  # a batched prefill takes text only
     prefixes = {}
     # In batches of a power of two: `prefill_batch` compiles once per batch size, and a size first met while
     # serving stalls every stream for that compile (seconds on CPU); log2(slots) sizes bound those stalls.
@@ -282,9 +283,9 @@ class Scheduler:
       prefixes.update(zip(map(id, batch), self.engine.prefill_batch([r.prompt for r in batch])))
     for request in requests:
       if id(request) not in prefixes:
-        n = request.params.n
-        prefix = self.engine.prefill_multisampling(request.prompt, num_samples=n) if n > 1 else None
-        prefixes[id(request)] = prefix or self.engine.prefill(request.prompt)
+        n, images = request.params.n, request.images
+        prefix = self.engine.prefill_multisampling(request.prompt, num_samples=n, images=images) if n > 1 else None
+        prefixes[id(request)] = prefix or self.engine.prefill(request.prompt, images=images)
     free = iter(i for i, choice in enumerate(self.slots) if choice is None)
     for request in requests:
       prefix, params = prefixes[id(request)], request.params

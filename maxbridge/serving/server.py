@@ -26,6 +26,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import os
 import secrets
 import socket
 import threading
@@ -33,12 +34,12 @@ import time
 import uuid
 
 import fastapi
-import jinja2
 import prometheus_client
 import uvicorn
 from fastapi import responses
 from starlette import exceptions as starlette_exceptions
 
+from maxbridge.serving import chat_content
 from maxbridge.serving import codec as codec_lib
 from maxbridge.serving import engine as engine_lib
 from maxbridge.serving import metrics as metrics_lib
@@ -55,11 +56,14 @@ def build_app(
     model_name: str,
     max_queue: int = 64,
     max_request_bytes: int = api.MAX_REQUEST_BYTES,
+    image_folder: str | os.PathLike | None = None,
 ) -> tuple[fastapi.FastAPI, sched.Scheduler]:
-  """The FastAPI app and its scheduler (started with the app, stopped with it)."""
+  """The FastAPI app and its scheduler (started with the app, stopped with it). `image_folder`: where a model with a
+  vision tower keeps its preprocessor_config.json (its Hugging Face folder), if anywhere."""
   metrics = metrics_lib.Metrics(engine.max_concurrent_decodes)
   scheduler = sched.Scheduler(engine, codec.decode, eos_ids=codec.eos_ids, max_queue=max_queue, metrics=metrics)
-  routes = _Routes(engine, codec, scheduler, metrics, model_name)
+  vision = chat_content.Vision.of(engine.config, image_folder)
+  routes = _Routes(engine, codec, scheduler, metrics, model_name, vision)
 
   @contextlib.asynccontextmanager
   async def lifespan(app):
@@ -98,8 +102,10 @@ class _Routes:
       scheduler: sched.Scheduler,
       metrics: metrics_lib.Metrics,
       model_name: str,
+      vision: chat_content.Vision | None = None,
   ):
     self.engine, self.codec, self.scheduler, self.metrics, self.model_name = engine, codec, scheduler, metrics, model_name
+    self.vision = vision
     self.config = engine.config
     self.limit = engine.position_limit or self.config.max_target_length
     self.template = codec_lib.chat_template(codec.chat_template)
@@ -112,9 +118,8 @@ class _Routes:
       return api.error_response(
           400, f"the body is not JSON: {first.get('ctx', {}).get('error', first['msg'])} at character {where}"
       )
-    loc = [str(part) for part in first["loc"] if part != "body"]
-    field = ".".join(loc) or "body"
-    return api.error_response(400, f"{field}: {first['msg']}", field)
+    field, problem = api.invalid_field(exc.errors())
+    return api.error_response(400, f"{field}: {problem}", field)
 
   async def refused(self, request, exc: api.Refusal):
     self.metrics.requests.labels(request.url.path, str(exc.status)).inc()
@@ -194,10 +199,10 @@ class _Routes:
   async def chat(self, body: api.ChatBody, request: fastapi.Request):
     codec = self.codec
     self._check_model(body)
-    prompt = await asyncio.to_thread(self._chat_prompt, body.messages)
+    prompt, images = await asyncio.to_thread(self._chat_prompt, body.messages)
     k = (body.top_logprobs or 0) if body.logprobs else None
     params = self._sampling(body, prompt, body.max_completion_tokens or body.max_tokens, None, k)
-    events = await self._run(request, [prompt], [params], "/v1/chat/completions")
+    events = await self._run(request, [prompt], [params], "/v1/chat/completions", images)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
 
@@ -326,7 +331,7 @@ class _Routes:
           "endpoint encodes it); send add_special_tokens true with messages",
           "add_special_tokens",
       )
-    return self._chat_prompt(body.messages, body.add_generation_prompt)
+    return self._chat_prompt(body.messages, body.add_generation_prompt, read_images=False)[0]
 
   def _detokenize(self, tokens: list[int]) -> str:
     self._check_ids(tokens, "tokens")
@@ -357,23 +362,9 @@ class _Routes:
       pairs[token] = value  # "7" and "07" name one token: the later wins, as a JSON object's repeated key
     return tuple(pairs.items())
 
-  def _chat_prompt(self, messages: list[api.Message], add_generation_prompt: bool = True) -> list[int]:
-    if self.template is None:
-      raise api.Refusal(
-          400,
-          "this model has no chat template (tokenizer_config.json's chat_template in its tokenizer folder): "
-          "use /v1/completions",
-          "messages",
-      )
-    try:
-      text = self.template.render(
-          messages=[m.model_dump() for m in messages],
-          add_generation_prompt=add_generation_prompt,
-          **self.codec.special_tokens,
-      )
-    except jinja2.exceptions.TemplateError as e:
-      raise api.Refusal(400, f"the chat template refused these messages: {e}", "messages") from e
-    return self.codec.encode(text)
+  def _chat_prompt(self, messages: list[api.Message], add_generation_prompt: bool = True, read_images: bool = True):
+    args = (self.template, self.codec, messages, self.vision)
+    return chat_content.chat_prompt(*args, add_generation_prompt=add_generation_prompt, read_images=read_images)
 
   def _sampling(self, body: api.Body, prompt: list[int], max_tokens: int | None, default_tokens: int | None, logprobs):
     config, limit, slots = self.config, self.limit, self.engine.max_concurrent_decodes
@@ -422,9 +413,10 @@ class _Routes:
       prompts: list[list[int]],
       params: list[sched.SamplingParams],
       endpoint: str,
+      images=None,
   ):
-    """Queues one request a prompt; yields the scheduler's events (prompt i's choice j as index i * n + j) until
-    every choice finishes; cancels them all if abandoned."""
+    """Queues one request a prompt (`images`: the one prompt's, a chat's); yields the scheduler's events (prompt i's
+    choice j as index i * n + j) until every choice finishes; cancels them all if abandoned."""
     scheduler = self.scheduler
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
@@ -436,7 +428,7 @@ class _Routes:
 
       return emit
 
-    jobs = [sched.Request(prompt, p, emitter(i * p.n)) for i, (prompt, p) in enumerate(zip(prompts, params))]
+    jobs = [sched.Request(prompt, p, emitter(i * p.n), images) for i, (prompt, p) in enumerate(zip(prompts, params))]
     try:
       for job in jobs:
         scheduler.submit(job)
@@ -582,11 +574,17 @@ def serve(
     max_queue: int = 64,
     max_request_bytes: int = api.MAX_REQUEST_BYTES,
     shutdown_timeout: float = 30.0,
+    image_folder: str | os.PathLike | None = None,
 ) -> None:
   """Serves `engine` on `sock` (else host:port) until SIGTERM or SIGINT; returns after a graceful shutdown,
   raises RuntimeError if the decode loop gave up."""
   app, scheduler = build_app(
-      engine, codec, model_name=model_name, max_queue=max_queue, max_request_bytes=max_request_bytes
+      engine,
+      codec,
+      model_name=model_name,
+      max_queue=max_queue,
+      max_request_bytes=max_request_bytes,
+      image_folder=image_folder,
   )
   app.state.shutdown_timeout = shutdown_timeout
   sock = sock or bind(host, port)
