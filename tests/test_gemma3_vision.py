@@ -329,31 +329,55 @@ def test_generate_with_an_image_file_prints_transformers_continuation(reference,
 
 
 def test_a_served_chat_with_an_image_part_continues_as_transformers_generates(reference, tmp_path):
-  """`maxbridge serve` (NNX) driven by the official openai client: a user message of text, an image as a data: URL
-  and text renders to TOKENS[1]'s ids, and n=2 greedy choices are transformers' 8 tokens after them. A URL the
-  server would have to fetch is refused naming the field."""
+  """`maxbridge serve` (NNX) driven by the official openai client: a user message of text, an image and text renders
+  to TOKENS[1]'s ids, and n=2 greedy choices are transformers' 8 tokens after them, the image given as a data: URL
+  or as a file under --allowed-local-media-path. A URL to fetch, a file outside that directory, bytes that are no
+  image and an image of too many pixels are refused naming the part and why."""
   openai = pytest.importorskip("openai")
+  from PIL import Image
+
   folder = with_tokenizer(reference, tmp_path / "served")
-  png = _png(tmp_path / "cat.png", 5)
-  url = "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode()
-  words = " ".join(f"w{t}" for t in TOKENS[1, 7:])
-  content = [
-      {"type": "text", "text": "w3"},
-      {"type": "image_url", "image_url": {"url": url}},
-      {"type": "text", "text": words},
-  ]
+  media = tmp_path / "media"
+  media.mkdir()
+  png = _png(media / "cat.png", 5)
+
+  def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+  def message(url: str) -> list[dict]:
+    words = " ".join(f"w{t}" for t in TOKENS[1, 7:])
+    parts = [
+        {"type": "text", "text": "w3"},
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": words},
+    ]
+    return [{"role": "user", "content": parts}]
+
   overrides = ["per_device_batch_size=2", "max_target_length=64", "max_prefill_predict_length=32"]
-  server = served.Server(folder, "nnx", *overrides)
+  server = served.Server(folder, "nnx", "--allowed-local-media-path", str(media), *overrides)
   try:
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
-    messages = [{"role": "user", "content": content}]
-    reply = client.chat.completions.create(model="served", messages=messages, max_tokens=8, temperature=0, n=2)
+
+    def chat(url: str, **kwargs):
+      return client.chat.completions.create(model="served", messages=message(url), temperature=0, **kwargs)
+
     want = transformers_continuation(reference[0], TOKENS[1], images.load_images([png], image_size=IMAGE))
     assert all(t < BOI for t in want), "a special token would not be printed"
+    reply = chat(data_url(png.read_bytes()), max_tokens=8, n=2)
     assert [choice.message.content.split() for choice in reply.choices] == [[f"w{t}" for t in want]] * 2
     assert reply.usage.prompt_tokens == len(TOKENS[1])
-    content[1] = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
-    with pytest.raises(openai.BadRequestError, match=r"messages\.0\.content\.1\.image_url\.url: .* fetches nothing"):
-      client.chat.completions.create(model="served", messages=messages, max_tokens=2)
+    assert chat(png.as_uri(), max_tokens=8).choices[0].message.content.split() == [f"w{t}" for t in want]
+    outside = _png(tmp_path / "elsewhere.png", 6)
+    Image.new("1", (9000, 8000)).save(media / "huge.png")  # 72 million pixels, a few kilobytes
+    field = r"messages\.0\.content\.1\.image_url\.url"
+    for url, why in (
+        ("https://example.com/cat.png", "fetches nothing over the network"),
+        (outside.as_uri(), "is outside the allowed directory"),
+        ((media / ".." / "elsewhere.png").as_uri(), "is outside the allowed directory"),
+        (data_url(b"not an image"), "not an image Pillow can read"),
+        ((media / "huge.png").as_uri(), "9000x8000 pixels, more than"),
+    ):
+      with pytest.raises(openai.BadRequestError, match=f"{field}: .*{why}"):
+        chat(url, max_tokens=2)
   finally:
     server.stop()

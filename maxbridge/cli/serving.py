@@ -123,6 +123,12 @@ def _add_serve(verbs) -> None:
   p.add_argument(
       "--shutdown-timeout", type=tolerance, default=30.0, help="seconds SIGTERM lets requests finish (default 30)"
   )
+  p.add_argument(
+      "--allowed-local-media-path",
+      default=None,
+      metavar="DIR",
+      help="chat image parts may name files under DIR as file:// URLs (vLLM's flag); without it only data: URLs",
+  )
   p.add_argument("--backend", choices=["linen", "nnx"], default=None, help="model backend (as for generate)")
   p.add_argument("--config", help=CONFIG_HELP)
   add_overrides(p)
@@ -131,7 +137,7 @@ def _add_serve(verbs) -> None:
 def _serve(args: argparse.Namespace) -> int:
   from pathlib import Path
 
-  from maxbridge.serving import engine, server
+  from maxbridge.serving import chat_content, engine, server
 
   sock = server.bind(args.host, args.port)  # a port in use fails now, not after the model loads and the banner
   model = _load_model(args)
@@ -150,7 +156,9 @@ def _serve(args: argparse.Namespace) -> int:
       max_queue=args.max_queue,
       max_request_bytes=args.max_request_bytes,
       shutdown_timeout=args.shutdown_timeout,
-      image_folder=args.source if Path(args.source).is_dir() else None,
+      images=chat_content.ImageSources(
+          args.source if Path(args.source).is_dir() else None, args.allowed_local_media_path
+      ),
   )
   return 0
 

@@ -57,16 +57,20 @@ def processor_settings(folder: str | os.PathLike | None, image_size: int) -> dic
   return settings
 
 
-def decode(data: bytes | str | os.PathLike) -> Any:
-  """A Pillow image from a file's path or its bytes; an ImageError naming what is wrong otherwise."""
+def decode(data: bytes | str | os.PathLike, max_pixels: int | None = None) -> Any:
+  """A Pillow image from a file's path or its bytes; an ImageError naming what is wrong otherwise. `max_pixels`:
+  a larger image is refused from its header, before its pixels are decompressed."""
   from PIL import Image, UnidentifiedImageError  # pylint: disable=import-outside-toplevel
 
+  name = "these bytes" if isinstance(data, bytes) else data
   source = io.BytesIO(data) if isinstance(data, bytes) else data
   try:
     image = Image.open(source)
+    if max_pixels is not None and image.width * image.height > max_pixels:
+      raise ImageError(f"{name} is an image of {image.width}x{image.height} pixels, more than {max_pixels} an image may")
     image.load()
-  except (UnidentifiedImageError, OSError) as e:
-    raise ImageError(f"{'these bytes' if isinstance(data, bytes) else data} is not an image Pillow can read: {e}") from e
+  except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
+    raise ImageError(f"{name} is not an image Pillow can read: {e}") from e
   return image
 
 

@@ -4,7 +4,8 @@ flattened to text, and the images of `image_url` parts for a model with a vision
 Text parts join with newlines, as vLLM renders content for a template that takes strings. An image part becomes
 the config's image_placeholder in that text, expanded after rendering to the image's tokens, as `maxbridge
 generate --image` expands it (`interop.images`); its pixels go to the prefill, image after image. Images come
-inline, as `data:` URLs: the server fetches nothing over the network.
+inline as `data:` URLs, or as `file://` URLs under the one directory the server was given (vLLM's
+--allowed-local-media-path); the server fetches nothing over the network.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import binascii
 import dataclasses
 import os
 import re
+import urllib.parse
+from pathlib import Path
 from typing import Any, Sequence
 
 import jinja2
@@ -25,23 +28,42 @@ from maxbridge.serving import codec as codec_lib
 from maxbridge.serving import openai_api as api
 
 _DATA_URL = re.compile(r"data:image/[\w.+-]+;base64,(.*)", re.DOTALL)
+# An image file or decoded image larger than this is refused: a request's own bytes are bounded by the body
+# limit, a file's and a compressed image's pixels are not. 8192 x 8192 is past every tower's input (896 for Gemma 3).
+MAX_IMAGE_BYTES = 32 * 2**20
+MAX_IMAGE_PIXELS = 8192 * 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageSources:
+  """Where a served model reads images from: `folder` (its preprocessor_config.json, if any) and `allowed_dir`
+  (the files `file://` URLs may name; None: none)."""
+
+  folder: str | os.PathLike | None = None
+  allowed_dir: str | os.PathLike | None = None
+
+
+NO_IMAGE_SOURCES = ImageSources()  # no processor file (the defaults) and no files
 
 
 @dataclasses.dataclass(frozen=True)
 class Vision:
-  """What a served model with a tower needs to take images: its placeholder, tokens per image, processor."""
+  """What a served model with a tower needs to take images: its placeholder, tokens per image, processor, and the
+  directory image files may be read from."""
 
   placeholder: str
   tokens_per_image: int
   settings: dict[str, Any]
+  allowed_dir: Path | None = None
 
   @classmethod
-  def of(cls, config: Config, folder: str | os.PathLike | None) -> Vision | None:
-    """None for a text-only model; `folder`'s preprocessor_config.json, if it has one, sets the processor."""
+  def of(cls, config: Config, sources: ImageSources) -> Vision | None:
+    """None for a text-only model."""
     if not config.use_multimodal:
       return None
-    settings = image_io.processor_settings(folder, config.image_size_for_vit)
-    return cls(config.image_placeholder, config.vision_output_length, settings)
+    settings = image_io.processor_settings(sources.folder, config.image_size_for_vit)
+    allowed = None if sources.allowed_dir is None else Path(sources.allowed_dir).resolve()
+    return cls(config.image_placeholder, config.vision_output_length, settings, allowed)
 
 
 def flatten(messages: Sequence[api.Message], placeholder: str | None) -> tuple[list[dict], list[tuple[str, str]]]:
@@ -66,14 +88,17 @@ def flatten(messages: Sequence[api.Message], placeholder: str | None) -> tuple[l
   return flat, urls
 
 
-def read_image(url: str, field: str) -> bytes:
-  """The bytes of a `data:image/...;base64,` URL; anything else refused naming `field`."""
+def read_image(url: str, field: str, allowed_dir: Path | None) -> bytes:
+  """The bytes of a `data:image/...;base64,` URL, or of a `file://` URL's file under `allowed_dir`; anything else
+  refused naming `field` and why."""
+  if url.startswith("file://"):
+    return _read_file(urllib.parse.unquote(urllib.parse.urlparse(url).path), field, allowed_dir)
   match = _DATA_URL.fullmatch(url)
   if match is None:
     shown = url if len(url) <= 60 else url[:57] + "..."
     raise api.Refusal(
         400,
-        f"{field}: {shown!r} is not a data:image/...;base64, URL; this server reads images inline and fetches "
+        f"{field}: {shown!r} is neither a data:image/...;base64, URL nor a file:// one; this server fetches "
         "nothing over the network",
         field,
     )
@@ -81,6 +106,31 @@ def read_image(url: str, field: str) -> bytes:
     return base64.b64decode(match.group(1), validate=True)
   except binascii.Error as e:
     raise api.Refusal(400, f"{field}: its base64 data cannot be decoded: {e}", field) from e
+
+
+def _read_file(path: str, field: str, allowed_dir: Path | None) -> bytes:
+  if allowed_dir is None:
+    raise api.Refusal(
+        400, f"{field}: a file:// URL, but this server reads no files (start it with --allowed-local-media-path)", field
+    )
+  resolved = Path(path).resolve()  # a link or ".." that leaves the directory is judged by where it leads
+  if not resolved.is_relative_to(allowed_dir):
+    raise api.Refusal(400, f"{field}: {path} is outside the allowed directory {allowed_dir}", field)
+  try:
+    if resolved.stat().st_size > MAX_IMAGE_BYTES:
+      raise api.Refusal(
+          400, f"{field}: {path} has {resolved.stat().st_size} bytes, more than {MAX_IMAGE_BYTES} an image may", field
+      )
+    return resolved.read_bytes()
+  except OSError as e:
+    raise api.Refusal(400, f"{field}: {path} cannot be read: {e.strerror or e}", field) from e
+
+
+def _image(data: bytes, field: str, settings: dict[str, Any]) -> np.ndarray:
+  try:
+    return image_io.preprocess(image_io.decode(data, MAX_IMAGE_PIXELS), settings)
+  except image_io.ImageError as e:
+    raise api.Refusal(400, f"{field}: {e}", field) from e
 
 
 def chat_prompt(
@@ -119,10 +169,5 @@ def chat_prompt(
   tokens = codec.encode(image_io.expand_placeholders(text, vision.placeholder, vision.tokens_per_image))
   if not read_images:
     return tokens, None
-  pixels = []
-  for url, field in urls:
-    try:
-      pixels.append(image_io.preprocess(image_io.decode(read_image(url, field)), vision.settings))
-    except image_io.ImageError as e:
-      raise api.Refusal(400, f"{field}: {e}", field) from e
+  pixels = [_image(read_image(url, field, vision.allowed_dir), field, vision.settings) for url, field in urls]
   return tokens, np.stack(pixels)

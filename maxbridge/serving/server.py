@@ -26,7 +26,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import os
 import secrets
 import socket
 import threading
@@ -56,13 +55,13 @@ def build_app(
     model_name: str,
     max_queue: int = 64,
     max_request_bytes: int = api.MAX_REQUEST_BYTES,
-    image_folder: str | os.PathLike | None = None,
+    images: chat_content.ImageSources = chat_content.NO_IMAGE_SOURCES,
 ) -> tuple[fastapi.FastAPI, sched.Scheduler]:
-  """The FastAPI app and its scheduler (started with the app, stopped with it). `image_folder`: where a model with a
-  vision tower keeps its preprocessor_config.json (its Hugging Face folder), if anywhere."""
+  """The FastAPI app and its scheduler (started with the app, stopped with it); `images`: where a model with a
+  vision tower reads its image processor and the files image parts may name."""
   metrics = metrics_lib.Metrics(engine.max_concurrent_decodes)
   scheduler = sched.Scheduler(engine, codec.decode, eos_ids=codec.eos_ids, max_queue=max_queue, metrics=metrics)
-  vision = chat_content.Vision.of(engine.config, image_folder)
+  vision = chat_content.Vision.of(engine.config, images)
   routes = _Routes(engine, codec, scheduler, metrics, model_name, vision)
 
   @contextlib.asynccontextmanager
@@ -574,7 +573,7 @@ def serve(
     max_queue: int = 64,
     max_request_bytes: int = api.MAX_REQUEST_BYTES,
     shutdown_timeout: float = 30.0,
-    image_folder: str | os.PathLike | None = None,
+    images: chat_content.ImageSources = chat_content.NO_IMAGE_SOURCES,
 ) -> None:
   """Serves `engine` on `sock` (else host:port) until SIGTERM or SIGINT; returns after a graceful shutdown,
   raises RuntimeError if the decode loop gave up."""
@@ -584,7 +583,7 @@ def serve(
       model_name=model_name,
       max_queue=max_queue,
       max_request_bytes=max_request_bytes,
-      image_folder=image_folder,
+      images=images,
   )
   app.state.shutdown_timeout = shutdown_timeout
   sock = sock or bind(host, port)
