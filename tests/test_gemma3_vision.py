@@ -31,6 +31,7 @@ from maxbridge.ops import vision  # noqa: E402
 from maxbridge.serving import engine as serving_engine  # noqa: E402
 from maxbridge.training import recipe  # noqa: E402
 import served  # noqa: E402
+from conftest import FLAG_COMBINATIONS, flag_id  # noqa: E402
 from hf_family import highest_precision  # noqa: E402,F401 (an autouse fixture)
 from test_hf import max_diff, randomize  # noqa: E402
 
@@ -164,14 +165,13 @@ def test_a_text_only_read_of_a_multimodal_folder_says_what_it_drops(reference, c
   assert set(params) == {"decoder", "token_embedder"} and config.decoder_block == "gemma3"
 
 
-def test_linen_and_nnx_agree_with_images(loaded):
-  """Pure Linen, pure NNX and a mixed flag combination (NNX state and decoder under a Linen top), same weights."""
+def test_linen_and_nnx_agree_with_images_in_every_flag_combination(loaded):
+  """The 8 (pure_nnx, enable_nnx, pure_nnx_decoder) mixes on the same weights give pure Linen's logits with images."""
   linen = loaded["linen"]
-  flags = dict(zip(dispatch.FLAGS, (True, False, True)))
-  mixed = dispatch.create_model(linen.config.replace(**flags), params=linen.params())
   want = linen.logits(TOKENS, multimodal_input=INPUT)
-  assert max_diff(loaded["nnx"].logits(TOKENS, multimodal_input=INPUT), want) <= 1e-6
-  assert max_diff(mixed.logits(TOKENS, multimodal_input=INPUT), want) <= 1e-6
+  for flags in FLAG_COMBINATIONS:
+    model = dispatch.create_model(linen.config.replace(**dict(zip(dispatch.FLAGS, flags))), params=linen.params())
+    assert max_diff(model.logits(TOKENS, multimodal_input=INPUT), want) <= 1e-6, flag_id(flags)
 
 
 def test_export_gives_transformers_the_same_logits(loaded, reference, tmp_path):
