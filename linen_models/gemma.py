@@ -26,13 +26,15 @@ class GeGluBlock(nn.Module):
   """wo(gelu_tanh(wi_0 x) * wi_1 x)."""
 
   config: Config
+  intermediate_dim: int | None = None  # default cfg.mlp_dim (Gemma 4's double-wide KV-shared layers differ)
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
-    gate = dense(cfg, (cfg.emb_dim,), (cfg.mlp_dim,), ("embed", "mlp"), name="wi_0")(x)
-    up = dense(cfg, (cfg.emb_dim,), (cfg.mlp_dim,), ("embed", "mlp"), name="wi_1")(x)
-    return dense(cfg, (cfg.mlp_dim,), (cfg.emb_dim,), ("mlp", "embed"), name="wo")(mlp.gelu_gate(gate, up))
+    width = self.intermediate_dim or cfg.mlp_dim
+    gate = dense(cfg, (cfg.emb_dim,), (width,), ("embed", "mlp"), name="wi_0")(x)
+    up = dense(cfg, (cfg.emb_dim,), (width,), ("embed", "mlp"), name="wi_1")(x)
+    return dense(cfg, (width,), (cfg.emb_dim,), ("mlp", "embed"), name="wo")(mlp.gelu_gate(gate, up))
 
 
 class GemmaDecoderLayer(nn.Module):

@@ -51,7 +51,7 @@ class Gemma4Layer(nn.Module):
     if "kv" in carry and not self.shared:
       carry["kv"] = {**carry["kv"], kind: values[attention.ATTENDED]}
     x = x + norm(cfg, name="post_self_attention_norm")(h)
-    h = GeGluBlock(cfg, name="mlp")(norm(cfg, name="pre_ffw_norm")(x))
+    h = GeGluBlock(cfg, gemma4.mlp_dim(cfg, self.shared), name="mlp")(norm(cfg, name="pre_ffw_norm")(x))
     if cfg.num_experts > 1:  # the MoE variant: experts beside the MLP, routed by the same input
       routed = Gemma4MoE(cfg, name="moe_block")(norm(cfg, name="pre_ffw_norm_2")(x), x)
       h = norm(cfg, name="post_ffw_norm_1")(h) + norm(cfg, name="post_ffw_norm_2")(routed)

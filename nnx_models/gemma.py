@@ -26,11 +26,12 @@ from nnx_models.normalizations import norm
 class GeGluBlock(Module):
   """wo(gelu_tanh(wi_0 x) * wi_1 x)."""
 
-  def __init__(self, config: Config, *, rngs: nnx.Rngs):
+  def __init__(self, config: Config, intermediate_dim: int | None = None, *, rngs: nnx.Rngs):
     cfg = config
-    self.wi_0 = dense(cfg, (cfg.emb_dim,), (cfg.mlp_dim,), ("embed", "mlp"), rngs=rngs)
-    self.wi_1 = dense(cfg, (cfg.emb_dim,), (cfg.mlp_dim,), ("embed", "mlp"), rngs=rngs)
-    self.wo = dense(cfg, (cfg.mlp_dim,), (cfg.emb_dim,), ("mlp", "embed"), rngs=rngs)
+    width = intermediate_dim or cfg.mlp_dim  # default cfg.mlp_dim (Gemma 4's double-wide KV-shared layers differ)
+    self.wi_0 = dense(cfg, (cfg.emb_dim,), (width,), ("embed", "mlp"), rngs=rngs)
+    self.wi_1 = dense(cfg, (cfg.emb_dim,), (width,), ("embed", "mlp"), rngs=rngs)
+    self.wo = dense(cfg, (width,), (cfg.emb_dim,), ("mlp", "embed"), rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.wo(mlp.gelu_gate(self.wi_0(x), self.wi_1(x)))

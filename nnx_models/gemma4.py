@@ -43,7 +43,7 @@ class Gemma4Layer(Module):
     self.self_attention = Attention(cfg, local, shared, rngs=rngs)
     self.post_self_attention_norm = norm(cfg, rngs=rngs)
     self.pre_ffw_norm = norm(cfg, rngs=rngs)
-    self.mlp = GeGluBlock(cfg, rngs=rngs)
+    self.mlp = GeGluBlock(cfg, gemma4.mlp_dim(cfg, shared), rngs=rngs)
     self.post_ffw_norm = norm(cfg, rngs=rngs)
     if cfg.num_experts > 1:  # the MoE variant: experts beside the MLP, routed by the same input
       self.moe_block = Gemma4MoE(cfg, rngs=rngs)

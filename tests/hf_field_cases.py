@@ -295,7 +295,6 @@ REFUSED = [
         {"use_bidirectional_attention": "all"},
         "use_bidirectional_attention='all'",
     ),
-    ("gemma4_text", "use_double_wide_mlp", {"use_double_wide_mlp": True}, "use_double_wide_mlp=True"),
     ("all", "partial_rotary_factor", {"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0\.5"),
     ("all", "quantization_config", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config is set"),
     ("all", "per_layer_config", {"per_layer_config": {"0": {"intermediate_size": 8}}}, "per_layer_config is set"),

@@ -565,10 +565,12 @@ HONOURED += [
             "hidden_size_per_layer_input",
             "attention_k_eq_v",
             "num_kv_shared_layers",
+            "use_double_wide_mlp",
         ),
         build={
             "num_hidden_layers": 12,
             "num_kv_shared_layers": 6,
+            "use_double_wide_mlp": True,
             "attention_k_eq_v": True,
             "global_head_dim": 24,
             "num_global_key_value_heads": 1,
@@ -576,7 +578,12 @@ HONOURED += [
             "max_position_embeddings": 6,
             "tie_word_embeddings": False,
         },
-        expect={"global_head_dim": 24, "global_num_kv_heads": 1, "global_rope_proportion": 0.5},
+        expect={
+            "global_head_dim": 24,
+            "global_num_kv_heads": 1,
+            "global_rope_proportion": 0.5,
+            "use_double_wide_mlp": True,
+        },
     ),
     Case(
         "gemma4_text",

@@ -196,12 +196,31 @@ def test_bad_gemma4_configs_name_the_keys(overrides, match):
 def test_other_families_refuse_the_gemma4_keys():
   with pytest.raises(ConfigError, match="hidden_size_per_layer_input"):
     mb.load_config("gemma3-tiny", hidden_size_per_layer_input=8)
+  with pytest.raises(ConfigError, match="use_double_wide_mlp"):
+    mb.load_config("gemma3-tiny", use_double_wide_mlp=True)
+
+
+def test_double_wide_mlps_are_the_kv_shared_layers_and_need_some():
+  """use_double_wide_mlp (Gemma 4 E2B's): the KV-shared stack's MLP kernels are twice as wide, the others not;
+  without KV-shared layers it would widen nothing, so it is refused naming both keys."""
+  config = mb.load_config("gemma4-tiny", use_double_wide_mlp=True)  # its last 6 of 12 layers share keys/values
+  shapes = {
+      path: leaf.shape for path, leaf in canonical.flatten(dispatch.abstract_model(config).abstract_params()).items()
+  }
+  wide = {path: shape for path, shape in shapes.items() if path.endswith("mlp/wi_0/kernel")}
+  assert wide and all(shape[-1] == (2 if "kv_shared" in path else 1) * config.mlp_dim for path, shape in wide.items())
+  assert any("kv_shared" in path for path in wide), sorted(wide)
+  logits = {
+      name: np.asarray(dispatch.create_model(config.replace(**dict(zip(dispatch.FLAGS, flags))), seed=0).logits(TOKENS))
+      for name, flags in BACKENDS.items()
+  }
+  assert max_diff(logits["nnx"], logits["linen"]) <= 1e-6
+  with pytest.raises(ConfigError, match="use_double_wide_mlp=true widens the KV-shared layers' MLPs: set num_kv_shared"):
+    mb.load_config("gemma4-tiny", use_double_wide_mlp=True, num_kv_shared_layers=0)
 
 
 def test_hf_configs_gemma4_cannot_run_are_refused():
   raw = {"model_type": "gemma4_text", **DIMS}
-  with pytest.raises(hf.HFError, match="use_double_wide_mlp"):
-    hf.config_from_hf({**raw, "use_double_wide_mlp": True})
   with pytest.raises(hf.HFError, match="vocab_size_per_layer_input=512 must equal vocab_size=256"):
     hf.config_from_hf({**raw, "vocab_size_per_layer_input": 512})
 

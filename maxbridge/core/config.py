@@ -126,6 +126,7 @@ class Config:
   share_kv_projections: bool
   hidden_size_per_layer_input: int
   num_kv_shared_layers: int
+  use_double_wide_mlp: bool
   q_lora_rank: int
   kv_lora_rank: int
   qk_nope_head_dim: int
@@ -460,12 +461,9 @@ def _int_list(key: str, value: Any) -> tuple[int, ...]:
   raise ConfigError(f"config key {key!r} expects a list of integers such as [0, 3] (or null), got {value!r}")
 
 
-# libyaml's parser where PyYAML was built with it: base.yml parsed by the pure-Python one took ~40 ms, once per
-# load_config, which every command and test calls (the constructor, and so what it builds, is SafeLoader's).
-_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
-class _UniqueKeyLoader(_SAFE_LOADER):
+# libyaml's parser where PyYAML has it (SafeLoader's constructor either way): the pure-Python one took ~40 ms of
+# every load_config, which every command and test calls.
+class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
   """safe_load, except that a key given twice is an error: YAML would silently keep the last."""
 
   def construct_mapping(self, node, deep=False):

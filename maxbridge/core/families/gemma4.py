@@ -52,7 +52,6 @@ from maxbridge.core.families.hf_rules import (
     get_bool,
     get_float,
     get_int,
-    require,
 )
 
 SUBLAYERS = ("local_0", "local_1", "local_2", "local_3", "local_4", "global")  # a block's layers, in depth order
@@ -181,6 +180,11 @@ def global_kv_heads(config: Config) -> int:
   return config.global_num_kv_heads or config.num_kv_heads
 
 
+def mlp_dim(config: Config, kv_shared: bool) -> int:
+  """A layer's MLP width: twice base_mlp_dim in a KV-shared layer with use_double_wide_mlp (Gemma 4 E2B)."""
+  return config.mlp_dim * (2 if kv_shared and config.use_double_wide_mlp else 1)
+
+
 def rotary_pairs(config: Config) -> int:
   """How many of a global head's pairs turn (transformers' proportional RoPE: int(proportion x width // 2))."""
   return int(config.global_rope_proportion * global_head_dim(config) // 2)
@@ -248,7 +252,6 @@ def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
         f"{CONFIG_FILE}: num_hidden_layers={layers} with layer_types={kinds!r} is not supported; maxbridge's gemma4 "
         f"stacks whole blocks of {PATTERN - 1} sliding_attention layers then a full_attention one"
     )
-  require(hf, "use_double_wide_mlp", False, False)
   moe = {}
   if get_bool(hf, "enable_moe_block"):
     moe = {
@@ -274,6 +277,7 @@ def _config_from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
       "share_kv_projections": get_bool(hf, "attention_k_eq_v"),
       "hidden_size_per_layer_input": per_layer,
       "num_kv_shared_layers": get_int(hf, "num_kv_shared_layers"),
+      "use_double_wide_mlp": get_bool(hf, "use_double_wide_mlp"),
       **moe,
   }
 
@@ -297,7 +301,7 @@ def _config_to_hf(config: Config) -> dict[str, Any]:
       "vocab_size_per_layer_input": config.vocab_size,
       "num_kv_shared_layers": config.num_kv_shared_layers,
       "enable_moe_block": config.num_experts > 1,
-      "use_double_wide_mlp": False,
+      "use_double_wide_mlp": config.use_double_wide_mlp,
   }
   if config.num_experts > 1:
     values.update(
@@ -334,6 +338,8 @@ def _check(config: Config) -> list[str]:
         f"num_kv_shared_layers={shared} must be a multiple of {PATTERN} (whole blocks share keys/values) below "
         f"base_num_decoder_layers={layers}, or 0"
     )
+  elif config.use_double_wide_mlp and not shared:
+    shared_layers = "use_double_wide_mlp=true widens the KV-shared layers' MLPs: set num_kv_shared_layers > 0"
   if not config.use_qk_norm:
     norm = "decoder_block='gemma4' normalises each head's queries and keys: set use_qk_norm=true"
   if not config.sliding_window_size:
@@ -434,6 +440,7 @@ FAMILY = Family(
         "share_kv_projections": False,
         "hidden_size_per_layer_input": 0,
         "num_kv_shared_layers": 0,
+        "use_double_wide_mlp": False,
     },
     layer_carry="gemma4",
 )
