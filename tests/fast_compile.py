@@ -16,11 +16,12 @@ ELEMENTAL = "--xla_cpu_use_fusion_emitters=false"
 FAST_COMPILE = f"{LLVM_O0} {ELEMENTAL}"  # these scripts', and the suite's with MAXBRIDGE_FAST_COMPILE=1 (conftest)
 
 
-# A collective waits this long for its devices' threads before XLA aborts the process. XLA's 40 s default
-# aborted an 8-device pipeline check (SIGABRT, "Termination timeout for `all to all` ... Expected 4 threads")
-# when the host's 2 cores were busy with other test processes: 8 device threads then take turns, not hang.
-COLLECTIVE_TIMEOUT = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
+# Each op on its device's own thread. With Eigen's shared pool, the 8-device pipeline check deadlocked in an
+# all-to-all whenever other processes kept the 2 cores busy ("Termination timeout ... Expected 4 threads to join
+# the rendezvous, but only 3 of them arrived", SIGABRT; reproduced beside two busy loops, and it stayed stuck
+# for 600 s after they ended): a device's op waited on pool threads held by devices blocked in the collective.
+SINGLE_THREADED_OPS = "--xla_cpu_multi_thread_eigen=false"
 
 
 def xla_flags(devices: int) -> str:
-  return f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE} {COLLECTIVE_TIMEOUT}"
+  return f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE} {SINGLE_THREADED_OPS}"
