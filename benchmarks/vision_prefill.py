@@ -58,7 +58,7 @@ def main() -> None:
       f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {args.image_size}px images, tower width "
       f"{args.vit_width} x {args.vit_layers} blocks, {args.soft_tokens} soft tokens per image"
   )
-  print(f"{'images':>6} {'backend':>7} {'prefill ms':>10} {'image tok/s':>11} {'prompt tok/s':>12} {'vs linen':>8}")
+  print(f"{'images':>6} {'backend':>7} {'prefill ms':>10} {'image tok/s':>11} {'prompt tok/s':>12} {'time/linen':>10}")
   for count in args.images:
     engines, prompt = {}, None
     for backend in ("linen", "nnx"):
@@ -81,7 +81,7 @@ def main() -> None:
     for name in engines:
       median = statistics.median(times[name])
       ratio = bench.median_ratio(times[name], times["linen"])
-      print(f"{count:>6} {name:>7} {median * 1e3:10.1f} {soft / median:11.0f} {len(prompt) / median:12.0f} {ratio:8.3f}")
+      print(f"{count:>6} {name:>7} {median * 1e3:10.1f} {soft / median:11.0f} {len(prompt) / median:12.0f} {ratio:10.3f}")
 
 
 if __name__ == "__main__":
