@@ -28,6 +28,7 @@ from maxbridge.core.config import ConfigError  # noqa: E402
 from maxbridge.interop import hf, images  # noqa: E402
 from maxbridge.models import dispatch  # noqa: E402
 from maxbridge.ops import vision  # noqa: E402
+from maxbridge.serving import chat_content  # noqa: E402
 from maxbridge.serving import engine as serving_engine  # noqa: E402
 from maxbridge.training import recipe  # noqa: E402
 import served  # noqa: E402
@@ -381,3 +382,7 @@ def test_a_served_chat_with_an_image_part_continues_as_transformers_generates(re
         chat(url, max_tokens=2)
   finally:
     server.stop()
+  with pytest.raises(ValueError, match="allowed-local-media-path .*missing: not a directory"):
+    chat_content.Vision.of(
+        mb.load_config("gemma3-tiny", use_multimodal=True), chat_content.ImageSources(None, media / "missing")
+    )

@@ -381,6 +381,12 @@ def test_a_port_out_of_range_or_in_use_is_refused_before_the_banner(folder, caps
   assert f"cannot listen on 127.0.0.1:{port}" in err and "maxbridge serve:" not in out, (out, err)
 
 
+def test_a_media_directory_for_a_text_only_model_is_refused_before_the_banner(folder, tmp_path, capsys):
+  assert cli.main(["serve", str(folder), "--port", "0", "--allowed-local-media-path", str(tmp_path)]) == 2
+  out, err = capsys.readouterr()
+  assert "this model takes no images (use_multimodal=false)" in err and "maxbridge serve:" not in out, (out, err)
+
+
 class FailingEngine:
   """The real engine, but for `generate`: its next `failing` steps raise. `build_app`'s engine is the seam."""
 

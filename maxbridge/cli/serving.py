@@ -142,6 +142,8 @@ def _serve(args: argparse.Namespace) -> int:
   sock = server.bind(args.host, args.port)  # a port in use fails now, not after the model loads and the banner
   model = _load_model(args)
   codec = serve_codec(args, model_tokenizer(args, model.config.vocab_size))
+  images = chat_content.ImageSources(args.source if Path(args.source).is_dir() else None, args.allowed_local_media_path)
+  chat_content.Vision.of(model.config, images)  # what it refuses, refused before the banner
   serving = engine.Engine(model.config, model=model)
   port = sock.getsockname()[1]  # --port 0: the one the system chose
   print(
@@ -156,9 +158,7 @@ def _serve(args: argparse.Namespace) -> int:
       max_queue=args.max_queue,
       max_request_bytes=args.max_request_bytes,
       shutdown_timeout=args.shutdown_timeout,
-      images=chat_content.ImageSources(
-          args.source if Path(args.source).is_dir() else None, args.allowed_local_media_path
-      ),
+      images=images,
   )
   return 0
 

@@ -58,11 +58,18 @@ class Vision:
 
   @classmethod
   def of(cls, config: Config, sources: ImageSources) -> Vision | None:
-    """None for a text-only model."""
+    """None for a text-only model; a directory for image files that is none, or is given to a text-only model,
+    is refused naming it."""
+    allowed = None if sources.allowed_dir is None else Path(sources.allowed_dir).resolve()
+    if allowed is not None and not config.use_multimodal:
+      raise ValueError(
+          f"--allowed-local-media-path {sources.allowed_dir}: this model takes no images (use_multimodal=false)"
+      )
+    if allowed is not None and not allowed.is_dir():
+      raise ValueError(f"--allowed-local-media-path {sources.allowed_dir}: not a directory")
     if not config.use_multimodal:
       return None
     settings = image_io.processor_settings(sources.folder, config.image_size_for_vit)
-    allowed = None if sources.allowed_dir is None else Path(sources.allowed_dir).resolve()
     return cls(config.image_placeholder, config.vision_output_length, settings, allowed)
 
 
