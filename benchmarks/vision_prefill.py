@@ -60,12 +60,12 @@ def main() -> None:
   )
   print(f"{'images':>6} {'backend':>7} {'prefill ms':>10} {'image tok/s':>11} {'prompt tok/s':>12} {'time/linen':>10}")
   for count in args.images:
-    engines, prompt = {}, None
+    engines = {}
     for backend in ("linen", "nnx"):
       cfg = config(backend, args, count)
       engines[backend] = engine.Engine(cfg, model=dispatch.create_model(cfg, seed=0))
-      image = [cfg.boi_token_index, *[cfg.image_token_index] * cfg.vision_output_length, cfg.eoi_token_index]
-      prompt = np.asarray([*range(2, 10), *image * count, *range(20, 28)], np.int32)
+    image = [cfg.boi_token_index, *[cfg.image_token_index] * cfg.vision_output_length, cfg.eoi_token_index]
+    prompt = np.asarray([*range(2, 10), *image * count, *range(20, 28)], np.int32)
     pixels = np.random.default_rng(0).standard_normal((count, args.image_size, args.image_size, 3)).astype(np.float32)
 
     def timer(eng):

@@ -124,10 +124,9 @@ def _read_file(path: str, field: str, allowed_dir: Path | None) -> bytes:
   if not resolved.is_relative_to(allowed_dir):
     raise api.Refusal(400, f"{field}: {path} is outside the allowed directory {allowed_dir}", field)
   try:
-    if resolved.stat().st_size > MAX_IMAGE_BYTES:
-      raise api.Refusal(
-          400, f"{field}: {path} has {resolved.stat().st_size} bytes, more than {MAX_IMAGE_BYTES} an image may", field
-      )
+    size = resolved.stat().st_size
+    if size > MAX_IMAGE_BYTES:
+      raise api.Refusal(400, f"{field}: {path} has {size} bytes, more than {MAX_IMAGE_BYTES} an image may", field)
     return resolved.read_bytes()
   except OSError as e:
     raise api.Refusal(400, f"{field}: {path} cannot be read: {e.strerror or e}", field) from e
